@@ -1,0 +1,66 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints saved with ``save_pretrained``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=512,
+    initializer_range=0.2,  # sharp logits: greedy choices are not near-ties
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=None,
+)
+
+ARCHITECTURES = {
+    # GQA with Llama 3 RoPE scaling and untied embeddings
+    "llama": dict(
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    # MQA, tied embeddings, q/k/v bias
+    "qwen2": dict(num_key_value_heads=1, tie_word_embeddings=True),
+    # MHA, per-head q/k norm, explicit head_dim
+    "qwen3": dict(num_key_value_heads=4, head_dim=32, tie_word_embeddings=False),
+}
+
+
+def make_tiny_checkpoint(kind: str, directory: Path, seed: int = 0, dtype=torch.float32) -> Path:
+    import transformers
+
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[kind]
+    config = config_class(**TINY, **ARCHITECTURES[kind])
+    torch.manual_seed(seed)
+    model = model_class(config).to(dtype).eval()
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session", params=sorted(ARCHITECTURES))
+def tiny_checkpoint(request, tmp_path_factory) -> tuple[str, Path]:
+    kind = request.param
+    return kind, make_tiny_checkpoint(kind, tmp_path_factory.mktemp(kind))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"))

@@ -1,0 +1,170 @@
+"""Model and engine configuration.
+
+``ModelConfig`` is read from a checkpoint's config.json and is everything the model code
+needs; ``EngineConfig`` is how the engine is run (memory, batching, dtype).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    kind: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    checkpoint_dtype: torch.dtype
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        model_dir = Path(model_dir)
+        path = model_dir / "config.json"
+        if not model_dir.is_dir():
+            raise FileNotFoundError(f"model directory not found: {model_dir}")
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json in model directory {model_dir}")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} is not valid JSON: {error}") from error
+        return cls.from_dict(raw, eos_token_ids=_eos_token_ids(model_dir, raw))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], eos_token_ids: tuple[int, ...] = ()) -> ModelConfig:
+        architectures = raw.get("architectures") or []
+        architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        if architecture is None:
+            raise ValueError(
+                f"unsupported architecture {architectures or '(none given)'}; "
+                f"updraft supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if raw.get("use_sliding_window"):
+            raise ValueError("sliding-window attention (use_sliding_window) is not supported")
+        num_heads = raw["num_attention_heads"]
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
+        return cls(
+            architecture=architecture,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            rope=_rope_config(raw),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            # Qwen2 always has q/k/v biases; Llama has them only when asked.
+            attention_bias=architecture == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
+            mlp_bias=raw.get("mlp_bias", False),
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            checkpoint_dtype=DTYPES.get(
+                str(raw.get("torch_dtype") or raw.get("dtype") or "float32"), torch.float32
+            ),
+            eos_token_ids=eos_token_ids,
+        )
+
+
+def _rope_config(raw: dict[str, Any]) -> RopeConfig:
+    # transformers 5 writes ``rope_parameters`` (theta inside); older checkpoints write
+    # ``rope_theta`` beside an optional ``rope_scaling``.
+    params = dict(raw.get("rope_scaling") or {})
+    params.update(raw.get("rope_parameters") or {})
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ("default", "linear", "llama3"):
+        raise ValueError(f"unsupported RoPE type {kind!r}; supported: default, linear, llama3")
+    return RopeConfig(
+        theta=float(theta),
+        kind=kind,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _eos_token_ids(model_dir: Path, raw: dict[str, Any]) -> tuple[int, ...]:
+    """EOS ids from generation_config.json when present (it is what generate uses), else
+    from config.json."""
+    value = raw.get("eos_token_id")
+    generation_config = model_dir / "generation_config.json"
+    if generation_config.is_file():
+        value = json.loads(generation_config.read_text()).get("eos_token_id", value)
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (int(value),)
+
+
+@dataclass
+class EngineConfig:
+    """How the engine runs. Defaults suit the CPU; a GPU wants a larger KV budget."""
+
+    model: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_memory_gib: float = 1.0
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory_gib
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    keep_logits: bool = False  # attach each sampled position's logits to outputs (tests)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(
+                f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {self.dtype!r}"
+            )
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+    def compute_dtype(self, model_config: ModelConfig) -> torch.dtype:
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        # Half-precision matmuls are slow on most CPUs: compute in float32 there.
+        if self.device == "cpu":
+            return torch.float32
+        return model_config.checkpoint_dtype

@@ -1,0 +1,148 @@
+"""The KV block pool: allocation, reference counts and prefix caching of full blocks.
+
+A block is ``block_size`` consecutive KV slots. Blocks whose tokens are all computed get
+a content hash chained over the request's earlier blocks, so a later request with the
+same prefix reuses them. A free block keeps its hash (and its KV) until it is handed out
+again; free blocks are handed out least recently freed first, which is LRU eviction of
+the prefix cache.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from updraft.engine.request import Request
+
+
+def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    return hash((parent_hash, tuple(token_ids)))
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hashes: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # content hash -> block id
+        # Free blocks in eviction order; an OrderedDict gives O(1) removal on a cache hit.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def allocate(self, count: int) -> list[int]:
+        if count > self.num_free:
+            raise RuntimeError(f"asked for {count} KV blocks, {self.num_free} free")
+        blocks = []
+        for _ in range(count):
+            block, _ = self.free_blocks.popitem(last=False)
+            self._forget_hash(block)
+            self.ref_counts[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Drop one reference to each block. Pass a request's blocks tail first, so its
+        last blocks (least likely to be shared) are evicted first."""
+        for block in blocks:
+            if self.ref_counts[block] <= 0:
+                raise RuntimeError(f"KV block {block} freed twice")
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_blocks[block] = None
+
+    def lookup(self, block_hashes: Sequence[int]) -> list[int]:
+        """The cached blocks for the longest prefix of ``block_hashes``."""
+        blocks = []
+        if self.enable_prefix_caching:
+            for block_hash in block_hashes:
+                block = self.cached.get(block_hash)
+                if block is None:
+                    break
+                blocks.append(block)
+        return blocks
+
+    def share(self, blocks: Sequence[int]) -> None:
+        """Take a reference to cached blocks found by ``lookup``."""
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                del self.free_blocks[block]
+            self.ref_counts[block] += 1
+
+    def register(self, block: int, block_hash: int) -> None:
+        """Record a block's content once all its tokens are computed. The first block
+        with given content stays the cached one."""
+        if not self.enable_prefix_caching or self.block_hashes[block] is not None:
+            return
+        if block_hash not in self.cached:
+            self.cached[block_hash] = block
+            self.block_hashes[block] = block_hash
+
+    def _forget_hash(self, block: int) -> None:
+        block_hash = self.block_hashes[block]
+        if block_hash is not None:
+            del self.cached[block_hash]
+            self.block_hashes[block] = None
+
+
+class KVCacheManager:
+    """Per-request block bookkeeping on top of a ``BlockPool``."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+
+    def cached_prefix(self, request: Request) -> list[int]:
+        """Cached blocks matching the start of a request that holds no blocks yet. At
+        least one token is always left to compute, because its logits are needed."""
+        full_blocks = (request.num_tokens - 1) // self.block_size
+        return self.pool.lookup(self._hashes(request, full_blocks))
+
+    def allocate(self, request: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> bool:
+        """Make room for ``num_new_tokens`` more tokens; with ``cached``, the request
+        (which holds no blocks) first takes those blocks as its computed prefix. Returns
+        False, changing nothing, when the pool is short."""
+        num_computed = request.num_computed_tokens + len(cached) * self.block_size
+        needed_blocks = -(-(num_computed + num_new_tokens) // self.block_size)
+        new_blocks = needed_blocks - len(request.block_ids) - len(cached)
+        revived = sum(1 for block in cached if self.pool.ref_counts[block] == 0)
+        if new_blocks + revived > self.pool.num_free:
+            return False
+        if cached:
+            self.pool.share(cached)
+            request.block_ids = list(cached)
+            request.num_computed_tokens = num_computed
+            request.num_registered_blocks = len(cached)
+        if new_blocks > 0:
+            request.block_ids.extend(self.pool.allocate(new_blocks))
+        return True
+
+    def register_computed(self, request: Request) -> None:
+        """Offer the request's newly completed full blocks to the prefix cache."""
+        full_blocks = request.num_computed_tokens // self.block_size
+        hashes = self._hashes(request, full_blocks)
+        for index in range(request.num_registered_blocks, full_blocks):
+            self.pool.register(request.block_ids[index], hashes[index])
+        request.num_registered_blocks = max(request.num_registered_blocks, full_blocks)
+
+    def free(self, request: Request) -> None:
+        self.pool.free(request.block_ids[::-1])
+        request.block_ids = []
+        request.num_registered_blocks = 0
+
+    def _hashes(self, request: Request, num_blocks: int) -> list[int]:
+        hashes = request.block_hashes
+        size = self.block_size
+        while len(hashes) < num_blocks:
+            index = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, request.token_ids[index * size : (index + 1) * size]))
+        return hashes[:num_blocks]

@@ -1,0 +1,97 @@
+"""The offline API: ``LLM(model_dir).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from updraft.config import EngineConfig
+from updraft.engine.engine import Engine
+from updraft.engine.request import RequestOutput
+from updraft.sampling import SamplingParams
+
+Prompt = str | Sequence[int]
+
+DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo" / "target"
+DEMO_DRAFT_DIR = DEMO_MODEL_DIR.parent / "draft"
+
+
+class LLM:
+    """Generate from a local Hugging Face checkpoint directory.
+
+    Keyword arguments are ``EngineConfig`` fields, e.g. ``dtype="float32"``,
+    ``max_num_seqs=32``, ``kv_cache_memory_gib=2``. Without a model, the shipped demo
+    model is used.
+    """
+
+    def __init__(self, model: str | Path | None = None, **engine_args: Any) -> None:
+        known = {f.name for f in fields(EngineConfig)} - {"model"}
+        unknown = set(engine_args) - known
+        if unknown:
+            raise TypeError(f"unknown engine arguments {sorted(unknown)}; known: {sorted(known)}")
+        self.engine = Engine(EngineConfig(model=str(model or DEMO_MODEL_DIR), **engine_args))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        finals: dict[str, RequestOutput] = {}
+        request_ids = self._add(prompts, sampling_params)
+        for output in self._run(request_ids):
+            if output.finished:
+                finals[output.request_id] = output
+        return [finals[request_id] for request_id in request_ids]
+
+    def generate_stream(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Yield an output each time a request gets new tokens or finishes; its
+        ``outputs[0].delta_text`` and ``delta_token_ids`` are what is new. ``abort`` may
+        be called between yields."""
+        yield from self._run(self._add(prompts, sampling_params))
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request; returns False when it is unknown or already finished."""
+        return self.engine.abort(request_id)
+
+    def _add(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> list[str]:
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(
+                f"got {len(sampling_params)} sampling params for {len(prompts)} prompts"
+            )
+        return [
+            self.engine.add_request(prompt, params)
+            for prompt, params in zip(prompts, sampling_params, strict=True)
+        ]
+
+    def _run(self, request_ids: list[str]) -> Iterator[RequestOutput]:
+        pending = set(request_ids)
+        while pending and self.engine.has_unfinished:
+            for output in self.engine.step():
+                if output.request_id in pending:
+                    if output.finished:
+                        pending.discard(output.request_id)
+                    yield output

@@ -1,0 +1,19 @@
+"""Architecture name (config.json ``architectures``) -> model class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from updraft.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from updraft.models.llama import LlamaForCausalLM
+
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES)
+
+
+def model_class(config: ModelConfig) -> type[nn.Module]:
+    return MODEL_CLASSES[config.architecture]

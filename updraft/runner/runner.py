@@ -1,0 +1,79 @@
+"""The model runner: owns the weights and the KV cache, runs one Step at a time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from updraft.attention.metadata import AttentionMetadata
+from updraft.attention.paged import allocate_kv_cache, kv_cache_bytes_per_block
+from updraft.config import EngineConfig, ModelConfig
+from updraft.models.loader import load_model
+from updraft.runner.sampler import sample
+from updraft.runner.step import Step
+
+
+@dataclass
+class RunnerOutput:
+    token_ids: list[int]  # one per request in the step, in step order
+    logprobs: list[float] | None
+    logits: torch.Tensor | None  # [num_reqs, vocab] float32, with keep_logits
+
+
+class Runner:
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, max_model_len: int):
+        self.model_config = model_config
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.compute_dtype(model_config)
+        self.block_size = config.block_size
+        self.model = load_model(
+            model_config, config.model, self.dtype, self.device, max_positions=max_model_len
+        )
+        self.num_blocks = self._num_blocks()
+        self.kv_caches = allocate_kv_cache(
+            model_config.num_layers,
+            self.num_blocks,
+            self.block_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.generator = torch.Generator(self.device).manual_seed(config.seed)
+
+    def _num_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        per_block = kv_cache_bytes_per_block(
+            self.model_config.num_layers,
+            self.block_size,
+            self.model_config.num_kv_heads,
+            self.model_config.head_dim,
+            self.dtype,
+        )
+        num_blocks = int(self.config.kv_cache_memory_gib * 2**30) // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_gib={self.config.kv_cache_memory_gib} holds no KV block "
+                f"({per_block} bytes each)"
+            )
+        return num_blocks
+
+    @torch.inference_mode()
+    def execute(self, step: Step) -> RunnerOutput:
+        metadata = AttentionMetadata.from_step(step, self.block_size, self.device)
+        hidden = self.model(
+            step.input_ids.to(self.device),
+            step.positions.to(self.device),
+            self.kv_caches,
+            metadata,
+        )
+        logits = self.model.compute_logits(hidden[step.logits_indices.to(self.device)])
+        tokens, logprobs = sample(logits, step.sampling, self.generator)
+        return RunnerOutput(
+            token_ids=tokens.tolist(),
+            logprobs=None if logprobs is None else logprobs.tolist(),
+            logits=logits.cpu() if self.config.keep_logits else None,
+        )

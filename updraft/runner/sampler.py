@@ -1,0 +1,109 @@
+"""Batched sampling: greedy, temperature, top-k, top-p and min-p, with per-request seeds.
+
+Sampling is an exponential race, ``argmax(probs / noise)`` with noise ~ Exp(1), which
+draws exactly from ``probs``. A seeded request draws its noise row from its own generator
+with a shape that does not depend on the batch, so its text does not either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from updraft.engine.request import Request
+
+
+@dataclass
+class SamplingBatch:
+    temperature: torch.Tensor  # [B] float, 0 for greedy rows
+    top_k: torch.Tensor  # [B] long, 0 for off
+    top_p: torch.Tensor  # [B] float
+    min_p: torch.Tensor  # [B] float
+    generators: list[torch.Generator | None]
+    all_greedy: bool
+    use_top_k: bool
+    use_top_p: bool
+    use_min_p: bool
+    want_logprobs: bool
+
+    @classmethod
+    def from_requests(cls, requests: list[Request]) -> SamplingBatch:
+        params = [r.sampling_params for r in requests]
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            top_k=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.long),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
+            generators=[r.generator for r in requests],
+            all_greedy=all(p.greedy for p in params),
+            use_top_k=any(p.top_k > 0 and not p.greedy for p in params),
+            use_top_p=any(p.top_p < 1 and not p.greedy for p in params),
+            use_min_p=any(p.min_p > 0 and not p.greedy for p in params),
+            want_logprobs=any(p.logprobs for p in params),
+        )
+
+
+def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The distribution each row samples from: temperature, then top-k, top-p, min-p."""
+    temperature = batch.temperature.to(logits.device)
+    logits = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    if batch.use_top_k or batch.use_top_p:
+        logits = _top_k_top_p(logits, batch)
+    probs = logits.softmax(dim=-1)
+    if batch.use_min_p:
+        min_p = batch.min_p.to(logits.device)[:, None]
+        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def _top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    ranks = torch.arange(vocab, device=logits.device)
+    if batch.use_top_k:
+        top_k = batch.top_k.to(logits.device)
+        top_k = torch.where(top_k > 0, top_k, vocab)[:, None]
+        drop |= ranks[None] >= top_k
+    if batch.use_top_p:
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # Keep the smallest prefix whose mass reaches top_p; the top token always stays.
+        drop |= mass_before >= batch.top_p.to(logits.device)[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def exponential_noise(
+    shape: tuple[int, int],
+    batch: SamplingBatch,
+    device: torch.device,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Exp(1) noise; unseeded rows share ``generator``, seeded rows use their own."""
+    noise = torch.empty(shape, device=device).exponential_(generator=generator)
+    for row, generator in enumerate(batch.generators):
+        if generator is not None:
+            noise[row] = torch.empty(shape[1]).exponential_(generator=generator).to(device)
+    return noise
+
+
+def sample(
+    logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [B, V] float32 -> (token ids [B], logprobs of those tokens under the raw
+    model distribution, or None when no request asked for them)."""
+    greedy = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        tokens = greedy
+    else:
+        probs = filtered_probs(logits, batch)
+        noise = exponential_noise(probs.shape, batch, probs.device, generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        tokens = torch.where(batch.temperature.to(logits.device) > 0, sampled, greedy)
+    logprobs = None
+    if batch.want_logprobs:
+        logprobs = logits.log_softmax(dim=-1).gather(-1, tokens[:, None])[:, 0]
+    return tokens, logprobs

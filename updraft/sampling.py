@@ -1,0 +1,63 @@
+"""Per-request sampling parameters, validated where they are made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the next token and when to stop.
+
+    ``temperature == 0`` means greedy. ``top_k <= 0``, ``top_p == 1`` and ``min_p == 0``
+    switch their filter off. With a ``seed`` a request draws from its own generator, so
+    the same seed gives the same text whatever else shares the batch.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        rules = {
+            "max_tokens": (_is_int(self.max_tokens) and self.max_tokens >= 1, "an int >= 1"),
+            "temperature": (_is_number(self.temperature) and self.temperature >= 0, ">= 0"),
+            "top_k": (_is_int(self.top_k) and self.top_k >= -1, "an int >= -1 (0 or -1: off)"),
+            "top_p": (_is_number(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
+            "min_p": (_is_number(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]"),
+            "seed": (self.seed is None or _is_int(self.seed), "an int or None"),
+            "stop": (all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
+            "stop_token_ids": (
+                all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+                "ints >= 0",
+            ),
+            "ignore_eos": (isinstance(self.ignore_eos, bool), "a bool"),
+            "logprobs": (isinstance(self.logprobs, bool), "a bool"),
+        }
+        for name, (ok, expected) in rules.items():
+            if not ok:
+                value = getattr(self, name)
+                raise ValueError(f"SamplingParams.{name} must be {expected}, got {value!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value

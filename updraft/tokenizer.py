@@ -1,0 +1,82 @@
+"""Tokenizer loading and incremental detokenization with stop strings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class Tokenizer:
+    """A checkpoint's tokenizer.json, through the ``tokenizers`` library."""
+
+    def __init__(self, tokenizer: HFTokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer | None:
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.is_file():
+            return None
+        try:
+            return cls(HFTokenizer.from_file(str(path)))
+        except Exception as error:  # the library raises a bare Exception on bad files
+            raise ValueError(f"cannot read tokenizer {path}: {error}") from error
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text).ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+class Detokenizer:
+    """Turns a growing list of output ids into text, a piece at a time.
+
+    Decoding only a short window of recent ids keeps each step O(1); a piece that ends in
+    an incomplete UTF-8 character is held back until the next id completes it. With stop
+    strings, the last ``len(longest stop) - 1`` characters are also held back, since they
+    may be the start of a stop string.
+    """
+
+    def __init__(self, tokenizer: Tokenizer | None, prompt_ids: list[int], stop: list[str]):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-6:])  # context so the first piece decodes like the rest
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.emitted = 0  # characters of ``text`` already handed out
+
+    def add(self, token_id: int) -> str | None:
+        """Append one id; returns the stop string if the text now contains one (the text
+        is then cut just before it)."""
+        if self.tokenizer is None:
+            return None
+        self.ids.append(token_id)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return None
+        new_text = full[len(prefix) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        start = max(len(self.text) - self.hold, 0)
+        self.text += new_text
+        found = [(i, stop) for stop in self.stop if (i := self.text.find(stop, start)) != -1]
+        if not found:
+            return None
+        index, stop = min(found)
+        self.text = self.text[:index]
+        return stop
+
+    def take(self, finished: bool) -> str:
+        """New text since the last call, holding back a possible stop-string start."""
+        end = len(self.text) if finished else max(len(self.text) - self.hold, self.emitted)
+        piece = self.text[self.emitted : end]
+        self.emitted = end
+        return piece
