@@ -64,3 +64,22 @@ def tiny_checkpoint(request, tmp_path_factory) -> tuple[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"))
+
+
+def add_byte_tokenizer(model_dir: Path) -> Path:
+    """A byte-level tokenizer with exactly 256 tokens (no merges), so the tiny models,
+    whose vocabulary is 256, can take and return text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    return model_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_with_tokenizer(tmp_path_factory) -> Path:
+    model_dir = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama_text"))
+    return add_byte_tokenizer(model_dir)

@@ -52,6 +52,7 @@ class Detokenizer:
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.emitted = 0  # characters of ``text`` already handed out
+        self.stopped = False  # a stop string was found; nothing more is added
 
     def add(self, token_id: int) -> str | None:
         """Append one id; returns the stop string if the text now contains one (the text
@@ -72,10 +73,16 @@ class Detokenizer:
             return None
         index, stop = min(found)
         self.text = self.text[:index]
+        self.stopped = True
         return stop
 
     def take(self, finished: bool) -> str:
-        """New text since the last call, holding back a possible stop-string start."""
+        """New text since the last call, holding back a possible stop-string start. When
+        the request has finished, ids held back as incomplete characters are flushed."""
+        if finished and not self.stopped and self.read_offset < len(self.ids):
+            prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+            self.text += self.tokenizer.decode(self.ids[self.prefix_offset :])[len(prefix) :]
+            self.read_offset = len(self.ids)
         end = len(self.text) if finished else max(len(self.text) - self.hold, self.emitted)
         piece = self.text[self.emitted : end]
         self.emitted = end

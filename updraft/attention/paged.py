@@ -46,16 +46,25 @@ def paged_attention(
     to its whole context read back through the block table.
     """
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    key_cache[metadata.slot_mapping] = key
-    value_cache[metadata.slot_mapping] = value
+    # index_select/index_copy_ rather than advanced indexing: the latter takes a slow
+    # parallel path on the CPU. remainder() sends slot -1 to the spare last slot.
+    write_slots = metadata.slot_mapping.remainder(key_cache.shape[0])
+    key_cache.index_copy_(0, write_slots, key)
+    value_cache.index_copy_(0, write_slots, value)
     outputs = []
     for group in metadata.groups:
-        q = query[group.query_index].transpose(1, 2)  # [B, H, Qmax, D]
-        k = key_cache[group.kv_slots].transpose(1, 2)  # [B, Hkv, Kmax, D]
-        v = value_cache[group.kv_slots].transpose(1, 2)
+        batch, max_query = group.query_index.shape
+        max_context = group.kv_slots.shape[1]
+        q = query.index_select(0, group.query_index.flatten())
+        k = key_cache.index_select(0, group.kv_slots.flatten())
+        v = value_cache.index_select(0, group.kv_slots.flatten())
+        # [B * L, heads, D] -> [B, heads, L, D]
+        q = q.view(batch, max_query, *q.shape[1:]).transpose(1, 2)
+        k = k.view(batch, max_context, *k.shape[1:]).transpose(1, 2)
+        v = v.view(batch, max_context, *v.shape[1:]).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
-        outputs.append(out.transpose(1, 2).flatten(0, 1)[group.output_index])
+        outputs.append(out.transpose(1, 2).flatten(0, 1).index_select(0, group.output_index))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
     return out.flatten(1)

@@ -82,6 +82,10 @@ class LLM:
             raise ValueError(
                 f"got {len(sampling_params)} sampling params for {len(prompts)} prompts"
             )
+        # Check everything before queueing anything, so a bad list adds no request.
+        for params in sampling_params:
+            if not isinstance(params, SamplingParams):
+                raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
         return [
             self.engine.add_request(prompt, params)
             for prompt, params in zip(prompts, sampling_params, strict=True)

@@ -51,7 +51,9 @@ class RotaryEmbedding(torch.nn.Module):
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of shape [num_tokens, 1, head_dim], broadcast over heads."""
-        return self.cos[positions].to(dtype)[:, None], self.sin[positions].to(dtype)[:, None]
+        cos = self.cos.index_select(0, positions).to(dtype)[:, None]
+        sin = self.sin.index_select(0, positions).to(dtype)[:, None]
+        return cos, sin
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

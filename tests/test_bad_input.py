@@ -1,0 +1,147 @@
+"""Every bad input gets an error that names the problem; nothing else breaks and no KV
+block leaks."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from updraft import LLM, SamplingParams
+from tests.conftest import make_tiny_checkpoint
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture
+def checkpoint(tmp_path, tiny_llama):
+    target = tmp_path / "model"
+    shutil.copytree(tiny_llama, target)
+    return target
+
+
+def assert_no_block_in_use(llm: LLM) -> None:
+    pool = llm.engine.block_pool
+    assert pool.num_free == pool.num_blocks
+    assert not llm.engine.scheduler.requests
+
+
+def test_unknown_architecture_names_the_supported_ones(checkpoint):
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM"):
+        LLM(checkpoint)
+
+
+def test_missing_model_directory_and_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model directory not found"):
+        LLM(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        LLM(tmp_path)
+
+
+def test_missing_weights_file_is_named(checkpoint):
+    (checkpoint / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"no weights in .*model"):
+        LLM(checkpoint)
+
+
+def test_corrupt_weights_file_is_named(checkpoint):
+    path = checkpoint / "model.safetensors"
+    path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header" + path.read_bytes()[64:])
+    with pytest.raises(ValueError, match=r"cannot read weights file .*model\.safetensors"):
+        LLM(checkpoint)
+
+
+def test_truncated_weights_file_is_named(checkpoint):
+    path = checkpoint / "model.safetensors"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"model\.safetensors"):
+        LLM(checkpoint)
+
+
+def test_missing_tensor_is_named(checkpoint):
+    path = checkpoint / "model.safetensors"
+    tensors = load_file(path)
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing .*model\.layers\.1\.self_attn\.qkv_proj"):
+        LLM(checkpoint)
+
+
+def test_missing_shard_is_named(tmp_path):
+    import transformers
+
+    single = make_tiny_checkpoint("qwen2", tmp_path / "single")
+    model = transformers.AutoModelForCausalLM.from_pretrained(single)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    shard = sorted((tmp_path / "sharded").glob("model-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=shard.name):
+        LLM(tmp_path / "sharded")
+
+
+def test_prompt_over_the_context_length_fails_alone(tiny_llama):
+    llm = LLM(tiny_llama, max_model_len=32, num_kv_blocks=64, block_size=4)
+    prompts = [[1, 2, 3], list(range(40)), [4, 5, 6, 7]]
+    good, bad, other = llm.generate(prompts, GREEDY)
+    assert bad.finished and bad.outputs[0].finish_reason == "error"
+    assert "40 tokens" in bad.error and "context length 32" in bad.error
+    assert bad.outputs[0].token_ids == []
+    assert len(good.outputs[0].token_ids) == 8 and len(other.outputs[0].token_ids) == 8
+    assert good.error is None
+    assert_no_block_in_use(llm)
+
+
+def test_prompt_over_the_kv_cache_capacity_fails_alone(tiny_llama):
+    llm = LLM(tiny_llama, num_kv_blocks=5, block_size=4)  # 20 token slots
+    good, bad = llm.generate([[1, 2, 3], list(range(24))], GREEDY)
+    assert bad.outputs[0].finish_reason == "error" and "KV cache" in bad.error
+    assert len(good.outputs[0].token_ids) == 8
+    assert_no_block_in_use(llm)
+
+
+def test_generation_stops_at_the_context_length(tiny_llama):
+    llm = LLM(tiny_llama, max_model_len=16, num_kv_blocks=64, block_size=4)
+    output = llm.generate([list(range(10))], SamplingParams(max_tokens=100, ignore_eos=True))[0]
+    assert output.outputs[0].finish_reason == "length"
+    assert len(output.prompt_token_ids) + len(output.outputs[0].token_ids) == 16
+    assert_no_block_in_use(llm)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ([], "prompt is empty"),
+        ([1, 2, 999], "outside the vocabulary"),
+        ([1, -3], "outside the vocabulary"),
+        ("text without a tokenizer", "no tokenizer.json"),
+    ],
+)
+def test_unusable_prompts_fail_with_a_reason(tiny_llama, prompt, message):
+    llm = LLM(tiny_llama, num_kv_blocks=32)
+    bad, good = llm.generate([prompt, [1, 2]], GREEDY)
+    assert bad.outputs[0].finish_reason == "error" and message in bad.error
+    assert len(good.outputs[0].token_ids) == 8
+    assert_no_block_in_use(llm)
+
+
+def test_bad_engine_arguments_are_named(tiny_llama):
+    with pytest.raises(TypeError, match="unknown engine arguments"):
+        LLM(tiny_llama, gpu_memory=3)
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(tiny_llama, dtype="float8")
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(tiny_llama, block_size=0)
+
+
+def test_mismatched_sampling_params_are_refused(tiny_llama):
+    llm = LLM(tiny_llama, num_kv_blocks=32)
+    with pytest.raises(ValueError, match="2 sampling params for 3 prompts"):
+        llm.generate([[1], [2], [3]], [GREEDY, GREEDY])
+    with pytest.raises(TypeError, match="SamplingParams"):
+        llm.generate([[1]], [dict(max_tokens=3)])
+    assert_no_block_in_use(llm)

@@ -1,0 +1,160 @@
+"""Property tests: random streams of arrivals, aborts and finishes against the block
+pool and the scheduler never leak a block, free one twice, share one wrongly, or strand
+a request."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from updraft.engine.kv_blocks import BlockPool, KVCacheManager
+from updraft.engine.request import FinishReason, Request
+from updraft.engine.scheduler import Scheduler
+from updraft.sampling import SamplingParams
+
+BLOCK_SIZE = 4
+
+
+def test_pool_allocates_frees_and_refuses_double_free():
+    pool = BlockPool(num_blocks=4, block_size=BLOCK_SIZE)
+    blocks = pool.allocate(3)
+    assert pool.num_free == 1 and len(set(blocks)) == 3
+    with pytest.raises(RuntimeError, match="asked for 2 KV blocks, 1 free"):
+        pool.allocate(2)
+    pool.free(blocks)
+    assert pool.num_free == 4
+    with pytest.raises(RuntimeError, match="freed twice"):
+        pool.free(blocks[:1])
+
+
+def test_cached_block_is_reused_until_evicted_least_recently_freed_first():
+    pool = BlockPool(num_blocks=3, block_size=BLOCK_SIZE)
+    a, b, c = pool.allocate(3)
+    pool.register(a, 111)
+    pool.register(b, 222)
+    pool.free([b, a, c])  # freed order b, a, c: b is evicted first
+    assert pool.lookup([111, 222]) == [a, b]
+    pool.share([a])
+    assert pool.num_free == 2
+    assert pool.allocate(1) == [b]  # b was the least recently freed
+    assert pool.lookup([111, 222]) == [a]  # b's content is gone from the cache
+
+
+def test_prefix_cache_hit_skips_computed_tokens():
+    pool = BlockPool(num_blocks=8, block_size=BLOCK_SIZE)
+    kv = KVCacheManager(pool)
+    first = Request("a", None, list(range(10)), SamplingParams())
+    assert kv.allocate(first, 10)
+    first.num_computed_tokens = 10
+    kv.register_computed(first)
+    second = Request("b", None, [*range(8), 99, 98, 97], SamplingParams())
+    cached = kv.cached_prefix(second)
+    assert cached == first.block_ids[:2]
+    assert kv.allocate(second, 3, cached)
+    assert second.num_computed_tokens == 8
+    assert [pool.ref_counts[b] for b in cached] == [2, 2]
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """A scheduler driven by a fake model: each step 'samples' a pseudo-random token."""
+
+    @initialize(
+        num_blocks=st.integers(4, 24),
+        max_num_seqs=st.integers(1, 6),
+        token_budget=st.integers(1, 24),
+        prefix_caching=st.booleans(),
+    )
+    def setup(self, num_blocks, max_num_seqs, token_budget, prefix_caching):
+        self.pool = BlockPool(num_blocks, BLOCK_SIZE, prefix_caching)
+        self.scheduler = Scheduler(KVCacheManager(self.pool), max_num_seqs, token_budget)
+        self.capacity = num_blocks * BLOCK_SIZE
+        self.all_requests: list[Request] = []
+        self.rng = random.Random(0)
+        self.next_id = 0
+
+    @rule(
+        # A small alphabet and shared heads make prefix-cache hits common.
+        head=st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]]),
+        tail=st.lists(st.integers(0, 3), min_size=1, max_size=12),
+        max_tokens=st.integers(1, 10),
+    )
+    def add(self, head, tail, max_tokens):
+        prompt = (head + tail)[: self.capacity - 1]
+        request = Request(str(self.next_id), None, prompt, SamplingParams(max_tokens=max_tokens))
+        self.next_id += 1
+        self.all_requests.append(request)
+        self.scheduler.add(request)
+
+    @precondition(lambda self: self.scheduler.requests)
+    @rule(data=st.data())
+    def abort(self, data):
+        request_id = data.draw(st.sampled_from(sorted(self.scheduler.requests)))
+        self.scheduler.finish(self.scheduler.requests[request_id], FinishReason.ABORT)
+
+    @rule()
+    def step(self):
+        out = self.scheduler.schedule()
+        if self.scheduler.requests:
+            assert out.scheduled or self.scheduler.running, "work exists but nothing ran"
+        assert out.num_tokens <= self.scheduler.max_num_batched_tokens
+        assert len(self.scheduler.running) <= self.scheduler.max_num_seqs
+        for request, num_new in out.scheduled:
+            assert num_new >= 1
+            assert request.num_computed_tokens + num_new <= len(request.block_ids) * BLOCK_SIZE
+        for request in self.scheduler.update(out):
+            request.token_ids.append(self.rng.randrange(4))
+            full = request.num_tokens >= self.capacity
+            if request.num_output_tokens >= request.sampling_params.max_tokens or full:
+                self.scheduler.finish(request, FinishReason.LENGTH)
+
+    @invariant()
+    def blocks_are_accounted_for(self):
+        if not hasattr(self, "pool"):
+            return
+        holders = Counter()
+        for request in self.scheduler.requests.values():
+            assert len(set(request.block_ids)) == len(request.block_ids)
+            holders.update(request.block_ids)
+        for block in range(self.pool.num_blocks):
+            assert self.pool.ref_counts[block] == holders[block]
+            assert (block in self.pool.free_blocks) == (holders[block] == 0)
+
+    @invariant()
+    def only_identical_content_is_shared(self):
+        if not hasattr(self, "pool"):
+            return
+        owners: dict[int, int] = {}
+        for request in self.scheduler.requests.values():
+            for index, block in enumerate(request.block_ids):
+                if self.pool.ref_counts[block] > 1:
+                    # A shared block is a cached one, at a position whose content hash
+                    # (which chains over all earlier tokens) is the block's.
+                    assert self.pool.block_hashes[block] is not None
+                    assert request.block_hashes[index] == self.pool.block_hashes[block]
+                    assert owners.setdefault(block, index) == index
+
+    def teardown(self):
+        if not hasattr(self, "pool"):
+            return
+        for _ in range(10_000):
+            if not self.scheduler.requests:
+                break
+            self.step()
+        assert not self.scheduler.requests, "a request never finished"
+        assert all(r.finished for r in self.all_requests)
+        assert self.pool.num_free == self.pool.num_blocks
+        assert all(count == 0 for count in self.pool.ref_counts)
+
+
+TestScheduler = SchedulerMachine.TestCase
+TestScheduler.settings = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)

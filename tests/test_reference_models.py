@@ -1,0 +1,91 @@
+"""The engine against Hugging Face transformers, the reference no one here wrote.
+
+Tiny random Llama (GQA, Llama 3 RoPE scaling), Qwen2 (MQA, bias, tied) and Qwen3 (q/k
+norm) checkpoints in float32: a mixed batch of prompts of different lengths, prefilled
+together and decoded 24 steps, gives the logits of transformers' forward over the same
+tokens, and greedy output equals transformers' greedy ``generate``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from updraft import LLM, SamplingParams
+from tests.conftest import make_tiny_checkpoint
+
+PROMPTS = [list(range(3, 10)), [200, 17], list(range(40, 77)), [5] * 20 + [6, 7, 8]]
+DECODE_STEPS = 24
+
+
+def reference_logits(model_dir, token_ids: list[int]) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return model.eval()(torch.tensor([token_ids])).logits[0]
+
+
+def test_logits_match_transformers_over_prefill_and_decode(tiny_checkpoint):
+    kind, model_dir = tiny_checkpoint
+    llm = LLM(model_dir, keep_logits=True, block_size=4, num_kv_blocks=128)
+    params = SamplingParams(temperature=0, max_tokens=DECODE_STEPS + 1, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, params)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        completion = output.outputs[0]
+        assert len(completion.token_ids) == DECODE_STEPS + 1
+        sequence = prompt + completion.token_ids
+        with torch.no_grad():
+            expected = reference.eval()(torch.tensor([sequence])).logits[0]
+        # Row i is the distribution of output token i: position len(prompt) - 1 + i.
+        expected = expected[len(prompt) - 1 : len(sequence) - 1]
+        got = torch.stack(completion.logits)
+        assert got.shape == expected.shape
+        assert (got - expected).abs().max().item() < 1e-4, kind
+
+
+def test_greedy_equals_transformers_generate(tiny_checkpoint):
+    kind, model_dir = tiny_checkpoint
+    llm = LLM(model_dir, block_size=8, num_kv_blocks=64)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        expected = reference.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=30,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+        assert output.outputs[0].token_ids == expected, kind
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_checkpoints_load_and_compute_in_float32(tmp_path, dtype):
+    model_dir = make_tiny_checkpoint("qwen3", tmp_path, dtype=dtype)
+    llm = LLM(model_dir, keep_logits=True, dtype="float32", num_kv_blocks=32)
+    output = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4))[0]
+    sequence = PROMPTS[0] + output.outputs[0].token_ids
+    expected = reference_logits(model_dir, sequence)[len(PROMPTS[0]) - 1 : -1]
+    assert (torch.stack(output.outputs[0].logits) - expected).abs().max().item() < 1e-4
+
+
+def test_bfloat16_compute_stays_close_to_float32(tiny_llama):
+    prompt = PROMPTS[2]
+    params = SamplingParams(temperature=0, max_tokens=1)
+    full = LLM(tiny_llama, keep_logits=True).generate(prompt, params)[0]
+    half = LLM(tiny_llama, keep_logits=True, dtype="bfloat16").generate(prompt, params)[0]
+    full_logits, half_logits = full.outputs[0].logits[0], half.outputs[0].logits[0]
+    assert half_logits.dtype == torch.float32
+    assert (full_logits - half_logits).abs().max().item() < 0.1 * full_logits.abs().max().item()
+
+
+def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
+    single = make_tiny_checkpoint("llama", tmp_path / "single")
+    model = transformers.AutoModelForCausalLM.from_pretrained(single)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    a = LLM(single).generate(PROMPTS, params)
+    b = LLM(tmp_path / "sharded").generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]

@@ -1,0 +1,112 @@
+"""Sampling: parameter validation, the filters, the distribution drawn, seeds, logprobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from updraft import LLM, SamplingParams
+from updraft.engine.request import Request
+from updraft.runner.sampler import SamplingBatch, filtered_probs, sample
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", 0),
+        ("max_tokens", 2.5),
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("top_k", -2),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("min_p", -0.1),
+        ("min_p", 2),
+        ("seed", "7"),
+        ("stop", [""]),
+        ("stop_token_ids", [-1]),
+        ("ignore_eos", "yes"),
+        ("logprobs", 1),
+    ],
+)
+def test_invalid_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must be"):
+        SamplingParams(**{field: value})
+
+
+def batch_of(*params: SamplingParams) -> SamplingBatch:
+    return SamplingBatch.from_requests([Request(str(i), None, [0], p) for i, p in enumerate(params)])
+
+
+def test_filters_keep_exactly_the_expected_tokens():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.05, 0.05]]))
+    cases = [
+        (SamplingParams(top_k=2), [0, 1]),
+        (SamplingParams(top_p=0.65), [0, 1]),  # 0.4 < 0.65 <= 0.7
+        (SamplingParams(top_p=0.4), [0]),
+        (SamplingParams(min_p=0.45), [0, 1, 2]),  # keeps p >= 0.45 * 0.4
+        (SamplingParams(top_k=3, top_p=0.5), [0, 1]),  # top-p renormalises after top-k
+    ]
+    for params, kept in cases:
+        probs = filtered_probs(logits, batch_of(params))[0]
+        assert torch.nonzero(probs).flatten().tolist() == kept, params
+        assert probs.sum().item() == pytest.approx(1.0)
+
+
+def test_temperature_scales_logits():
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    probs = filtered_probs(logits, batch_of(SamplingParams(temperature=0.5)))[0]
+    assert torch.allclose(probs, (logits[0] / 0.5).softmax(-1))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=4),
+        SamplingParams(temperature=1.3, top_p=0.8),
+        SamplingParams(temperature=1.0, min_p=0.1),
+    ],
+)
+def test_samples_follow_the_filtered_distribution(params):
+    torch.manual_seed(0)
+    logits = torch.randn(1, 8) * 1.5
+    trials = 40_000
+    batch = batch_of(*[params] * trials)
+    expected = filtered_probs(logits, batch_of(params))[0]
+    tokens, _ = sample(logits.expand(trials, -1), batch, torch.Generator().manual_seed(1))
+    empirical = torch.bincount(tokens, minlength=8).float() / trials
+    total_variation = 0.5 * (empirical - expected).abs().sum().item()
+    assert total_variation < 0.015
+    assert empirical[expected == 0].sum() == 0
+
+
+def test_greedy_rows_take_the_argmax():
+    logits = torch.randn(3, 10)
+    batch = batch_of(SamplingParams(temperature=0), SamplingParams(), SamplingParams(temperature=0))
+    tokens, _ = sample(logits, batch)
+    assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
+
+
+def test_seeded_request_gives_the_same_text_whatever_the_batch(tiny_llama):
+    llm = LLM(tiny_llama, num_kv_blocks=128)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=20, ignore_eos=True)
+    alone = llm.generate([[1, 2, 3]], seeded)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=25, ignore_eos=True)
+    batch = llm.generate([[9, 9], [1, 2, 3], [4, 5, 6, 7]], [others, seeded, others])
+    assert batch[1].outputs[0].token_ids == alone
+    different_seed = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=20)
+    assert llm.generate([[1, 2, 3]], different_seed)[0].outputs[0].token_ids != alone
+
+
+def test_logprobs_are_those_of_the_sampled_tokens(tiny_llama):
+    llm = LLM(tiny_llama, num_kv_blocks=64, keep_logits=True)
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=6, logprobs=True, ignore_eos=True)
+    completion = llm.generate([[5, 6, 7]], params)[0].outputs[0]
+    assert len(completion.logprobs) == 6
+    for token, logprob, logits in zip(
+        completion.token_ids, completion.logprobs, completion.logits, strict=True
+    ):
+        assert logprob == pytest.approx(logits.log_softmax(-1)[token].item(), abs=1e-5)
+    plain = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].outputs[0]
+    assert plain.logprobs is None

@@ -1,0 +1,5 @@
+import sys
+
+from updraft.cli import main
+
+sys.exit(main())

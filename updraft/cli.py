@@ -1,0 +1,129 @@
+"""``updraft`` command line: ``updraft generate --prompt "..."``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+from updraft.config import DTYPES
+from updraft.engine.llm import DEMO_MODEL_DIR, LLM
+from updraft.sampling import SamplingParams
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="updraft",
+        description="updraft: LLM inference with a paged KV cache and continuous batching.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    generate = commands.add_parser(
+        "generate",
+        help="generate a completion for a prompt, streaming it to stdout",
+        description=(
+            "Generate a completion and stream it to stdout; a one-line summary (tokens, "
+            "tokens/s, time to first token) goes to stderr. Without --model the shipped "
+            "demo model (a small Llama trained on Python's standard library) is used."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    generate.add_argument("--prompt", required=True, help="the prompt text")
+    add_engine_arguments(generate)
+    sampling = generate.add_argument_group("sampling")
+    sampling.add_argument("--max-tokens", type=int, default=64)
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    sampling.add_argument("--top-k", type=int, default=0, help="0 turns it off")
+    sampling.add_argument("--top-p", type=float, default=1.0)
+    sampling.add_argument("--min-p", type=float, default=0.0)
+    sampling.add_argument("--seed", type=int, default=None)
+    sampling.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    sampling.add_argument("--ignore-eos", action="store_true")
+    return parser
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    engine = parser.add_argument_group("engine")
+    engine.add_argument(
+        "--model",
+        default=None,
+        help=f"local Hugging Face checkpoint directory (default: the demo model, {DEMO_MODEL_DIR})",
+    )
+    engine.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", *DTYPES],
+        help="compute dtype; auto is float32 on the CPU and the checkpoint's dtype on a GPU",
+    )
+    engine.add_argument("--device", default="cpu", help="cpu or cuda")
+    engine.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
+    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--max-num-seqs", type=int, default=64)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument("--no-prefix-caching", action="store_true")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        dtype=args.dtype,
+        device=args.device,
+        kv_cache_memory_gib=args.kv_cache_memory_gib,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+    llm = LLM(args.model, **engine_kwargs(args))
+    start = time.perf_counter()
+    final = None
+    for output in llm.generate_stream(args.prompt, params):
+        sys.stdout.write(output.outputs[0].delta_text)
+        sys.stdout.flush()
+        final = output
+    elapsed = time.perf_counter() - start
+    sys.stdout.write("\n")
+    if final is None or final.error:
+        print(f"error: {final.error if final else 'no output'}", file=sys.stderr)
+        return 1
+    metrics = final.metrics
+    ttft = metrics.time_to_first_token or 0.0
+    tokens = metrics.num_output_tokens
+    decode_time = elapsed - ttft
+    decode_rate = (tokens - 1) / decode_time if tokens > 1 and decode_time > 0 else 0.0
+    print(
+        f"[updraft] {tokens} tokens in {elapsed:.2f} s ({tokens / elapsed:.1f} tokens/s, "
+        f"decode {decode_rate:.1f} tokens/s), time to first token {ttft * 1000:.0f} ms, "
+        f"prompt {metrics.num_prompt_tokens} tokens, finish: {final.outputs[0].finish_reason}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return run_generate(args)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
