@@ -9,8 +9,8 @@ import shutil
 import pytest
 from safetensors.torch import load_file, save_file
 
-from updraft import LLM, SamplingParams
 from tests.conftest import make_tiny_checkpoint
+from updraft import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -39,7 +39,7 @@ def test_unknown_architecture_names_the_supported_ones(checkpoint):
 def test_missing_model_directory_and_config(tmp_path):
     with pytest.raises(FileNotFoundError, match="model directory not found"):
         LLM(tmp_path / "nowhere")
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
         LLM(tmp_path)
 
 

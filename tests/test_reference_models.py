@@ -12,8 +12,8 @@ import pytest
 import torch
 import transformers
 
-from updraft import LLM, SamplingParams
 from tests.conftest import make_tiny_checkpoint
+from updraft import LLM, SamplingParams
 
 PROMPTS = [list(range(3, 10)), [200, 17], list(range(40, 77)), [5] * 20 + [6, 7, 8]]
 DECODE_STEPS = 24
@@ -25,9 +25,20 @@ def reference_logits(model_dir, token_ids: list[int]) -> torch.Tensor:
         return model.eval()(torch.tensor([token_ids])).logits[0]
 
 
-def test_logits_match_transformers_over_prefill_and_decode(tiny_checkpoint):
+@pytest.mark.parametrize(
+    "token_budget",
+    [1024, 10],
+    ids=["whole-prefill", "chunked-prefill-beside-decodes"],
+)
+def test_logits_match_transformers_over_prefill_and_decode(tiny_checkpoint, token_budget):
     kind, model_dir = tiny_checkpoint
-    llm = LLM(model_dir, keep_logits=True, block_size=4, num_kv_blocks=128)
+    llm = LLM(
+        model_dir,
+        keep_logits=True,
+        block_size=4,
+        num_kv_blocks=128,
+        max_num_batched_tokens=token_budget,
+    )
     params = SamplingParams(temperature=0, max_tokens=DECODE_STEPS + 1, ignore_eos=True)
     outputs = llm.generate(PROMPTS, params)
     reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

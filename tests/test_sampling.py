@@ -35,7 +35,9 @@ def test_invalid_sampling_params_name_the_field(field, value):
 
 
 def batch_of(*params: SamplingParams) -> SamplingBatch:
-    return SamplingBatch.from_requests([Request(str(i), None, [0], p) for i, p in enumerate(params)])
+    return SamplingBatch.from_requests(
+        [Request(str(i), None, [0], p) for i, p in enumerate(params)]
+    )
 
 
 def test_filters_keep_exactly_the_expected_tokens():

@@ -72,15 +72,18 @@ class AttentionGroup:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens]; -1 writes into the spare slot
     groups: list[AttentionGroup]
+    num_padding_tokens: int = 0  # trailing tokens of no request (see runner.step.pad_step)
 
     @classmethod
     def from_step(
         cls, step: Step, block_size: int, device: torch.device | str
     ) -> AttentionMetadata:
-        """Decode requests (one query token) come first in a Step, then the rest."""
+        """Decode requests (one query token) come first in a Step, then the rest, then any
+        padding requests (no query tokens), which attend to nothing."""
         groups = []
         num_decodes = step.num_decodes
-        bounds = [(0, num_decodes), (num_decodes, step.num_reqs)]
+        num_real = sum(1 for n in step.query_lens if n > 0)
+        bounds = [(0, num_decodes), (num_decodes, num_real)]
         for first, last in bounds:
             if first == last:
                 continue
@@ -93,4 +96,5 @@ class AttentionMetadata:
                     block_size,
                 ).to(device)
             )
-        return cls(step.slot_mapping.to(device), groups)
+        padding = step.num_tokens - step.query_start_loc[-1]
+        return cls(step.slot_mapping.to(device), groups, padding)

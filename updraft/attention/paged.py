@@ -66,5 +66,7 @@ def paged_attention(
             q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
         outputs.append(out.transpose(1, 2).flatten(0, 1).index_select(0, group.output_index))
+    if metadata.num_padding_tokens:
+        outputs.append(query.new_zeros(metadata.num_padding_tokens, *query.shape[1:]))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
     return out.flatten(1)

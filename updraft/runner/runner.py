@@ -70,7 +70,9 @@ class Runner:
             self.kv_caches,
             metadata,
         )
-        logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices.to(self.device)))
+        logits = self.model.compute_logits(
+            hidden.index_select(0, step.logits_indices.to(self.device))
+        )
         tokens, logprobs = sample(logits, step.sampling, self.generator)
         return RunnerOutput(
             token_ids=tokens.tolist(),

@@ -1,0 +1,64 @@
+"""Shared pieces of the benchmarks: a random Qwen3-style checkpoint, timing, tables."""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Callable
+from datetime import date
+from pathlib import Path
+
+import torch
+
+
+def make_random_qwen3(directory: Path, seed: int = 0) -> Path:
+    """A ~100M-parameter Qwen3-style model with random weights, saved in float32."""
+    import transformers
+
+    if (directory / "config.json").is_file():
+        return directory
+    config = transformers.Qwen3Config(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def timed(fn: Callable[[], object], repeats: int = 1) -> float:
+    """Best wall time of ``repeats`` runs, after one warm-up run."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def machine() -> str:
+    return (
+        f"{platform.machine()}, {torch.get_num_threads()} torch threads, "
+        f"torch {torch.__version__}, Python {platform.python_version()}"
+    )
+
+
+def markdown_table(title: str, header: list[str], rows: list[list[str]]) -> str:
+    lines = [
+        f"### {title} ({date.today().isoformat()}, {machine()})",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---" for _ in header) + "|",
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,72 @@
+"""The shipped demo models and the ``updraft`` command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from safetensors import safe_open
+
+from updraft import LLM, SamplingParams
+from updraft.cli import main
+from updraft.engine.llm import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
+
+DEMO_ROOT = DEMO_MODEL_DIR.parent
+
+
+def test_demo_assets_are_small_float16_llama_checkpoints():
+    total = sum(p.stat().st_size for p in DEMO_ROOT.rglob("*") if p.is_file())
+    assert total <= 25 * 2**20
+    parameters = {}
+    for model_dir in (DEMO_MODEL_DIR, DEMO_DRAFT_DIR):
+        config = json.loads((model_dir / "config.json").read_text())
+        assert config["architectures"] == ["LlamaForCausalLM"]
+        with safe_open(str(model_dir / "model.safetensors"), "pt") as weights:
+            tensors = [weights.get_tensor(name) for name in weights.keys()]  # noqa: SIM118
+        assert {str(t.dtype) for t in tensors} == {"torch.float16"}
+        parameters[model_dir.name] = sum(t.numel() for t in tensors)
+    assert 4e6 <= parameters["target"] <= 6.5e6
+    assert 1e6 <= parameters["draft"] <= 2e6
+    target_tokenizer = (DEMO_MODEL_DIR / "tokenizer.json").read_bytes()
+    assert (DEMO_DRAFT_DIR / "tokenizer.json").read_bytes() == target_tokenizer
+
+
+@pytest.mark.parametrize("model_dir", [DEMO_MODEL_DIR, DEMO_DRAFT_DIR])
+def test_demo_models_complete_python_code(model_dir):
+    llm = LLM(model_dir)
+    output = llm.generate(
+        "import os\nimport sys\n\n\ndef ", SamplingParams(temperature=0, max_tokens=24)
+    )
+    text = output[0].outputs[0].text
+    assert (len(text) > 10 and text.isprintable()) or "\n" in text
+
+
+def test_generate_command_streams_text_and_a_summary(capsys):
+    assert main(["generate", "--prompt", "class ", "--max-tokens", "12", "--ignore-eos"]) == 0
+    captured = capsys.readouterr()
+    reference = LLM().generate(
+        "class ", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )
+    assert captured.out == reference[0].outputs[0].text + "\n"
+    assert "[updraft] 12 tokens in" in captured.err
+    assert "tokens/s" in captured.err and "time to first token" in captured.err
+
+
+def test_generate_command_reports_bad_input_without_a_traceback(capsys, tmp_path):
+    assert main(["generate", "--prompt", "x", "--model", str(tmp_path)]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "x", "--top-p", "2"]) == 2
+    assert "SamplingParams.top_p" in capsys.readouterr().err
+
+
+def test_help_is_useful_on_its_own():
+    result = subprocess.run(
+        [sys.executable, "-m", "updraft", "generate", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    for flag in ("--prompt", "--model", "--max-tokens", "--temperature", "--dtype", "--seed"):
+        assert flag in result.stdout
