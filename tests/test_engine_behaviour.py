@@ -105,3 +105,11 @@ def test_outputs_carry_timings(llm):
     assert metrics.num_prompt_tokens == len(llm.tokenizer.encode(PROMPT))
     assert metrics.num_output_tokens == 4
     assert 0 < metrics.time_to_first_token <= metrics.latency
+
+
+def test_closing_a_stream_early_aborts_its_requests(llm):
+    stream = llm.generate_stream([PROMPT, "import os"], greedy(max_tokens=30))
+    next(stream)
+    stream.close()
+    assert_idle(llm)
+    assert len(llm.generate(PROMPT, greedy(max_tokens=3))[0].outputs[0].token_ids) == 3

@@ -54,9 +54,8 @@ class AttentionGroup:
         mask = (rows[None, :, None] < query_lens_t[:, None, None]) & (
             columns[None, None, :] <= context_before + rows[None, :, None]
         )
-        output_index = torch.cat(
-            [b * max_query + torch.arange(n) for b, n in enumerate(query_lens)]
-        )
+        padded_index = torch.arange(len(query_lens))[:, None] * max_query + rows[None]
+        output_index = padded_index[rows[None] < query_lens_t[:, None]]
         return cls(query_index, kv_slots, mask[:, None], output_index)
 
     def to(self, device: torch.device | str) -> AttentionGroup:

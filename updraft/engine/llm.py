@@ -93,9 +93,14 @@ class LLM:
 
     def _run(self, request_ids: list[str]) -> Iterator[RequestOutput]:
         pending = set(request_ids)
-        while pending and self.engine.has_unfinished:
-            for output in self.engine.step():
-                if output.request_id in pending:
-                    if output.finished:
-                        pending.discard(output.request_id)
-                    yield output
+        try:
+            while pending and self.engine.has_unfinished:
+                for output in self.engine.step():
+                    if output.request_id in pending:
+                        if output.finished:
+                            pending.discard(output.request_id)
+                        yield output
+        finally:
+            # A stream closed early (or an error) must not leave its requests running.
+            for request_id in pending:
+                self.engine.abort(request_id)

@@ -7,41 +7,49 @@ with a shape that does not depend on the batch, so its text does not either.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from updraft.engine.request import Request
+from updraft.sampling import SamplingParams
 
 
-@dataclass
 class SamplingBatch:
-    temperature: torch.Tensor  # [B] float, 0 for greedy rows
-    top_k: torch.Tensor  # [B] long, 0 for off
-    top_p: torch.Tensor  # [B] float
-    min_p: torch.Tensor  # [B] float
-    generators: list[torch.Generator | None]
-    all_greedy: bool
-    use_top_k: bool
-    use_top_p: bool
-    use_min_p: bool
-    want_logprobs: bool
+    """The sampling parameters of a step's requests, in step order. Per-row tensors are
+    built on first use, so an all-greedy step builds none."""
+
+    def __init__(
+        self, params: list[SamplingParams], generators: list[torch.Generator | None]
+    ) -> None:
+        self.params = params
+        self.generators = generators
+        sampled = [p for p in params if not p.greedy]
+        self.all_greedy = not sampled
+        self.use_top_k = any(p.top_k > 0 for p in sampled)
+        self.use_top_p = any(p.top_p < 1 for p in sampled)
+        self.use_min_p = any(p.min_p > 0 for p in sampled)
+        self.want_logprobs = any(p.logprobs for p in params)
 
     @classmethod
     def from_requests(cls, requests: list[Request]) -> SamplingBatch:
-        params = [r.sampling_params for r in requests]
-        return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
-            top_k=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.long),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
-            generators=[r.generator for r in requests],
-            all_greedy=all(p.greedy for p in params),
-            use_top_k=any(p.top_k > 0 and not p.greedy for p in params),
-            use_top_p=any(p.top_p < 1 and not p.greedy for p in params),
-            use_min_p=any(p.min_p > 0 and not p.greedy for p in params),
-            want_logprobs=any(p.logprobs for p in params),
-        )
+        return cls([r.sampling_params for r in requests], [r.generator for r in requests])
+
+    @cached_property
+    def temperature(self) -> torch.Tensor:  # [B], 0 for greedy rows
+        return torch.tensor([p.temperature for p in self.params], dtype=torch.float32)
+
+    @cached_property
+    def top_k(self) -> torch.Tensor:  # [B], 0 for off
+        return torch.tensor([max(p.top_k, 0) for p in self.params], dtype=torch.long)
+
+    @cached_property
+    def top_p(self) -> torch.Tensor:
+        return torch.tensor([p.top_p for p in self.params], dtype=torch.float32)
+
+    @cached_property
+    def min_p(self) -> torch.Tensor:
+        return torch.tensor([p.min_p for p in self.params], dtype=torch.float32)
 
 
 def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
