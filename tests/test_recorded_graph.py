@@ -1,0 +1,93 @@
+"""The recorded backend: replay equals re-running the function; what a device graph
+cannot hold is refused at capture, naming the op and where it ran."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from updraft.graph.recorded import CaptureError, RecordedGraph
+from updraft.graph.tasks import register_task
+
+
+@dataclass(frozen=True)
+class Scale:
+    """A provider: the task's host-side ``factor`` comes from the step's metadata."""
+
+    def resolve(self, metadata: dict) -> dict:
+        return {"factor": metadata["factor"]}
+
+
+def scaled(x: torch.Tensor, factor: float) -> torch.Tensor:
+    return x * factor
+
+
+class Toy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.inputs = torch.zeros(3, 4)
+        self.slots = torch.zeros(3, dtype=torch.long)
+        self.cache = torch.zeros(10, 4)
+
+    def forward(self) -> torch.Tensor:
+        hidden = self.proj(self.inputs)
+        self.cache.index_copy_(0, self.slots, hidden)
+        hidden = register_task(scaled, {"x": hidden, "factor": 2.0}, Scale())
+        return torch.relu(hidden).sum(-1)
+
+
+def capture(model: Toy, fn=None) -> tuple[RecordedGraph, torch.Tensor]:
+    graph = RecordedGraph(
+        constants=model.parameters(),
+        persistent=[model.inputs, model.slots, model.cache],
+        module_names={id(m): name or "model" for name, m in model.named_modules()},
+    )
+    return graph, graph.capture(fn or model)
+
+
+@torch.no_grad()
+def test_replay_recomputes_from_refreshed_inputs_and_task_params():
+    torch.manual_seed(0)
+    model = Toy()
+    graph, out = capture(model)
+    assert sum(1 for _ in graph.tasks) == 1
+    for factor in (3.0, -1.5):
+        model.inputs.copy_(torch.randn(3, 4))
+        model.slots.copy_(torch.randperm(10)[:3])
+        graph.replay([{"factor": factor}])
+        hidden = model.proj(model.inputs)
+        torch.testing.assert_close(out, torch.relu(hidden * factor).sum(-1))
+        torch.testing.assert_close(model.cache[model.slots], hidden)
+
+
+@torch.no_grad()
+def test_host_sync_is_refused_naming_op_and_module():
+    class SyncingLinear(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = super().forward(x)
+            if out.sum().item() > 1e9:  # a host-side decision on device data
+                out = out * 0
+            return out
+
+    model = Toy()
+    model.proj = SyncingLinear(4, 4)
+    with pytest.raises(CaptureError, match=r"_local_scalar_dense.* at proj syncs with the host"):
+        capture(model)
+
+
+@torch.no_grad()
+def test_undeclared_input_is_refused_naming_op_and_shape():
+    model = Toy()
+    stray = torch.ones(3, 4)
+    with pytest.raises(CaptureError, match=r"aten.add.Tensor at \(top level\) reads a \(3, 4\)"):
+        capture(model, lambda: model.inputs + stray)
+
+
+@torch.no_grad()
+def test_data_dependent_shape_is_refused():
+    model = Toy()
+    with pytest.raises(CaptureError, match="output shape that depends on tensor data"):
+        capture(model, lambda: model.inputs[model.inputs > 0])
