@@ -1,0 +1,97 @@
+"""UpdatableGraph: replay refreshes every declared input itself, and a bad provider makes
+replay fail before any buffer changes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from updraft.graph.recorded import RecordedGraph
+from updraft.graph.static_input import StaticInput
+from updraft.graph.tasks import register_task
+from updraft.graph.updatable import GraphReplayError, UpdatableGraph
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Resolves the host-side list of lengths the task needs."""
+
+    def resolve(self, metadata: dict) -> dict:
+        return {"lengths": metadata["lengths"]}
+
+
+def masked_sum(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    return torch.stack(
+        [x[i, :n].sum() for i, n in enumerate(lengths)]
+        + [x.new_zeros(())] * (x.shape[0] - len(lengths))
+    )
+
+
+def make_graph(provider=Lengths()):
+    tokens = StaticInput("tokens", torch.zeros(4, 3), fill=lambda s: s["tokens"], pad=0)
+    graph = UpdatableGraph(
+        RecordedGraph(constants=[], persistent=[tokens.buffer]),
+        inputs=[tokens],
+        metadata=lambda s: {"lengths": s["lengths"]},
+    )
+
+    def forward():
+        doubled = tokens.buffer * 2
+        return register_task(masked_sum, {"x": doubled, "lengths": [3, 3, 3, 3]}, provider)
+
+    return graph, tokens, forward
+
+
+def step(rows: int, lengths: list[int]) -> dict:
+    return {"tokens": torch.arange(rows * 3, dtype=torch.float32).view(rows, 3), "lengths": lengths}
+
+
+@torch.no_grad()
+def test_replay_refreshes_inputs_and_params_from_the_step():
+    graph, tokens, forward = make_graph()
+    out = graph.capture(forward, step(4, [3, 3, 3, 3]))
+    address = tokens.buffer.data_ptr()
+    graph.replay(step(2, [1, 2]))
+    assert out.tolist() == [0.0, 2 * (3 + 4), 0.0, 0.0]
+    assert tokens.buffer[2:].eq(0).all() and tokens.buffer.data_ptr() == address
+
+
+@dataclass(frozen=True)
+class Broken:
+    result: object
+
+    def resolve(self, metadata: dict) -> dict:
+        if isinstance(self.result, Exception):
+            raise self.result
+        return self.result
+
+
+@pytest.mark.parametrize(
+    "bad_result",
+    [{"lengths": [1], "extra": 1}, {}, ValueError("no lengths today"), [1, 2]],
+    ids=["too-many-params", "too-few-params", "raises", "not-a-dict"],
+)
+@torch.no_grad()
+def test_a_bad_provider_fails_replay_before_any_buffer_changes(bad_result):
+    graph, tokens, forward = make_graph()
+    out = graph.capture(forward, step(4, [3, 3, 3, 3]))
+    graph.replay(step(3, [1, 2, 3]))
+    graph.backend.tasks[0].provider = Broken(bad_result)
+    buffers_before, out_before = tokens.buffer.clone(), out.clone()
+    with pytest.raises(GraphReplayError):
+        graph.replay(step(1, [2]))
+    assert torch.equal(tokens.buffer, buffers_before) and torch.equal(out, out_before)
+
+
+@torch.no_grad()
+def test_a_provider_owning_two_tasks_is_refused_at_capture():
+    graph, _, forward = make_graph()
+
+    def twice():
+        forward()
+        return forward()
+
+    with pytest.raises(GraphReplayError, match="more than one task"):
+        graph.capture(twice, step(4, [3, 3, 3, 3]))
