@@ -24,6 +24,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in float32, as the reference does, then return to the compute dtype.
         normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         return self.weight * normed.to(x.dtype)
@@ -63,15 +65,17 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.split_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rotary
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qkv = self.qkv_proj(hidden).view(hidden.shape[0], -1, self.head_dim)
+        num_qk_heads = self.num_heads + self.num_kv_heads
+        if self.q_norm is None:
+            # q and k rotate in one call: they are adjacent heads of the fused output.
+            qk = apply_rotary(qkv[:, :num_qk_heads], *rotary)
+        else:
+            q = self.q_norm(qkv[:, : self.num_heads])
+            k = self.k_norm(qkv[:, self.num_heads : num_qk_heads])
+            qk = apply_rotary(torch.cat([q, k], dim=1), *rotary)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, num_qk_heads:]
         return self.o_proj(paged_attention(q, k, v, kv_cache, metadata, self.scale))
 
 
