@@ -113,3 +113,16 @@ def test_closing_a_stream_early_aborts_its_requests(llm):
     stream.close()
     assert_idle(llm)
     assert len(llm.generate(PROMPT, greedy(max_tokens=3))[0].outputs[0].token_ids) == 3
+
+
+def test_aborting_waiting_and_running_requests(tiny_llama_with_tokenizer):
+    llm = LLM(tiny_llama_with_tokenizer, num_kv_blocks=64, block_size=4, max_num_seqs=1)
+    ids = [llm.engine.add_request(p, greedy(max_tokens=4)) for p in ("a", "b", "c")]
+    llm.engine.step()  # "a" runs, "b" and "c" wait
+    assert llm.abort(ids[2]) and llm.abort(ids[0])
+    finals = {}
+    while llm.engine.has_unfinished:
+        finals.update({o.request_id: o for o in llm.engine.step() if o.finished})
+    assert [finals[i].outputs[0].finish_reason for i in ids] == ["abort", "length", "abort"]
+    assert len(finals[ids[1]].outputs[0].token_ids) == 4
+    assert_idle(llm)

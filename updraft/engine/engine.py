@@ -34,14 +34,14 @@ class Engine:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         self.tokenizer = Tokenizer.from_dir(config.model)
-        model_len = config.max_model_len or self.model_config.max_position_embeddings
-        self.runner = Runner(self.model_config, config, model_len)
+        self.context_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.runner = Runner(self.model_config, config, self.context_len)
         self.block_pool = BlockPool(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
         # A sequence never holds more tokens than the cache can, so one request alone
         # always fits and preemption always makes progress.
-        self.max_model_len = min(model_len, self.runner.num_blocks * config.block_size)
+        self.max_model_len = min(self.context_len, self.runner.num_blocks * config.block_size)
         self.scheduler = Scheduler(
             KVCacheManager(self.block_pool), config.max_num_seqs, config.max_num_batched_tokens
         )
@@ -97,10 +97,9 @@ class Engine:
     def _check_length(self, num_prompt_tokens: int) -> str | None:
         if num_prompt_tokens < self.max_model_len:
             return None
-        model_len = self.config.max_model_len or self.model_config.max_position_embeddings
         limit = (
-            f"the model's context length {model_len}"
-            if self.max_model_len == model_len
+            f"the model's context length {self.context_len}"
+            if self.max_model_len == self.context_len
             else f"the KV cache's capacity of {self.max_model_len} tokens"
         )
         return f"prompt of {num_prompt_tokens} tokens leaves no room to generate within {limit}"

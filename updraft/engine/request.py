@@ -24,7 +24,7 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"  # the request could not be served; ``error`` says why
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler finds requests in its queues by object
 class Request:
     request_id: str
     prompt: str | None
