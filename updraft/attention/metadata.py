@@ -1,22 +1,42 @@
-"""Attention metadata: the per-step tensors every attention layer shares.
+"""Attention metadata: what every attention layer of one forward shares.
 
-Derived from a ``Step`` alone, once per forward. Requests are split into groups of equal
-shape class (all decodes; the rest) so that one padded attention call serves each group
-without padding every decode up to the longest prefill.
+Two parts. Tensors (slot mapping, block table, seq_lens, query_start_loc) that a
+captured graph holds as declared static inputs; and host-side shape facts (how many
+decodes, the longest query and context of each group) that change every step and so are
+resolved per step by the attention task's provider. The gather indices and masks are
+derived from the tensors, once per step, on the first layer's call: eager and captured
+forwards run the same code, and a stale tensor shows up in the output.
+
+Requests are split into groups of one shape class (all decodes; the rest) so that one
+padded attention call serves each group without padding every decode up to the longest
+prefill.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from updraft.runner.step import Step
 
 
+@dataclass(frozen=True)
+class GroupShape:
+    """Host-side shape of one group: requests [first_req, last_req), tokens
+    [first_token, last_token), padded to max_query x max_context."""
+
+    first_req: int
+    last_req: int
+    first_token: int
+    last_token: int
+    max_query: int
+    max_context: int
+
+
 @dataclass
 class AttentionGroup:
-    """A run of consecutive requests attended with one padded call.
+    """Index tensors for one padded attention call.
 
     ``query_index`` [B, Qmax] picks each request's query tokens out of the flat batch;
     ``kv_slots`` [B, Kmax] names the KV-cache slot of each context position (through the
@@ -32,46 +52,47 @@ class AttentionGroup:
     @classmethod
     def build(
         cls,
-        query_start: list[int],
-        query_lens: list[int],
-        seq_lens: list[int],
+        shape: GroupShape,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
         block_table: torch.Tensor,
         block_size: int,
     ) -> AttentionGroup:
-        max_query = max(query_lens)
-        max_context = max(seq_lens)
-        query_start_t = torch.tensor(query_start)
-        query_lens_t = torch.tensor(query_lens)
-        seq_lens_t = torch.tensor(seq_lens)
-        rows = torch.arange(max_query)
-        columns = torch.arange(max_context)
-
+        """Fixed-shape tensor ops only: no host sync, so a graph can hold them."""
+        device = block_table.device
+        starts_ends = query_start_loc[shape.first_req : shape.last_req + 1]
+        starts = starts_ends[:-1]
+        query_lens = starts_ends[1:] - starts
+        rows = torch.arange(shape.max_query, device=device)
+        columns = torch.arange(shape.max_context, device=device)
         # Padded query rows repeat the request's last real token: any valid index will do,
         # their output is never read.
-        query_index = query_start_t[:, None] + torch.minimum(rows[None], query_lens_t[:, None] - 1)
-        kv_slots = block_table[:, columns // block_size] * block_size + columns % block_size
-        context_before = (seq_lens_t - query_lens_t)[:, None, None]
-        mask = (rows[None, :, None] < query_lens_t[:, None, None]) & (
-            columns[None, None, :] <= context_before + rows[None, :, None]
+        last_row = (query_lens - 1).clamp(min=0)
+        query_index = starts[:, None] + torch.minimum(rows[None], last_row[:, None])
+        table = block_table[shape.first_req : shape.last_req]
+        kv_slots = table.index_select(1, columns // block_size) * block_size + (
+            columns % block_size
         )
-        padded_index = torch.arange(len(query_lens))[:, None] * max_query + rows[None]
-        output_index = padded_index[rows[None] < query_lens_t[:, None]]
+        context_before = seq_lens[shape.first_req : shape.last_req] - query_lens
+        mask = (rows[None, :, None] < query_lens[:, None, None]) & (
+            columns[None, None, :] <= context_before[:, None, None] + rows[None, :, None]
+        )
+        tokens = torch.arange(shape.first_token, shape.last_token, device=device)
+        owner = torch.searchsorted(starts_ends[1:], tokens, right=True)
+        output_index = owner * shape.max_query + tokens - starts.index_select(0, owner)
         return cls(query_index, kv_slots, mask[:, None], output_index)
-
-    def to(self, device: torch.device | str) -> AttentionGroup:
-        return AttentionGroup(
-            self.query_index.to(device),
-            self.kv_slots.to(device),
-            self.mask.to(device),
-            self.output_index.to(device),
-        )
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens]; -1 writes into the spare slot
-    groups: list[AttentionGroup]
+    block_table: torch.Tensor  # [num_reqs, max_blocks]
+    seq_lens: torch.Tensor  # [num_reqs]
+    query_start_loc: torch.Tensor  # [num_reqs + 1]
+    shapes: list[GroupShape]
+    block_size: int
     num_padding_tokens: int = 0  # trailing tokens of no request (see runner.step.pad_step)
+    _groups: list[AttentionGroup] | None = field(default=None, repr=False)
 
     @classmethod
     def from_step(
@@ -79,21 +100,41 @@ class AttentionMetadata:
     ) -> AttentionMetadata:
         """Decode requests (one query token) come first in a Step, then the rest, then any
         padding requests (no query tokens), which attend to nothing."""
-        groups = []
-        num_decodes = step.num_decodes
-        num_real = sum(1 for n in step.query_lens if n > 0)
-        bounds = [(0, num_decodes), (num_decodes, num_real)]
-        for first, last in bounds:
-            if first == last:
-                continue
-            groups.append(
+        return cls(
+            slot_mapping=step.slot_mapping.to(device),
+            block_table=step.block_table.to(device),
+            seq_lens=torch.tensor(step.seq_lens, device=device),
+            query_start_loc=torch.tensor(step.query_start_loc, device=device),
+            shapes=group_shapes(step),
+            block_size=block_size,
+            num_padding_tokens=step.num_tokens - step.query_start_loc[-1],
+        )
+
+    def groups(self) -> list[AttentionGroup]:
+        """The index tensors, built on first use and shared by the later layers."""
+        if self._groups is None:
+            self._groups = [
                 AttentionGroup.build(
-                    step.query_start_loc[first:last],
-                    step.query_lens[first:last],
-                    step.seq_lens[first:last],
-                    step.block_table[first:last],
-                    block_size,
-                ).to(device)
+                    shape, self.query_start_loc, self.seq_lens, self.block_table, self.block_size
+                )
+                for shape in self.shapes
+            ]
+        return self._groups
+
+
+def group_shapes(step: Step) -> list[GroupShape]:
+    num_real = sum(1 for n in step.query_lens if n > 0)
+    shapes = []
+    for first, last in ((0, step.num_decodes), (step.num_decodes, num_real)):
+        if first < last:
+            shapes.append(
+                GroupShape(
+                    first_req=first,
+                    last_req=last,
+                    first_token=step.query_start_loc[first],
+                    last_token=step.query_start_loc[last],
+                    max_query=max(step.query_lens[first:last]),
+                    max_context=max(step.seq_lens[first:last]),
+                )
             )
-        padding = step.num_tokens - step.query_start_loc[-1]
-        return cls(step.slot_mapping.to(device), groups, padding)
+    return shapes

@@ -7,10 +7,13 @@ to slot -1, which is how padded tokens write nothing without a branch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from updraft.attention.metadata import AttentionMetadata
+from updraft.graph.tasks import register_task
 
 
 def allocate_kv_cache(
@@ -32,27 +35,37 @@ def kv_cache_bytes_per_block(
     return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
 
-def paged_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_cache: torch.Tensor,
-    metadata: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """query [T, H, D], key/value [T, Hkv, D] -> [T, H * D].
+@dataclass(frozen=True)
+class AttentionParams:
+    """Provider of one attention layer's per-step parameters: the step's metadata, whose
+    host-side shapes change every step. ``step`` tells draft steps apart."""
 
-    Writes this step's key/value into their slots, then attends each group of requests
-    to its whole context read back through the block table.
-    """
+    layer: str
+    step: int = 0
+
+    def resolve(self, metadata: AttentionMetadata) -> dict[str, AttentionMetadata]:
+        return {"metadata": metadata}
+
+
+def write_kv(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    # index_select/index_copy_ rather than advanced indexing: the latter takes a slow
-    # parallel path on the CPU. remainder() sends slot -1 to the spare last slot.
-    write_slots = metadata.slot_mapping.remainder(key_cache.shape[0])
+    # index_copy_ rather than index_put_: the latter takes a slow parallel path on the
+    # CPU. remainder() sends slot -1 to the spare last slot.
+    write_slots = slot_mapping.remainder(key_cache.shape[0])
     key_cache.index_copy_(0, write_slots, key)
     value_cache.index_copy_(0, write_slots, value)
+
+
+def attend(
+    query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Each group of requests attends to its whole context, read back through the block
+    table. query [T, H, D] -> [T, H * D]."""
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
     outputs = []
-    for group in metadata.groups:
+    for group in metadata.groups():
         batch, max_query = group.query_index.shape
         max_context = group.kv_slots.shape[1]
         q = query.index_select(0, group.query_index.flatten())
@@ -70,3 +83,19 @@ def paged_attention(
         outputs.append(query.new_zeros(metadata.num_padding_tokens, *query.shape[1:]))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
     return out.flatten(1)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    params: AttentionParams,
+) -> torch.Tensor:
+    """query [T, H, D], key/value [T, Hkv, D] -> [T, H * D]. The KV write reads only
+    tensors; the attention itself is a task, since its shapes change every step."""
+    write_kv(kv_cache, key, value, metadata.slot_mapping)
+    kwargs = {"query": query, "kv_cache": kv_cache, "metadata": metadata, "scale": scale}
+    return register_task(attend, kwargs, params)

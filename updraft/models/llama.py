@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from updraft.attention.metadata import AttentionMetadata
-from updraft.attention.paged import paged_attention
+from updraft.attention.paged import AttentionParams, paged_attention
 from updraft.config import ModelConfig
 from updraft.models.rope import RotaryEmbedding, apply_rotary
 
@@ -40,8 +40,9 @@ class FusedLinear(nn.Linear):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, name: str) -> None:
         super().__init__()
+        self.params = AttentionParams(layer=name)
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -76,7 +77,7 @@ class Attention(nn.Module):
             qk = apply_rotary(torch.cat([q, k], dim=1), *rotary)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, num_qk_heads:]
-        return self.o_proj(paged_attention(q, k, v, kv_cache, metadata, self.scale))
+        return self.o_proj(paged_attention(q, k, v, kv_cache, metadata, self.scale, self.params))
 
 
 class MLP(nn.Module):
@@ -92,10 +93,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, f"model.layers.{index}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
@@ -114,7 +115,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
