@@ -62,6 +62,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-num-batched-tokens", type=int, default=1024)
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--no-prefix-caching", action="store_true")
+    engine.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run every step eagerly; --no-enforce-eager replays captured decode steps",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -74,6 +80,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,
+        enforce_eager=args.enforce_eager,
     )
 
 
@@ -109,6 +116,11 @@ def run_generate(args: argparse.Namespace) -> int:
         f"[updraft] {tokens} tokens in {elapsed:.2f} s ({tokens / elapsed:.1f} tokens/s, "
         f"decode {decode_rate:.1f} tokens/s), time to first token {ttft * 1000:.0f} ms, "
         f"prompt {metrics.num_prompt_tokens} tokens, finish: {final.outputs[0].finish_reason}",
+        file=sys.stderr,
+    )
+    modes = llm.engine.runner.step_modes
+    print(
+        "[updraft] steps: " + ", ".join(f"{n} {mode}" for mode, n in sorted(modes.items())),
         file=sys.stderr,
     )
     return 0

@@ -148,6 +148,10 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     keep_logits: bool = False  # attach each sampled position's logits to outputs (tests)
+    # Replaying captured decode steps is slower than eager on the CPU for now (each
+    # replayed op also copies its result into the captured output), so it is opt-in.
+    enforce_eager: bool = True
+    capture_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # decode batch buckets
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -158,6 +162,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.capture_sizes or min(self.capture_sizes) < 1:
+            raise ValueError(f"capture_sizes must be sizes >= 1, got {self.capture_sizes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 

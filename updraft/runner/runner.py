@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,7 @@ from updraft.attention.metadata import AttentionMetadata
 from updraft.attention.paged import allocate_kv_cache, kv_cache_bytes_per_block
 from updraft.config import EngineConfig, ModelConfig
 from updraft.models.loader import load_model
+from updraft.runner.captured import CapturedDecode
 from updraft.runner.sampler import sample
 from updraft.runner.step import Step
 
@@ -42,6 +44,18 @@ class Runner:
             self.device,
         )
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.captured = None
+        if not config.enforce_eager:
+            self.captured = CapturedDecode(
+                self.model,
+                self.kv_caches,
+                self.block_size,
+                -(-max_model_len // self.block_size),
+                list(config.capture_sizes),
+                self.device,
+            )
+        # How each step ran: "graph" or "eager (<why>)", counted.
+        self.step_modes: Counter[str] = Counter()
 
     def _num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -61,8 +75,32 @@ class Runner:
             )
         return num_blocks
 
+    def _eager_reason(self, step: Step) -> str | None:
+        if self.captured is None:
+            return "graphs off"
+        if step.num_decodes != step.num_reqs:
+            return "not all decodes"
+        if self.captured.bucket_for(step) is None:
+            return "batch above the largest capture size"
+        return None
+
     @torch.inference_mode()
     def execute(self, step: Step) -> RunnerOutput:
+        reason = self._eager_reason(step)
+        if reason is None:
+            logits = self.captured.run(step, self.captured.bucket_for(step))
+            self.step_modes["graph"] += 1
+        else:
+            logits = self._forward_eager(step)
+            self.step_modes[f"eager ({reason})"] += 1
+        tokens, logprobs = sample(logits, step.sampling, self.generator)
+        return RunnerOutput(
+            token_ids=tokens.tolist(),
+            logprobs=None if logprobs is None else logprobs.tolist(),
+            logits=logits.cpu() if self.config.keep_logits else None,
+        )
+
+    def _forward_eager(self, step: Step) -> torch.Tensor:
         metadata = AttentionMetadata.from_step(step, self.block_size, self.device)
         hidden = self.model(
             step.input_ids.to(self.device),
@@ -70,12 +108,6 @@ class Runner:
             self.kv_caches,
             metadata,
         )
-        logits = self.model.compute_logits(
+        return self.model.compute_logits(
             hidden.index_select(0, step.logits_indices.to(self.device))
-        )
-        tokens, logprobs = sample(logits, step.sampling, self.generator)
-        return RunnerOutput(
-            token_ids=tokens.tolist(),
-            logprobs=None if logprobs is None else logprobs.tolist(),
-            logits=logits.cpu() if self.config.keep_logits else None,
         )

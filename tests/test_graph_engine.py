@@ -1,0 +1,30 @@
+"""With captured decode steps on, the engine gives eager's logits and greedy tokens, and
+reports how each step ran."""
+
+from __future__ import annotations
+
+import torch
+
+from updraft import LLM, SamplingParams
+
+PROMPTS = [list(range(3, 10)), [200, 17], list(range(40, 77)), [5] * 9]
+
+
+def test_graph_replay_matches_eager_through_the_engine(tiny_checkpoint):
+    kind, model_dir = tiny_checkpoint
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    args = dict(keep_logits=True, block_size=4, num_kv_blocks=128, capture_sizes=(1, 2, 4))
+    eager = LLM(model_dir, enforce_eager=True, **args)
+    graph = LLM(model_dir, enforce_eager=False, **args)
+    # Requests join and leave: different lengths finish at different steps.
+    many = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 5, 12, 1)]
+    for prompts, sampling in ((PROMPTS, params), (PROMPTS, many), (PROMPTS[:1], params)):
+        expected = eager.generate(prompts, sampling)
+        got = graph.generate(prompts, sampling)
+        for e, g in zip(expected, got, strict=True):
+            assert g.outputs[0].token_ids == e.outputs[0].token_ids, kind
+            for ge, gg in zip(e.outputs[0].logits, g.outputs[0].logits, strict=True):
+                torch.testing.assert_close(gg, ge, atol=1e-5, rtol=0)
+    modes = graph.engine.runner.step_modes
+    assert modes["graph"] > 0 and modes["eager (not all decodes)"] > 0
+    assert set(eager.engine.runner.step_modes) == {"eager (graphs off)"}
