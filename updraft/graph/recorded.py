@@ -40,6 +40,18 @@ class OpNode:
     kwargs: dict[str, Any]
     outputs: list[torch.Tensor]  # captured results that replay writes into
     rerun: bool
+    out_variant: torch._ops.OpOverload | None = None  # writes straight into outputs[0]
+
+
+def _out_variant(func: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """``func``'s ``out=`` overload when it has the same arguments plus one ``out``."""
+    candidate = getattr(func.overloadpacket, "out", None)
+    if candidate is None or func._schema.is_mutable:
+        return None
+    names = [a.name for a in func._schema.arguments]
+    out_names = [a.name for a in candidate._schema.arguments if not a.is_out]
+    outs = [a for a in candidate._schema.arguments if a.is_out]
+    return candidate if names == out_names and len(outs) == 1 and outs[0].name == "out" else None
 
 
 @dataclass
@@ -151,7 +163,10 @@ class RecordedGraph:
             return
         self.produced.update(_storage(t) for t in outputs)
         rerun = mutates or not func.is_view
-        self.nodes.append(OpNode(func, args, kwargs, [] if mutates else outputs, rerun))
+        out_variant = _out_variant(func) if rerun and len(outputs) == 1 else None
+        self.nodes.append(
+            OpNode(func, args, kwargs, [] if mutates else outputs, rerun, out_variant)
+        )
 
     def record_task(
         self, op: Callable[..., Any], kwargs: dict[str, Any], provider: ParamProvider
@@ -177,6 +192,8 @@ class RecordedGraph:
         for node in self.nodes:
             if isinstance(node, TaskNode):
                 node.output.copy_(node.op(**{**node.kwargs, **next(params)}))
+            elif node.out_variant is not None:
+                node.out_variant(*node.args, **node.kwargs, out=node.outputs[0])
             elif node.rerun:
                 result = node.func(*node.args, **node.kwargs)
                 if node.outputs:  # an in-place op has already written its targets
