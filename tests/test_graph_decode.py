@@ -7,79 +7,11 @@ import pytest
 import torch
 
 from updraft import LLM, SamplingParams
-from updraft.attention.metadata import AttentionMetadata, group_shapes
-from updraft.graph.recorded import RecordedGraph
-from updraft.graph.static_input import StaticInput
-from updraft.graph.updatable import UpdatableGraph
-from updraft.runner.step import PAD_BLOCK, PAD_POSITION, PAD_SLOT, Step, decodes_first, pad_step
+from updraft.attention.metadata import AttentionMetadata
+from updraft.runner.captured import CapturedDecode
+from updraft.runner.step import Step, decodes_first, pad_step
 
 BUCKET = 4  # decode requests per captured step
-MAX_BLOCKS = 16
-
-
-def decode_graph(llm: LLM, capture_step: Step) -> tuple[UpdatableGraph, dict, torch.Tensor]:
-    runner = llm.engine.runner
-    model = runner.model
-    inputs = {
-        "input_ids": StaticInput(
-            "input_ids", torch.zeros(BUCKET, dtype=torch.long), lambda s: s.input_ids, 0
-        ),
-        "positions": StaticInput(
-            "positions", torch.zeros(BUCKET, dtype=torch.long), lambda s: s.positions, PAD_POSITION
-        ),
-        "slot_mapping": StaticInput(
-            "slot_mapping",
-            torch.zeros(BUCKET, dtype=torch.long),
-            lambda s: s.slot_mapping,
-            PAD_SLOT,
-        ),
-        "block_table": StaticInput(
-            "block_table",
-            torch.zeros(BUCKET, MAX_BLOCKS, dtype=torch.long),
-            lambda s: s.block_table,
-            PAD_BLOCK,
-        ),
-        "seq_lens": StaticInput(
-            "seq_lens", torch.zeros(BUCKET, dtype=torch.long), lambda s: torch.tensor(s.seq_lens), 0
-        ),
-        "query_start_loc": StaticInput(
-            "query_start_loc",
-            torch.zeros(BUCKET + 1, dtype=torch.long),
-            lambda s: torch.tensor(s.query_start_loc),
-            0,
-        ),
-    }
-
-    def metadata(step: Step) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=inputs["slot_mapping"].buffer,
-            block_table=inputs["block_table"].buffer,
-            seq_lens=inputs["seq_lens"].buffer,
-            query_start_loc=inputs["query_start_loc"].buffer,
-            shapes=group_shapes(step),
-            block_size=llm.engine.config.block_size,
-            num_padding_tokens=step.num_tokens - step.query_start_loc[-1],
-        )
-
-    backend = RecordedGraph(
-        constants=[*model.parameters(), *model.buffers()],
-        persistent=[*runner.kv_caches, *(i.buffer for i in inputs.values())],
-        module_names={id(m): name or "model" for name, m in model.named_modules()},
-    )
-    graph = UpdatableGraph(backend, list(inputs.values()), metadata)
-
-    def forward() -> torch.Tensor:
-        hidden = model(
-            inputs["input_ids"].buffer,
-            inputs["positions"].buffer,
-            runner.kv_caches,
-            metadata(capture_step),
-        )
-        return model.compute_logits(hidden)
-
-    with torch.inference_mode():
-        logits = graph.capture(forward, capture_step)
-    return graph, inputs, logits
 
 
 def next_decode_step(llm: LLM):
@@ -98,11 +30,13 @@ def run(tiny_llama, skip: str | None = None) -> tuple[list[torch.Tensor], list[t
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     engine.step()  # the prefill runs eagerly
     runner = engine.runner
-    scheduler_output, step = next_decode_step(llm)
-    graph, inputs, graph_logits = decode_graph(llm, pad_step(step, BUCKET, BUCKET))
+    captured = CapturedDecode(runner.model, runner.kv_caches, 4, 16, [BUCKET], runner.device)
+    graph, graph_logits = captured.graphs[BUCKET]
     if skip is not None:
+        (forgotten,) = [i for i in graph.inputs if i.name == skip]
         # A path that forgets one refresh (StaticInput is frozen, hence object.__setattr__).
-        object.__setattr__(inputs[skip], "refresh", lambda values: None)
+        object.__setattr__(forgotten, "refresh", lambda values: None)
+    scheduler_output, step = next_decode_step(llm)
     eager_all, graph_all = [], []
     for _ in range(8):
         saved = [cache.clone() for cache in runner.kv_caches]
