@@ -98,13 +98,36 @@ class AttentionMetadata:
     def from_step(
         cls, step: Step, block_size: int, device: torch.device | str
     ) -> AttentionMetadata:
-        """Decode requests (one query token) come first in a Step, then the rest, then any
-        padding requests (no query tokens), which attend to nothing."""
-        return cls(
+        """Metadata over fresh tensors made from ``step`` (eager forwards)."""
+        return cls.bind(
+            step,
+            block_size,
             slot_mapping=step.slot_mapping.to(device),
             block_table=step.block_table.to(device),
             seq_lens=torch.tensor(step.seq_lens, device=device),
             query_start_loc=torch.tensor(step.query_start_loc, device=device),
+        )
+
+    @classmethod
+    def bind(
+        cls,
+        step: Step,
+        block_size: int,
+        slot_mapping: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+    ) -> AttentionMetadata:
+        """Metadata over the given tensors holding ``step``'s values (a captured graph
+        passes its static input buffers), with ``step``'s host-side shapes.
+
+        Decode requests (one query token) come first in a Step, then the rest, then any
+        padding requests (no query tokens), which attend to nothing."""
+        return cls(
+            slot_mapping=slot_mapping,
+            block_table=block_table,
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
             shapes=group_shapes(step),
             block_size=block_size,
             num_padding_tokens=step.num_tokens - step.query_start_loc[-1],

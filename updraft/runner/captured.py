@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from updraft.attention.metadata import AttentionMetadata, group_shapes
+from updraft.attention.metadata import AttentionMetadata
 from updraft.graph.recorded import RecordedGraph
 from updraft.graph.static_input import StaticInput
 from updraft.graph.updatable import UpdatableGraph
@@ -84,14 +84,13 @@ class CapturedDecode:
         }
 
         def metadata(step: Step) -> AttentionMetadata:
-            return AttentionMetadata(
+            return AttentionMetadata.bind(
+                step,
+                self.block_size,
                 slot_mapping=inputs["slot_mapping"].buffer,
                 block_table=inputs["block_table"].buffer,
                 seq_lens=inputs["seq_lens"].buffer,
                 query_start_loc=inputs["query_start_loc"].buffer,
-                shapes=group_shapes(step),
-                block_size=self.block_size,
-                num_padding_tokens=step.num_tokens - step.query_start_loc[-1],
             )
 
         backend = RecordedGraph(
