@@ -137,8 +137,9 @@ class Engine:
                 continue
             logprob = None if result.logprobs is None else result.logprobs[row]
             logits = None if result.logits is None else result.logits[row]
-            delta = self._append_token(request, result.token_ids[row], logprob, logits, now)
-            outputs.append(self._output(request, delta))
+            token_id = result.token_ids[row]
+            self._append_token(request, token_id, logprob, logits, now)
+            outputs.append(self._output(request, [token_id]))
         return outputs
 
     def _append_token(
@@ -148,7 +149,7 @@ class Engine:
         logprob: float | None,
         logits: torch.Tensor | None,
         now: float,
-    ) -> list[int]:
+    ) -> None:
         request.token_ids.append(token_id)
         if request.first_token_time is None:
             request.first_token_time = now
@@ -158,21 +159,21 @@ class Engine:
             request.logits.append(logits)
         params = request.sampling_params
         stop_string = self.detokenizers[request.request_id].add(token_id)
+        reason = FinishReason.STOP
         if token_id in request.eos_token_ids:
             request.stop_reason = None
-            self._finish(request, FinishReason.STOP, emit=False)
         elif token_id in params.stop_token_ids:
             request.stop_reason = token_id
-            self._finish(request, FinishReason.STOP, emit=False)
         elif stop_string is not None:
             request.stop_reason = stop_string
-            self._finish(request, FinishReason.STOP, emit=False)
         elif (
             request.num_output_tokens >= params.max_tokens
             or request.num_tokens >= self.max_model_len
         ):
-            self._finish(request, FinishReason.LENGTH, emit=False)
-        return [token_id]
+            reason = FinishReason.LENGTH
+        else:
+            return
+        self._finish(request, reason, emit=False)
 
     def _finish(self, request: Request, reason: FinishReason, emit: bool = True) -> None:
         self.scheduler.finish(request, reason)

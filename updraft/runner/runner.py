@@ -75,24 +75,22 @@ class Runner:
             )
         return num_blocks
 
-    def _eager_reason(self, step: Step) -> str | None:
+    def _eager_reason(self, step: Step) -> str:
         if self.captured is None:
             return "graphs off"
         if step.num_decodes != step.num_reqs:
             return "not all decodes"
-        if self.captured.bucket_for(step) is None:
-            return "batch above the largest capture size"
-        return None
+        return "batch above the largest capture size"
 
     @torch.inference_mode()
     def execute(self, step: Step) -> RunnerOutput:
-        reason = self._eager_reason(step)
-        if reason is None:
-            logits = self.captured.run(step, self.captured.bucket_for(step))
+        bucket = None if self.captured is None else self.captured.bucket_for(step)
+        if bucket is not None:
+            logits = self.captured.run(step, bucket)
             self.step_modes["graph"] += 1
         else:
             logits = self._forward_eager(step)
-            self.step_modes[f"eager ({reason})"] += 1
+            self.step_modes[f"eager ({self._eager_reason(step)})"] += 1
         tokens, logprobs = sample(logits, step.sampling, self.generator)
         return RunnerOutput(
             token_ids=tokens.tolist(),
