@@ -7,6 +7,9 @@ that op's output, so downstream ops read it at the same address. Views alias mem
 is refreshed in place and ops on constants (weights) give the same result, so neither is
 re-run. Tasks are re-run with fresh host-side parameters.
 
+Replay runs the recorded ops as segments of pre-bound calls with the tasks between
+them, the same shape a piecewise device graph has.
+
 Capture refuses what a device graph cannot hold: host syncs (``.item()``, ``.tolist()``,
 ``bool(tensor)``) and ops whose output shape depends on data. And it refuses any tensor
 the graph reads that it did not produce and that is not a weight, KV cache or declared
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -112,6 +116,7 @@ class RecordedGraph:
         self.module_names = module_names or {}
         self.module_stack: list[str] = []
         self.undeclared: list[str] = []
+        self._segments: list[list[Callable[[], Any]]] | None = None
 
     # -- capture -----------------------------------------------------------------------
 
@@ -186,16 +191,42 @@ class RecordedGraph:
     def tasks(self) -> list[TaskNode]:
         return [node for node in self.nodes if isinstance(node, TaskNode)]
 
-    def replay(self, task_params: list[dict[str, Any]]) -> None:
-        """Re-run the recorded ops; ``task_params[i]`` updates the kwargs of task i."""
-        params = iter(task_params)
+    def segments(self) -> list[list[Callable[[], Any]]]:
+        """The ops to re-run, bound to their tensors, split at the tasks: segment i runs
+        before task i, and the last segment after the last task."""
+        segments: list[list[Callable[[], Any]]] = [[]]
         for node in self.nodes:
             if isinstance(node, TaskNode):
-                node.output.copy_(node.op(**{**node.kwargs, **next(params)}))
-            elif node.out_variant is not None:
-                node.out_variant(*node.args, **node.kwargs, out=node.outputs[0])
+                segments.append([])
             elif node.rerun:
-                result = node.func(*node.args, **node.kwargs)
-                if node.outputs:  # an in-place op has already written its targets
-                    for captured, fresh in zip(node.outputs, _tensors(result), strict=True):
-                        captured.copy_(fresh)
+                segments[-1].append(_bind(node))
+        return segments
+
+    def replay(self, task_params: list[dict[str, Any]]) -> None:
+        """Re-run the recorded ops; ``task_params[i]`` updates the kwargs of task i."""
+        if self._segments is None:
+            self._segments = self.segments()
+        tasks = self.tasks
+        for i, segment in enumerate(self._segments):
+            for call in segment:
+                call()
+            if i < len(tasks):
+                task = tasks[i]
+                task.output.copy_(task.op(**{**task.kwargs, **task_params[i]}))
+
+
+def _bind(node: OpNode) -> Callable[[], Any]:
+    """One recorded op as a call with no arguments that leaves its result in the
+    captured output tensors. ``_op`` skips the Python wrapper of ``OpOverload``."""
+    if node.out_variant is not None:
+        return partial(node.out_variant._op, *node.args, **node.kwargs, out=node.outputs[0])
+    run = partial(node.func._op, *node.args, **node.kwargs)
+    if not node.outputs:  # an in-place op writes its targets itself
+        return run
+    outputs = node.outputs
+
+    def run_and_copy() -> None:
+        for captured, fresh in zip(outputs, _tensors(run()), strict=True):
+            captured.copy_(fresh)
+
+    return run_and_copy
