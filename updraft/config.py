@@ -152,6 +152,9 @@ class EngineConfig:
     # replayed op also copies its result into the captured output), so it is opt-in.
     enforce_eager: bool = True
     capture_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # decode batch buckets
+    # Check every replay against eager on a copy of the KV cache (graph/sanitize.py).
+    # It copies the whole cache each step: use it with a small one.
+    sanitize: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:

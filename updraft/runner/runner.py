@@ -10,6 +10,7 @@ import torch
 from updraft.attention.metadata import AttentionMetadata
 from updraft.attention.paged import allocate_kv_cache, kv_cache_bytes_per_block
 from updraft.config import EngineConfig, ModelConfig
+from updraft.graph.sanitize import SanitizeReport, checked_replay, default_tolerance
 from updraft.models.loader import load_model
 from updraft.runner.captured import CapturedDecode
 from updraft.runner.sampler import sample
@@ -56,6 +57,9 @@ class Runner:
             )
         # How each step ran: "graph" or "eager (<why>)", counted.
         self.step_modes: Counter[str] = Counter()
+        self.sanitize_report = (
+            SanitizeReport(default_tolerance(self.dtype)) if config.sanitize else None
+        )
 
     def _num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -86,7 +90,7 @@ class Runner:
     def execute(self, step: Step) -> RunnerOutput:
         bucket = None if self.captured is None else self.captured.bucket_for(step)
         if bucket is not None:
-            logits = self.captured.run(step, bucket)
+            logits = self._replay(step, bucket)
             self.step_modes["graph"] += 1
         else:
             logits = self._forward_eager(step)
@@ -98,12 +102,26 @@ class Runner:
             logits=logits.cpu() if self.config.keep_logits else None,
         )
 
-    def _forward_eager(self, step: Step) -> torch.Tensor:
+    def _replay(self, step: Step, bucket: int) -> torch.Tensor:
+        if self.sanitize_report is None:
+            return self.captured.run(step, bucket)
+        return checked_replay(
+            lambda: self.captured.run(step, bucket),
+            lambda kv_caches: self._forward_eager(step, kv_caches),
+            self.kv_caches,
+            self.sanitize_report,
+            label=f"step {self.step_modes.total()} (bucket {bucket}, {step.num_reqs} requests)",
+            live=lambda kv_cache: kv_cache[:, :-1],  # the spare slot takes padded writes
+        )
+
+    def _forward_eager(
+        self, step: Step, kv_caches: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
         metadata = AttentionMetadata.from_step(step, self.block_size, self.device)
         hidden = self.model(
             step.input_ids.to(self.device),
             step.positions.to(self.device),
-            self.kv_caches,
+            self.kv_caches if kv_caches is None else kv_caches,
             metadata,
         )
         return self.model.compute_logits(
