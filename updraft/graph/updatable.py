@@ -56,6 +56,10 @@ class UpdatableGraph:
     def replay(self, step: Any) -> Any:
         values = [static_input.values(step) for static_input in self.inputs]
         params = self._resolve(self.metadata(step))
+        try:
+            self.backend.check(params)
+        except (TypeError, ValueError) as error:
+            raise GraphReplayError(str(error)) from error
         for static_input, value in zip(self.inputs, values, strict=True):
             static_input.refresh(value)
         self.backend.replay(params)

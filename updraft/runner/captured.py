@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from updraft.attention.metadata import AttentionMetadata
+from updraft.graph.cuda import CudaGraph
 from updraft.graph.recorded import RecordedGraph
 from updraft.graph.static_input import StaticInput
 from updraft.graph.updatable import UpdatableGraph
@@ -61,6 +62,8 @@ class CapturedDecode:
                 lambda s: torch.tensor(s.query_start_loc),
             ),
         }
+        # CUDA buckets share one memory pool; the CPU records ops instead.
+        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.graphs: dict[int, tuple[UpdatableGraph, torch.Tensor]] = {}
         with torch.inference_mode():
             for size in reversed(self.sizes):  # largest first, as a device pool wants
@@ -93,11 +96,15 @@ class CapturedDecode:
                 query_start_loc=inputs["query_start_loc"].buffer,
             )
 
-        backend = RecordedGraph(
+        declared = dict(
             constants=[*self.model.parameters(), *self.model.buffers()],
             persistent=[*self.kv_caches, *(i.buffer for i in inputs.values())],
             module_names={id(m): name or "model" for name, m in self.model.named_modules()},
         )
+        if self.pool is None:
+            backend = RecordedGraph(**declared)
+        else:
+            backend = CudaGraph(**declared, pool=self.pool)
         graph = UpdatableGraph(backend, list(inputs.values()), metadata)
         dummy = capture_step(size)
 

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# CUDA checks, run on a machine with a GPU from the repository root:
+#   bash scripts/gpu_check.sh            # results under $OUT (default: gpu-check-out/)
+# 1. the CUDA graph tests (engine on CUDA vs eager, FULL and PIECEWISE graphs), and the
+#    reference tests under that machine's torch build;
+# 2. updraft doctor on the demo model on CUDA (replay vs eager, sanitize mode);
+# 3. the graph-vs-eager decode step benchmark on CUDA.
+# It uses the python on PATH, whose torch must be a CUDA build; pytest, hypothesis and
+# transformers must be importable (the dev extras), and updraft runs from this tree.
+set -uo pipefail
+OUT="${OUT:-gpu-check-out}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PYTHON="${PYTHON:-python3}"
+status=0
+
+run() {  # name, command...: log to $OUT/name.log, remember failures
+  local name=$1
+  shift
+  echo "== $name: $*" | tee -a "$OUT/summary.txt"
+  if "$@" >"$OUT/$name.log" 2>&1; then
+    echo "   ok" | tee -a "$OUT/summary.txt"
+  else
+    echo "   FAILED (exit $?), see $name.log" | tee -a "$OUT/summary.txt"
+    status=1
+  fi
+  tail -n 15 "$OUT/$name.log" >>"$OUT/summary.txt"
+}
+
+"$PYTHON" -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())" \
+  | tee "$OUT/summary.txt"
+run cuda_tests "$PYTHON" -m pytest -q -rs tests/test_cuda_graph.py
+run reference_tests "$PYTHON" -m pytest -q -x tests/test_reference_models.py tests/test_graph_engine.py
+run doctor "$PYTHON" -m updraft doctor --device cuda --dtype float32
+run bench_graphs "$PYTHON" -m benchmarks.bench_graphs --device cuda
+exit $status
