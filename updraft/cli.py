@@ -1,4 +1,4 @@
-"""``updraft`` command line: ``updraft generate --prompt "..."``."""
+"""``updraft`` command line: ``updraft generate --prompt "..."``, ``updraft doctor``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from updraft.config import DTYPES
+from updraft.config import DTYPES, EngineConfig
+from updraft.doctor import doctor
 from updraft.engine.llm import DEMO_MODEL_DIR, LLM
 from updraft.sampling import SamplingParams
 
@@ -39,6 +40,17 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--seed", type=int, default=None)
     sampling.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     sampling.add_argument("--ignore-eos", action="store_true")
+    doctor = commands.add_parser(
+        "doctor",
+        help="check that captured graph replay agrees with eager on this model",
+        description=(
+            "Run the same prompts eagerly and with captured decode steps in sanitize mode "
+            "(each replay also run eagerly on a copy of the KV cache); report the largest "
+            "differences and whether greedy outputs agree. Exits 1 when unhealthy."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_engine_arguments(doctor)
     return parser
 
 
@@ -68,6 +80,21 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="run every step eagerly; --no-enforce-eager replays captured decode steps",
     )
+    engine.add_argument(
+        "--capture-sizes",
+        type=capture_sizes,
+        default=EngineConfig.capture_sizes,
+        help="decode batch sizes to capture, comma-separated",
+    )
+
+
+def capture_sizes(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(size) for size in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"capture sizes must be comma-separated integers, got {text!r}"
+        ) from None
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -81,6 +108,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
+        capture_sizes=args.capture_sizes,
     )
 
 
@@ -131,6 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "doctor":
+            return 0 if doctor(args.model, engine_kwargs(args)) else 1
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

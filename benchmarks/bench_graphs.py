@@ -1,0 +1,107 @@
+"""Per-step decode time, captured graph replay vs eager, on the demo model and a random
+~100M Qwen3-style model, at decode batches of 1, 8 and 32.
+
+For each model and batch, requests with prompts of 64-160 tokens are prefilled, then
+one decode step is timed over and over through ``Runner.execute`` (forward, sampling
+and the KV write at the same slots), alternating replay and eager so that the machine's
+drift affects both alike. The table shows the median of each.
+
+    .venv/bin/python -m benchmarks.bench_graphs [--quick] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import make_random_qwen3, markdown_table
+from updraft import LLM, SamplingParams
+from updraft.engine.llm import DEMO_MODEL_DIR
+from updraft.runner.step import Step, decodes_first
+
+BATCHES = (1, 8, 32)
+
+
+def decode_step(llm: LLM, batch: int, vocab: int, rng: random.Random) -> Step:
+    """Prefill ``batch`` requests and return the next step, in which all of them decode."""
+    engine = llm.engine
+    for _ in range(batch):
+        prompt = [rng.randrange(1, vocab) for _ in range(rng.randint(64, 160))]
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1000))
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
+        engine.step()
+    scheduled = engine.scheduler.schedule()
+    step = Step.build(decodes_first(scheduled.scheduled), engine.config.block_size)
+    assert step.num_decodes == step.num_reqs == batch
+    return step
+
+
+def time_modes(llm: LLM, step: Step, repeats: int) -> tuple[float, float]:
+    """Median seconds per step for (graph, eager), measured alternately."""
+    runner = llm.engine.runner
+    captured = runner.captured
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(2 * (repeats + 2)):
+        graph = i % 2 == 0
+        runner.captured = captured if graph else None
+        start = time.perf_counter()
+        runner.execute(step)
+        if i >= 4:  # two warm-up rounds
+            times[graph].append(time.perf_counter() - start)
+    runner.captured = captured
+    assert runner.step_modes["graph"] == repeats + 2, "the graph steps did not replay"
+    return statistics.median(times[True]), statistics.median(times[False])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats, for a smoke run")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model-dir", type=Path, default=None, help="reuse a saved 100M model")
+    args = parser.parse_args()
+    big = args.model_dir or Path(tempfile.mkdtemp()) / "qwen3-100m"
+    make_random_qwen3(big)
+    dtype = "float32" if args.device == "cpu" else "bfloat16"
+    rows = []
+    for name, model_dir, vocab in (("demo 5.5M", DEMO_MODEL_DIR, 4096), ("Qwen3 100M", big, 32000)):
+        for batch in BATCHES:
+            llm = LLM(
+                model_dir,
+                device=args.device,
+                dtype=dtype,
+                enforce_eager=False,
+                capture_sizes=(batch,),
+                kv_cache_memory_gib=0.5,
+            )
+            step = decode_step(llm, batch, vocab, random.Random(batch))
+            repeats = 5 if args.quick else (40 if name.startswith("demo") else 12)
+            graph, eager = time_modes(llm, step, repeats)
+            rows.append(
+                [
+                    name,
+                    str(batch),
+                    f"{eager * 1e3:.2f}",
+                    f"{graph * 1e3:.2f}",
+                    f"{eager / graph:.2f}x",
+                ]
+            )
+            del llm
+    print(
+        markdown_table(
+            f"decode step time, graph replay vs eager, {args.device}, {dtype}",
+            ["model", "batch", "eager ms/step", "graph ms/step", "graph speedup"],
+            rows,
+        )
+    )
+    if args.device == "cuda":
+        print(f"\n{torch.cuda.get_device_name()}")
+
+
+if __name__ == "__main__":
+    main()
