@@ -28,3 +28,23 @@ def test_graph_replay_matches_eager_through_the_engine(tiny_checkpoint):
     modes = graph.engine.runner.step_modes
     assert modes["graph"] > 0 and modes["eager (not all decodes)"] > 0
     assert set(eager.engine.runner.step_modes) == {"eager (graphs off)"}
+
+
+def test_buffers_keep_their_address_and_padded_rows_their_pad_values(tiny_llama):
+    llm = LLM(tiny_llama, enforce_eager=False, block_size=4, num_kv_blocks=128, capture_sizes=(4,))
+    graph, _ = llm.engine.runner.captured.graphs[4]
+    addresses = {i.name: i.buffer.data_ptr() for i in graph.inputs}
+    # Four requests decode together; three leave after 2 tokens, so the last steps
+    # replay bucket 4 with a single live row.
+    lengths = (12, 2, 2, 2)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    llm.generate(PROMPTS, params)
+    assert {i.name: i.buffer.data_ptr() for i in graph.inputs} == addresses
+    buffers = {i.name: i.buffer for i in graph.inputs}
+    assert (buffers["slot_mapping"][1:] == -1).all()
+    assert (buffers["positions"][1:] == 0).all()
+    assert (buffers["input_ids"][1:] == 0).all()
+    assert (buffers["seq_lens"][1:] == 0).all()
+    assert (buffers["block_table"][1:] == 0).all()
+    assert (buffers["query_start_loc"][1:] == 1).all()  # repeats the last real offset
+    assert buffers["seq_lens"][0] > 0 and buffers["block_table"][0].any()
