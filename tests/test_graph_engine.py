@@ -48,3 +48,13 @@ def test_buffers_keep_their_address_and_padded_rows_their_pad_values(tiny_llama)
     assert (buffers["block_table"][1:] == 0).all()
     assert (buffers["query_start_loc"][1:] == 1).all()  # repeats the last real offset
     assert buffers["seq_lens"][0] > 0 and buffers["block_table"][0].any()
+
+
+def test_graphs_default_to_on_for_cuda_and_off_for_the_cpu():
+    from updraft.config import EngineConfig
+
+    assert not EngineConfig(model="m").use_graphs
+    assert EngineConfig(model="m", device="cuda").use_graphs
+    assert EngineConfig(model="m", device="cuda:1").use_graphs
+    assert not EngineConfig(model="m", device="cuda", enforce_eager=True).use_graphs
+    assert EngineConfig(model="m", enforce_eager=False).use_graphs

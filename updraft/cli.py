@@ -77,8 +77,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--enforce-eager",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="run every step eagerly; --no-enforce-eager replays captured decode steps",
+        default=None,
+        help="run every step eagerly; --no-enforce-eager replays captured decode steps "
+        "(default: graphs on CUDA, eager on the CPU)",
     )
     engine.add_argument(
         "--capture-sizes",

@@ -148,9 +148,10 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     keep_logits: bool = False  # attach each sampled position's logits to outputs (tests)
-    # Replaying captured decode steps is slower than eager on the CPU for now (each
-    # replayed op also copies its result into the captured output), so it is opt-in.
-    enforce_eager: bool = True
+    # None picks per device: captured decode steps on CUDA, where replay removes the
+    # launch overhead; eager on the CPU, where replay only matches eager per step and
+    # capture costs a few seconds at start-up (benchmarks/RESULTS.md).
+    enforce_eager: bool | None = None
     capture_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # decode batch buckets
     # Check every replay against eager on a copy of the KV cache (graph/sanitize.py).
     # It copies the whole cache each step: use it with a small one.
@@ -169,6 +170,12 @@ class EngineConfig:
             raise ValueError(f"capture_sizes must be sizes >= 1, got {self.capture_sizes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+    @property
+    def use_graphs(self) -> bool:
+        if self.enforce_eager is None:
+            return torch.device(self.device).type == "cuda"
+        return not self.enforce_eager
 
     def compute_dtype(self, model_config: ModelConfig) -> torch.dtype:
         if self.dtype != "auto":

@@ -46,7 +46,7 @@ class Runner:
         )
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.captured = None
-        if not config.enforce_eager:
+        if config.use_graphs:
             self.captured = CapturedDecode(
                 self.model,
                 self.kv_caches,
