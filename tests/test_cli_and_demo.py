@@ -60,7 +60,7 @@ def test_generate_command_can_replay_captured_decode_steps(capsys):
     graph = capsys.readouterr()
     assert main(argv) == 0
     assert graph.out == capsys.readouterr().out
-    assert "steps: 1 eager (not all decodes), 11 graph" in graph.err
+    assert "steps: 1 eager (prefill), 11 graph" in graph.err
 
 
 def test_generate_command_reports_bad_input_without_a_traceback(capsys, tmp_path):

@@ -8,7 +8,7 @@ import torch
 
 from updraft import LLM, SamplingParams
 from updraft.attention.metadata import AttentionMetadata
-from updraft.runner.captured import CapturedDecode
+from updraft.runner.captured import CapturedSteps
 from updraft.runner.step import Step, decodes_first, pad_step
 
 BUCKET = 4  # decode requests per captured step
@@ -30,8 +30,8 @@ def run(tiny_llama, skip: str | None = None) -> tuple[list[torch.Tensor], list[t
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     engine.step()  # the prefill runs eagerly
     runner = engine.runner
-    captured = CapturedDecode(runner.model, runner.kv_caches, 4, 16, [BUCKET], runner.device)
-    graph, graph_logits = captured.graphs[BUCKET]
+    captured = CapturedSteps(runner.model, runner.kv_caches, 4, 16, [BUCKET], runner.device)
+    graph, graph_logits = captured.graphs[BUCKET, 1]
     if skip is not None:
         (forgotten,) = [i for i in graph.inputs if i.name == skip]
         # A path that forgets one refresh (StaticInput is frozen, hence object.__setattr__).

@@ -48,6 +48,8 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)  # proposed, to verify next
+    draft_probs: torch.Tensor | None = None  # [k, vocab] the drafts were drawn from
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -12,7 +12,7 @@ from updraft.attention.paged import allocate_kv_cache, kv_cache_bytes_per_block
 from updraft.config import EngineConfig, ModelConfig
 from updraft.graph.sanitize import SanitizeReport, checked_replay, default_tolerance
 from updraft.models.loader import load_model
-from updraft.runner.captured import CapturedDecode
+from updraft.runner.captured import Bucket, CapturedSteps
 from updraft.runner.sampler import sample
 from updraft.runner.step import Step
 
@@ -25,7 +25,17 @@ class RunnerOutput:
 
 
 class Runner:
-    def __init__(self, model_config: ModelConfig, config: EngineConfig, max_model_len: int):
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        max_model_len: int,
+        query_lens: tuple[int, ...] = (1,),
+        num_blocks: int | None = None,
+    ):
+        """``query_lens``: the uniform query lengths to capture (1 for decode steps,
+        1 + k for speculative verify steps). ``num_blocks``: a draft model's runner
+        takes the target's, since both page through the same block ids."""
         self.model_config = model_config
         self.config = config
         self.device = torch.device(config.device)
@@ -34,7 +44,7 @@ class Runner:
         self.model = load_model(
             model_config, config.model, self.dtype, self.device, max_positions=max_model_len
         )
-        self.num_blocks = self._num_blocks()
+        self.num_blocks = self._num_blocks() if num_blocks is None else num_blocks
         self.kv_caches = allocate_kv_cache(
             model_config.num_layers,
             self.num_blocks,
@@ -47,13 +57,14 @@ class Runner:
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.captured = None
         if config.use_graphs:
-            self.captured = CapturedDecode(
+            self.captured = CapturedSteps(
                 self.model,
                 self.kv_caches,
                 self.block_size,
                 -(-max_model_len // self.block_size),
                 list(config.capture_sizes),
                 self.device,
+                query_lens,
             )
         # How each step ran: "graph" or "eager (<why>)", counted.
         self.step_modes: Counter[str] = Counter()
@@ -79,22 +90,22 @@ class Runner:
             )
         return num_blocks
 
-    def _eager_reason(self, step: Step) -> str:
-        if self.captured is None:
-            return "graphs off"
-        if step.num_decodes != step.num_reqs:
-            return "not all decodes"
-        return "batch above the largest capture size"
+    @torch.inference_mode()
+    def forward(self, step: Step) -> torch.Tensor:
+        """Logits [len(step.logits_indices), vocab] of one step, by graph replay when
+        the step fits a captured bucket, else eagerly; ``step_modes`` counts which."""
+        bucket = None if self.captured is None else self.captured.bucket_for(step)
+        if bucket is not None:
+            self.step_modes["graph"] += 1
+            logits = self._replay(step, bucket)
+            return logits.index_select(0, step.logits_indices.to(self.device))
+        why = "graphs off" if self.captured is None else self.captured.why_not(step)
+        self.step_modes[f"eager ({why})"] += 1
+        return self._forward_eager(step)
 
     @torch.inference_mode()
     def execute(self, step: Step) -> RunnerOutput:
-        bucket = None if self.captured is None else self.captured.bucket_for(step)
-        if bucket is not None:
-            logits = self._replay(step, bucket)
-            self.step_modes["graph"] += 1
-        else:
-            logits = self._forward_eager(step)
-            self.step_modes[f"eager ({self._eager_reason(step)})"] += 1
+        logits = self.forward(step)
         tokens, logprobs = sample(logits, step.sampling, self.generator)
         return RunnerOutput(
             token_ids=tokens.tolist(),
@@ -102,12 +113,12 @@ class Runner:
             logits=logits.cpu() if self.config.keep_logits else None,
         )
 
-    def _replay(self, step: Step, bucket: int) -> torch.Tensor:
+    def _replay(self, step: Step, bucket: Bucket) -> torch.Tensor:
         if self.sanitize_report is None:
             return self.captured.run(step, bucket)
         return checked_replay(
             lambda: self.captured.run(step, bucket),
-            lambda kv_caches: self._forward_eager(step, kv_caches),
+            lambda kv_caches: self._forward_eager(step, kv_caches, all_tokens=True),
             self.kv_caches,
             self.sanitize_report,
             label=f"step {self.step_modes.total()} (bucket {bucket}, {step.num_reqs} requests)",
@@ -115,7 +126,7 @@ class Runner:
         )
 
     def _forward_eager(
-        self, step: Step, kv_caches: list[torch.Tensor] | None = None
+        self, step: Step, kv_caches: list[torch.Tensor] | None = None, all_tokens: bool = False
     ) -> torch.Tensor:
         metadata = AttentionMetadata.from_step(step, self.block_size, self.device)
         hidden = self.model(
@@ -124,6 +135,6 @@ class Runner:
             self.kv_caches if kv_caches is None else kv_caches,
             metadata,
         )
-        return self.model.compute_logits(
-            hidden.index_select(0, step.logits_indices.to(self.device))
-        )
+        if not all_tokens:
+            hidden = hidden.index_select(0, step.logits_indices.to(self.device))
+        return self.model.compute_logits(hidden)

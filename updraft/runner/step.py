@@ -8,7 +8,7 @@ nothing real).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -36,6 +36,9 @@ class Step:
     logits_indices: torch.Tensor  # [num_reqs] last token of each request
     num_decodes: int  # the first num_decodes requests have query length 1
     sampling: SamplingBatch
+    # Speculative tokens at the end of each request's query; logits_indices then lists
+    # the last 1 + num_drafts tokens of each request.
+    num_drafts: list[int] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:
@@ -48,12 +51,16 @@ class Step:
     @classmethod
     def build(cls, scheduled: list[tuple[Request, int]], block_size: int) -> Step:
         """``scheduled`` must list requests with one new token first."""
-        input_ids, positions, slots = [], [], []
+        input_ids, positions, slots, num_drafts, logits_indices = [], [], [], [], []
         query_start_loc, query_lens, seq_lens = [0], [], []
         for request, num_new in scheduled:
             start = request.num_computed_tokens
             end = start + num_new
+            known = request.num_tokens
             input_ids.extend(request.token_ids[start:end])
+            if end > known:  # the query ends with draft tokens to verify
+                input_ids.extend(request.draft_token_ids[: end - known])
+            num_drafts.append(max(0, end - known))
             positions.extend(range(start, end))
             blocks = request.block_ids
             slots.extend(
@@ -62,6 +69,9 @@ class Step:
             query_lens.append(num_new)
             seq_lens.append(end)
             query_start_loc.append(query_start_loc[-1] + num_new)
+            logits_indices.extend(
+                range(query_start_loc[-1] - 1 - num_drafts[-1], query_start_loc[-1])
+            )
         width = max(len(request.block_ids) for request, _ in scheduled)
         block_table = torch.full((len(scheduled), width), PAD_BLOCK, dtype=torch.long)
         for row, (request, _) in enumerate(scheduled):
@@ -76,9 +86,10 @@ class Step:
             seq_lens=seq_lens,
             block_table=block_table,
             slot_mapping=torch.tensor(slots, dtype=torch.long),
-            logits_indices=torch.tensor(query_start_loc[1:], dtype=torch.long) - 1,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long),
             num_decodes=num_decodes,
             sampling=SamplingBatch.from_requests([request for request, _ in scheduled]),
+            num_drafts=num_drafts,
         )
 
 
@@ -111,4 +122,5 @@ def pad_step(step: Step, num_tokens: int, num_reqs: int) -> Step:
         query_lens=step.query_lens + [0] * extra_reqs,
         seq_lens=step.seq_lens + [PAD_SEQ_LEN] * extra_reqs,
         block_table=grow(step.block_table, extra_reqs, PAD_BLOCK),
+        num_drafts=step.num_drafts + [0] * extra_reqs,
     )
