@@ -42,12 +42,13 @@ def running_server(settings: ServeSettings | None = None, **engine_args) -> Iter
         listener.close()
 
 
-def metric(base_url: str, name: str) -> float:
-    """The value of one unlabelled-by-us sample of /metrics, e.g. the running gauge."""
+def metric(base_url: str, name: str, label: str = "") -> float:
+    """The value of the first sample of /metrics named ``name`` whose labels contain
+    ``label`` (e.g. 'finish_reason="abort"'); 0 when there is none yet."""
     for line in httpx.get(f"{base_url}/metrics").text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
+        if line.startswith(name + "{") and label in line:
             return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
+    return 0.0
 
 
 def wait_for_idle(base_url: str, timeout: float = 30.0) -> None:

@@ -180,7 +180,8 @@ class AsyncEngine:
                 self._streams[command.request_id] = command.stream
             elif command.request_id in self._streams:
                 del self._streams[command.request_id]
-                self.engine.abort(command.request_id)
+                if self.engine.abort(command.request_id) and self.metrics is not None:
+                    self.metrics.finished("abort")
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()
