@@ -62,7 +62,6 @@ class EngineStats:
     num_waiting: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
-    step_count: int = 0
 
 
 class AsyncEngine:
@@ -74,6 +73,9 @@ class AsyncEngine:
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}  # loop thread only
         self._num_in_flight = 0  # asyncio side only: handlers between add and finish
+        # Each counter has one writer thread, so neither needs a lock.
+        self._adds_sent = 0  # asyncio side
+        self._adds_applied = 0  # loop thread
         self._stop = False
         self._accepting = True
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -98,8 +100,7 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         """Requests accepted but not yet running, including adds the loop has not seen."""
-        pending_adds = sum(isinstance(c, _Add) for c in tuple(self._commands))
-        return self.stats.num_waiting + pending_adds
+        return self.stats.num_waiting + self._adds_sent - self._adds_applied
 
     async def shutdown(self, timeout: float) -> None:
         """Stop taking requests, let the running ones finish (up to ``timeout`` seconds),
@@ -126,6 +127,7 @@ class AsyncEngine:
             raise ShuttingDownError("the server is shutting down")
         stream = _Stream(asyncio.Queue(), time.perf_counter())
         self._num_in_flight += 1
+        self._adds_sent += 1
         self._send(_Add(request_id, prompt, params, stream))
         finished = False
         try:
@@ -149,7 +151,9 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while True:
-                self._apply_commands()
+                if self._commands:
+                    self._apply_commands()
+                    self._publish_stats()  # admission control sees new adds at once
                 if self.engine.has_unfinished:
                     outputs = self.engine.step()
                     self._deliver(outputs)
@@ -171,6 +175,7 @@ class AsyncEngine:
         while self._commands:
             command = self._commands.popleft()
             if isinstance(command, _Add):
+                self._adds_applied += 1
                 try:
                     self.engine.add_request(command.prompt, command.params, command.request_id)
                 except Exception as error:  # a bug in one request must not stop the loop
@@ -222,7 +227,6 @@ class AsyncEngine:
             num_waiting=len(scheduler.waiting),
             kv_blocks_used=pool.num_used,
             kv_blocks_total=pool.num_blocks,
-            step_count=self.stats.step_count + 1,
         )
         self.stats = stats
         if self.metrics is not None:
