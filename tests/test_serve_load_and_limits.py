@@ -101,7 +101,7 @@ def test_a_full_queue_answers_503_with_retry_after_and_recovers():
                 await asyncio.gather(running, waiting, return_exceptions=True)
                 return refused
 
-        refused = asyncio.run(scenario())
+        refused = asyncio.run(asyncio.wait_for(scenario(), timeout=60))
         assert refused.status_code == 503
         assert int(refused.headers["retry-after"]) >= 1
         assert refused.json()["error"]["type"] == "service_unavailable_error"
