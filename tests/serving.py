@@ -20,10 +20,12 @@ MODEL = "updraft-demo"
 
 
 @contextmanager
-def running_server(settings: ServeSettings | None = None, **engine_args) -> Iterator[str]:
+def running_server(
+    settings: ServeSettings | None = None, engine: Engine | None = None, **engine_args
+) -> Iterator[str]:
     """Yields the server's base URL; stops it (draining like SIGTERM) on exit."""
     settings = settings or ServeSettings(model_name=MODEL)
-    engine = Engine(EngineConfig(model=str(DEMO_MODEL_DIR), **engine_args))
+    engine = engine or Engine(EngineConfig(model=str(DEMO_MODEL_DIR), **engine_args))
     server = make_server(engine, settings, log_level="warning")
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))  # the OS picks a free port; no race to reuse it

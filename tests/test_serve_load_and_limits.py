@@ -15,6 +15,9 @@ import httpx
 import openai
 import pytest
 
+from updraft.config import EngineConfig
+from updraft.engine.engine import Engine
+from updraft.engine.llm import DEMO_MODEL_DIR
 from updraft.serve.serving import ServeSettings
 
 from .serving import MODEL, metric, running_server, wait_for_idle
@@ -110,6 +113,22 @@ def test_a_full_queue_answers_503_with_retry_after_and_recovers():
             f"{base_url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}
         )
         assert ok.status_code == 200
+
+
+def test_an_engine_failure_is_a_503_for_everyone_and_an_unhealthy_server():
+    engine = Engine(EngineConfig(model=str(DEMO_MODEL_DIR)))
+
+    def broken_forward(step):
+        raise RuntimeError("simulated device failure")
+
+    engine.runner.execute = broken_forward
+    with running_server(engine=engine) as base_url:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 4}
+        for stream in (False, True):
+            response = httpx.post(f"{base_url}/v1/completions", json={**body, "stream": stream})
+            assert response.status_code == 503
+            assert response.json()["error"]["type"] == "service_unavailable_error"
+        assert httpx.get(f"{base_url}/health").status_code == 503
 
 
 def test_an_api_key_guards_every_v1_route():
