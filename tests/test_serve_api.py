@@ -247,3 +247,13 @@ def test_bad_requests_leave_the_server_serving(base_url, client):
     response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
     assert response.usage.completion_tokens == 4
     wait_for_idle(base_url)
+
+
+def test_serve_help_never_prints_the_api_key(monkeypatch, capsys):
+    from updraft.cli import main
+
+    monkeypatch.setenv("UPDRAFT_API_KEY", "topsecret")
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--api-key" in help_text and "topsecret" not in help_text

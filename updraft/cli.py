@@ -64,8 +64,8 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     )
     http.add_argument(
         "--api-key",
-        default=os.environ.get("UPDRAFT_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $UPDRAFT_API_KEY)",
+        default=None,  # read from the environment later, so --help never prints a key
+        help="require 'Authorization: Bearer KEY' on /v1 routes; falls back to $UPDRAFT_API_KEY",
     )
     http.add_argument(
         "--max-request-bytes", type=int, default=1 << 20, help="larger bodies get 413"
@@ -181,7 +181,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     settings = ServeSettings(
         model_name=args.served_model_name or default_model_name(args.model),
-        api_key=args.api_key or None,
+        api_key=args.api_key or os.environ.get("UPDRAFT_API_KEY") or None,
         max_request_bytes=args.max_request_bytes,
         max_tokens_limit=args.max_tokens_limit,
         max_waiting=args.max_waiting,
