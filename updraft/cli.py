@@ -1,8 +1,10 @@
-"""``updraft`` command line: ``updraft generate --prompt "..."``, ``updraft doctor``."""
+"""``updraft`` command line: ``updraft generate --prompt "..."``, ``updraft serve``,
+``updraft doctor``."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -40,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--seed", type=int, default=None)
     sampling.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     sampling.add_argument("--ignore-eos", action="store_true")
+    add_serve_parser(commands)
     doctor = commands.add_parser(
         "doctor",
         help="check that captured graph replay agrees with eager on this model",
@@ -52,6 +55,53 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_engine_arguments(doctor)
     return parser
+
+
+def add_serve_parser(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser(
+        "serve",
+        help="serve an OpenAI-compatible HTTP API",
+        description=(
+            "Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics "
+            "over HTTP. Binds 127.0.0.1 unless --host says otherwise."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    http = serve.add_argument_group("server")
+    http.add_argument("--host", default="127.0.0.1", help="0.0.0.0 listens on every interface")
+    http.add_argument("--port", type=int, default=8000)
+    http.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients send (default: --model as given, or updraft-demo)",
+    )
+    http.add_argument(
+        "--api-key",
+        default=None,  # read from the environment later, so --help never prints a key
+        help="require 'Authorization: Bearer KEY' on /v1 routes; falls back to $UPDRAFT_API_KEY",
+    )
+    http.add_argument(
+        "--max-request-bytes", type=int, default=1 << 20, help="larger bodies get 413"
+    )
+    http.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=None,
+        help="largest max_tokens a request may ask for (default: the context length)",
+    )
+    http.add_argument(
+        "--max-waiting",
+        type=int,
+        default=256,
+        help="with this many requests queued, new ones get 503 with Retry-After",
+    )
+    http.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=60.0,
+        help="seconds SIGTERM waits for running requests before aborting them",
+    )
+    add_engine_arguments(serve)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -155,11 +205,28 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_serve(args: argparse.Namespace) -> int:
+    from updraft.serve.server import default_model_name, serve
+    from updraft.serve.serving import ServeSettings
+
+    settings = ServeSettings(
+        model_name=args.served_model_name or default_model_name(args.model),
+        api_key=args.api_key or os.environ.get("UPDRAFT_API_KEY") or None,
+        max_request_bytes=args.max_request_bytes,
+        max_tokens_limit=args.max_tokens_limit,
+        max_waiting=args.max_waiting,
+        drain_timeout=args.drain_timeout,
+    )
+    return serve(args.model, engine_kwargs(args), settings, args.host, args.port)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "serve":
+            return run_serve(args)
         if args.command == "doctor":
             return 0 if doctor(args.model, engine_kwargs(args)) else 1
     except (ValueError, FileNotFoundError) as error:

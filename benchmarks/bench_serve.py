@@ -1,0 +1,196 @@
+"""HTTP serving benchmark: ``updraft serve`` on the demo model, driven by an async client.
+
+The server runs as a subprocess on a free loopback port, as a user would run it. One
+client process sends the same requests at several Poisson arrival rates, streaming, and
+once more all at once without streaming. It measures, from the client's side:
+
+* time to first token (TTFT): from sending the request to the first text chunk;
+* inter-token latency (ITL): between consecutive text chunks of one stream;
+* end-to-end latency, request throughput and output tokens/s over the whole run.
+
+    .venv/bin/python benchmarks/bench_serve.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from benchmarks.common import markdown_table
+
+MODEL = "updraft-demo"
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n\n",
+    "class Stack:\n    def __init__(self):",
+    'def parse_args(argv):\n    """Parse the command line."""',
+    "for index, value in enumerate(values):",
+    "with open(path) as f:",
+    "try:\n    import json\nexcept ImportError:",
+    "def __repr__(self):\n        return",
+]
+
+
+@dataclass
+class Result:
+    ttft: float | None = None
+    itls: list[float] = field(default_factory=list)
+    latency: float = 0.0
+    output_tokens: int = 0
+
+
+async def one_request(
+    client: httpx.AsyncClient, prompt: str, max_tokens: int, stream: bool
+) -> Result:
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+    result = Result()
+    start = time.perf_counter()
+    if not stream:
+        response = await client.post("/v1/completions", json=body)
+        response.raise_for_status()
+        result.latency = time.perf_counter() - start
+        result.output_tokens = response.json()["usage"]["completion_tokens"]
+        return result
+    body["stream_options"] = {"include_usage": True}
+    last = None
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            now = time.perf_counter()
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                if last is None:
+                    result.ttft = now - start
+                else:
+                    result.itls.append(now - last)
+                last = now
+            if chunk["usage"]:
+                result.output_tokens = chunk["usage"]["completion_tokens"]
+    result.latency = time.perf_counter() - start
+    return result
+
+
+async def run_load(
+    base_url: str, num_requests: int, rate: float, max_tokens: int, stream: bool
+) -> tuple[list[Result], float]:
+    rng = random.Random(0)
+    limits = httpx.Limits(max_connections=num_requests + 8)
+    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=600) as client:
+        tasks = []
+        start = time.perf_counter()
+        for index in range(num_requests):
+            prompt = PROMPTS[index % len(PROMPTS)]
+            tasks.append(asyncio.create_task(one_request(client, prompt, max_tokens, stream)))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - start
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def ms(value: float) -> str:
+    return "-" if value != value else f"{value * 1000:.0f}"
+
+
+def start_server(max_num_seqs: int) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "updraft", "serve", "--port", str(port)]
+    command += ["--max-num-seqs", str(max_num_seqs), "--max-waiting", "100000"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base_url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError("updraft serve exited at start-up")
+        try:
+            if httpx.get(f"{base_url}/health").status_code == 200:
+                return process, base_url
+        except httpx.TransportError:
+            time.sleep(0.1)
+    process.kill()
+    raise RuntimeError("updraft serve did not start")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer requests, for a smoke run")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    args = parser.parse_args()
+    num_requests = 16 if args.quick else 64
+    max_tokens = 32 if args.quick else 64
+    scenarios = [(4.0, True), (16.0, True), (float("inf"), True), (float("inf"), False)]
+    process, base_url = start_server(args.max_num_seqs)
+    try:
+        asyncio.run(run_load(base_url, 4, float("inf"), 4, True))  # warm-up
+        rows = []
+        for rate, stream in scenarios:
+            results, elapsed = asyncio.run(
+                run_load(base_url, num_requests, rate, max_tokens, stream)
+            )
+            assert all(r.output_tokens == max_tokens for r in results)
+            ttfts = [r.ttft for r in results if r.ttft is not None]
+            itls = [itl for r in results for itl in r.itls]
+            latencies = [r.latency for r in results]
+            rows.append(
+                [
+                    "all at once" if rate == float("inf") else f"{rate:g}/s",
+                    "yes" if stream else "no",
+                    f"{num_requests / elapsed:.2f}",
+                    f"{sum(r.output_tokens for r in results) / elapsed:.0f}",
+                    ms(percentile(ttfts, 50)),
+                    ms(percentile(ttfts, 99)),
+                    ms(percentile(itls, 50)),
+                    ms(percentile(itls, 99)),
+                    ms(statistics.median(latencies)),
+                ]
+            )
+    finally:
+        process.terminate()
+        process.wait(60)
+    header = [
+        "arrivals",
+        "stream",
+        "req/s",
+        "output tok/s",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "ITL p50 ms",
+        "ITL p99 ms",
+        "latency p50 ms",
+    ]
+    title = (
+        f"updraft serve, demo model, {num_requests} requests x {max_tokens} tokens, "
+        f"max_num_seqs {args.max_num_seqs}"
+    )
+    print(markdown_table(title, header, rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""The FastAPI application: routes, API-key check, body-size limit, lifespan.
+
+The routes never touch a file named by a client: the model, its tokenizer and its chat
+template are read once at start-up from the directory the operator gave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from typing import TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from updraft.engine.engine import Engine
+from updraft.serve.chat_template import ChatTemplate
+from updraft.serve.engine_loop import AsyncEngine
+from updraft.serve.errors import APIError, error_body, install_error_handlers
+from updraft.serve.metrics import CONTENT_TYPE, ServerMetrics
+from updraft.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from updraft.serve.serving import OpenAIServing, ServeSettings
+
+T = TypeVar("T")
+
+
+def build_app(engine: Engine, settings: ServeSettings) -> FastAPI:
+    metrics = ServerMetrics(settings.model_name)
+    async_engine = AsyncEngine(engine, metrics)
+    serving = OpenAIServing(async_engine, settings, ChatTemplate.from_dir(engine.config.model))
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        yield
+        # uvicorn has already waited for open responses; this bounds what is left.
+        await async_engine.shutdown(settings.drain_timeout)
+
+    app = FastAPI(title="updraft", version="0.1.0", lifespan=lifespan)
+    app.state.engine = async_engine
+    app.state.metrics = metrics
+    app.state.settings = settings
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+
+    async def require_api_key(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(
+            token.strip().encode(), settings.api_key.encode()
+        ):
+            metrics.rejected(401)
+            raise APIError(
+                401,
+                "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _until_disconnect(request, serving.completion(body))
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _until_disconnect(request, serving.chat(body))
+
+    @v1.get("/models")
+    async def models() -> ModelList:
+        card = ModelCard(
+            id=settings.model_name, created=started, max_model_len=engine.max_model_len
+        )
+        return ModelList(data=[card])
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_alive:
+            return JSONResponse(error_body(503, "the engine loop has stopped"), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T | Response:
+    """Run a handler, cancelling it if the client goes away first, so that a request
+    whose client has left is aborted (and its KV blocks freed) even before its first
+    output or, without streaming, before its last."""
+    work_task = asyncio.ensure_future(work)
+    disconnect_task = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work_task, disconnect_task}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work_task.cancel()
+        raise
+    finally:
+        disconnect_task.cancel()
+    if work_task.done():
+        return work_task.result()
+    work_task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await work_task
+    return Response(status_code=499)  # nobody reads it: the client is gone
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class BodySizeLimit:
+    """413 for a body over ``max_bytes``. The body is read here in full (it is small by
+    construction) and replayed to the app, so the limit holds for chunked bodies too."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            await self._refuse(scope, receive, send)
+            return
+        body = bytearray()
+        more_body = True
+        while more_body:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before sending its body
+            body += message.get("body", b"")
+            more_body = message.get("more_body", False)
+            if len(body) > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # after the body: wait for a disconnect
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        message = f"request body is larger than this server's limit of {self.max_bytes} bytes"
+        response = JSONResponse(error_body(413, message), status_code=413)
+        await response(scope, receive, send)

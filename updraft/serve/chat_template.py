@@ -1,0 +1,89 @@
+"""Turning chat messages into one prompt string.
+
+A checkpoint's own template comes first: ``chat_template.jinja`` beside the weights, or
+``chat_template`` in ``tokenizer_config.json`` (a string, or a list of named templates of
+which ``default`` is used). A checkpoint without one, like the demo model, gets
+``SIMPLE_CHAT_TEMPLATE``: each message as ``<|role|>``, a newline, its content and a
+newline, then ``<|assistant|>`` and a newline for the reply::
+
+    <|system|>
+    You write Python.
+    <|user|>
+    Sort a list.
+    <|assistant|>
+
+Templates render in jinja2's immutable sandbox, as in transformers, because a
+checkpoint's template is code from whoever published the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+SIMPLE_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+class ChatTemplateError(ValueError):
+    """The messages do not fit the template (the template raised or failed)."""
+
+
+class ChatTemplate:
+    def __init__(self, source: str, special_tokens: dict[str, str] | None = None) -> None:
+        self.source = source
+        self.special_tokens = special_tokens or {}
+        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        environment.globals["raise_exception"] = _raise_exception
+        self._template = environment.from_string(source)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ChatTemplate:
+        model_dir = Path(model_dir)
+        config: dict[str, Any] = {}
+        config_path = model_dir / "tokenizer_config.json"
+        if config_path.is_file():
+            config = json.loads(config_path.read_text())
+        special_tokens = {
+            name: _token_text(config.get(name)) for name in ("bos_token", "eos_token")
+        }
+        jinja_path = model_dir / "chat_template.jinja"
+        if jinja_path.is_file():
+            return cls(jinja_path.read_text(), special_tokens)
+        source = config.get("chat_template")
+        if isinstance(source, list):
+            named = {entry.get("name"): entry.get("template") for entry in source}
+            source = named.get("default")
+        return cls(source or SIMPLE_CHAT_TEMPLATE, special_tokens)
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+            )
+        # Any failure here is about the messages or the template, never the server.
+        except Exception as error:
+            raise ChatTemplateError(
+                f"the chat template cannot render these messages: {error}"
+            ) from error
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _token_text(token: object) -> str:
+    # tokenizer_config.json writes a token either as its text or as an AddedToken dict.
+    if isinstance(token, dict):
+        return str(token.get("content", ""))
+    return "" if token is None else str(token)

@@ -1,0 +1,288 @@
+"""The OpenAI request and response bodies, as pydantic models.
+
+Requests are validated strictly (``"5"`` is not a number) and unknown fields are
+ignored, as OpenAI-compatible servers commonly do, so clients that send fields updraft
+has no use for (``user``, ``metadata``) still work. Known OpenAI fields that updraft
+cannot honour (``n > 1``, penalties, ``logit_bias``, ``echo``, tools) are refused with a
+400 naming the field rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from updraft.sampling import SamplingParams
+from updraft.serve.errors import APIError
+
+# torch.Generator.manual_seed takes any 64-bit value, signed or unsigned.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# The sampler holds top_k in an int64 tensor; no vocabulary comes near this.
+TOP_K_MAX = 2**31 - 1
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(default=None, ge=-1, le=TOP_K_MAX)
+    min_p: float | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise APIError(400, "n: only n=1 is supported", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0):
+                raise APIError(400, f"{name}: penalties are not supported", param=name)
+        if self.logit_bias:
+            raise APIError(400, "logit_bias: not supported", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(
+                400, "stream_options: only allowed when stream is true", param="stream_options"
+            )
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def sampling_params(
+        self, default_max_tokens: int, max_tokens_limit: int, logprobs: bool
+    ) -> SamplingParams:
+        max_tokens = self.requested_max_tokens()
+        max_tokens = default_max_tokens if max_tokens is None else max_tokens
+        if max_tokens > max_tokens_limit:
+            raise APIError(
+                400,
+                f"max_tokens: {max_tokens} is more than this server's limit of {max_tokens_limit}",
+                param="max_tokens",
+            )
+        values = dict(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+        )
+        try:
+            return SamplingParams(
+                **{name: value for name, value in values.items() if value is not None},
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+            )
+        except ValueError as error:
+            # SamplingParams names the field as "SamplingParams.<field> must be ...".
+            message = str(error).removeprefix("SamplingParams.")
+            param = message.split(" ", 1)[0]
+            raise APIError(400, message, param=param) from error
+
+
+class CompletionRequest(_Request):
+    # One prompt per request: text, token ids, or a one-element list of either.
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise APIError(400, "echo: not supported", param="echo")
+        if self.best_of not in (None, 1):
+            raise APIError(400, "best_of: only 1 is supported", param="best_of")
+        if self.suffix:
+            raise APIError(400, "suffix: not supported", param="suffix")
+
+    def single_prompt(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):
+            return prompt
+        if len(prompt) != 1:
+            raise APIError(
+                400,
+                f"prompt: one prompt per request is supported, got a batch of {len(prompt)}",
+                param="prompt",
+            )
+        return prompt[0]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise APIError(400, "tools: tool calling is not supported", param="tools")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise APIError(
+                400,
+                "response_format: only text output is supported",
+                param="response_format",
+            )
+
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+
+# -- responses ---------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    # Only the sampled token's log-probability is computed; alternatives are not.
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatLogprob]
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "updraft"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

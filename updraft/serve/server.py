@@ -1,0 +1,57 @@
+"""Running the app under uvicorn: ``updraft serve``."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from typing import Any
+
+import uvicorn
+
+from updraft.config import EngineConfig
+from updraft.engine.engine import Engine
+from updraft.engine.llm import DEMO_MODEL_DIR
+from updraft.serve.app import build_app
+from updraft.serve.serving import ServeSettings
+
+DEMO_MODEL_NAME = "updraft-demo"
+
+
+def default_model_name(model: str | None) -> str:
+    return DEMO_MODEL_NAME if model is None else model
+
+
+def make_server(
+    engine: Engine,
+    settings: ServeSettings,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    **uvicorn_args: Any,
+) -> uvicorn.Server:
+    app = build_app(engine, settings)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        # uvicorn waits this long for open responses after SIGTERM before cancelling them.
+        timeout_graceful_shutdown=settings.drain_timeout,
+        **{"log_level": "info", **uvicorn_args},
+    )
+    return uvicorn.Server(config)
+
+
+def serve(
+    model: str | None,
+    engine_args: dict[str, Any],
+    settings: ServeSettings,
+    host: str,
+    port: int,
+) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    engine = Engine(EngineConfig(model=str(model or DEMO_MODEL_DIR), **engine_args))
+    server = make_server(engine, settings, host, port)
+    # uvicorn drains on SIGTERM and then raises the signal again; with this handler in
+    # place that second delivery is a no-op, so a drained server exits 0.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    server.run()
+    return 0 if server.started else 1
