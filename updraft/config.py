@@ -156,6 +156,11 @@ class EngineConfig:
     # Check every replay against eager on a copy of the KV cache (graph/sanitize.py).
     # It copies the whole cache each step: use it with a small one.
     sanitize: bool = False
+    # Speculative decoding: a draft model directory, or method "ngram" (prompt lookup).
+    speculative_model: str | None = None
+    speculative_method: str | None = None  # "draft" (implied by speculative_model), "ngram"
+    num_speculative_tokens: int = 3
+    speculative_enforce_eager: bool | None = None  # the draft's graphs; None: as the target
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -168,6 +173,22 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.capture_sizes or min(self.capture_sizes) < 1:
             raise ValueError(f"capture_sizes must be sizes >= 1, got {self.capture_sizes}")
+        if self.speculative_model is not None and self.speculative_method is None:
+            self.speculative_method = "draft"
+        if self.speculative_method not in (None, "draft", "ngram"):
+            raise ValueError(
+                f"speculative_method must be 'draft' or 'ngram', got {self.speculative_method!r}"
+            )
+        if (self.speculative_method == "draft") != (self.speculative_model is not None):
+            raise ValueError(
+                "speculative_method 'draft' needs speculative_model (a draft checkpoint "
+                f"directory), and only it takes one; got method {self.speculative_method!r} "
+                f"with model {self.speculative_model!r}"
+            )
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be an int >= 1, got {self.num_speculative_tokens!r}"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 

@@ -26,6 +26,7 @@ from updraft.engine.scheduler import Scheduler
 from updraft.runner.runner import Runner
 from updraft.runner.step import Step, decodes_first
 from updraft.sampling import SamplingParams
+from updraft.spec.speculator import Speculator, StepTokens
 from updraft.tokenizer import Detokenizer, Tokenizer
 
 
@@ -35,7 +36,9 @@ class Engine:
         self.model_config = ModelConfig.from_dir(config.model)
         self.tokenizer = Tokenizer.from_dir(config.model)
         self.context_len = config.max_model_len or self.model_config.max_position_embeddings
-        self.runner = Runner(self.model_config, config, self.context_len)
+        k = config.num_speculative_tokens
+        query_lens = (1, 1 + k) if config.speculative_method else (1,)
+        self.runner = Runner(self.model_config, config, self.context_len, query_lens)
         self.block_pool = BlockPool(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -45,6 +48,9 @@ class Engine:
         self.scheduler = Scheduler(
             KVCacheManager(self.block_pool), config.max_num_seqs, config.max_num_batched_tokens
         )
+        self.speculator = None
+        if config.speculative_method is not None:
+            self.speculator = Speculator(config, self.runner, self.scheduler.kv, self.max_model_len)
         self.detokenizers: dict[str, Detokenizer] = {}
         self.pending_outputs: list[RequestOutput] = []
         self._ids = itertools.count()
@@ -128,19 +134,39 @@ class Engine:
         if not scheduler_output.scheduled:
             return outputs
         scheduler_output.scheduled = decodes_first(scheduler_output.scheduled)
+        requests = [request for request, _ in scheduler_output.scheduled]
         step = Step.build(scheduler_output.scheduled, self.config.block_size)
-        result = self.runner.execute(step)
+        produced = self._run(step, requests)
         now = time.perf_counter()
-        sampled = {request.request_id for request in self.scheduler.update(scheduler_output)}
-        for row, (request, _) in enumerate(scheduler_output.scheduled):
+        accepted = dict(zip(step.request_ids, produced.num_accepted, strict=True))
+        sampled = {r.request_id for r in self.scheduler.update(scheduler_output, accepted)}
+        for row, request in enumerate(requests):
             if request.request_id not in sampled:
                 continue
-            logprob = None if result.logprobs is None else result.logprobs[row]
-            logits = None if result.logits is None else result.logits[row]
-            token_id = result.token_ids[row]
-            self._append_token(request, token_id, logprob, logits, now)
-            outputs.append(self._output(request, [token_id]))
+            appended = []
+            for i, token_id in enumerate(produced.token_ids[row]):
+                logprob = None if produced.logprobs is None else produced.logprobs[row][i]
+                logits = None if produced.logits is None else produced.logits[row][i]
+                self._append_token(request, token_id, logprob, logits, now)
+                appended.append(token_id)
+                if request.finished:
+                    break
+            self.scheduler.release_unused_blocks(request)
+            outputs.append(self._output(request, appended))
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         return outputs
+
+    def _run(self, step: Step, requests: list[Request]) -> StepTokens:
+        if self.speculator is not None:
+            return self.speculator.run(step, requests)
+        result = self.runner.execute(step)
+        return StepTokens(
+            token_ids=[[token] for token in result.token_ids],
+            num_accepted=[0] * len(requests),
+            logprobs=None if result.logprobs is None else [[lp] for lp in result.logprobs],
+            logits=None if result.logits is None else [[row] for row in result.logits],
+        )
 
     def _append_token(
         self,
@@ -211,6 +237,7 @@ class Engine:
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_output_tokens=request.num_output_tokens,
                 num_preemptions=request.num_preemptions,
+                spec=None if self.speculator is None else request.spec,
             ),
             error=request.error,
         )

@@ -126,12 +126,21 @@ class KVCacheManager:
         return True
 
     def register_computed(self, request: Request) -> None:
-        """Offer the request's newly completed full blocks to the prefix cache."""
-        full_blocks = request.num_computed_tokens // self.block_size
+        """Offer the request's newly completed full blocks to the prefix cache (only
+        blocks whose tokens are all known: accepted drafts are appended after)."""
+        computed = min(request.num_computed_tokens, request.num_tokens)
+        full_blocks = computed // self.block_size
         hashes = self._hashes(request, full_blocks)
         for index in range(request.num_registered_blocks, full_blocks):
             self.pool.register(request.block_ids[index], hashes[index])
         request.num_registered_blocks = max(request.num_registered_blocks, full_blocks)
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Keep only the blocks that hold the first ``num_tokens`` positions."""
+        keep = -(-num_tokens // self.block_size)
+        if len(request.block_ids) > keep:
+            self.pool.free(request.block_ids[keep:][::-1])
+            del request.block_ids[keep:]
 
     def free(self, request: Request) -> None:
         self.pool.free(request.block_ids[::-1])

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from updraft.sampling import SamplingParams
+from updraft.spec.metrics import SpecMetrics
 
 
 class RequestStatus(enum.Enum):
@@ -50,6 +51,7 @@ class Request:
     num_preemptions: int = 0
     draft_token_ids: list[int] = field(default_factory=list)  # proposed, to verify next
     draft_probs: torch.Tensor | None = None  # [k, vocab] the drafts were drawn from
+    spec: SpecMetrics = field(default_factory=SpecMetrics)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -98,6 +100,7 @@ class RequestMetrics:
     num_prompt_tokens: int
     num_output_tokens: int
     num_preemptions: int
+    spec: SpecMetrics | None = None  # with speculative decoding
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -54,7 +54,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_known = request.num_tokens - request.num_computed_tokens
+            # Drafts to verify ride along when the budget has room; extra ones are dropped.
+            del request.draft_token_ids[max(0, budget - num_known) :]
+            num_new = min(num_known + len(request.draft_token_ids), budget)
             while not self.kv.allocate(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -82,16 +85,31 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def update(self, out: SchedulerOutput) -> list[Request]:
+    def update(
+        self, out: SchedulerOutput, num_accepted: dict[str, int] | None = None
+    ) -> list[Request]:
         """Advance computed tokens after the forward; returns the requests whose sampled
-        token is real (their whole known sequence is now computed)."""
+        token is real (their whole known sequence is now computed). Of a request's
+        drafts only the ``num_accepted[request_id]`` accepted ones count as computed:
+        the KV written for the rest is rolled back by not counting it."""
         sampled = []
         for request, num_new in out.scheduled:
-            request.num_computed_tokens += num_new
-            self.kv.register_computed(request)
+            num_drafts = len(request.draft_token_ids)
+            accepted = (num_accepted or {}).get(request.request_id, 0)
+            request.num_computed_tokens += num_new - num_drafts
             if request.num_computed_tokens == request.num_tokens:
                 sampled.append(request)
+            request.num_computed_tokens += accepted
+            request.draft_token_ids = []
+            request.draft_probs = None
+            self.kv.register_computed(request)
         return sampled
+
+    def release_unused_blocks(self, request: Request) -> None:
+        """Free blocks past the request's known tokens, such as those taken for drafts
+        that were rejected."""
+        if not request.finished:
+            self.kv.trim(request, request.num_tokens)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         if request.finished:
@@ -107,6 +125,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        request.draft_token_ids = []
+        request.draft_probs = None
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING

@@ -9,6 +9,7 @@ nothing real).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 
@@ -21,6 +22,13 @@ PAD_POSITION = 0
 PAD_SLOT = -1
 PAD_BLOCK = 0
 PAD_SEQ_LEN = 0
+
+
+class Query(NamedTuple):
+    request: Request
+    start: int  # position of the first token
+    tokens: list[int]
+    num_drafts: int = 0  # the last tokens are drafts to verify: keep their logits too
 
 
 @dataclass
@@ -50,35 +58,47 @@ class Step:
 
     @classmethod
     def build(cls, scheduled: list[tuple[Request, int]], block_size: int) -> Step:
-        """``scheduled`` must list requests with one new token first."""
-        input_ids, positions, slots, num_drafts, logits_indices = [], [], [], [], []
-        query_start_loc, query_lens, seq_lens = [0], [], []
+        """The step the scheduler chose: each request's next ``num_new`` tokens from its
+        first uncomputed one, ending with its draft tokens when it has any to verify.
+        ``scheduled`` must list requests with one new token first."""
+        queries = []
         for request, num_new in scheduled:
             start = request.num_computed_tokens
-            end = start + num_new
             known = request.num_tokens
-            input_ids.extend(request.token_ids[start:end])
-            if end > known:  # the query ends with draft tokens to verify
-                input_ids.extend(request.draft_token_ids[: end - known])
-            num_drafts.append(max(0, end - known))
+            tokens = request.token_ids[start : start + num_new]
+            num_drafts = max(0, start + num_new - known)
+            drafts = request.draft_token_ids[:num_drafts]
+            queries.append(Query(request, start, tokens + drafts, num_drafts))
+        return cls.from_queries(queries, block_size)
+
+    @classmethod
+    def from_queries(cls, queries: list[Query], block_size: int) -> Step:
+        """One forward over ``queries``, in order."""
+        input_ids, positions, slots, num_drafts, logits_indices = [], [], [], [], []
+        query_start_loc, query_lens, seq_lens = [0], [], []
+        for request, start, tokens, drafts in queries:
+            end = start + len(tokens)
+            input_ids.extend(tokens)
+            num_drafts.append(drafts)
             positions.extend(range(start, end))
             blocks = request.block_ids
             slots.extend(
                 blocks[p // block_size] * block_size + p % block_size for p in range(start, end)
             )
-            query_lens.append(num_new)
+            query_lens.append(len(tokens))
             seq_lens.append(end)
-            query_start_loc.append(query_start_loc[-1] + num_new)
+            query_start_loc.append(end - start + query_start_loc[-1])
             logits_indices.extend(
                 range(query_start_loc[-1] - 1 - num_drafts[-1], query_start_loc[-1])
             )
-        width = max(len(request.block_ids) for request, _ in scheduled)
-        block_table = torch.full((len(scheduled), width), PAD_BLOCK, dtype=torch.long)
-        for row, (request, _) in enumerate(scheduled):
+        requests = [query.request for query in queries]
+        width = max(len(request.block_ids) for request in requests)
+        block_table = torch.full((len(requests), width), PAD_BLOCK, dtype=torch.long)
+        for row, request in enumerate(requests):
             block_table[row, : len(request.block_ids)] = torch.tensor(request.block_ids)
         num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
         return cls(
-            request_ids=[request.request_id for request, _ in scheduled],
+            request_ids=[request.request_id for request in requests],
             input_ids=torch.tensor(input_ids, dtype=torch.long),
             positions=torch.tensor(positions, dtype=torch.long),
             query_start_loc=query_start_loc,
@@ -88,7 +108,7 @@ class Step:
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             logits_indices=torch.tensor(logits_indices, dtype=torch.long),
             num_decodes=num_decodes,
-            sampling=SamplingBatch.from_requests([request for request, _ in scheduled]),
+            sampling=SamplingBatch.from_requests(requests),
             num_drafts=num_drafts,
         )
 
