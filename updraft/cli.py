@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from updraft.config import DTYPES, EngineConfig
 from updraft.doctor import doctor
-from updraft.engine.llm import DEMO_MODEL_DIR, LLM
+from updraft.engine.llm import DEMO_DRAFT_DIR, DEMO_MODEL_DIR, LLM
 from updraft.sampling import SamplingParams
 
 
@@ -138,6 +138,27 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="decode batch sizes to capture, comma-separated",
     )
 
+    spec = parser.add_argument_group("speculative decoding")
+    spec.add_argument(
+        "--speculative-model",
+        default=None,
+        help="draft model checkpoint directory (same tokenizer as the target); the demo "
+        f"draft is {DEMO_DRAFT_DIR}",
+    )
+    spec.add_argument(
+        "--speculative-method",
+        choices=["draft", "ngram"],
+        default=None,
+        help="ngram: prompt lookup, no model; draft: implied by --speculative-model",
+    )
+    spec.add_argument("--num-speculative-tokens", type=int, default=3, help="drafts per step")
+    spec.add_argument(
+        "--speculative-enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the draft model's steps eagerly (default: as the target)",
+    )
+
 
 def capture_sizes(text: str) -> tuple[int, ...]:
     try:
@@ -160,6 +181,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
         capture_sizes=args.capture_sizes,
+        speculative_model=args.speculative_model,
+        speculative_method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        speculative_enforce_eager=args.speculative_enforce_eager,
     )
 
 
@@ -197,12 +222,20 @@ def run_generate(args: argparse.Namespace) -> int:
         f"prompt {metrics.num_prompt_tokens} tokens, finish: {final.outputs[0].finish_reason}",
         file=sys.stderr,
     )
-    modes = llm.engine.runner.step_modes
-    print(
-        "[updraft] steps: " + ", ".join(f"{n} {mode}" for mode, n in sorted(modes.items())),
-        file=sys.stderr,
-    )
+    print(f"[updraft] steps: {format_modes(llm.engine.runner.step_modes)}", file=sys.stderr)
+    speculator = llm.engine.speculator
+    if speculator is not None:
+        print(f"[updraft] speculative: {speculator.metrics.summary()}", file=sys.stderr)
+        draft_runner = getattr(speculator.proposer, "runner", None)
+        if draft_runner is not None:
+            print(
+                f"[updraft] draft steps: {format_modes(draft_runner.step_modes)}", file=sys.stderr
+            )
     return 0
+
+
+def format_modes(modes: dict[str, int]) -> str:
+    return ", ".join(f"{n} {mode}" for mode, n in sorted(modes.items()))
 
 
 def run_serve(args: argparse.Namespace) -> int:

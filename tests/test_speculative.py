@@ -1,0 +1,219 @@
+"""Speculative decoding through the engine: greedy outputs equal plain greedy decoding,
+acceptance does not depend on whether steps replay graphs, and a draft step that reads
+stale buffers shows up as lost acceptance."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from updraft import LLM, SamplingParams
+from updraft.engine.llm import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
+from updraft.graph.static_input import StaticInput
+from updraft.spec.draft_model import DraftModel
+
+CODE_PROMPTS = [
+    "def fibonacci(n):",
+    "import os\n\n\ndef list_files(path):",
+    "class Stack:\n    def __init__(self):",
+    "for i in range(10):",
+]
+
+
+def token_prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 256) for _ in range(rng.randint(3, 40))] for _ in range(count)]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [output.outputs[0].token_ids for output in outputs]
+
+
+def speculative_args(method: str, draft_dir) -> dict:
+    if method == "ngram":
+        return {"speculative_method": "ngram"}
+    return {"speculative_model": str(draft_dir)}
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_with_speculation_equals_greedy_without_on_the_demo_model(method, k):
+    prompts = CODE_PROMPTS * 4  # a mixed batch of 16, lengths differ
+    params = [greedy(n) for n in (40, 7, 23, 31) * 4]
+    expected = token_ids(LLM().generate(prompts, params))
+    for batch in (prompts[:1], prompts):
+        llm = LLM(num_speculative_tokens=k, **speculative_args(method, DEMO_DRAFT_DIR))
+        got = token_ids(llm.generate(batch, params[: len(batch)]))
+        assert got == expected[: len(batch)]
+        assert llm.engine.block_pool.num_used == 0
+        assert llm.engine.speculator.metrics.rounds > 0
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_greedy_with_speculation_equals_greedy_without_on_tiny_models(tmp_path, kind):
+    from tests.conftest import make_tiny_checkpoint
+
+    target = make_tiny_checkpoint(kind, tmp_path / "target", seed=0)
+    draft = make_tiny_checkpoint(kind, tmp_path / "draft", seed=1)
+    prompts = token_prompts(16)
+    params = [greedy(n) for n in (24, 5, 17, 11) * 4]
+    args = dict(block_size=4, num_kv_blocks=512)
+    expected = token_ids(LLM(target, **args).generate(prompts, params))
+    for method in ("draft", "ngram"):
+        for k in (1, 3, 5):
+            llm = LLM(target, num_speculative_tokens=k, **args, **speculative_args(method, draft))
+            assert token_ids(llm.generate(prompts, params)) == expected, (method, k)
+            assert llm.engine.block_pool.num_used == 0
+
+
+def self_drafting(model_dir, **engine_args) -> LLM:
+    """The target drafts for itself: under greedy decoding every draft must be accepted,
+    so any stale state in a draft step shows up as rejections."""
+    return LLM(
+        model_dir,
+        speculative_model=str(model_dir),
+        num_speculative_tokens=3,
+        block_size=4,
+        num_kv_blocks=512,
+        capture_sizes=(1, 2, 4, 8, 16),
+        **engine_args,
+    )
+
+
+def test_a_model_drafting_for_itself_has_every_draft_accepted(tiny_llama):
+    for eager in (True, False):
+        llm = self_drafting(tiny_llama, enforce_eager=eager)
+        llm.generate(token_prompts(6), [greedy(n) for n in (20, 9, 14, 3, 17, 12)])
+        metrics = llm.engine.speculator.metrics
+        assert metrics.num_draft_tokens > 50
+        assert metrics.acceptance_rate == 1.0, metrics.summary()
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_acceptance_with_graphs_equals_acceptance_without(batch):
+    prompts = (CODE_PROMPTS * 4)[:batch]
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=i, ignore_eos=True)
+        for i in range(batch)
+    ]
+    results = {}
+    for eager in (True, False):
+        llm = LLM(speculative_model=str(DEMO_DRAFT_DIR), enforce_eager=eager)
+        outputs = llm.generate(prompts, params)
+        metrics = llm.engine.speculator.metrics
+        results[eager] = (token_ids(outputs), metrics.proposed, metrics.accepted)
+        if not eager:
+            assert llm.engine.runner.step_modes["graph"] > 0
+            assert llm.engine.speculator.proposer.step_modes["graph"] > 0
+    assert results[True] == results[False]
+
+
+def test_draft_steps_replay_graphs_and_verify_never_falls_back_silently():
+    llm = LLM(speculative_model=str(DEMO_DRAFT_DIR), enforce_eager=False)
+    llm.generate(CODE_PROMPTS, [greedy(30)] * len(CODE_PROMPTS))
+    target_modes = llm.engine.runner.step_modes
+    draft_modes = llm.engine.speculator.proposer.step_modes
+    # The only eager steps are the prefills; every verify and draft step replayed.
+    assert set(target_modes) == {"graph", "eager (prefill)"}
+    assert set(draft_modes) == {"graph", "eager (prefill)"}
+
+
+def skip_refresh(monkeypatch, name: str) -> None:
+    """Draft graphs stop refreshing one input (the target's are left alone)."""
+    refresh = StaticInput.refresh
+    draft_buffers: set[int] = set()
+    make = DraftModel.__init__
+
+    def init(self, *args, **kwargs):
+        make(self, *args, **kwargs)
+        for graph, _ in self.runner.captured.graphs.values():
+            draft_buffers.update(id(i.buffer) for i in graph.inputs if i.name == name)
+
+    def forgetful(self, values):
+        if id(self.buffer) not in draft_buffers:
+            refresh(self, values)
+
+    monkeypatch.setattr(DraftModel, "__init__", init)
+    monkeypatch.setattr(StaticInput, "refresh", forgetful)
+
+
+@pytest.mark.parametrize("name", ["block_table", "slot_mapping"])
+def test_a_draft_graph_that_skips_a_refresh_loses_acceptance(tiny_llama, monkeypatch, name):
+    skip_refresh(monkeypatch, name)
+    llm = self_drafting(tiny_llama, enforce_eager=False)
+    llm.generate(token_prompts(6), [greedy(n) for n in (20, 9, 14, 3, 17, 12)])
+    assert llm.engine.speculator.metrics.acceptance_rate < 0.9
+
+
+def test_a_first_draft_step_on_the_previous_batch_loses_acceptance(tiny_llama, monkeypatch):
+    previous = {}
+    observe = DraftModel.observe
+
+    def stale_observe(self, step):
+        # The bug this guards against: the first draft step runs on what was prepared
+        # for the previous batch instead of the step the target just ran.
+        observe(self, previous.get("step", step))
+        previous["step"] = step
+
+    monkeypatch.setattr(DraftModel, "observe", stale_observe)
+    llm = self_drafting(tiny_llama, enforce_eager=False)
+    llm.generate(token_prompts(6), [greedy(n) for n in (20, 9, 14, 3, 17, 12)])
+    assert llm.engine.speculator.metrics.acceptance_rate < 0.9
+
+
+def test_prefills_preemption_and_abort_mix_with_speculation(tiny_llama):
+    """A tight cache forces preemption mid-speculation; requests arrive while others
+    verify; one is aborted. Outputs still equal plain greedy and no block leaks."""
+    prompts = token_prompts(10, seed=3)
+    params = [greedy(n) for n in (30, 12, 25, 8, 30, 19, 5, 27, 14, 22)]
+    expected = token_ids(LLM(tiny_llama, block_size=4, num_kv_blocks=512).generate(prompts, params))
+    llm = LLM(
+        tiny_llama,
+        speculative_model=str(tiny_llama),
+        block_size=4,
+        num_kv_blocks=40,
+        max_num_batched_tokens=64,
+    )
+    engine = llm.engine
+    ids = [engine.add_request(p, s) for p, s in zip(prompts[:5], params[:5], strict=True)]
+    finals = {}
+    steps = 0
+    while engine.has_unfinished:
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+        steps += 1
+        if steps == 3:  # late arrivals join running speculative decodes
+            ids += [engine.add_request(p, s) for p, s in zip(prompts[5:], params[5:], strict=True)]
+            aborted = engine.add_request(prompts[0], greedy(50))
+        if steps == 6:
+            assert engine.abort(aborted)
+    assert finals[aborted].outputs[0].finish_reason == "abort"
+    assert [finals[i].outputs[0].token_ids for i in ids] == expected
+    assert sum(finals[i].metrics.num_preemptions for i in ids) > 0
+    assert engine.block_pool.num_used == 0
+
+
+def test_speculative_settings_are_checked(tiny_llama):
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(speculative_method="ngram", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="speculative_method"):
+        LLM(speculative_method="eagle")
+    with pytest.raises(ValueError, match="needs speculative_model"):
+        LLM(speculative_method="draft")
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(DEMO_MODEL_DIR, speculative_model=str(tiny_llama))
+
+
+def test_metrics_reach_request_outputs():
+    llm = LLM(speculative_model=str(DEMO_DRAFT_DIR))
+    (output,) = llm.generate(CODE_PROMPTS[:1], greedy(30))
+    spec = output.metrics.spec
+    assert spec.num_draft_tokens > 0 and 0 < spec.num_accepted_tokens <= spec.num_draft_tokens
+    assert len(spec.acceptance_per_position()) == 3
+    assert 1 <= spec.mean_accepted_length <= 4
