@@ -1,9 +1,12 @@
 """``updraft doctor``: is graph replay healthy on this model and machine?
 
-It runs the same prompts twice, eagerly and with captured decode steps in sanitize mode
-(every replay is also run eagerly on a copy of the KV cache), and prints how each step
-ran, the largest replay-vs-eager differences in logits and KV writes, and whether the
-greedy outputs agree token for token. It exits non-zero when they do not.
+It runs the same greedy prompts eagerly and with captured steps in sanitize mode (every
+replay is also run eagerly on a copy of the KV cache), and prints how each step ran, the
+largest replay-vs-eager differences in logits and KV writes, and whether the outputs
+agree token for token. With a speculative model (or method) it runs the target eager or
+graph crossed with the draft eager or graph, four runs, and prints the acceptance per
+draft position of each: a healthy run shows the four rows agreeing. It exits non-zero
+when something disagrees.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from updraft.engine.llm import LLM
+from updraft.graph.sanitize import SanitizeReport
 from updraft.sampling import SamplingParams
 
 PROMPTS = [
@@ -32,9 +36,10 @@ MAX_TOKENS = [48, 40, 32, 24, 16, 8]
 class DoctorRun:
     name: str
     token_ids: list[list[int]]
-    step_modes: dict[str, int]
     seconds: float
-    sanitize: Any = None
+    step_modes: dict[str, int]
+    reports: list[SanitizeReport]  # target's, then the draft's
+    acceptance: list[int] | None = None  # accepted drafts per position
 
 
 def run(name: str, model: str | None, engine_args: dict[str, Any]) -> DoctorRun:
@@ -42,13 +47,20 @@ def run(name: str, model: str | None, engine_args: dict[str, Any]) -> DoctorRun:
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
     start = time.perf_counter()
     outputs = llm.generate(PROMPTS, params)
-    runner = llm.engine.runner
+    seconds = time.perf_counter() - start
+    runners = [llm.engine.runner]
+    speculator = llm.engine.speculator
+    draft_runner = getattr(speculator.proposer, "runner", None) if speculator else None
+    if draft_runner is not None:
+        runners.append(draft_runner)
+    modes = [", ".join(f"{n} {m}" for m, n in sorted(r.step_modes.items())) for r in runners]
     return DoctorRun(
         name,
         [output.outputs[0].token_ids for output in outputs],
-        dict(runner.step_modes),
-        time.perf_counter() - start,
-        runner.sanitize_report,
+        seconds,
+        dict(zip(["target", "draft"], modes, strict=False)),
+        [r.sanitize_report for r in runners if r.sanitize_report is not None],
+        None if speculator is None else list(speculator.metrics.accepted),
     )
 
 
@@ -56,29 +68,52 @@ def doctor(model: str | None, engine_args: dict[str, Any], log=print) -> bool:
     """Run the checks, print a report through ``log``; True when healthy."""
     # Sanitize copies the whole KV cache every step: keep it small.
     engine_args = {**engine_args, "kv_cache_memory_gib": 0.05, "num_kv_blocks": None}
-    runs = [
-        run("eager", model, {**engine_args, "enforce_eager": True}),
-        run("graph", model, {**engine_args, "enforce_eager": False, "sanitize": True}),
-    ]
-    log(f"{'run':<8}{'seconds':>9}  steps")
-    for r in runs:
-        modes = ", ".join(f"{n} {mode}" for mode, n in sorted(r.step_modes.items()))
-        log(f"{r.name:<8}{r.seconds:>9.2f}  {modes}")
-    eager, graph = runs
-    report = graph.sanitize
-    log(f"sanitize: {report.summary()}")
-    for mismatch in report.mismatches[:10]:
-        log(f"  {mismatch}")
-    same = eager.token_ids == graph.token_ids
-    differing = sum(a != b for a, b in zip(eager.token_ids, graph.token_ids, strict=True))
-    log(
-        "greedy outputs: identical"
-        if same
-        else f"greedy outputs: {differing} of {len(PROMPTS)} differ between eager and graph"
+    speculative = bool(
+        engine_args.get("speculative_model") or engine_args.get("speculative_method")
     )
-    replayed = graph.step_modes.get("graph", 0) > 0
+    draft_has_graphs = speculative and engine_args.get("speculative_method") != "ngram"
+    combos = [(True, True), (False, False)]
+    if draft_has_graphs:
+        combos = [(True, True), (True, False), (False, True), (False, False)]
+    runs = []
+    for target_eager, draft_eager in combos:
+        name = "target " + ("eager" if target_eager else "graph")
+        if draft_has_graphs:
+            name += ", draft " + ("eager" if draft_eager else "graph")
+        args = {
+            **engine_args,
+            "enforce_eager": target_eager,
+            "speculative_enforce_eager": draft_eager,
+            "sanitize": not (target_eager and draft_eager),
+        }
+        runs.append(run(name, model, args))
+
+    healthy = True
+    for r in runs:
+        log(f"{r.name}: {r.seconds:.2f} s")
+        for which, modes in r.step_modes.items():
+            log(f"  {which} steps: {modes}")
+        for which, report in zip(["target", "draft"], r.reports, strict=False):
+            log(f"  {which} sanitize: {report.summary()}")
+            for mismatch in report.mismatches[:5]:
+                log(f"    {mismatch}")
+            healthy &= report.healthy
+        if r.acceptance is not None:
+            counts = " ".join(str(n) for n in r.acceptance)
+            log(f"  accepted drafts per position: [{counts}]")
+    reference = runs[0]
+    for r in runs[1:]:
+        if r.token_ids != reference.token_ids:
+            differ = sum(a != b for a, b in zip(r.token_ids, reference.token_ids, strict=True))
+            log(f"{r.name}: {differ} of {len(PROMPTS)} outputs differ from {reference.name}")
+            healthy = False
+        if r.acceptance != reference.acceptance:
+            log(f"{r.name}: acceptance differs from {reference.name}")
+            healthy = False
+    replayed = any("graph" in modes for r in runs for modes in r.step_modes.values())
     if not replayed:
         log("no step replayed a graph: check --capture-sizes")
-    healthy = same and report.healthy and replayed
+        healthy = False
+    log("greedy outputs: identical across runs" if healthy else "")
     log("healthy" if healthy else "UNHEALTHY")
     return healthy

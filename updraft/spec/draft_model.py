@@ -53,9 +53,6 @@ class DraftModel:
                 if config.speculative_enforce_eager is None
                 else config.speculative_enforce_eager
             ),
-            # The draft's KV is not checked against eager, its outputs are: a stale draft
-            # buffer shows up as acceptance and as output differences.
-            sanitize=False,
         )
         self.runner = Runner(
             model_config, draft_config, max_model_len, query_lens=(1, 1 + k), num_blocks=num_blocks
