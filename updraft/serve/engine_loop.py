@@ -62,6 +62,9 @@ class EngineStats:
     num_waiting: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    # Speculative decoding, totals since start: drafts offered and accepted per position.
+    drafts_proposed: tuple[int, ...] = ()
+    drafts_accepted: tuple[int, ...] = ()
 
 
 class AsyncEngine:
@@ -228,6 +231,10 @@ class AsyncEngine:
             kv_blocks_used=pool.num_used,
             kv_blocks_total=pool.num_blocks,
         )
+        if self.engine.speculator is not None:
+            spec = self.engine.speculator.metrics
+            stats.drafts_proposed = tuple(spec.proposed)
+            stats.drafts_accepted = tuple(spec.accepted)
         self.stats = stats
         if self.metrics is not None:
             self.metrics.publish(stats)

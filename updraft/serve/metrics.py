@@ -71,6 +71,18 @@ class ServerMetrics:
             registry=registry,
             labelnames=["model_name", "status"],
         )
+        self.drafts_proposed = Gauge(
+            "updraft_spec_decode_draft_tokens",
+            "Draft tokens offered for verification since start, by draft position.",
+            registry=registry,
+            labelnames=["model_name", "position"],
+        )
+        self.drafts_accepted = Gauge(
+            "updraft_spec_decode_accepted_tokens",
+            "Draft tokens accepted since start, by draft position.",
+            registry=registry,
+            labelnames=["model_name", "position"],
+        )
         self._model_name = model_name
 
     def publish(self, stats: EngineStats) -> None:
@@ -79,6 +91,12 @@ class ServerMetrics:
         self.kv_blocks_used.set(stats.kv_blocks_used)
         self.kv_blocks_total.set(stats.kv_blocks_total)
         self.kv_usage.set(stats.kv_blocks_used / max(stats.kv_blocks_total, 1))
+        for gauge, counts in (
+            (self.drafts_proposed, stats.drafts_proposed),
+            (self.drafts_accepted, stats.drafts_accepted),
+        ):
+            for position, count in enumerate(counts):
+                gauge.labels(model_name=self._model_name, position=str(position)).set(count)
 
     def finished(self, reason: str) -> None:
         self.requests_finished.labels(model_name=self._model_name, finish_reason=reason).inc()
