@@ -33,10 +33,17 @@ class SamplingParams:
         rules = {
             "max_tokens": (_is_int(self.max_tokens) and self.max_tokens >= 1, "an int >= 1"),
             "temperature": (_is_number(self.temperature) and self.temperature >= 0, ">= 0"),
-            "top_k": (_is_int(self.top_k) and self.top_k >= -1, "an int >= -1 (0 or -1: off)"),
+            "top_k": (
+                _is_int(self.top_k) and -1 <= self.top_k < 2**63,
+                "an int >= -1 (0 or -1: off) that fits in 64 bits",
+            ),
             "top_p": (_is_number(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
             "min_p": (_is_number(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]"),
-            "seed": (self.seed is None or _is_int(self.seed), "an int or None"),
+            "seed": (
+                # torch.Generator.manual_seed takes any 64-bit value, signed or not.
+                self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64),
+                "an int in [-2**63, 2**64) or None",
+            ),
             "stop": (all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
             "stop_token_ids": (
                 all(_is_int(t) and t >= 0 for t in self.stop_token_ids),

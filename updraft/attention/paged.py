@@ -38,10 +38,10 @@ def kv_cache_bytes_per_block(
 @dataclass(frozen=True)
 class AttentionParams:
     """Provider of one attention layer's per-step parameters: the step's metadata, whose
-    host-side shapes change every step. ``step`` tells draft steps apart."""
+    host-side shapes change every step. Draft steps need no index of their own here:
+    each replay resolves from the step it is given, whichever draft step that is."""
 
     layer: str
-    step: int = 0
 
     def resolve(self, metadata: AttentionMetadata) -> dict[str, AttentionMetadata]:
         return {"metadata": metadata}

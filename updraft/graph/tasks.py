@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 class ParamProvider(Protocol):
     """A small frozen dataclass (hashable) naming one source of per-step parameters,
-    e.g. ``AttentionParams(layer="model.layers.3.self_attn", step=0)``.
+    e.g. ``AttentionParams(layer="model.layers.3.self_attn")``.
 
     A provider whose ``resolve`` returns only device tensors may set the class attribute
     ``device_params = True``: a CUDA graph then keeps its task inside the graph and

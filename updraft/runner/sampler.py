@@ -90,12 +90,13 @@ def exponential_noise(
     device: torch.device,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Exp(1) noise; unseeded rows share ``generator``, seeded rows use their own."""
+    """Exp(1) noise; unseeded rows share ``generator``, seeded rows use their own.
+    Clamped away from 0, so ``probs / noise`` never divides 0 by 0."""
     noise = torch.empty(shape, device=device).exponential_(generator=generator)
     for row, generator in enumerate(batch.generators):
         if generator is not None:
             noise[row] = torch.empty(shape[1]).exponential_(generator=generator).to(device)
-    return noise
+    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
 
 
 def sample(

@@ -129,7 +129,7 @@ def sample_draft(
         return greedy, None
     probs = filtered_probs(logits, batch)
     noise = exponential_noise(probs.shape, batch, probs.device, generator)
-    sampled = (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+    sampled = (probs / noise).argmax(dim=-1)
     greedy_rows = (batch.temperature == 0).to(logits.device)
     tokens = torch.where(greedy_rows, greedy, sampled)
     one_hot = torch.nn.functional.one_hot(greedy, logits.shape[-1]).to(probs.dtype)
@@ -170,8 +170,8 @@ def _draw_last(
         use_residual = (num_accepted < num_drafts) & (residual.sum(dim=-1) > 0)
         last_probs = torch.where(use_residual[:, None], residual, last_probs)
     # The exponential race draws in proportion to the weights, so the residual needs no
-    # normalising; the clamp keeps 0 / 0 out of the argmax.
-    return (last_probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+    # normalising (exponential_noise keeps 0 / 0 out of the argmax).
+    return (last_probs / noise).argmax(dim=-1)
 
 
 def _uniforms(
