@@ -15,6 +15,18 @@ from updraft.engine.llm import DEMO_DRAFT_DIR, DEMO_MODEL_DIR, LLM
 from updraft.sampling import SamplingParams
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except where there is none or the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help or ""
+        default = action.default
+        unset = default is None or default is False or default == [] or default is argparse.SUPPRESS
+        if unset or "default" in help_text:
+            return action.help
+        return f"{help_text} (default: %(default)s)".strip()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="updraft",
@@ -29,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
             "tokens/s, time to first token) goes to stderr. Without --model the shipped "
             "demo model (a small Llama trained on Python's standard library) is used."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     generate.add_argument("--prompt", required=True, help="the prompt text")
     add_engine_arguments(generate)
@@ -51,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
             "(each replay also run eagerly on a copy of the KV cache); report the largest "
             "differences and whether greedy outputs agree. Exits 1 when unhealthy."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     add_engine_arguments(doctor)
     return parser
@@ -65,7 +77,7 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
             "Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics "
             "over HTTP. Binds 127.0.0.1 unless --host says otherwise."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     http = serve.add_argument_group("server")
     http.add_argument("--host", default="127.0.0.1", help="0.0.0.0 listens on every interface")
