@@ -32,9 +32,11 @@ class NgramLookup:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the
     sequence's last n-gram. No model, no KV cache.
 
-    A short or missing match is padded by repeating its last token (or the sequence's):
-    any deterministic draft is verified exactly, a repeat is sometimes right, and full
-    proposals keep every verify step at query length 1 + k, which a graph captures."""
+    When no request of the batch finds a match, none drafts, and the next step is a plain
+    decode step. Otherwise a short or missing match is padded by repeating its last
+    token (or the sequence's): any deterministic draft is verified exactly, a repeat is
+    sometimes right, and full proposals keep every verify step at query length 1 + k,
+    which a graph captures."""
 
     def __init__(self, num_speculative_tokens: int) -> None:
         self.ngram = NgramProposer(num_speculative_tokens)
@@ -43,9 +45,14 @@ class NgramLookup:
         pass
 
     def propose(self, requests: list[Request], limits: list[int]) -> list[Proposal]:
+        matches = [
+            self.ngram.propose(request.token_ids)[:limit]
+            for request, limit in zip(requests, limits, strict=True)
+        ]
+        if not any(matches):
+            return [([], None) for _ in requests]
         proposals = []
-        for request, limit in zip(requests, limits, strict=True):
-            tokens = self.ngram.propose(request.token_ids)[:limit]
+        for request, limit, tokens in zip(requests, limits, matches, strict=True):
             filler = tokens[-1] if tokens else request.token_ids[-1]
             proposals.append((tokens + [filler] * (limit - len(tokens)), None))
         return proposals
