@@ -217,3 +217,26 @@ def test_metrics_reach_request_outputs():
     assert spec.num_draft_tokens > 0 and 0 < spec.num_accepted_tokens <= spec.num_draft_tokens
     assert len(spec.acceptance_per_position()) == 3
     assert 1 <= spec.mean_accepted_length <= 4
+
+
+def test_prefix_cache_hits_keep_the_draft_cache_valid(tiny_llama):
+    """A prompt whose head comes from the prefix cache is never run through the draft:
+    the draft's KV for those blocks must still be there, written when the blocks were
+    first computed, or the self-drafting model would reject drafts."""
+    rng = random.Random(0)
+    head = [rng.randrange(1, 256) for _ in range(37)]
+    llm = self_drafting(tiny_llama, enforce_eager=False)
+    prefill_tokens = []
+    forward = llm.engine.runner.forward
+
+    def spy(step):
+        prefill_tokens.append(step.num_tokens)
+        return forward(step)
+
+    for i in range(4):
+        llm.generate([[*head, i + 1, i + 2]], greedy(20))
+        if i == 0:
+            llm.engine.runner.forward = spy
+    assert prefill_tokens[0] < len(head)  # the later prompts hit the cache
+    metrics = llm.engine.speculator.metrics
+    assert metrics.num_draft_tokens > 40 and metrics.acceptance_rate == 1.0
