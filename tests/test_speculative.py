@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from updraft import LLM, SamplingParams
 from updraft.engine.llm import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
@@ -62,13 +63,18 @@ def test_greedy_with_speculation_equals_greedy_without_on_tiny_models(tmp_path, 
     draft = make_tiny_checkpoint(kind, tmp_path / "draft", seed=1)
     prompts = token_prompts(16)
     params = [greedy(n) for n in (24, 5, 17, 11) * 4]
-    args = dict(block_size=4, num_kv_blocks=512)
-    expected = token_ids(LLM(target, **args).generate(prompts, params))
+    args = dict(block_size=4, num_kv_blocks=512, keep_logits=True)
+    plain = LLM(target, **args).generate(prompts, params)
     for method in ("draft", "ngram"):
         for k in (1, 3, 5):
             llm = LLM(target, num_speculative_tokens=k, **args, **speculative_args(method, draft))
-            assert token_ids(llm.generate(prompts, params)) == expected, (method, k)
+            outputs = llm.generate(prompts, params)
+            assert token_ids(outputs) == token_ids(plain), (method, k)
             assert llm.engine.block_pool.num_used == 0
+            # Each emitted token's logits, from a verify position, are the decode step's.
+            for got, expected in zip(outputs, plain, strict=True):
+                for g, e in zip(got.outputs[0].logits, expected.outputs[0].logits, strict=True):
+                    torch.testing.assert_close(g, e, atol=1e-4, rtol=0)
 
 
 def self_drafting(model_dir, **engine_args) -> LLM:

@@ -7,6 +7,7 @@ with zero drafts, which samples one token exactly as the plain sampler would.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -79,7 +80,7 @@ class Speculator:
             request.spec.record(n, accepted)
         rows = None
         if self.keep_logits:
-            offsets = [0, *torch.tensor([1 + n for n in step.num_drafts]).cumsum(0).tolist()]
+            offsets = list(itertools.accumulate((1 + n for n in step.num_drafts), initial=0))
             rows = [
                 list(logits[offsets[i] : offsets[i] + len(tokens)].cpu())
                 for i, tokens in enumerate(result.token_ids)
