@@ -58,6 +58,18 @@ def test_filters_keep_exactly_the_expected_tokens():
         assert probs.sum().item() == pytest.approx(1.0)
 
 
+def test_top_k_rows_differ_within_one_batch():
+    """Top-k alone takes a path without a sort; rows with other k, or none, must each
+    keep exactly their own largest tokens."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    rows = [SamplingParams(top_k=k) for k in (1, 7, 0, 50)]
+    probs = filtered_probs(logits, SamplingBatch(rows, [None] * 4))
+    for row, k in enumerate((1, 7, 50, 50)):
+        kept = set(torch.nonzero(probs[row]).flatten().tolist())
+        assert kept == set(logits[row].topk(k).indices.tolist())
+
+
 def test_temperature_scales_logits():
     logits = torch.tensor([[1.0, 2.0, 3.0]])
     probs = filtered_probs(logits, batch_of(SamplingParams(temperature=0.5)))[0]

@@ -67,6 +67,8 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def _top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    if not batch.use_top_p:
+        return _top_k(logits, batch)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
@@ -82,6 +84,19 @@ def _top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         drop |= mass_before >= batch.top_p.to(logits.device)[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _top_k(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Top-k alone needs no full sort: keep what reaches each row's k-th largest logit
+    (``topk`` over the largest k of the batch is far cheaper than sorting the vocabulary
+    at every verify position)."""
+    vocab = logits.shape[-1]
+    largest = logits.topk(int(batch.top_k.clamp(max=vocab).max()), dim=-1).values
+    top_k = batch.top_k.to(logits.device).clamp(max=vocab)
+    on = top_k > 0
+    kth = largest.gather(-1, (top_k - 1).clamp(min=0)[:, None])
+    kth = torch.where(on[:, None], kth, float("-inf"))
+    return logits.masked_fill(logits < kth, float("-inf"))
 
 
 def exponential_noise(
