@@ -70,6 +70,38 @@ def test_top_k_rows_differ_within_one_batch():
         assert kept == set(logits[row].topk(k).indices.tolist())
 
 
+@pytest.mark.parametrize("scale", [8.0, 0.01])  # peaked rows, and flat ones past 1024
+def test_top_p_over_candidates_equals_a_full_sort(scale):
+    from updraft.runner.sampler import TOP_P_CANDIDATES
+
+    torch.manual_seed(0)
+    vocab = 4 * TOP_P_CANDIDATES
+    logits = torch.randn(6, vocab) * scale
+    rows = [
+        SamplingParams(top_p=0.9),
+        SamplingParams(top_p=0.5, top_k=20),
+        SamplingParams(top_k=5),
+        SamplingParams(),
+        SamplingParams(top_p=0.99),
+        SamplingParams(top_p=0.3, min_p=0.1),
+    ]
+    batch = SamplingBatch(rows, [None] * len(rows))
+    probs = filtered_probs(logits, batch)
+    # The reference: each row alone, through a plain sort of the whole vocabulary.
+    for row, params in enumerate(rows):
+        ordered, order = logits[row].sort(descending=True)
+        keep = torch.ones(vocab, dtype=torch.bool)
+        if params.top_k > 0:
+            keep &= torch.arange(vocab) < params.top_k
+        p = ordered.masked_fill(~keep, float("-inf")).softmax(-1)
+        if params.top_p < 1:  # top-p 1 keeps everything, whatever the rounding of the sum
+            keep &= (p.cumsum(-1) - p) < params.top_p
+        p = ordered.masked_fill(~keep, float("-inf")).softmax(-1)
+        if params.min_p > 0:
+            keep &= p >= params.min_p * p.max()
+        assert set(order[keep].tolist()) == set(torch.nonzero(probs[row]).flatten().tolist())
+
+
 def test_temperature_scales_logits():
     logits = torch.tensor([[1.0, 2.0, 3.0]])
     probs = filtered_probs(logits, batch_of(SamplingParams(temperature=0.5)))[0]

@@ -66,24 +66,49 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return probs
 
 
+# Top-p looks at the largest logits first and sorts the whole vocabulary only for a row
+# whose nucleus reaches past them: a full sort at every row of a batch, or every verify
+# position, costs more than the forward on a CPU.
+TOP_P_CANDIDATES = 1024
+
+
 def _top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if not batch.use_top_p:
         return _top_k(logits, batch)
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
-    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    ranks = torch.arange(vocab, device=logits.device)
-    if batch.use_top_k:
-        top_k = batch.top_k.to(logits.device)
-        top_k = torch.where(top_k > 0, top_k, vocab)[:, None]
-        drop |= ranks[None] >= top_k
-    if batch.use_top_p:
-        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        # Keep the smallest prefix whose mass reaches top_p; the top token always stays.
-        drop |= mass_before >= batch.top_p.to(logits.device)[:, None]
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    width = max(min(TOP_P_CANDIDATES, vocab), int(batch.top_k.clamp(max=vocab).max()))
+    filtered = _nucleus(logits, batch, width)
+    return filtered if filtered is not None else _nucleus(logits, batch, vocab)
+
+
+def _nucleus(logits: torch.Tensor, batch: SamplingBatch, width: int) -> torch.Tensor | None:
+    """Top-k and top-p over each row's ``width`` largest logits; None when a row's
+    nucleus may reach past them (then ``width`` must be the vocabulary)."""
+    device = logits.device
+    vocab = logits.shape[-1]
+    top_k = batch.top_k.to(device).clamp(max=vocab)
+    top_p = batch.top_p.to(device)
+    sorted_logits, order = logits.topk(width, dim=-1)
+    ranks = torch.arange(width, device=device)
+    drop = ranks[None] >= torch.where(top_k > 0, top_k, vocab)[:, None]
+    kept = sorted_logits.masked_fill(drop, float("-inf"))
+    # A row with top-k keeps only candidates (width covers every k); one without it
+    # normalises over the whole vocabulary.
+    probs = torch.where(
+        (top_k > 0)[:, None], kept.softmax(dim=-1), logits.softmax(dim=-1).gather(-1, order)
+    )
+    mass_before = probs.cumsum(dim=-1) - probs
+    # Keep the smallest prefix whose mass reaches top_p; the top token always stays.
+    drop |= mass_before >= top_p[:, None]
+    untouched = (top_p >= 1) & (top_k == 0)
+    if width < vocab:
+        # Tokens past the candidates are dropped only if the candidates reach top_p.
+        covered = untouched | (top_k > 0) | (probs.sum(dim=-1) >= top_p)
+        if not bool(covered.all()):
+            return None
+    filtered = torch.full_like(logits, float("-inf"))
+    filtered.scatter_(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.where(untouched[:, None], logits, filtered)
 
 
 def _top_k(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
