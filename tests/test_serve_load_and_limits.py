@@ -17,7 +17,7 @@ import pytest
 
 from updraft.config import EngineConfig
 from updraft.engine.engine import Engine
-from updraft.engine.llm import DEMO_MODEL_DIR
+from updraft.engine.llm import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
 from updraft.serve.serving import ServeSettings
 
 from .serving import MODEL, metric, running_server, wait_for_idle
@@ -53,9 +53,14 @@ async def stream_completion(
     return usage["completion_tokens"]
 
 
-def test_200_concurrent_streams_with_a_quarter_cancelled_leave_nothing_behind():
+@pytest.mark.parametrize(
+    "speculation",
+    [{}, {"speculative_model": str(DEMO_DRAFT_DIR), "num_speculative_tokens": 3}],
+    ids=["plain", "speculative"],
+)
+def test_200_concurrent_streams_with_a_quarter_cancelled_leave_nothing_behind(speculation):
     settings = ServeSettings(model_name=MODEL, max_waiting=1000)
-    with running_server(settings, max_num_seqs=64) as base_url:
+    with running_server(settings, max_num_seqs=64, **speculation) as base_url:
 
         async def run_all() -> list[int | None]:
             limits = httpx.Limits(max_connections=250, max_keepalive_connections=0)
