@@ -246,3 +246,29 @@ def test_prefix_cache_hits_keep_the_draft_cache_valid(tiny_llama):
     assert prefill_tokens[0] < len(head)  # the later prompts hit the cache
     metrics = llm.engine.speculator.metrics
     assert metrics.num_draft_tokens > 40 and metrics.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_stops_limits_and_logprobs_behave_as_without_speculation(method):
+    """Several tokens land per step; a stop string, stop token or max_tokens inside
+    them must end the request exactly where plain decoding ends it."""
+    prompts = CODE_PROMPTS
+    params = [
+        SamplingParams(temperature=0, max_tokens=60, stop=["return"], logprobs=True),
+        SamplingParams(temperature=0, max_tokens=70, logprobs=True),
+        SamplingParams(temperature=0, max_tokens=33, stop_token_ids=[10]),
+        SamplingParams(temperature=0, max_tokens=50, stop=["\n\n"]),
+    ]
+    plain = LLM().generate(prompts, params)
+    llm = LLM(num_speculative_tokens=8, **speculative_args(method, DEMO_DRAFT_DIR))
+    for got, expected in zip(llm.generate(prompts, params), plain, strict=True):
+        g, e = got.outputs[0], expected.outputs[0]
+        assert (g.text, g.token_ids, g.finish_reason, g.stop_reason) == (
+            e.text,
+            e.token_ids,
+            e.finish_reason,
+            e.stop_reason,
+        )
+        if e.logprobs is not None:
+            torch.testing.assert_close(g.logprobs, e.logprobs, atol=1e-4, rtol=0)
+    assert llm.engine.block_pool.num_used == 0
