@@ -22,17 +22,13 @@ from typing import Any
 
 import torch
 
-from updraft.graph.recorded import RecordedGraph
+from updraft.graph.recorded import RecordedGraph, TaskNode
 from updraft.graph.tasks import ParamProvider, recording_tasks
 from updraft.graph.weakref import weak_ref_tensors
 
 
 @dataclass
-class CudaTask:
-    op: Callable[..., Any]
-    kwargs: dict[str, Any]
-    provider: ParamProvider
-    output: torch.Tensor
+class CudaTask(TaskNode):
     in_graph: bool  # its params are device tensors, refreshed by copy
 
 
@@ -93,15 +89,13 @@ class CudaGraph:
         return out
 
     def replay(self, task_params: list[dict[str, Any]]) -> None:
+        host_tasks = []
         for task, params in zip(self.tasks, task_params, strict=True):
-            if task.in_graph:
-                for name, value in params.items():
-                    task.kwargs[name].copy_(value, non_blocking=True)
-        host_tasks = [
-            (task, params)
-            for task, params in zip(self.tasks, task_params, strict=True)
-            if not task.in_graph
-        ]
+            if not task.in_graph:
+                host_tasks.append((task, params))
+                continue
+            for name, value in params.items():
+                task.kwargs[name].copy_(value, non_blocking=True)
         for i, segment in enumerate(self.segments):
             segment.replay()
             if i < len(host_tasks):

@@ -113,6 +113,7 @@ class RecordedGraph:
         self.persistent_storages = {_storage(t) for t in persistent}
         self.produced: set[int] = set()
         self.nodes: list[OpNode | TaskNode] = []
+        self.tasks: list[TaskNode] = []  # the task nodes, in order
         self.module_names = module_names or {}
         self.module_stack: list[str] = []
         self.undeclared: list[str] = []
@@ -182,14 +183,12 @@ class RecordedGraph:
         if not isinstance(out, torch.Tensor):
             raise CaptureError(f"task {op.__name__} must return one tensor")
         self.produced.add(_storage(out))
-        self.nodes.append(TaskNode(op, kwargs, provider, out))
+        task = TaskNode(op, kwargs, provider, out)
+        self.nodes.append(task)
+        self.tasks.append(task)
         return out
 
     # -- replay ------------------------------------------------------------------------
-
-    @property
-    def tasks(self) -> list[TaskNode]:
-        return [node for node in self.nodes if isinstance(node, TaskNode)]
 
     def segments(self) -> list[list[Callable[[], Any]]]:
         """The ops to re-run, bound to their tensors, split at the tasks: segment i runs
@@ -209,12 +208,11 @@ class RecordedGraph:
         """Re-run the recorded ops; ``task_params[i]`` updates the kwargs of task i."""
         if self._segments is None:
             self._segments = self.segments()
-        tasks = self.tasks
         for i, segment in enumerate(self._segments):
             for call in segment:
                 call()
-            if i < len(tasks):
-                task = tasks[i]
+            if i < len(self.tasks):
+                task = self.tasks[i]
                 task.output.copy_(task.op(**{**task.kwargs, **task_params[i]}))
 
 
