@@ -234,20 +234,14 @@ def run_generate(args: argparse.Namespace) -> int:
         f"prompt {metrics.num_prompt_tokens} tokens, finish: {final.outputs[0].finish_reason}",
         file=sys.stderr,
     )
-    print(f"[updraft] steps: {format_modes(llm.engine.runner.step_modes)}", file=sys.stderr)
+    print(f"[updraft] steps: {llm.engine.runner.describe_steps()}", file=sys.stderr)
     speculator = llm.engine.speculator
     if speculator is not None:
         print(f"[updraft] speculative: {speculator.metrics.summary()}", file=sys.stderr)
         draft_runner = getattr(speculator.proposer, "runner", None)
         if draft_runner is not None:
-            print(
-                f"[updraft] draft steps: {format_modes(draft_runner.step_modes)}", file=sys.stderr
-            )
+            print(f"[updraft] draft steps: {draft_runner.describe_steps()}", file=sys.stderr)
     return 0
-
-
-def format_modes(modes: dict[str, int]) -> str:
-    return ", ".join(f"{n} {mode}" for mode, n in sorted(modes.items()))
 
 
 def run_serve(args: argparse.Namespace) -> int:

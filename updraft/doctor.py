@@ -53,7 +53,7 @@ def run(name: str, model: str | None, engine_args: dict[str, Any]) -> DoctorRun:
     draft_runner = getattr(speculator.proposer, "runner", None) if speculator else None
     if draft_runner is not None:
         runners.append(draft_runner)
-    modes = [", ".join(f"{n} {m}" for m, n in sorted(r.step_modes.items())) for r in runners]
+    modes = [r.describe_steps() for r in runners]
     return DoctorRun(
         name,
         [output.outputs[0].token_ids for output in outputs],

@@ -90,6 +90,10 @@ class Runner:
             )
         return num_blocks
 
+    def describe_steps(self) -> str:
+        """How the steps so far ran, e.g. "1 eager (prefill), 63 graph"."""
+        return ", ".join(f"{n} {mode}" for mode, n in sorted(self.step_modes.items()))
+
     @torch.inference_mode()
     def forward(self, step: Step) -> torch.Tensor:
         """Logits [len(step.logits_indices), vocab] of one step, by graph replay when
