@@ -26,9 +26,6 @@ from updraft.runner.step import (
     pad_step,
 )
 
-DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64)
-
-
 Bucket = tuple[int, int]  # (requests, query length of each)
 
 

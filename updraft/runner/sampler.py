@@ -66,8 +66,8 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return probs
 
 
-# Top-p looks at the largest logits first and sorts the whole vocabulary only for a row
-# whose nucleus reaches past them: a full sort at every row of a batch, or every verify
+# Top-p looks at the largest logits first, and sorts the whole vocabulary only when some
+# row's nucleus reaches past them: a full sort at every row of a batch, or every verify
 # position, costs more than the forward on a CPU.
 TOP_P_CANDIDATES = 1024
 
