@@ -1,0 +1,121 @@
+"""Host time per engine step: everything outside the model forward (scheduling, building
+the step's inputs, sampling bookkeeping, detokenizing, building outputs), on the demo
+model, eager, float32.
+
+1. Decode steps at batch 1 and 32 (token-id prompts of 16-48 tokens, greedy, 128 new
+   tokens each): per step, total wall time of ``Engine.step()`` and the time spent in
+   the model (``forward`` and ``compute_logits``, timed by wrapping them); host time is
+   the difference. Medians over every decode step of the run, best of ``--rounds``.
+2. One request generating 4,096 tokens: output tokens/s and host time per step over the
+   first and the last 512 tokens. A cost that grows with the output (copying the token
+   list or the text at every step) shows up as a slower last window.
+
+    .venv/bin/python -m benchmarks.bench_host_overhead [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from benchmarks.common import markdown_table
+from updraft import LLM, SamplingParams
+
+BATCHES = (1, 32)
+LONG_OUTPUT = 4096
+WINDOW = 512
+
+
+class ForwardTimer:
+    """Adds up the time spent in the model's forward and logits computation."""
+
+    def __init__(self, model) -> None:
+        self.seconds = 0.0
+        for name in ("forward", "compute_logits"):
+            setattr(model, name, self._timed(getattr(model, name)))
+
+    def _timed(self, fn):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return run
+
+
+def timed_steps(llm: LLM, timer: ForwardTimer) -> list[tuple[float, float, int]]:
+    """(total seconds, forward seconds, new tokens) of every step until all finish."""
+    engine = llm.engine
+    steps = []
+    while engine.has_unfinished:
+        timer.seconds = 0.0
+        start = time.perf_counter()
+        outputs = engine.step()
+        total = time.perf_counter() - start
+        steps.append(
+            (total, timer.seconds, sum(len(o.outputs[0].delta_token_ids) for o in outputs))
+        )
+    return steps
+
+
+def decode_host_time(llm: LLM, timer: ForwardTimer, batch: int, seed: int) -> tuple[float, float]:
+    """Median (total, host) milliseconds of the decode steps of one batch."""
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    for _ in range(batch):
+        prompt = [rng.randrange(1, 4096) for _ in range(rng.randint(16, 48))]
+        llm.engine.add_request(prompt, params)
+    steps = timed_steps(llm, timer)
+    # The first step prefills every prompt; the rest decode.
+    decode = steps[1:]
+    total = statistics.median(t for t, _, _ in decode)
+    host = statistics.median(t - f for t, f, _ in decode)
+    return total * 1e3, host * 1e3
+
+
+def long_output(llm: LLM, timer: ForwardTimer) -> tuple[list[float], list[float]]:
+    """Tokens/s and median host ms per step over the first and last output windows."""
+    params = SamplingParams(temperature=0, max_tokens=LONG_OUTPUT, ignore_eos=True)
+    llm.engine.add_request(list(range(1, 33)), params)
+    steps = timed_steps(llm, timer)[1:]  # one token per decode step
+    first, last = steps[:WINDOW], steps[-WINDOW:]
+    rates = [len(w) / sum(t for t, _, _ in w) for w in (first, last)]
+    hosts = [statistics.median(t - f for t, f, _ in w) * 1e3 for w in (first, last)]
+    return rates, hosts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one round, for a smoke run")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    rounds = 1 if args.quick else args.rounds
+    llm = LLM(dtype="float32", max_model_len=LONG_OUTPUT + 64, enable_prefix_caching=False)
+    timer = ForwardTimer(llm.engine.runner.model)
+    rows = []
+    for batch in BATCHES:
+        runs = [decode_host_time(llm, timer, batch, seed) for seed in range(rounds)]
+        best = min(runs, key=lambda r: r[1])
+        spread = f"{min(h for _, h in runs):.2f}-{max(h for _, h in runs):.2f}"
+        rows.append([f"decode, batch {batch}", f"{best[0]:.2f}", f"{best[1]:.2f}", spread, ""])
+    runs = [long_output(llm, timer) for _ in range(rounds)]
+    rates, hosts = max(runs, key=lambda r: r[0][1])
+    for label, rate, host in zip(("first", "last"), rates, hosts, strict=True):
+        rows.append(
+            [f"4,096-token output, {label} {WINDOW} tokens", "", f"{host:.2f}", "", f"{rate:.1f}"]
+        )
+    print(
+        markdown_table(
+            "host time per engine step, demo model, eager, float32",
+            ["measure", "step ms (median)", "host ms (median)", "host ms spread", "tokens/s"],
+            rows,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
