@@ -10,6 +10,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import make_tiny_checkpoint
+from tests.probes import assert_idle
 from updraft import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -23,9 +24,7 @@ def checkpoint(tmp_path, tiny_llama):
 
 
 def assert_no_block_in_use(llm: LLM) -> None:
-    pool = llm.engine.block_pool
-    assert pool.num_free == pool.num_blocks
-    assert not llm.engine.scheduler.requests
+    assert_idle(llm)
 
 
 def test_unknown_architecture_names_the_supported_ones(checkpoint):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tests.probes import LogitsProbe
 from updraft import LLM, SamplingParams
 from updraft.graph.cuda import CudaGraph
 from updraft.graph.recorded import CaptureError
@@ -95,14 +96,16 @@ def test_engine_on_cuda_replays_like_eager(tiny_checkpoint):
     kind, model_dir = tiny_checkpoint
     prompts = [list(range(3, 10)), [200, 17], list(range(40, 77))]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (16, 5, 9)]
-    args = dict(device="cuda", dtype="float32", block_size=4, num_kv_blocks=128, keep_logits=True)
-    eager = LLM(model_dir, enforce_eager=True, **args).generate(prompts, params)
+    args = dict(device="cuda", dtype="float32", block_size=4, num_kv_blocks=128)
+    eager_llm = LLM(model_dir, enforce_eager=True, **args)
+    eager_probe = LogitsProbe(eager_llm)
+    eager = eager_llm.generate(prompts, params)
     llm = LLM(model_dir, enforce_eager=False, capture_sizes=(1, 2, 4), sanitize=True, **args)
+    probe = LogitsProbe(llm)
     graph = llm.generate(prompts, params)
     for e, g in zip(eager, graph, strict=True):
         assert g.outputs[0].token_ids == e.outputs[0].token_ids, kind
-        for le, lg in zip(e.outputs[0].logits, g.outputs[0].logits, strict=True):
-            torch.testing.assert_close(lg, le, atol=1e-4, rtol=0)
-    runner = llm.engine.runner
-    assert runner.step_modes["graph"] > 0
-    assert runner.sanitize_report.healthy, runner.sanitize_report.mismatches
+        torch.testing.assert_close(probe.of(g), eager_probe.of(e), atol=1e-4, rtol=0)
+    stats = llm.engine.stats()
+    assert stats.steps["graph"] > 0
+    assert stats.sanitize.healthy, stats.sanitize.mismatches

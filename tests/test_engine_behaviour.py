@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from tests.probes import assert_idle
 from updraft import LLM, SamplingParams
 
 PROMPT = "def main():"
@@ -18,11 +19,6 @@ def llm(tiny_llama_with_tokenizer):
 
 def greedy(**kwargs) -> SamplingParams:
     return SamplingParams(temperature=0, **{"max_tokens": 24, "ignore_eos": True, **kwargs})
-
-
-def assert_idle(llm: LLM) -> None:
-    assert llm.engine.block_pool.num_free == llm.engine.block_pool.num_blocks
-    assert not llm.engine.scheduler.requests
 
 
 def test_max_tokens_finishes_with_length(llm):

@@ -9,57 +9,47 @@ import torch
 from updraft import LLM, SamplingParams
 from updraft.attention.metadata import AttentionMetadata
 from updraft.runner.captured import CapturedSteps
-from updraft.runner.step import Step, decodes_first, pad_step
 
 BUCKET = 4  # decode requests per captured step
 
 
-def next_decode_step(llm: LLM):
-    scheduler_output = llm.engine.scheduler.schedule()
-    scheduler_output.scheduled = decodes_first(scheduler_output.scheduled)
-    step = Step.build(scheduler_output.scheduled, llm.engine.config.block_size)
-    return scheduler_output, step
-
-
 def run(tiny_llama, skip: str | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Decode 3 requests for 8 steps, each step both eagerly and by replay on copies of
-    the KV cache; returns both logits sequences."""
+    """Decode 3 requests for 8 steps; before the engine runs each decode step, it is run
+    both eagerly and by replay of a separately captured graph, each from the same KV
+    cache. Returns both logits sequences."""
     llm = LLM(tiny_llama, num_kv_blocks=64, block_size=4)
     engine = llm.engine
-    for prompt in ([1, 2, 3, 4, 5], [6, 7], list(range(20, 31))):
-        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    engine.step()  # the prefill runs eagerly
     runner = engine.runner
     captured = CapturedSteps(runner.model, runner.kv_caches, 4, 16, [BUCKET], runner.device)
-    graph, graph_logits = captured.graphs[BUCKET, 1]
+    graph, (_, graph_logits) = captured.graphs[BUCKET, 1]
     if skip is not None:
         (forgotten,) = [i for i in graph.inputs if i.name == skip]
         # A path that forgets one refresh (StaticInput is frozen, hence object.__setattr__).
         object.__setattr__(forgotten, "refresh", lambda values: None)
-    scheduler_output, step = next_decode_step(llm)
     eager_all, graph_all = [], []
-    for _ in range(8):
-        saved = [cache.clone() for cache in runner.kv_caches]
-        with torch.inference_mode():
-            eager = runner.model.compute_logits(
-                runner.model(
-                    step.input_ids,
-                    step.positions,
-                    runner.kv_caches,
-                    AttentionMetadata.from_step(step, 4, "cpu"),
+    execute = runner.execute
+
+    def both_then_execute(inputs):
+        if inputs.num_decodes == inputs.num_reqs:
+            saved = [cache.clone() for cache in runner.kv_caches]
+            with torch.inference_mode():
+                metadata = AttentionMetadata.from_step(inputs, 4, "cpu")
+                hidden = runner.model(
+                    inputs.input_ids, inputs.positions, runner.kv_caches, metadata
                 )
-            )
-        for cache, before in zip(runner.kv_caches, saved, strict=True):
-            cache.copy_(before)
-        with torch.inference_mode():
-            graph.replay(pad_step(step, BUCKET, BUCKET))
-        eager_all.append(eager)
-        graph_all.append(graph_logits[: step.num_reqs].clone())
-        for request in engine.scheduler.update(scheduler_output):
-            request.token_ids.append(
-                int(eager[step.request_ids.index(request.request_id)].argmax())
-            )
-        scheduler_output, step = next_decode_step(llm)
+                eager_all.append(runner.model.compute_logits(hidden))
+                for cache, before in zip(runner.kv_caches, saved, strict=True):
+                    cache.copy_(before)
+                graph.replay(inputs)
+                graph_all.append(graph_logits[: inputs.num_reqs].clone())
+                for cache, before in zip(runner.kv_caches, saved, strict=True):
+                    cache.copy_(before)
+        return execute(inputs)
+
+    runner.execute = both_then_execute
+    prompts = ([1, 2, 3, 4, 5], [6, 7], list(range(20, 31)))
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))
+    assert len(eager_all) == 8
     return eager_all, graph_all
 
 

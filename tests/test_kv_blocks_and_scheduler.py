@@ -1,6 +1,6 @@
-"""Property tests: random streams of arrivals, aborts and finishes against the block
-pool and the scheduler never leak a block, free one twice, share one wrongly, or strand
-a request."""
+"""Property tests: random streams of arrivals, aborts, finishes and speculative drafts
+against the block pool and the scheduler never leak a block, free one twice, share one
+wrongly, leave a draft or a planned token without its KV slot, or strand a request."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from updraft.engine.kv_blocks import BlockPool, KVCacheManager
-from updraft.engine.request import FinishReason, Request
 from updraft.engine.scheduler import Scheduler
-from updraft.sampling import SamplingParams
+from updraft.request import FinishReason, Request
+from updraft.sampling_params import SamplingParams
+from updraft.step.output import StepOutput
+from updraft.step.plan import Draft
 
 BLOCK_SIZE = 4
 
@@ -61,18 +63,23 @@ def test_prefix_cache_hit_skips_computed_tokens():
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """A scheduler driven by a fake model: each step 'samples' a pseudo-random token."""
+    """A scheduler driven by a fake model: each step 'samples' pseudo-random tokens and,
+    with speculation, accepts a pseudo-random number of the drafts it proposed."""
 
     @initialize(
         num_blocks=st.integers(4, 24),
         max_num_seqs=st.integers(1, 6),
         token_budget=st.integers(1, 24),
         prefix_caching=st.booleans(),
+        lookahead=st.integers(0, 3),
     )
-    def setup(self, num_blocks, max_num_seqs, token_budget, prefix_caching):
+    def setup(self, num_blocks, max_num_seqs, token_budget, prefix_caching, lookahead):
         self.pool = BlockPool(num_blocks, BLOCK_SIZE, prefix_caching)
-        self.scheduler = Scheduler(KVCacheManager(self.pool), max_num_seqs, token_budget)
         self.capacity = num_blocks * BLOCK_SIZE
+        self.scheduler = Scheduler(
+            KVCacheManager(self.pool), max_num_seqs, token_budget, self.capacity, lookahead
+        )
+        self.drafts: dict[str, Draft] = {}
         self.all_requests: list[Request] = []
         self.rng = random.Random(0)
         self.next_id = 0
@@ -98,19 +105,52 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule()
     def step(self):
-        out = self.scheduler.schedule()
-        if self.scheduler.requests:
-            assert out.scheduled or self.scheduler.running, "work exists but nothing ran"
-        assert out.num_tokens <= self.scheduler.max_num_batched_tokens
-        assert len(self.scheduler.running) <= self.scheduler.max_num_seqs
-        for request, num_new in out.scheduled:
-            assert num_new >= 1
-            assert request.num_computed_tokens + num_new <= len(request.block_ids) * BLOCK_SIZE
-        for request in self.scheduler.update(out):
-            request.token_ids.append(self.rng.randrange(4))
-            full = request.num_tokens >= self.capacity
-            if request.num_output_tokens >= request.sampling_params.max_tokens or full:
-                self.scheduler.finish(request, FinishReason.LENGTH)
+        scheduler = self.scheduler
+        plan = scheduler.schedule(self.drafts)
+        if scheduler.requests:
+            assert plan.scheduled or scheduler.running, "work exists but nothing ran"
+        assert plan.num_tokens <= scheduler.max_num_batched_tokens
+        assert len(scheduler.running) <= scheduler.max_num_seqs
+        sampled, tokens, accepted = [], [], []
+        for item in plan.scheduled:
+            request = item.request
+            assert item.num_new_tokens >= 1
+            assert item.num_drafts <= item.num_new_tokens - 1
+            end = request.num_computed_tokens + item.num_new_tokens
+            assert end <= len(request.block_ids) * BLOCK_SIZE, "a planned token has no slot"
+            assert request.num_tokens + item.num_drafts <= self.capacity
+            if item.samples:
+                num_accepted = self.rng.randint(0, item.num_drafts)
+                sampled.append(request.request_id)
+                accepted.append(num_accepted)
+                tokens.append(
+                    [*item.draft.token_ids[:num_accepted], self.rng.randrange(4)]
+                    if item.draft
+                    else [self.rng.randrange(4)]
+                )
+        output = StepOutput(sampled, tokens, accepted, None, None, 0.0, "fake")
+        for result in scheduler.update(plan, output):
+            request_id = result.request_id
+            assert result.finished == (request_id not in scheduler.requests)
+        # A proposer writes KV for each draft position from the last token on: those
+        # slots must already be reserved.
+        self.drafts = {}
+        for request, limit in scheduler.drafting():
+            assert limit >= 1
+            assert request.num_tokens - 1 + limit <= len(request.block_ids) * BLOCK_SIZE
+            count = self.rng.randint(0, limit)
+            self.drafts[request.request_id] = Draft([self.rng.randrange(4) for _ in range(count)])
+
+    @invariant()
+    def finished_requests_stopped_where_they_had_to(self):
+        if not hasattr(self, "pool"):
+            return
+        for request in self.all_requests:
+            if request.finish_reason is FinishReason.LENGTH:
+                limit = min(
+                    request.num_prompt_tokens + request.sampling_params.max_tokens, self.capacity
+                )
+                assert request.num_tokens == limit
 
     @invariant()
     def blocks_are_accounted_for(self):
@@ -149,6 +189,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert all(r.finished for r in self.all_requests)
         assert self.pool.num_free == self.pool.num_blocks
         assert all(count == 0 for count in self.pool.ref_counts)
+        if self.scheduler.num_lookahead_tokens:
+            assert self.scheduler.speculative.rounds >= 0
 
 
 TestScheduler = SchedulerMachine.TestCase

@@ -3,6 +3,7 @@ outputs are identical to an unconstrained run, and no block is left behind."""
 
 from __future__ import annotations
 
+from tests.probes import assert_idle
 from updraft import LLM, SamplingParams
 
 # Shared heads exercise the prefix cache; lengths cross block boundaries.
@@ -24,8 +25,7 @@ def test_preemption_and_prefix_caching_keep_greedy_outputs(tiny_llama):
     )
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
     assert sum(o.metrics.num_preemptions for o in got) > 0, "the budget did not force preemption"
-    pool = llm.engine.block_pool
-    assert pool.num_free == pool.num_blocks
+    assert_idle(llm)
 
 
 def test_prefix_cache_hits_skip_prefill_work(tiny_llama):

@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from tests.conftest import make_tiny_checkpoint
+from tests.probes import LogitsProbe
 from updraft import LLM, SamplingParams
 
 PROMPTS = [list(range(3, 10)), [200, 17], list(range(40, 77)), [5] * 20 + [6, 7, 8]]
@@ -34,12 +35,12 @@ def test_logits_match_transformers_over_prefill_and_decode(tiny_checkpoint, toke
     kind, model_dir = tiny_checkpoint
     llm = LLM(
         model_dir,
-        keep_logits=True,
         block_size=4,
         num_kv_blocks=128,
         max_num_batched_tokens=token_budget,
     )
     params = SamplingParams(temperature=0, max_tokens=DECODE_STEPS + 1, ignore_eos=True)
+    probe = LogitsProbe(llm)
     outputs = llm.generate(PROMPTS, params)
     reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     for prompt, output in zip(PROMPTS, outputs, strict=True):
@@ -50,7 +51,7 @@ def test_logits_match_transformers_over_prefill_and_decode(tiny_checkpoint, toke
             expected = reference.eval()(torch.tensor([sequence])).logits[0]
         # Row i is the distribution of output token i: position len(prompt) - 1 + i.
         expected = expected[len(prompt) - 1 : len(sequence) - 1]
-        got = torch.stack(completion.logits)
+        got = probe.of(output)
         assert got.shape == expected.shape
         assert (got - expected).abs().max().item() < 1e-4, kind
 
@@ -74,19 +75,22 @@ def test_greedy_equals_transformers_generate(tiny_checkpoint):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_checkpoints_load_and_compute_in_float32(tmp_path, dtype):
     model_dir = make_tiny_checkpoint("qwen3", tmp_path, dtype=dtype)
-    llm = LLM(model_dir, keep_logits=True, dtype="float32", num_kv_blocks=32)
+    llm = LLM(model_dir, dtype="float32", num_kv_blocks=32)
+    probe = LogitsProbe(llm)
     output = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4))[0]
     sequence = PROMPTS[0] + output.outputs[0].token_ids
     expected = reference_logits(model_dir, sequence)[len(PROMPTS[0]) - 1 : -1]
-    assert (torch.stack(output.outputs[0].logits) - expected).abs().max().item() < 1e-4
+    assert (probe.of(output) - expected).abs().max().item() < 1e-4
 
 
 def test_bfloat16_compute_stays_close_to_float32(tiny_llama):
     prompt = PROMPTS[2]
     params = SamplingParams(temperature=0, max_tokens=1)
-    full = LLM(tiny_llama, keep_logits=True).generate(prompt, params)[0]
-    half = LLM(tiny_llama, keep_logits=True, dtype="bfloat16").generate(prompt, params)[0]
-    full_logits, half_logits = full.outputs[0].logits[0], half.outputs[0].logits[0]
+    full_llm, half_llm = LLM(tiny_llama), LLM(tiny_llama, dtype="bfloat16")
+    full_probe, half_probe = LogitsProbe(full_llm), LogitsProbe(half_llm)
+    full = full_llm.generate(prompt, params)[0]
+    half = half_llm.generate(prompt, params)[0]
+    full_logits, half_logits = full_probe.of(full)[0], half_probe.of(half)[0]
     assert half_logits.dtype == torch.float32
     assert (full_logits - half_logits).abs().max().item() < 0.1 * full_logits.abs().max().item()
 

@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from updraft import SamplingParams
-from updraft.runner.sampler import SamplingBatch, sample
-from updraft.spec.rejection import sample_draft, verify
+from updraft.runner.rejection_sampler import sample_draft, verify
+from updraft.runner.sampler import sample
+from updraft.step.sampling_batch import SamplingBatch
 
 
 def batch_of(params: list[SamplingParams], seeds: list[int | None] | None = None) -> SamplingBatch:

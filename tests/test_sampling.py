@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.probes import LogitsProbe
 from updraft import LLM, SamplingParams
-from updraft.engine.request import Request
-from updraft.runner.sampler import SamplingBatch, filtered_probs, sample
+from updraft.runner.sampler import filtered_probs, sample
+from updraft.step.sampling_batch import SamplingBatch
 
 
 @pytest.mark.parametrize(
@@ -38,9 +39,7 @@ def test_invalid_sampling_params_name_the_field(field, value):
 
 
 def batch_of(*params: SamplingParams) -> SamplingBatch:
-    return SamplingBatch.from_requests(
-        [Request(str(i), None, [0], p) for i, p in enumerate(params)]
-    )
+    return SamplingBatch(list(params), [None] * len(params))
 
 
 def test_filters_keep_exactly_the_expected_tokens():
@@ -149,12 +148,14 @@ def test_seeded_request_gives_the_same_text_whatever_the_batch(tiny_llama):
 
 
 def test_logprobs_are_those_of_the_sampled_tokens(tiny_llama):
-    llm = LLM(tiny_llama, num_kv_blocks=64, keep_logits=True)
+    llm = LLM(tiny_llama, num_kv_blocks=64)
+    probe = LogitsProbe(llm)
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=6, logprobs=True, ignore_eos=True)
-    completion = llm.generate([[5, 6, 7]], params)[0].outputs[0]
+    output = llm.generate([[5, 6, 7]], params)[0]
+    completion = output.outputs[0]
     assert len(completion.logprobs) == 6
     for token, logprob, logits in zip(
-        completion.token_ids, completion.logprobs, completion.logits, strict=True
+        completion.token_ids, completion.logprobs, probe.of(output), strict=True
     ):
         assert logprob == pytest.approx(logits.log_softmax(-1)[token].item(), abs=1e-5)
     plain = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].outputs[0]

@@ -21,8 +21,9 @@ def test_sanitize_finds_replay_equal_to_eager(tiny_checkpoint):
     kind, model_dir = tiny_checkpoint
     llm = LLM(model_dir, sanitize=True, **ARGS)
     generate(llm)
-    report = llm.engine.runner.sanitize_report
-    assert report.steps == llm.engine.runner.step_modes["graph"] > 0
+    stats = llm.engine.stats()
+    report = stats.sanitize
+    assert report.steps == stats.steps["graph"] > 0
     assert report.healthy, (kind, report.mismatches)
     assert report.max_output_diff < 1e-4 and report.max_state_diff < 1e-4
 
@@ -35,10 +36,10 @@ def test_sanitize_reports_a_skipped_refresh(tiny_llama, skip):
         # A code path that forgets one refresh (StaticInput is frozen).
         object.__setattr__(forgotten, "refresh", lambda values: None)
     generate(llm)
-    report = llm.engine.runner.sanitize_report
+    report = llm.engine.stats().sanitize
     assert not report.healthy, f"skipping the {skip} refresh went unreported"
     assert "differs" in report.mismatches[0]
 
 
 def test_sanitize_is_off_by_default(tiny_llama):
-    assert LLM(tiny_llama, **ARGS).engine.runner.sanitize_report is None
+    assert LLM(tiny_llama, **ARGS).engine.stats().sanitize is None

@@ -9,10 +9,11 @@ import random
 import pytest
 import torch
 
+from tests.probes import LogitsProbe
 from updraft import LLM, SamplingParams
 from updraft.engine.llm import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
 from updraft.graph.static_input import StaticInput
-from updraft.spec.draft_model import DraftModel
+from updraft.speculative.draft_model import DraftModel
 
 CODE_PROMPTS = [
     "def fibonacci(n):",
@@ -51,8 +52,8 @@ def test_greedy_with_speculation_equals_greedy_without_on_the_demo_model(method,
         llm = LLM(num_speculative_tokens=k, **speculative_args(method, DEMO_DRAFT_DIR))
         got = token_ids(llm.generate(batch, params[: len(batch)]))
         assert got == expected[: len(batch)]
-        assert llm.engine.block_pool.num_used == 0
-        assert llm.engine.speculator.metrics.rounds > 0
+        assert llm.engine.stats().kv_blocks_used == 0
+        assert llm.engine.stats().speculative.rounds > 0
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -63,18 +64,22 @@ def test_greedy_with_speculation_equals_greedy_without_on_tiny_models(tmp_path, 
     draft = make_tiny_checkpoint(kind, tmp_path / "draft", seed=1)
     prompts = token_prompts(16)
     params = [greedy(n) for n in (24, 5, 17, 11) * 4]
-    args = dict(block_size=4, num_kv_blocks=512, keep_logits=True)
-    plain = LLM(target, **args).generate(prompts, params)
+    args = dict(block_size=4, num_kv_blocks=512)
+    plain_llm = LLM(target, **args)
+    plain_probe = LogitsProbe(plain_llm)
+    plain = plain_llm.generate(prompts, params)
     for method in ("draft", "ngram"):
         for k in (1, 3, 5):
             llm = LLM(target, num_speculative_tokens=k, **args, **speculative_args(method, draft))
+            probe = LogitsProbe(llm)
             outputs = llm.generate(prompts, params)
             assert token_ids(outputs) == token_ids(plain), (method, k)
-            assert llm.engine.block_pool.num_used == 0
+            assert llm.engine.stats().kv_blocks_used == 0
             # Each emitted token's logits, from a verify position, are the decode step's.
             for got, expected in zip(outputs, plain, strict=True):
-                for g, e in zip(got.outputs[0].logits, expected.outputs[0].logits, strict=True):
-                    torch.testing.assert_close(g, e, atol=1e-4, rtol=0)
+                torch.testing.assert_close(
+                    probe.of(got), plain_probe.of(expected), atol=1e-4, rtol=0
+                )
 
 
 def self_drafting(model_dir, **engine_args) -> LLM:
@@ -95,7 +100,7 @@ def test_a_model_drafting_for_itself_has_every_draft_accepted(tiny_llama):
     for eager in (True, False):
         llm = self_drafting(tiny_llama, enforce_eager=eager)
         llm.generate(token_prompts(6), [greedy(n) for n in (20, 9, 14, 3, 17, 12)])
-        metrics = llm.engine.speculator.metrics
+        metrics = llm.engine.stats().speculative
         assert metrics.num_draft_tokens > 50
         assert metrics.acceptance_rate == 1.0, metrics.summary()
 
@@ -111,19 +116,20 @@ def test_acceptance_with_graphs_equals_acceptance_without(batch):
     for eager in (True, False):
         llm = LLM(speculative_model=str(DEMO_DRAFT_DIR), enforce_eager=eager)
         outputs = llm.generate(prompts, params)
-        metrics = llm.engine.speculator.metrics
+        stats = llm.engine.stats()
+        metrics = stats.speculative
         results[eager] = (token_ids(outputs), metrics.proposed, metrics.accepted)
         if not eager:
-            assert llm.engine.runner.step_modes["graph"] > 0
-            assert llm.engine.speculator.proposer.step_modes["graph"] > 0
+            assert stats.steps["graph"] > 0
+            assert stats.draft_steps["graph"] > 0
     assert results[True] == results[False]
 
 
 def test_draft_steps_replay_graphs_and_verify_never_falls_back_silently():
     llm = LLM(speculative_model=str(DEMO_DRAFT_DIR), enforce_eager=False)
     llm.generate(CODE_PROMPTS, [greedy(30)] * len(CODE_PROMPTS))
-    target_modes = llm.engine.runner.step_modes
-    draft_modes = llm.engine.speculator.proposer.step_modes
+    stats = llm.engine.stats()
+    target_modes, draft_modes = stats.steps, stats.draft_steps
     # The only eager steps are the prefills; every verify and draft step replayed.
     assert set(target_modes) == {"graph", "eager (prefill)"}
     assert set(draft_modes) == {"graph", "eager (prefill)"}
@@ -153,23 +159,24 @@ def test_a_draft_graph_that_skips_a_refresh_loses_acceptance(tiny_llama, monkeyp
     skip_refresh(monkeypatch, name)
     llm = self_drafting(tiny_llama, enforce_eager=False)
     llm.generate(token_prompts(6), [greedy(n) for n in (20, 9, 14, 3, 17, 12)])
-    assert llm.engine.speculator.metrics.acceptance_rate < 0.9
+    assert llm.engine.stats().speculative.acceptance_rate < 0.9
 
 
 def test_a_first_draft_step_on_the_previous_batch_loses_acceptance(tiny_llama, monkeypatch):
     previous = {}
-    observe = DraftModel.observe
+    propose = DraftModel.propose
 
-    def stale_observe(self, step):
-        # The bug this guards against: the first draft step runs on what was prepared
+    def stale_propose(self, inputs, output, drafting):
+        # The bug this guards against: the draft's mirror step runs on what was prepared
         # for the previous batch instead of the step the target just ran.
-        observe(self, previous.get("step", step))
-        previous["step"] = step
+        stale = previous.get("inputs", inputs)
+        previous["inputs"] = inputs
+        return propose(self, stale, output, drafting)
 
-    monkeypatch.setattr(DraftModel, "observe", stale_observe)
+    monkeypatch.setattr(DraftModel, "propose", stale_propose)
     llm = self_drafting(tiny_llama, enforce_eager=False)
     llm.generate(token_prompts(6), [greedy(n) for n in (20, 9, 14, 3, 17, 12)])
-    assert llm.engine.speculator.metrics.acceptance_rate < 0.9
+    assert llm.engine.stats().speculative.acceptance_rate < 0.9
 
 
 def test_prefills_preemption_and_abort_mix_with_speculation(tiny_llama):
@@ -202,7 +209,7 @@ def test_prefills_preemption_and_abort_mix_with_speculation(tiny_llama):
     assert finals[aborted].outputs[0].finish_reason == "abort"
     assert [finals[i].outputs[0].token_ids for i in ids] == expected
     assert sum(finals[i].metrics.num_preemptions for i in ids) > 0
-    assert engine.block_pool.num_used == 0
+    assert engine.stats().kv_blocks_used == 0
 
 
 def test_speculative_settings_are_checked(tiny_llama):
@@ -219,7 +226,7 @@ def test_speculative_settings_are_checked(tiny_llama):
 def test_metrics_reach_request_outputs():
     llm = LLM(speculative_model=str(DEMO_DRAFT_DIR))
     (output,) = llm.generate(CODE_PROMPTS[:1], greedy(30))
-    spec = output.metrics.spec
+    spec = output.metrics.speculative
     assert spec.num_draft_tokens > 0 and 0 < spec.num_accepted_tokens <= spec.num_draft_tokens
     assert len(spec.acceptance_per_position()) == 3
     assert 1 <= spec.mean_accepted_length <= 4
@@ -244,7 +251,7 @@ def test_prefix_cache_hits_keep_the_draft_cache_valid(tiny_llama):
         if i == 0:
             llm.engine.runner.forward = spy
     assert prefill_tokens[0] < len(head)  # the later prompts hit the cache
-    metrics = llm.engine.speculator.metrics
+    metrics = llm.engine.stats().speculative
     assert metrics.num_draft_tokens > 40 and metrics.acceptance_rate == 1.0
 
 
@@ -271,4 +278,4 @@ def test_stops_limits_and_logprobs_behave_as_without_speculation(method):
         )
         if e.logprobs is not None:
             torch.testing.assert_close(g.logprobs, e.logprobs, atol=1e-4, rtol=0)
-    assert llm.engine.block_pool.num_used == 0
+    assert llm.engine.stats().kv_blocks_used == 0

@@ -7,12 +7,14 @@ import argparse
 import os
 import sys
 import time
+import typing
 from collections.abc import Sequence
+from dataclasses import fields
 
-from updraft.config import DTYPES, EngineConfig
+from updraft.config import EngineConfig
 from updraft.doctor import doctor
 from updraft.engine.llm import DEMO_DRAFT_DIR, DEMO_MODEL_DIR, LLM
-from updraft.sampling import SamplingParams
+from updraft.sampling_params import SamplingParams
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -51,7 +53,6 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--top-k", type=int, default=0, help="0 turns it off")
     sampling.add_argument("--top-p", type=float, default=1.0)
     sampling.add_argument("--min-p", type=float, default=0.0)
-    sampling.add_argument("--seed", type=int, default=None)
     sampling.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     sampling.add_argument("--ignore-eos", action="store_true")
     add_serve_parser(commands)
@@ -116,88 +117,50 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     add_engine_arguments(serve)
 
 
+# What the help of a flag says beyond its field's help.
+HELP_SUFFIX = {
+    "model": f" (default: the demo model, {DEMO_MODEL_DIR})",
+    "speculative_model": f"; the demo's draft is {DEMO_DRAFT_DIR}",
+}
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per ``EngineConfig`` field, its default, type and help taken from there."""
     engine = parser.add_argument_group("engine")
-    engine.add_argument(
-        "--model",
-        default=None,
-        help=f"local Hugging Face checkpoint directory (default: the demo model, {DEMO_MODEL_DIR})",
-    )
-    engine.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", *DTYPES],
-        help="compute dtype; auto is float32 on the CPU and the checkpoint's dtype on a GPU",
-    )
-    engine.add_argument("--device", default="cpu", help="cpu or cuda")
-    engine.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
-    engine.add_argument("--max-model-len", type=int, default=None)
-    engine.add_argument("--max-num-seqs", type=int, default=64)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    engine.add_argument("--block-size", type=int, default=16)
-    engine.add_argument("--no-prefix-caching", action="store_true")
-    engine.add_argument(
-        "--enforce-eager",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="run every step eagerly; --no-enforce-eager replays captured decode steps "
-        "(default: graphs on CUDA, eager on the CPU)",
-    )
-    engine.add_argument(
-        "--capture-sizes",
-        type=capture_sizes,
-        default=EngineConfig.capture_sizes,
-        help="decode batch sizes to capture, comma-separated",
-    )
-
-    spec = parser.add_argument_group("speculative decoding")
-    spec.add_argument(
-        "--speculative-model",
-        default=None,
-        help="draft model checkpoint directory (same tokenizer as the target); the demo "
-        f"draft is {DEMO_DRAFT_DIR}",
-    )
-    spec.add_argument(
-        "--speculative-method",
-        choices=["draft", "ngram"],
-        default=None,
-        help="ngram: prompt lookup, no model; draft: implied by --speculative-model",
-    )
-    spec.add_argument("--num-speculative-tokens", type=int, default=3, help="drafts per step")
-    spec.add_argument(
-        "--speculative-enforce-eager",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="run the draft model's steps eagerly (default: as the target)",
-    )
+    hints = typing.get_type_hints(EngineConfig)
+    for config_field in fields(EngineConfig):
+        name = config_field.name
+        options = dict(config_field.metadata)
+        options["help"] += HELP_SUFFIX.get(name, "")
+        if name == "model":  # required by EngineConfig; the CLI falls back to the demo
+            engine.add_argument("--model", default=None, **options)
+            continue
+        flag = "--" + name.replace("_", "-")
+        engine.add_argument(flag, default=config_field.default, **options, **_parse_as(hints[name]))
 
 
-def capture_sizes(text: str) -> tuple[int, ...]:
+def _parse_as(kind: object) -> dict:
+    """argparse options that read a value of type ``kind``."""
+    if kind is bool or kind == bool | None:
+        return {"action": argparse.BooleanOptionalAction}
+    if kind == tuple[int, ...]:
+        return {"type": int_list, "metavar": "N,N,..."}
+    args = [arg for arg in typing.get_args(kind) if arg is not type(None)]
+    return {"type": args[0] if args else kind}
+
+
+def int_list(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(size) for size in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"capture sizes must be comma-separated integers, got {text!r}"
+            f"expected comma-separated integers, got {text!r}"
         ) from None
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        dtype=args.dtype,
-        device=args.device,
-        kv_cache_memory_gib=args.kv_cache_memory_gib,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        enable_prefix_caching=not args.no_prefix_caching,
-        enforce_eager=args.enforce_eager,
-        capture_sizes=args.capture_sizes,
-        speculative_model=args.speculative_model,
-        speculative_method=args.speculative_method,
-        num_speculative_tokens=args.num_speculative_tokens,
-        speculative_enforce_eager=args.speculative_enforce_eager,
-    )
+    """The ``EngineConfig`` fields from parsed flags (all but ``model``)."""
+    return {f.name: getattr(args, f.name) for f in fields(EngineConfig) if f.name != "model"}
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -207,7 +170,6 @@ def run_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         top_p=args.top_p,
         min_p=args.min_p,
-        seed=args.seed,
         stop=args.stop,
         ignore_eos=args.ignore_eos,
     )
@@ -234,13 +196,17 @@ def run_generate(args: argparse.Namespace) -> int:
         f"prompt {metrics.num_prompt_tokens} tokens, finish: {final.outputs[0].finish_reason}",
         file=sys.stderr,
     )
-    print(f"[updraft] steps: {llm.engine.runner.describe_steps()}", file=sys.stderr)
-    speculator = llm.engine.speculator
-    if speculator is not None:
-        print(f"[updraft] speculative: {speculator.metrics.summary()}", file=sys.stderr)
-        draft_runner = getattr(speculator.proposer, "runner", None)
-        if draft_runner is not None:
-            print(f"[updraft] draft steps: {draft_runner.describe_steps()}", file=sys.stderr)
+    stats = llm.engine.stats()
+    print(f"[updraft] steps: {stats.describe_steps()}", file=sys.stderr)
+    if stats.speculative is not None:
+        seconds = stats.phase_seconds
+        print(
+            f"[updraft] speculative: {stats.speculative.summary()}, draft "
+            f"{seconds['propose']:.2f} s, verify {seconds['forward'] + seconds['sample']:.2f} s",
+            file=sys.stderr,
+        )
+    if stats.draft_steps is not None:
+        print(f"[updraft] draft steps: {stats.describe_draft_steps()}", file=sys.stderr)
     return 0
 
 

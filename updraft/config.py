@@ -7,7 +7,7 @@ needs; ``EngineConfig`` is how the engine is run (memory, batching, dtype).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -133,35 +133,65 @@ def _eos_token_ids(model_dir: Path, raw: dict[str, Any]) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list) else (int(value),)
 
 
+def setting(default: Any, help: str, **cli: Any) -> Any:
+    """An ``EngineConfig`` field with its command-line help (``cli`` adds argparse
+    options such as ``choices``); the CLI makes one flag per field from these."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
 @dataclass
 class EngineConfig:
-    """How the engine runs. Defaults suit the CPU; a GPU wants a larger KV budget."""
+    """How the engine runs. Defaults suit the CPU; a GPU wants a larger KV budget.
 
-    model: str
-    dtype: str = "auto"
-    device: str = "cpu"
-    block_size: int = 16
-    kv_cache_memory_gib: float = 1.0
-    num_kv_blocks: int | None = None  # overrides kv_cache_memory_gib
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    keep_logits: bool = False  # attach each sampled position's logits to outputs (tests)
-    # None picks per device: captured decode steps on CUDA, where replay removes the
-    # launch overhead; eager on the CPU, where replay only matches eager per step and
-    # capture costs a few seconds at start-up (benchmarks/RESULTS.md).
-    enforce_eager: bool | None = None
-    capture_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # decode batch buckets
-    # Check every replay against eager on a copy of the KV cache (graph/sanitize.py).
-    # It copies the whole cache each step: use it with a small one.
-    sanitize: bool = False
-    # Speculative decoding: a draft model directory, or method "ngram" (prompt lookup).
-    speculative_model: str | None = None
-    speculative_method: str | None = None  # "draft" (implied by speculative_model), "ngram"
-    num_speculative_tokens: int = 3
-    speculative_enforce_eager: bool | None = None  # the draft's graphs; None: as the target
-    seed: int = 0
+    Every field is also an ``updraft`` flag (``block_size`` is ``--block-size``), with
+    its default, type and help taken from here."""
+
+    model: str = field(metadata={"help": "local Hugging Face checkpoint directory"})
+    dtype: str = setting(
+        "auto",
+        "compute dtype; auto is float32 on the CPU and the checkpoint's dtype on a GPU",
+        choices=["auto", *DTYPES],
+    )
+    device: str = setting("cpu", "cpu, cuda or cuda:N")
+    seed: int = setting(0, "seed of the sampling of requests that have no seed of their own")
+    block_size: int = setting(16, "tokens per KV cache block")
+    kv_cache_memory_gib: float = setting(1.0, "KV cache budget in GiB")
+    num_kv_blocks: int | None = setting(None, "KV cache blocks; overrides kv_cache_memory_gib")
+    max_num_seqs: int = setting(64, "most requests running at once")
+    max_num_batched_tokens: int = setting(
+        1024, "most tokens per step; longer prompts are prefilled in chunks"
+    )
+    max_model_len: int | None = setting(
+        None, "context length (default: the model's max_position_embeddings)"
+    )
+    enable_prefix_caching: bool = setting(True, "reuse the KV of prompt blocks seen before")
+    enforce_eager: bool | None = setting(
+        None,
+        # Captured steps remove CUDA's launch overhead; on the CPU replay only matches
+        # eager per step and capture costs a few seconds at start-up (RESULTS.md).
+        "run every step eagerly; --no-enforce-eager replays captured decode and verify "
+        "steps (default: graphs on CUDA, eager on the CPU)",
+    )
+    capture_sizes: tuple[int, ...] = setting(
+        (1, 2, 4, 8, 16, 32, 64), "batch sizes of captured steps, comma-separated"
+    )
+    sanitize: bool = setting(
+        False,
+        "check every graph replay against eager on a copy of the KV cache (copies the "
+        "whole cache each step: use a small one)",
+    )
+    speculative_method: str | None = setting(
+        None,
+        "draft (a draft model; implied by --speculative-model), ngram (prompt lookup), or "
+        "a registered proposer",
+    )
+    speculative_model: str | None = setting(
+        None, "draft model checkpoint directory, with the target's tokenizer"
+    )
+    num_speculative_tokens: int = setting(3, "draft tokens verified per step")
+    speculative_enforce_eager: bool | None = setting(
+        None, "run the draft model's steps eagerly (default: as the target)"
+    )
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -175,15 +205,14 @@ class EngineConfig:
             raise ValueError(f"capture_sizes must be sizes >= 1, got {self.capture_sizes}")
         if self.speculative_model is not None and self.speculative_method is None:
             self.speculative_method = "draft"
-        if self.speculative_method not in (None, "draft", "ngram"):
+        if self.speculative_method == "draft" and self.speculative_model is None:
             raise ValueError(
-                f"speculative_method must be 'draft' or 'ngram', got {self.speculative_method!r}"
+                "speculative_method 'draft' needs speculative_model (a draft checkpoint directory)"
             )
-        if (self.speculative_method == "draft") != (self.speculative_model is not None):
+        if self.speculative_method == "ngram" and self.speculative_model is not None:
             raise ValueError(
-                "speculative_method 'draft' needs speculative_model (a draft checkpoint "
-                f"directory), and only it takes one; got method {self.speculative_method!r} "
-                f"with model {self.speculative_model!r}"
+                f"speculative_method 'ngram' takes no speculative_model, got "
+                f"{self.speculative_model!r}"
             )
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError(

@@ -17,7 +17,7 @@ from typing import Any
 
 from updraft.engine.llm import LLM
 from updraft.graph.sanitize import SanitizeReport
-from updraft.sampling import SamplingParams
+from updraft.sampling_params import SamplingParams
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -48,19 +48,18 @@ def run(name: str, model: str | None, engine_args: dict[str, Any]) -> DoctorRun:
     start = time.perf_counter()
     outputs = llm.generate(PROMPTS, params)
     seconds = time.perf_counter() - start
-    runners = [llm.engine.runner]
-    speculator = llm.engine.speculator
-    draft_runner = getattr(speculator.proposer, "runner", None) if speculator else None
-    if draft_runner is not None:
-        runners.append(draft_runner)
-    modes = [r.describe_steps() for r in runners]
+    stats = llm.engine.stats()
+    modes = {"target": stats.describe_steps()}
+    if stats.draft_steps is not None:
+        modes["draft"] = stats.describe_draft_steps()
+    reports = [r for r in (stats.sanitize, stats.draft_sanitize) if r is not None]
     return DoctorRun(
         name,
         [output.outputs[0].token_ids for output in outputs],
         seconds,
-        dict(zip(["target", "draft"], modes, strict=False)),
-        [r.sanitize_report for r in runners if r.sanitize_report is not None],
-        None if speculator is None else list(speculator.metrics.accepted),
+        modes,
+        reports,
+        None if stats.speculative is None else list(stats.speculative.accepted),
     )
 
 

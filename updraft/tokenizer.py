@@ -34,13 +34,21 @@ class Tokenizer:
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
-class Detokenizer:
-    """Turns a growing list of output ids into text, a piece at a time.
+# Ids that still end in an incomplete character after this many are invalid bytes: they
+# come out as replacement characters instead of widening every later decode.
+MAX_PENDING_IDS = 8
+# Ids before the decode window are dropped once this many pile up.
+MAX_KEPT_IDS = 64
 
-    Decoding only a short window of recent ids keeps each step O(1); a piece that ends in
-    an incomplete UTF-8 character is held back until the next id completes it. With stop
-    strings, the last ``len(longest stop) - 1`` characters are also held back, since they
-    may be the start of a stop string.
+
+class Detokenizer:
+    """Turns a request's output ids into text, a piece at a time, and finds stop strings.
+
+    Each id decodes only a short window of recent ids (between ``prefix_offset`` and the
+    end), so a token costs the same at the end of a long output as at its start. A piece
+    that ends in an incomplete UTF-8 character is held back until a later id completes
+    it. With stop strings, the last ``len(longest stop) - 1`` characters are held back
+    too, since they may be the start of a stop string.
     """
 
     def __init__(self, tokenizer: Tokenizer | None, prompt_ids: list[int], stop: list[str]):
@@ -48,31 +56,36 @@ class Detokenizer:
         self.ids = list(prompt_ids[-6:])  # context so the first piece decodes like the rest
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self.text = ""
+        self.pending = ""  # decoded text not yet taken
+        self.pieces: list[str] = []  # the text taken so far, append-only
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
-        self.emitted = 0  # characters of ``text`` already handed out
         self.stopped = False  # a stop string was found; nothing more is added
 
     def add(self, token_id: int) -> str | None:
         """Append one id; returns the stop string if the text now contains one (the text
         is then cut just before it)."""
-        if self.tokenizer is None:
+        if self.tokenizer is None or self.stopped:
             return None
         self.ids.append(token_id)
         prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
         full = self.tokenizer.decode(self.ids[self.prefix_offset :])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        waiting = len(full) <= len(prefix) or full.endswith("\ufffd")
+        if waiting and len(self.ids) - self.read_offset < MAX_PENDING_IDS:
             return None
-        new_text = full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        start = max(len(self.text) - self.hold, 0)
-        self.text += new_text
-        found = [(i, stop) for stop in self.stop if (i := self.text.find(stop, start)) != -1]
+        if self.prefix_offset > MAX_KEPT_IDS:
+            del self.ids[: self.prefix_offset]
+            self.prefix_offset, self.read_offset = 0, len(self.ids)
+        start = max(len(self.pending) - self.hold, 0)
+        self.pending += full[len(prefix) :]
+        if not self.stop:
+            return None
+        found = [(i, stop) for stop in self.stop if (i := self.pending.find(stop, start)) != -1]
         if not found:
             return None
         index, stop = min(found)
-        self.text = self.text[:index]
+        self.pending = self.pending[:index]
         self.stopped = True
         return stop
 
@@ -81,9 +94,10 @@ class Detokenizer:
         the request has finished, ids held back as incomplete characters are flushed."""
         if finished and not self.stopped and self.read_offset < len(self.ids):
             prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
-            self.text += self.tokenizer.decode(self.ids[self.prefix_offset :])[len(prefix) :]
+            self.pending += self.tokenizer.decode(self.ids[self.prefix_offset :])[len(prefix) :]
             self.read_offset = len(self.ids)
-        end = len(self.text) if finished else max(len(self.text) - self.hold, self.emitted)
-        piece = self.text[self.emitted : end]
-        self.emitted = end
+        end = len(self.pending) if finished else max(len(self.pending) - self.hold, 0)
+        piece, self.pending = self.pending[:end], self.pending[end:]
+        if piece:
+            self.pieces.append(piece)
         return piece

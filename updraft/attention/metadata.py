@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from updraft.runner.step import Step
+from updraft.step.inputs import StepInputs
 
 
 @dataclass(frozen=True)
@@ -91,46 +91,50 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_reqs + 1]
     shapes: list[GroupShape]
     block_size: int
-    num_padding_tokens: int = 0  # trailing tokens of no request (see runner.step.pad_step)
+    num_padding_tokens: int = 0  # trailing tokens of no request (a graph bucket's padding)
     _groups: list[AttentionGroup] | None = field(default=None, repr=False)
 
     @classmethod
     def from_step(
-        cls, step: Step, block_size: int, device: torch.device | str
+        cls, step: StepInputs, block_size: int, device: torch.device | str
     ) -> AttentionMetadata:
-        """Metadata over fresh tensors made from ``step`` (eager forwards)."""
+        """Metadata over ``step``'s own tensors (eager forwards)."""
         return cls.bind(
             step,
             block_size,
             slot_mapping=step.slot_mapping.to(device),
             block_table=step.block_table.to(device),
-            seq_lens=torch.tensor(step.seq_lens, device=device),
-            query_start_loc=torch.tensor(step.query_start_loc, device=device),
+            seq_lens=step.seq_lens.to(device),
+            query_start_loc=step.query_start_loc.to(device),
         )
 
     @classmethod
     def bind(
         cls,
-        step: Step,
+        step: StepInputs,
         block_size: int,
         slot_mapping: torch.Tensor,
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         query_start_loc: torch.Tensor,
+        num_tokens: int | None = None,
     ) -> AttentionMetadata:
         """Metadata over the given tensors holding ``step``'s values (a captured graph
-        passes its static input buffers), with ``step``'s host-side shapes.
+        passes its static input buffers, ``num_tokens`` long), with ``step``'s
+        host-side shapes.
 
-        Decode requests (one query token) come first in a Step, then the rest, then any
+        Decode requests (one query token) come first in a step, then the rest, then any
         padding requests (no query tokens), which attend to nothing."""
+        shapes = group_shapes(step)
+        num_real = shapes[-1].last_token if shapes else 0
         return cls(
             slot_mapping=slot_mapping,
             block_table=block_table,
             seq_lens=seq_lens,
             query_start_loc=query_start_loc,
-            shapes=group_shapes(step),
+            shapes=shapes,
             block_size=block_size,
-            num_padding_tokens=step.num_tokens - step.query_start_loc[-1],
+            num_padding_tokens=(step.num_tokens if num_tokens is None else num_tokens) - num_real,
         )
 
     def groups(self) -> list[AttentionGroup]:
@@ -145,8 +149,11 @@ class AttentionMetadata:
         return self._groups
 
 
-def group_shapes(step: Step) -> list[GroupShape]:
-    num_real = sum(1 for n in step.query_lens if n > 0)
+def group_shapes(step: StepInputs) -> list[GroupShape]:
+    query_lens = step.query_lens
+    query_start_loc = step.query_start_loc.tolist()
+    seq_lens = step.seq_lens.tolist()
+    num_real = sum(1 for n in query_lens if n > 0)
     shapes = []
     for first, last in ((0, step.num_decodes), (step.num_decodes, num_real)):
         if first < last:
@@ -154,10 +161,10 @@ def group_shapes(step: Step) -> list[GroupShape]:
                 GroupShape(
                     first_req=first,
                     last_req=last,
-                    first_token=step.query_start_loc[first],
-                    last_token=step.query_start_loc[last],
-                    max_query=max(step.query_lens[first:last]),
-                    max_context=max(step.seq_lens[first:last]),
+                    first_token=query_start_loc[first],
+                    last_token=query_start_loc[last],
+                    max_query=max(query_lens[first:last]),
+                    max_context=max(seq_lens[first:last]),
                 )
             )
     return shapes

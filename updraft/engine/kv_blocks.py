@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from updraft.engine.request import Request
+from updraft.request import Request
 
 
 def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
@@ -134,13 +134,6 @@ class KVCacheManager:
         for index in range(request.num_registered_blocks, full_blocks):
             self.pool.register(request.block_ids[index], hashes[index])
         request.num_registered_blocks = max(request.num_registered_blocks, full_blocks)
-
-    def trim(self, request: Request, num_tokens: int) -> None:
-        """Keep only the blocks that hold the first ``num_tokens`` positions."""
-        keep = -(-num_tokens // self.block_size)
-        if len(request.block_ids) > keep:
-            self.pool.free(request.block_ids[keep:][::-1])
-            del request.block_ids[keep:]
 
     def free(self, request: Request) -> None:
         self.pool.free(request.block_ids[::-1])

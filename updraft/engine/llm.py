@@ -9,8 +9,8 @@ from typing import Any
 
 from updraft.config import EngineConfig
 from updraft.engine.engine import Engine
-from updraft.engine.request import RequestOutput
-from updraft.sampling import SamplingParams
+from updraft.outputs import RequestOutput
+from updraft.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
 

@@ -1,29 +1,35 @@
-"""Continuous batching: which requests run this step, and how many tokens each.
+"""Continuous batching: the plan of each step, and the one place where a step ends.
 
-Running requests go first, in arrival order, then waiting ones, within a per-step token
-budget and a cap on running requests. A prompt longer than the remaining budget is
-prefilled in chunks. When the block pool runs dry the most recently admitted request is
-preempted: its blocks are freed and it is recomputed later (cheaply, when its blocks are
-still in the prefix cache). A request always comes back; none is dropped.
+``schedule(drafts)`` plans a step. Running requests go first, in arrival order, then
+waiting ones, within a per-step token budget and a cap on running requests. A prompt
+longer than the remaining budget is prefilled in chunks. A decoding request carries the
+drafts proposed for it, as many as the budget and its context length allow, and its KV
+blocks are reserved for all of them. When the block pool runs dry the most recently
+admitted request is preempted: its blocks are freed and it is recomputed later (cheaply,
+when its blocks are still in the prefix cache). A request always comes back.
+
+``update(plan, step_output)`` ends the step: it counts computed tokens (of a request's
+drafts only the accepted ones), appends the new tokens, applies stop conditions, frees
+the blocks of finished requests, records acceptance and returns the step's outputs.
+
+With speculative decoding every request that samples also keeps ``num_lookahead_tokens``
+slots reserved past its step, so a proposer can write a draft model's KV for the next
+round's drafts without allocating anything: the scheduler is the only caller of the
+block manager.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 
 from updraft.engine.kv_blocks import KVCacheManager
-from updraft.engine.request import FinishReason, Request, RequestStatus
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+from updraft.engine.stop import stop_condition
+from updraft.outputs import RequestOutput, SpeculativeMetrics
+from updraft.request import FinishReason, Request, RequestStatus
+from updraft.step.output import StepOutput
+from updraft.step.plan import Draft, ScheduledRequest, StepPlan
 
 
 class Scheduler:
@@ -32,13 +38,18 @@ class Scheduler:
         kv_manager: KVCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        max_model_len: int,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         self.kv = kv_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.speculative = SpeculativeMetrics()
 
     @property
     def has_unfinished(self) -> bool:
@@ -48,72 +59,144 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+    # -- planning a step -----------------------------------------------------------------
+
+    def schedule(self, drafts: Mapping[str, Draft] | None = None) -> StepPlan:
+        drafts = drafts or {}
+        plan = StepPlan()
         budget = self.max_num_batched_tokens
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_known = request.num_tokens - request.num_computed_tokens
-            # Drafts to verify ride along when the budget has room; extra ones are dropped.
-            del request.draft_token_ids[max(0, budget - num_known) :]
-            num_new = min(num_known + len(request.draft_token_ids), budget)
-            while not self.kv.allocate(request, num_new):
+            draft = self._fit(drafts.get(request.request_id), request, budget - num_known)
+            num_drafts = 0 if draft is None else len(draft.token_ids)
+            item = ScheduledRequest(request, min(num_known + num_drafts, budget), draft)
+            while not self.kv.allocate(request, self._slots(item)):
                 victim = self.running.pop()
                 self._preempt(victim)
-                out.preempted.append(victim)
+                plan.preempted.append(victim)
                 if victim is request:
                     break
             else:
-                out.scheduled.append((request, num_new))
-                budget -= num_new
+                plan.scheduled.append(item)
+                budget -= item.num_new_tokens
                 index += 1
         # Admitting new work while evicting running work would only thrash.
-        while not out.preempted and self.waiting and budget > 0:
+        while not plan.preempted and self.waiting and budget > 0:
             if len(self.running) >= self.max_num_seqs:
                 break
             request = self.waiting[0]
             cached = self.kv.cached_prefix(request)
             remaining = request.num_tokens - len(cached) * self.kv.block_size
             num_new = min(remaining, budget)
-            if not self.kv.allocate(request, num_new, cached):
+            computed = len(cached) * self.kv.block_size
+            if not self.kv.allocate(request, self._lookahead(computed, num_new, remaining), cached):
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append((request, num_new))
+            plan.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
-        return out
+        return plan
 
-    def update(
-        self, out: SchedulerOutput, num_accepted: dict[str, int] | None = None
-    ) -> list[Request]:
-        """Advance computed tokens after the forward; returns the requests whose sampled
-        token is real (their whole known sequence is now computed). Of a request's
-        drafts only the ``num_accepted[request_id]`` accepted ones count as computed:
-        the KV written for the rest is rolled back by not counting it."""
-        sampled = []
-        for request, num_new in out.scheduled:
-            num_drafts = len(request.draft_token_ids)
-            accepted = (num_accepted or {}).get(request.request_id, 0)
-            request.num_computed_tokens += num_new - num_drafts
-            if request.num_computed_tokens == request.num_tokens:
-                sampled.append(request)
-            request.num_computed_tokens += accepted
-            request.draft_token_ids = []
-            request.draft_probs = None
+    def _fit(self, draft: Draft | None, request: Request, room: int) -> Draft | None:
+        """The part of ``draft`` this step can verify: within the token budget and the
+        context length, and only for a request that decodes."""
+        if draft is None or request.num_tokens - request.num_computed_tokens != 1:
+            return None
+        keep = max(0, min(room, self.max_model_len - request.num_tokens))
+        if keep == 0:
+            return None
+        if keep >= len(draft.token_ids):
+            return draft
+        probs = None if draft.probs is None else draft.probs[:keep]
+        return Draft(draft.token_ids[:keep], probs)
+
+    def _slots(self, item: ScheduledRequest) -> int:
+        """KV slots ``item`` needs past the request's computed tokens."""
+        request = item.request
+        num_known = request.num_tokens - request.num_computed_tokens
+        return self._lookahead(request.num_computed_tokens, item.num_new_tokens, num_known)
+
+    def _lookahead(self, num_computed: int, num_new: int, num_known: int) -> int:
+        """``num_new`` slots, plus the lookahead slots a proposer writes into when this
+        step samples (reaches the last known token), never past the context length."""
+        if num_new < num_known or not self.num_lookahead_tokens:
+            return num_new
+        return max(
+            num_new, min(num_new + self.num_lookahead_tokens, self.max_model_len - num_computed)
+        )
+
+    def drafting(self) -> list[tuple[Request, int]]:
+        """The requests that decode next step, each with the most drafts it may carry:
+        those whose blocks already cover every position a proposer writes for them
+        (a request whose step just sampled holds its lookahead slots; one whose prompt
+        is a single token short of done, after a partial prefill chunk, does not)."""
+        drafting = []
+        for request in self.running if self.num_lookahead_tokens else ():
+            if request.num_computed_tokens != request.num_tokens - 1:
+                continue
+            limit = min(self.num_lookahead_tokens, self.max_model_len - request.num_tokens)
+            covered = len(request.block_ids) * self.kv.block_size
+            if limit > 0 and request.num_tokens - 1 + limit <= covered:
+                drafting.append((request, limit))
+        return drafting
+
+    # -- ending a step -------------------------------------------------------------------
+
+    def update(self, plan: StepPlan, output: StepOutput) -> list[RequestOutput]:
+        """Apply what the step produced; returns an output for every request that got
+        new tokens or finished. Of a request's drafts only the accepted ones count as
+        computed: the KV written for the rest is rolled back by not counting it."""
+        now = time.perf_counter()
+        rows = {request_id: row for row, request_id in enumerate(output.request_ids)}
+        outputs = []
+        for item in plan.scheduled:
+            request = item.request
+            row = rows.get(request.request_id)
+            accepted = 0 if row is None else output.num_accepted[row]
+            request.num_computed_tokens += item.num_new_tokens - item.num_drafts + accepted
             self.kv.register_computed(request)
-        return sampled
+            if row is None:
+                continue  # a prefill chunk short of the prompt's end: nothing sampled
+            if item.num_drafts:
+                request.speculative.record(item.num_drafts, accepted)
+                self.speculative.record(item.num_drafts, accepted)
+            logprobs = None if output.logprobs is None else output.logprobs[row]
+            new_tokens, new_logprobs = self._append(request, output.token_ids[row], logprobs, now)
+            outputs.append(
+                request.take_output(new_tokens, new_logprobs, bool(self.num_lookahead_tokens))
+            )
+        return outputs
 
-    def release_unused_blocks(self, request: Request) -> None:
-        """Free blocks past the request's known tokens, such as those taken for drafts
-        that were rejected."""
-        if not request.finished:
-            self.kv.trim(request, request.num_tokens)
+    def _append(
+        self, request: Request, token_ids: list[int], logprobs: list[float] | None, now: float
+    ) -> tuple[list[int], list[float] | None]:
+        """Append tokens in order until one ends the request; returns those appended."""
+        if request.first_token_time is None:
+            request.first_token_time = now
+        keep_logprobs = logprobs is not None and request.sampling_params.logprobs
+        for count, token_id in enumerate(token_ids, start=1):
+            request.token_ids.append(token_id)
+            if keep_logprobs:
+                request.logprobs.append(logprobs[count - 1])
+            reason = stop_condition(request, token_id, self.max_model_len)
+            if reason is not None:
+                self._end(request, reason)
+                token_ids = token_ids[:count]
+                break
+        return token_ids, logprobs[: len(token_ids)] if keep_logprobs else None
 
-    def finish(self, request: Request, reason: FinishReason) -> None:
+    def finish(self, request: Request, reason: FinishReason) -> RequestOutput | None:
+        """End a request (aborted, or refused before it ran) and free its blocks; returns
+        its last output, or None when it had already finished."""
         if request.finished:
-            return
+            return None
+        self._end(request, reason)
+        return request.take_output([], None, bool(self.num_lookahead_tokens))
+
+    def _end(self, request: Request, reason: FinishReason) -> None:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request in self.waiting:
@@ -121,12 +204,11 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        request.finish_time = time.perf_counter()
         self.requests.pop(request.request_id, None)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
-        request.draft_token_ids = []
-        request.draft_probs = None
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING

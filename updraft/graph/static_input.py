@@ -1,9 +1,9 @@
 """``StaticInput``: one persistent buffer a captured graph reads, refreshed every replay.
 
 The buffer is allocated once at the largest size and its address never changes. Each
-refresh writes this step's values into its first rows (and first columns, for a block
-table narrower than the buffer) and the pad value everywhere else, so rows left from a
-larger earlier batch can never be read as live.
+refresh writes this step's values into its leading rows (and columns, for a block table
+narrower than the buffer) and the pad value everywhere else, so rows left from a larger
+earlier batch can never be read as live.
 """
 
 from __future__ import annotations
@@ -14,13 +14,26 @@ from typing import Any
 
 import torch
 
+LAST = "last"  # pad by repeating the last value
+
+
+def padded(values: torch.Tensor, shape: tuple[int, ...], pad: int | float | str) -> torch.Tensor:
+    """``values`` in the leading corner of a tensor of ``shape``; the rest is ``pad``
+    (or, for ``LAST``, the last value)."""
+    if tuple(values.shape) == tuple(shape):
+        return values
+    fill = values[-1].item() if pad == LAST else pad
+    out = values.new_full(shape, fill)
+    out[tuple(slice(0, n) for n in values.shape)] = values
+    return out
+
 
 @dataclass(frozen=True)
 class StaticInput:
     name: str
     buffer: torch.Tensor
     fill: Callable[[Any], torch.Tensor]  # this step's values, unpadded
-    pad: int | float
+    pad: int | float | str
 
     def values(self, step: Any) -> torch.Tensor:
         """This step's values, checked against the buffer before anything is written."""
@@ -35,10 +48,4 @@ class StaticInput:
         return values
 
     def refresh(self, values: torch.Tensor) -> None:
-        rows = values.shape[0]
-        live = self.buffer[:rows]
-        if values.dim() == 2 and values.shape[1] < self.buffer.shape[1]:
-            live[:, values.shape[1] :].fill_(self.pad)
-            live = live[:, : values.shape[1]]
-        live.copy_(values, non_blocking=True)
-        self.buffer[rows:].fill_(self.pad)
+        self.buffer.copy_(padded(values, tuple(self.buffer.shape), self.pad), non_blocking=True)

@@ -1,9 +1,15 @@
-"""The model runner: owns the weights and the KV cache, runs one Step at a time."""
+"""The model runner: owns the weights and the KV cache, runs one step at a time.
+
+``execute(inputs)`` is the one way a step runs: the forward (a graph replay when the
+step fits a captured bucket, else eager), then the tokens: requests that carry drafts
+are verified by the rejection sampler, the others sampled, all in one ``StepOutput``.
+"""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -13,15 +19,22 @@ from updraft.config import EngineConfig, ModelConfig
 from updraft.graph.sanitize import SanitizeReport, checked_replay, default_tolerance
 from updraft.models.loader import load_model
 from updraft.runner.captured import Bucket, CapturedSteps
+from updraft.runner.rejection_sampler import verify_step
 from updraft.runner.sampler import sample
-from updraft.runner.step import Step
+from updraft.step.inputs import StepInputs
+from updraft.step.output import StepOutput
 
 
-@dataclass
-class RunnerOutput:
-    token_ids: list[int]  # one per request in the step, in step order
-    logprobs: list[float] | None
-    logits: torch.Tensor | None  # [num_reqs, vocab] float32, with keep_logits
+class Forward(NamedTuple):
+    logits: torch.Tensor  # [len(inputs.logits_indices), vocab] float32
+    hidden_states: torch.Tensor | None  # [num_tokens, hidden], when the step asks
+    mode: str  # "graph" or "eager (why)"
+
+
+class Tokens(NamedTuple):
+    token_ids: list[list[int]]
+    num_accepted: list[int]
+    logprobs: list[list[float]] | None
 
 
 class Runner:
@@ -90,55 +103,90 @@ class Runner:
             )
         return num_blocks
 
-    def describe_steps(self) -> str:
-        """How the steps so far ran, e.g. "1 eager (prefill), 63 graph"."""
-        return ", ".join(f"{n} {mode}" for mode, n in sorted(self.step_modes.items()))
-
     @torch.inference_mode()
-    def forward(self, step: Step) -> torch.Tensor:
-        """Logits [len(step.logits_indices), vocab] of one step, by graph replay when
-        the step fits a captured bucket, else eagerly; ``step_modes`` counts which."""
-        bucket = None if self.captured is None else self.captured.bucket_for(step)
-        if bucket is not None:
-            self.step_modes["graph"] += 1
-            logits = self._replay(step, bucket)
-            return logits.index_select(0, step.logits_indices.to(self.device))
-        why = "graphs off" if self.captured is None else self.captured.why_not(step)
-        self.step_modes[f"eager ({why})"] += 1
-        return self._forward_eager(step)
-
-    @torch.inference_mode()
-    def execute(self, step: Step) -> RunnerOutput:
-        logits = self.forward(step)
-        tokens, logprobs = sample(logits, step.sampling, self.generator)
-        return RunnerOutput(
-            token_ids=tokens.tolist(),
-            logprobs=None if logprobs is None else logprobs.tolist(),
-            logits=logits.cpu() if self.config.keep_logits else None,
+    def execute(self, inputs: StepInputs) -> StepOutput:
+        start = time.perf_counter()
+        forward = self.forward(inputs)
+        forward_seconds = time.perf_counter() - start
+        tokens = self.sample(forward.logits, inputs)
+        return StepOutput(
+            request_ids=[inputs.request_ids[row] for row in inputs.sampling_rows],
+            token_ids=tokens.token_ids,
+            num_accepted=tokens.num_accepted,
+            logprobs=tokens.logprobs,
+            hidden_states=forward.hidden_states,
+            forward_seconds=forward_seconds,
+            mode=forward.mode,
         )
 
-    def _replay(self, step: Step, bucket: Bucket) -> torch.Tensor:
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> Forward:
+        """The logits at ``inputs.logits_indices`` (and hidden states when asked), by
+        graph replay when the step fits a captured bucket, else eagerly;
+        ``step_modes`` counts which."""
+        bucket = None if self.captured is None else self.captured.bucket_for(inputs)
+        if bucket is not None:
+            mode = "graph"
+            hidden, logits = self._replay(inputs, bucket)
+            logits = logits.index_select(0, inputs.logits_indices.to(self.device))
+            if inputs.return_hidden_states:
+                hidden = hidden.clone()
+        else:
+            why = "graphs off" if self.captured is None else self.captured.why_not(inputs)
+            mode = f"eager ({why})"
+            hidden = self._hidden_eager(inputs)
+            logits = self.model.compute_logits(
+                hidden.index_select(0, inputs.logits_indices.to(self.device))
+            )
+        self.step_modes[mode] += 1
+        return Forward(logits, hidden if inputs.return_hidden_states else None, mode)
+
+    def sample(self, logits: torch.Tensor, inputs: StepInputs) -> Tokens:
+        """Tokens of every request that samples: verified against its drafts when it
+        carries any (a request without drafts in such a step is verified with none,
+        which samples exactly as the plain sampler does)."""
+        if any(inputs.num_drafts):
+            result = verify_step(logits, inputs, self.generator)
+            return Tokens(result.token_ids, result.num_accepted, result.logprobs)
+        tokens, logprobs = sample(logits, inputs.sampling, self.generator)
+        return Tokens(
+            [[token] for token in tokens.tolist()],
+            [0] * len(inputs.sampling),
+            None if logprobs is None else [[lp] for lp in logprobs.tolist()],
+        )
+
+    def _replay(self, inputs: StepInputs, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         if self.sanitize_report is None:
-            return self.captured.run(step, bucket)
-        return checked_replay(
-            lambda: self.captured.run(step, bucket),
-            lambda kv_caches: self._forward_eager(step, kv_caches, all_tokens=True),
+            return self.captured.run(inputs, bucket)
+        hidden = []
+
+        def replay() -> torch.Tensor:
+            states, logits = self.captured.run(inputs, bucket)
+            hidden.append(states)
+            return logits.clone()
+
+        logits = checked_replay(
+            replay,
+            lambda kv_caches: self.model.compute_logits(self._hidden_eager(inputs, kv_caches)),
             self.kv_caches,
             self.sanitize_report,
-            label=f"step {self.step_modes.total()} (bucket {bucket}, {step.num_reqs} requests)",
+            label=f"step {self.step_modes.total()} (bucket {bucket}, {inputs.num_reqs} requests)",
             live=lambda kv_cache: kv_cache[:, :-1],  # the spare slot takes padded writes
         )
+        return hidden[0], logits
 
-    def _forward_eager(
-        self, step: Step, kv_caches: list[torch.Tensor] | None = None, all_tokens: bool = False
+    def _hidden_eager(
+        self, inputs: StepInputs, kv_caches: list[torch.Tensor] | None = None
     ) -> torch.Tensor:
-        metadata = AttentionMetadata.from_step(step, self.block_size, self.device)
-        hidden = self.model(
-            step.input_ids.to(self.device),
-            step.positions.to(self.device),
+        metadata = AttentionMetadata.from_step(inputs, self.block_size, self.device)
+        return self.model(
+            inputs.input_ids.to(self.device),
+            inputs.positions.to(self.device),
             self.kv_caches if kv_caches is None else kv_caches,
             metadata,
         )
-        if not all_tokens:
-            hidden = hidden.index_select(0, step.logits_indices.to(self.device))
-        return self.model.compute_logits(hidden)
+
+
+def describe_steps(step_modes: dict[str, int]) -> str:
+    """How steps ran, from a runner's ``step_modes``: e.g. "1 eager (prefill), 63 graph"."""
+    return ", ".join(f"{n} {mode}" for mode, n in sorted(step_modes.items()))

@@ -7,49 +7,9 @@ with a shape that does not depend on the batch, so its text does not either.
 
 from __future__ import annotations
 
-from functools import cached_property
-
 import torch
 
-from updraft.engine.request import Request
-from updraft.sampling import SamplingParams
-
-
-class SamplingBatch:
-    """The sampling parameters of a step's requests, in step order. Per-row tensors are
-    built on first use, so an all-greedy step builds none."""
-
-    def __init__(
-        self, params: list[SamplingParams], generators: list[torch.Generator | None]
-    ) -> None:
-        self.params = params
-        self.generators = generators
-        sampled = [p for p in params if not p.greedy]
-        self.all_greedy = not sampled
-        self.use_top_k = any(p.top_k > 0 for p in sampled)
-        self.use_top_p = any(p.top_p < 1 for p in sampled)
-        self.use_min_p = any(p.min_p > 0 for p in sampled)
-        self.want_logprobs = any(p.logprobs for p in params)
-
-    @classmethod
-    def from_requests(cls, requests: list[Request]) -> SamplingBatch:
-        return cls([r.sampling_params for r in requests], [r.generator for r in requests])
-
-    @cached_property
-    def temperature(self) -> torch.Tensor:  # [B], 0 for greedy rows
-        return torch.tensor([p.temperature for p in self.params], dtype=torch.float32)
-
-    @cached_property
-    def top_k(self) -> torch.Tensor:  # [B], 0 for off
-        return torch.tensor([max(p.top_k, 0) for p in self.params], dtype=torch.long)
-
-    @cached_property
-    def top_p(self) -> torch.Tensor:
-        return torch.tensor([p.top_p for p in self.params], dtype=torch.float32)
-
-    @cached_property
-    def min_p(self) -> torch.Tensor:
-        return torch.tensor([p.min_p for p in self.params], dtype=torch.float32)
+from updraft.step.sampling_batch import SamplingBatch
 
 
 def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -19,8 +19,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from updraft.engine.engine import Engine
-from updraft.engine.request import RequestOutput
-from updraft.sampling import SamplingParams
+from updraft.engine.stats import EngineStats
+from updraft.outputs import RequestOutput
+from updraft.sampling_params import SamplingParams
 from updraft.serve.metrics import ServerMetrics
 
 logger = logging.getLogger("updraft.serve")
@@ -54,24 +55,11 @@ class _Abort:
     request_id: str
 
 
-@dataclass
-class EngineStats:
-    """A snapshot the loop thread publishes after each step, for admission and metrics."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    # Speculative decoding, totals since start: drafts offered and accepted per position.
-    drafts_proposed: tuple[int, ...] = ()
-    drafts_accepted: tuple[int, ...] = ()
-
-
 class AsyncEngine:
     def __init__(self, engine: Engine, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
-        self.stats = EngineStats(kv_blocks_total=engine.block_pool.num_blocks)
+        self.stats: EngineStats = engine.stats()
         self._commands: collections.deque[_Add | _Abort] = collections.deque()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}  # loop thread only
@@ -223,21 +211,9 @@ class AsyncEngine:
             metrics.request_latency.observe(now - stream.arrival_time)
 
     def _publish_stats(self) -> None:
-        scheduler = self.engine.scheduler
-        pool = self.engine.block_pool
-        stats = EngineStats(
-            num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
-            kv_blocks_used=pool.num_used,
-            kv_blocks_total=pool.num_blocks,
-        )
-        if self.engine.speculator is not None:
-            spec = self.engine.speculator.metrics
-            stats.drafts_proposed = tuple(spec.proposed)
-            stats.drafts_accepted = tuple(spec.accepted)
-        self.stats = stats
+        self.stats = self.engine.stats()
         if self.metrics is not None:
-            self.metrics.publish(stats)
+            self.metrics.publish(self.stats)
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in self._streams.values():

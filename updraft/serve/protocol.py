@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from updraft.sampling import SamplingParams
+from updraft.sampling_params import SamplingParams
 from updraft.serve.errors import APIError
 
 # torch.Generator.manual_seed takes any 64-bit value, signed or unsigned.

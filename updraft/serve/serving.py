@@ -16,8 +16,8 @@ from fastapi.responses import JSONResponse
 from starlette.responses import StreamingResponse
 from starlette.types import Send
 
-from updraft.engine.request import RequestOutput
-from updraft.sampling import SamplingParams
+from updraft.outputs import RequestOutput
+from updraft.sampling_params import SamplingParams
 from updraft.serve.chat_template import ChatTemplate, ChatTemplateError
 from updraft.serve.engine_loop import AsyncEngine, EngineDeadError, ShuttingDownError
 from updraft.serve.errors import APIError, error_body
@@ -200,9 +200,7 @@ class OpenAIServing:
                 logprobs = None
                 if want_logprobs and completion.delta_token_ids:
                     delta = completion.delta_token_ids
-                    logprobs = self._completion_logprobs(
-                        delta, completion.logprobs[-len(delta) :], offset
-                    )
+                    logprobs = self._completion_logprobs(delta, completion.delta_logprobs, offset)
                 offset += len(completion.delta_text)
                 choice = CompletionChoice(
                     text=completion.delta_text,
@@ -252,7 +250,7 @@ class OpenAIServing:
                 logprobs = None
                 if want_logprobs and completion.delta_token_ids:
                     delta = completion.delta_token_ids
-                    logprobs = self._chat_logprobs(delta, completion.logprobs[-len(delta) :])
+                    logprobs = self._chat_logprobs(delta, completion.delta_logprobs)
                 text = completion.delta_text
                 delta = ChatDelta(content=text) if text else ChatDelta()
                 yield chunk(delta, completion.finish_reason, logprobs)

@@ -19,8 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from updraft.runner.sampler import SamplingBatch, exponential_noise, filtered_probs
-from updraft.sampling import SamplingParams
+from updraft.runner.sampler import exponential_noise, filtered_probs
+from updraft.sampling_params import SamplingParams
+from updraft.step.inputs import StepInputs
+from updraft.step.sampling_batch import SamplingBatch
 
 
 @dataclass
@@ -32,6 +34,34 @@ class VerifyResult:
     num_accepted: list[int]
     # log_softmax of the raw target logits at each emitted token; None unless asked for.
     logprobs: list[list[float]] | None
+
+
+def verify_step(
+    logits: torch.Tensor, inputs: StepInputs, generator: torch.Generator | None = None
+) -> VerifyResult:
+    """Verify the drafts of a step's sampling requests. ``logits`` are the rows at
+    ``inputs.logits_indices``: per request, its last known token, then its drafts."""
+    num_drafts = inputs.num_drafts
+    widest = max(num_drafts, default=0)
+    per_row = 1 + torch.tensor(num_drafts, dtype=torch.long)
+    # Row s, position j reads logits row first[s] + min(j, num_drafts[s]): padding
+    # positions repeat the request's last row, which verify ignores.
+    first = per_row.cumsum(0) - per_row
+    positions = torch.minimum(torch.arange(widest + 1)[None], per_row[:, None] - 1)
+    index = (first[:, None] + positions).flatten().to(logits.device)
+    target_logits = logits.index_select(0, index).view(len(num_drafts), widest + 1, -1)
+    draft_probs = None
+    if any(probs is not None for probs in inputs.draft_probs):
+        vocab = logits.shape[-1]
+        draft_probs = torch.zeros(len(num_drafts), widest, vocab, device=logits.device)
+        for row, (probs, n) in enumerate(zip(inputs.draft_probs, num_drafts, strict=True)):
+            if probs is not None:
+                draft_probs[row, :n] = probs[:n].to(logits.device)
+            else:  # a deterministic draft: q is one-hot at it
+                draft_probs[row, torch.arange(n), inputs.draft_token_ids[row, :n]] = 1.0
+    return verify(
+        target_logits, inputs.draft_token_ids, num_drafts, draft_probs, inputs.sampling, generator
+    )
 
 
 def verify(

@@ -3,31 +3,36 @@
 Its cache is separate tensors addressed by the same block ids and slots as the target's,
 so it needs no bookkeeping of its own. Two kinds of draft step keep it right:
 
-* step 0 runs on the target's own ``Step`` (same tokens, positions, slots and block
-  table) after every target forward, so the draft's KV mirrors the target's: prompts,
-  prefill chunks and verified tokens alike;
-* steps 1..k then decode one token per request from the newest known token, each a
-  fresh ``Step`` whose positions, slots and seq_lens advance by one.
+* the mirror step runs on the target's own ``StepInputs`` (same tokens, positions,
+  slots and block table) after every target step, so the draft's KV follows the
+  target's: prompts, prefill chunks and verified tokens alike;
+* draft steps 1..k then decode one token per request from the newest known token, each
+  built from the requests' current state, with positions, slots and seq_lens advancing
+  by one. Their slots lie in the lookahead blocks the scheduler reserved.
 
-Each of those steps replays a captured graph through ``graph.replay(step)`` when it fits
-a bucket, so it is filled from that very step and from no buffer of another.
+Each of those steps replays a captured graph through ``graph.replay(inputs)`` when it
+fits a bucket, so it is filled from that very step and from no buffer of another.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import ClassVar
 
 import torch
 
 from updraft.config import EngineConfig, ModelConfig
-from updraft.engine.request import Request
+from updraft.request import Request
+from updraft.runner.rejection_sampler import sample_draft
 from updraft.runner.runner import Runner
-from updraft.runner.step import Query, Step
-from updraft.spec.proposer import Proposal
-from updraft.spec.rejection import sample_draft
+from updraft.step.inputs import Query, StepInputs
+from updraft.step.output import StepOutput
+from updraft.step.plan import Draft
 
 
 class DraftModel:
+    wants_hidden_states: ClassVar[bool] = False
+
     def __init__(
         self,
         config: EngineConfig,
@@ -36,7 +41,8 @@ class DraftModel:
         max_model_len: int,
         generator: torch.Generator,
     ) -> None:
-        assert config.speculative_model is not None
+        if config.speculative_model is None:
+            raise ValueError("the draft-model proposer needs speculative_model")
         model_config = ModelConfig.from_dir(config.speculative_model)
         if model_config.vocab_size != target.vocab_size:
             raise ValueError(
@@ -60,15 +66,13 @@ class DraftModel:
         self.block_size = config.block_size
         self.generator = generator
 
-    @property
-    def step_modes(self):
-        return self.runner.step_modes
-
-    def observe(self, step: Step) -> None:
-        self.runner.forward(step)
-
     @torch.inference_mode()
-    def propose(self, requests: list[Request], limits: list[int]) -> list[Proposal]:
+    def propose(
+        self, inputs: StepInputs, output: StepOutput, drafting: list[tuple[Request, int]]
+    ) -> dict[str, Draft]:
+        self.runner.forward(replace(inputs, return_hidden_states=False))  # the mirror step
+        requests = [request for request, _ in drafting]
+        limits = [limit for _, limit in drafting]
         drafts: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         # Each request decodes from its newest known token, one position per step, until
@@ -83,15 +87,15 @@ class DraftModel:
                 )
                 for i in rows
             ]
-            step = Step.from_queries(queries, self.block_size)
-            logits = self.runner.forward(step)
-            tokens, q = sample_draft(logits.float(), step.sampling, self.generator)
+            step = StepInputs.from_queries(queries, self.block_size)
+            logits = self.runner.forward(step).logits
+            tokens, q = sample_draft(logits, step.sampling, self.generator)
             for row, (i, token) in enumerate(zip(rows, tokens.tolist(), strict=True)):
                 drafts[i].append(token)
                 # Greedy requests need no q: verification compares with the argmax.
                 if q is not None and not requests[i].sampling_params.greedy:
                     probs[i].append(q[row])
-        return [
-            (tokens, torch.stack(rows) if rows else None)
-            for tokens, rows in zip(drafts, probs, strict=True)
-        ]
+        return {
+            request.request_id: Draft(tokens, torch.stack(rows) if rows else None)
+            for request, tokens, rows in zip(requests, drafts, probs, strict=True)
+        }

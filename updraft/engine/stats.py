@@ -1,0 +1,65 @@
+"""A read-only view of the engine for the server, the CLI and the doctor, and the clock
+that splits each step's time into its phases."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+
+from updraft.graph.sanitize import SanitizeReport
+from updraft.outputs import SpeculativeMetrics
+from updraft.runner.runner import describe_steps
+
+# Everything but "forward" is host time: the engine's own overhead per step.
+PHASES = ("schedule", "build", "forward", "sample", "update", "propose")
+
+
+class StepClock:
+    """Adds up the seconds spent in each phase of ``Engine.step``."""
+
+    def __init__(self) -> None:
+        self.seconds: Counter[str] = Counter()
+        self._last = 0.0
+
+    def start(self) -> StepClock:
+        self._last = time.perf_counter()
+        return self
+
+    def lap(self, phase: str, forward_seconds: float = 0.0) -> None:
+        """Charge the time since the last lap to ``phase``, except ``forward_seconds``
+        of it, which the model forward took."""
+        now = time.perf_counter()
+        self.seconds[phase] += now - self._last - forward_seconds
+        self.seconds["forward"] += forward_seconds
+        self._last = now
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    steps: dict[str, int]  # how the target's steps ran: "graph", "eager (prefill)", ...
+    draft_steps: dict[str, int] | None  # the same for the proposer's own model, if any
+    speculative: SpeculativeMetrics | None  # acceptance per draft position
+    sanitize: SanitizeReport | None  # with sanitize=True, the target's replays
+    draft_sanitize: SanitizeReport | None
+    num_steps: int
+    phase_seconds: dict[str, float]  # totals per phase of a step (PHASES)
+
+    def describe_steps(self) -> str:
+        return describe_steps(self.steps)
+
+    def describe_draft_steps(self) -> str:
+        return describe_steps(self.draft_steps or {})
+
+    @property
+    def host_seconds(self) -> float:
+        """Time in steps outside the model forward."""
+        return sum(s for phase, s in self.phase_seconds.items() if phase != "forward")
+
+
+def snapshot_report(report: SanitizeReport | None) -> SanitizeReport | None:
+    return None if report is None else replace(report, mismatches=list(report.mismatches))

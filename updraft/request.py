@@ -1,0 +1,128 @@
+"""A request's life inside the engine: its tokens, its KV blocks, where it stands.
+
+The scheduler is the only writer of a running request. A request holds no draft
+tokens: drafts travel in the step plan, from the proposer to the verify step.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from updraft.outputs import (
+    CompletionOutput,
+    OutputSoFar,
+    RequestMetrics,
+    RequestOutput,
+    SpeculativeMetrics,
+)
+from updraft.sampling_params import SamplingParams
+from updraft.tokenizer import Detokenizer
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS, a stop token id or a stop string; ``stop_reason`` says which
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"
+    ERROR = "error"  # the request could not be served; ``error`` says why
+
+
+@dataclass(eq=False)  # identity: the scheduler finds requests in its queues by object
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.perf_counter)
+    detokenizer: Detokenizer = field(default_factory=lambda: Detokenizer(None, [], []))
+
+    token_ids: list[int] = field(init=False)  # prompt then output, appended in place
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of full blocks, in order
+    num_registered_blocks: int = 0  # blocks offered to the prefix cache
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    logprobs: list[float] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    speculative: SpeculativeMetrics = field(default_factory=SpeculativeMetrics)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def take_output(
+        self,
+        delta_token_ids: list[int],
+        delta_logprobs: list[float] | None,
+        speculative: bool = False,
+    ) -> RequestOutput:
+        """The output for what is new since the last one: it takes the text decoded
+        since then. Whole-sequence fields are read lazily from the append-only lists."""
+        delta_text = self.detokenizer.take(self.finished)
+        wants_logprobs = self.sampling_params.logprobs
+        completion = CompletionOutput(
+            delta_text=delta_text,
+            delta_token_ids=delta_token_ids,
+            delta_logprobs=delta_logprobs if wants_logprobs else None,
+            finish_reason=None if self.finish_reason is None else str(self.finish_reason),
+            stop_reason=self.stop_reason,
+            so_far=OutputSoFar(
+                self.token_ids,
+                self.num_prompt_tokens,
+                self.num_tokens,
+                self.detokenizer.pieces,
+                len(self.detokenizer.pieces),
+                self.logprobs if wants_logprobs else None,
+                len(self.logprobs),
+            ),
+        )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[completion],
+            finished=self.finished,
+            metrics=RequestMetrics(
+                arrival_time=self.arrival_time,
+                first_token_time=self.first_token_time,
+                finish_time=self.finish_time,
+                num_prompt_tokens=self.num_prompt_tokens,
+                num_output_tokens=self.num_output_tokens,
+                num_preemptions=self.num_preemptions,
+                speculative=self.speculative if speculative else None,
+            ),
+            error=self.error,
+        )

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers of draft tokens. The runner verifies the drafts."""

@@ -1,0 +1,201 @@
+"""``StepInputs``: everything one forward needs, built on the host from a step plan.
+
+Nothing else is an input to a forward. ``StepInputs.build(plan)`` puts requests with a
+single new token (decodes) first, so attention serves them as one group, and computes
+every index tensor with array operations, not per-token Python.
+
+The tensors a captured graph reads are declared once, in ``GRAPH_INPUTS``: the field's
+name, its shape in symbolic sizes, and its pad value. A graph's buffers, their refresh
+at every replay, padding to a bucket and the capture step all derive from that table,
+so an input that a new model or proposer needs is one more line there (and its field
+here). Every padded row is inert: its slot is -1 (no KV write), its request attends to
+nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+from functools import cached_property
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from updraft.graph.static_input import LAST, padded
+from updraft.request import Request
+from updraft.step.plan import Draft, StepPlan
+from updraft.step.sampling_batch import SamplingBatch
+
+
+@dataclass(frozen=True)
+class GraphInput:
+    name: str  # a StepInputs field
+    dims: tuple[str, ...]  # sizes by name: tokens, requests, requests+1, blocks, hidden
+    pad: int | float | str  # the value of padded entries, or LAST
+    dtype: torch.dtype | None = torch.long  # None: the model's compute dtype
+
+
+GRAPH_INPUTS = (
+    GraphInput("input_ids", ("tokens",), pad=0),
+    GraphInput("positions", ("tokens",), pad=0),
+    GraphInput("slot_mapping", ("tokens",), pad=-1),  # -1 writes into the cache's spare slot
+    GraphInput("block_table", ("requests", "blocks"), pad=0),
+    GraphInput("seq_lens", ("requests",), pad=0),
+    # Padded requests are empty: their start and end are the last real end.
+    GraphInput("query_start_loc", ("requests+1",), pad=LAST),
+)
+
+
+def graph_input_shape(spec: GraphInput, sizes: dict[str, int]) -> tuple[int, ...]:
+    return tuple(sizes[dim] for dim in spec.dims)
+
+
+def sizes_for(num_tokens: int, num_reqs: int, **others: int) -> dict[str, int]:
+    return {"tokens": num_tokens, "requests": num_reqs, "requests+1": num_reqs + 1, **others}
+
+
+class Query(NamedTuple):
+    """One request's tokens in a step."""
+
+    request: Request
+    start: int  # position of the first token
+    tokens: list[int]  # known tokens, then the draft's
+    draft: Draft | None = None
+    samples: bool = True  # read logits at the last known token and at each draft
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    request_ids: list[str]  # in step order: decodes first
+    # Graph inputs (GRAPH_INPUTS), host tensors.
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    slot_mapping: torch.Tensor  # [num_tokens]
+    block_table: torch.Tensor  # [num_reqs, widest block list]
+    seq_lens: torch.Tensor  # [num_reqs] context length after this step
+    query_start_loc: torch.Tensor  # [num_reqs + 1]
+    # Sampling, over the requests that sample, in step order.
+    sampling_rows: list[int]  # their index among the step's requests
+    logits_indices: torch.Tensor  # per sampling request: its last known token, its drafts
+    num_drafts: list[int]
+    draft_token_ids: torch.Tensor  # [sampling requests, most drafts]; 0 past num_drafts
+    draft_probs: list[torch.Tensor | None]  # q [num_drafts, vocab], or None: one-hot
+    sampling: SamplingBatch
+    return_hidden_states: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    @property
+    def num_reqs(self) -> int:
+        return self.seq_lens.numel()
+
+    @cached_property
+    def query_lens(self) -> list[int]:
+        return self.query_start_loc.diff().tolist()
+
+    @cached_property
+    def num_decodes(self) -> int:
+        """The leading requests with exactly one query token."""
+        return next((i for i, n in enumerate(self.query_lens) if n != 1), self.num_reqs)
+
+    @classmethod
+    def build(
+        cls, plan: StepPlan, block_size: int, return_hidden_states: bool = False
+    ) -> StepInputs:
+        """The step the scheduler planned: each request's next known tokens from its
+        first uncomputed one, then the drafts it verifies. Decodes come first."""
+        queries = []
+        for item in sorted(plan.scheduled, key=lambda item: item.num_new_tokens != 1):
+            request = item.request
+            start = request.num_computed_tokens
+            known = request.token_ids[start : start + item.num_new_tokens - item.num_drafts]
+            tokens = known + item.draft.token_ids if item.num_drafts else known
+            queries.append(Query(request, start, tokens, item.draft, item.samples))
+        return cls.from_queries(queries, block_size, return_hidden_states)
+
+    @classmethod
+    def from_queries(
+        cls, queries: list[Query], block_size: int, return_hidden_states: bool = False
+    ) -> StepInputs:
+        """One forward over ``queries``, in order (a proposer's own draft steps)."""
+        num_reqs = len(queries)
+        starts = np.fromiter((q.start for q in queries), np.int64, num_reqs)
+        lengths = np.fromiter((len(q.tokens) for q in queries), np.int64, num_reqs)
+        query_start_loc = np.zeros(num_reqs + 1, np.int64)
+        np.cumsum(lengths, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        tokens = itertools.chain.from_iterable(q.tokens for q in queries)
+        input_ids = np.fromiter(tokens, np.int64, num_tokens)
+        owner = np.repeat(np.arange(num_reqs), lengths)
+        positions = np.arange(num_tokens) + np.repeat(starts - query_start_loc[:-1], lengths)
+
+        num_blocks = np.fromiter((len(q.request.block_ids) for q in queries), np.int64, num_reqs)
+        block_table = np.zeros((num_reqs, max(num_blocks.max(initial=0), 1)), np.int64)
+        for row, query in enumerate(queries):
+            block_table[row, : num_blocks[row]] = query.request.block_ids
+        block_index = positions // block_size
+        if (block_index >= num_blocks[owner]).any():
+            row = int(owner[np.argmax(block_index >= num_blocks[owner])])
+            raise RuntimeError(
+                f"request {queries[row].request.request_id} has {num_blocks[row]} KV blocks, "
+                f"too few for its tokens up to position {starts[row] + lengths[row] - 1}"
+            )
+        slot_mapping = block_table[owner, block_index] * block_size + positions % block_size
+
+        rows = [row for row, query in enumerate(queries) if query.samples]
+        sampled = [queries[row] for row in rows]
+        drafts = [q.draft or Draft([]) for q in sampled]
+        num_drafts = [len(draft.token_ids) for draft in drafts]
+        per_row = 1 + np.array(num_drafts, np.int64)
+        first = np.repeat(query_start_loc[1:][rows] - per_row, per_row)
+        offset = np.arange(per_row.sum()) - np.repeat(np.cumsum(per_row) - per_row, per_row)
+        draft_token_ids = np.zeros((len(sampled), max(num_drafts, default=0)), np.int64)
+        for row, draft in enumerate(drafts):
+            draft_token_ids[row, : num_drafts[row]] = draft.token_ids
+        return cls(
+            request_ids=[q.request.request_id for q in queries],
+            input_ids=torch.from_numpy(input_ids),
+            positions=torch.from_numpy(positions),
+            slot_mapping=torch.from_numpy(slot_mapping),
+            block_table=torch.from_numpy(block_table),
+            seq_lens=torch.from_numpy(starts + lengths),
+            query_start_loc=torch.from_numpy(query_start_loc),
+            sampling_rows=rows,
+            logits_indices=torch.from_numpy(first + offset),
+            num_drafts=num_drafts,
+            draft_token_ids=torch.from_numpy(draft_token_ids),
+            draft_probs=[draft.probs for draft in drafts],
+            sampling=SamplingBatch(
+                [q.request.sampling_params for q in sampled], [q.request.generator for q in sampled]
+            ),
+            return_hidden_states=return_hidden_states,
+        )
+
+
+def pad_inputs(
+    inputs: StepInputs, num_tokens: int, num_reqs: int, specs: tuple[GraphInput, ...] = GRAPH_INPUTS
+) -> StepInputs:
+    """``inputs`` grown to ``num_tokens`` tokens and ``num_reqs`` requests by padding
+    every graph input as its declaration says; sampling is unchanged."""
+    if num_tokens < inputs.num_tokens or num_reqs < inputs.num_reqs:
+        raise ValueError(
+            f"cannot pad a step of {inputs.num_tokens} tokens / {inputs.num_reqs} requests "
+            f"down to {num_tokens} / {num_reqs}"
+        )
+    sizes = sizes_for(num_tokens, num_reqs, blocks=inputs.block_table.shape[1])
+    grown = {
+        spec.name: padded(getattr(inputs, spec.name), graph_input_shape(spec, sizes), spec.pad)
+        for spec in specs
+    }
+    return replace(inputs, **grown)
+
+
+def capture_inputs(num_tokens: int, num_reqs: int, max_blocks: int) -> StepInputs:
+    """A step of nothing but padding, at a bucket's shape: capturing it writes no live
+    KV, and every replay refreshes all of it."""
+    empty = StepInputs.from_queries([], block_size=1)
+    empty = replace(empty, block_table=torch.zeros(0, max_blocks, dtype=torch.long))
+    return pad_inputs(empty, num_tokens, num_reqs)

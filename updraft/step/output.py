@@ -1,0 +1,25 @@
+"""``StepOutput``: what one forward produced, the one result of ``Runner.execute``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """Per request that sampled (reached its last known token), in step order: the
+    accepted drafts followed by one more token (the correction, or the bonus when every
+    draft was accepted; a request without drafts just gets its next token)."""
+
+    request_ids: list[str]
+    token_ids: list[list[int]]
+    num_accepted: list[int]
+    # log_softmax of the raw logits at each emitted token; None unless a request asked.
+    logprobs: list[list[float]] | None
+    # [num_tokens, hidden_size] after the final norm, for every token of the step in
+    # order, when the step asked for them (a proposer that reads the target's states).
+    hidden_states: torch.Tensor | None
+    forward_seconds: float  # the model forward alone, for host-overhead accounting
+    mode: str  # "graph" or "eager (why)"
