@@ -23,28 +23,27 @@ import torch
 from benchmarks.common import make_random_qwen3, markdown_table
 from updraft import LLM, SamplingParams
 from updraft.engine.llm import DEMO_MODEL_DIR
-from updraft.runner.step import Step, decodes_first
+from updraft.step.inputs import StepInputs
 
 BATCHES = (1, 8, 32)
 
 
-def decode_step(llm: LLM, batch: int, vocab: int, rng: random.Random) -> Step:
+def decode_step(llm: LLM, batch: int, vocab: int, rng: random.Random) -> StepInputs:
     """Prefill ``batch`` requests and return the next step, in which all of them decode."""
     engine = llm.engine
     for _ in range(batch):
         prompt = [rng.randrange(1, vocab) for _ in range(rng.randint(64, 160))]
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1000))
-    while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
+    while any(r.num_output_tokens == 0 for r in engine._scheduler.requests.values()):
         engine.step()
-    scheduled = engine.scheduler.schedule()
-    step = Step.build(decodes_first(scheduled.scheduled), engine.config.block_size)
+    step = StepInputs.build(engine._scheduler.schedule(), engine.config.block_size)
     assert step.num_decodes == step.num_reqs == batch
     return step
 
 
-def time_modes(llm: LLM, step: Step, repeats: int) -> tuple[float, float]:
+def time_modes(llm: LLM, step: StepInputs, repeats: int) -> tuple[float, float]:
     """Median seconds per step for (graph, eager), measured alternately."""
-    runner = llm.engine.runner
+    runner = llm.engine._runner
     captured = runner.captured
     times: dict[bool, list[float]] = {True: [], False: []}
     for i in range(2 * (repeats + 2)):

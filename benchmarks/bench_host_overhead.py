@@ -95,7 +95,7 @@ def main() -> None:
     args = parser.parse_args()
     rounds = 1 if args.quick else args.rounds
     llm = LLM(dtype="float32", max_model_len=LONG_OUTPUT + 64, enable_prefix_caching=False)
-    timer = ForwardTimer(llm.engine.runner.model)
+    timer = ForwardTimer(llm.engine._runner.model)
     rows = []
     for batch in BATCHES:
         runs = [decode_host_time(llm, timer, batch, seed) for seed in range(rounds)]

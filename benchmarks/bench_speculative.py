@@ -147,8 +147,7 @@ def main() -> None:
         }
     rows = []
     for name in setups:
-        metrics = engines[name].engine.speculator
-        metrics = metrics.metrics if metrics else None
+        metrics = engines[name].engine.stats().speculative
         for batch in (1, 16):
             rate = rates[batch][name]
             rows.append(

@@ -16,7 +16,7 @@ class LogitsProbe:
 
     def __init__(self, llm: LLM) -> None:
         self.rows: dict[str, list[torch.Tensor]] = defaultdict(list)
-        runner = llm.engine.runner
+        runner = llm.engine._runner
         sample = runner.sample
 
         def spy(logits, inputs):

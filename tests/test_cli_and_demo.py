@@ -79,3 +79,58 @@ def test_help_is_useful_on_its_own():
     )
     for flag in ("--prompt", "--model", "--max-tokens", "--temperature", "--dtype", "--seed"):
         assert flag in result.stdout
+
+
+def test_every_engine_setting_is_a_flag_that_reaches_the_config():
+    from dataclasses import fields
+
+    from updraft.cli import build_parser, engine_kwargs
+    from updraft.config import EngineConfig
+
+    values = {
+        "--dtype": "float32",
+        "--device": "cpu",
+        "--seed": "7",
+        "--block-size": "8",
+        "--kv-cache-memory-gib": "0.5",
+        "--num-kv-blocks": "77",
+        "--max-num-seqs": "3",
+        "--max-num-batched-tokens": "99",
+        "--max-model-len": "512",
+        "--capture-sizes": "1,3",
+        "--speculative-method": "ngram",
+        "--speculative-model": "somewhere",
+        "--num-speculative-tokens": "5",
+    }
+    switches = [
+        "--no-enable-prefix-caching",
+        "--enforce-eager",
+        "--sanitize",
+        "--no-speculative-enforce-eager",
+    ]
+    argv = ["doctor", *[part for pair in values.items() for part in pair], *switches]
+    args = build_parser().parse_args(argv)
+    kwargs = engine_kwargs(args)
+    assert set(kwargs) | {"model"} == {f.name for f in fields(EngineConfig)}
+    assert kwargs == {
+        "dtype": "float32",
+        "device": "cpu",
+        "seed": 7,
+        "block_size": 8,
+        "kv_cache_memory_gib": 0.5,
+        "num_kv_blocks": 77,
+        "max_num_seqs": 3,
+        "max_num_batched_tokens": 99,
+        "max_model_len": 512,
+        "capture_sizes": (1, 3),
+        "speculative_method": "ngram",
+        "speculative_model": "somewhere",
+        "num_speculative_tokens": 5,
+        "enable_prefix_caching": False,
+        "enforce_eager": True,
+        "sanitize": True,
+        "speculative_enforce_eager": False,
+    }
+    defaults = engine_kwargs(build_parser().parse_args(["doctor"]))
+    config = EngineConfig(model="m")
+    assert defaults == {name: getattr(config, name) for name in defaults}

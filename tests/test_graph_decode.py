@@ -19,7 +19,7 @@ def run(tiny_llama, skip: str | None = None) -> tuple[list[torch.Tensor], list[t
     cache. Returns both logits sequences."""
     llm = LLM(tiny_llama, num_kv_blocks=64, block_size=4)
     engine = llm.engine
-    runner = engine.runner
+    runner = engine._runner
     captured = CapturedSteps(runner.model, runner.kv_caches, 4, 16, [BUCKET], runner.device)
     graph, (_, graph_logits) = captured.graphs[BUCKET, 1]
     if skip is not None:

@@ -33,7 +33,7 @@ def test_graph_replay_matches_eager_through_the_engine(tiny_checkpoint):
 
 def test_buffers_keep_their_address_and_padded_rows_their_pad_values(tiny_llama):
     llm = LLM(tiny_llama, enforce_eager=False, block_size=4, num_kv_blocks=128, capture_sizes=(4,))
-    graph, _ = llm.engine.runner.captured.graphs[4, 1]
+    graph, _ = llm.engine._runner.captured.graphs[4, 1]
     addresses = {i.name: i.buffer.data_ptr() for i in graph.inputs}
     # Four requests decode together; three leave after 2 tokens, so the last steps
     # replay bucket 4 with a single live row.

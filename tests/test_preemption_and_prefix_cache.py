@@ -33,13 +33,13 @@ def test_prefix_cache_hits_skip_prefill_work(tiny_llama):
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     first = llm.generate(PROMPTS[0], params)[0]
     computed = []
-    original = llm.engine.runner.execute
+    original = llm.engine._runner.execute
 
     def spy(step):
         computed.append(step.num_tokens)
         return original(step)
 
-    llm.engine.runner.execute = spy
+    llm.engine._runner.execute = spy
     again = llm.generate(PROMPTS[0], params)[0]
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     # The prompt's full blocks come from the cache (all but the last token's block, whose

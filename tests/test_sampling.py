@@ -160,3 +160,18 @@ def test_logprobs_are_those_of_the_sampled_tokens(tiny_llama):
         assert logprob == pytest.approx(logits.log_softmax(-1)[token].item(), abs=1e-5)
     plain = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].outputs[0]
     assert plain.logprobs is None
+
+
+def test_a_seeded_request_gives_the_same_text_however_its_prompt_is_chunked(tiny_llama):
+    """A prefill chunk short of the prompt's end samples nothing, so it draws nothing
+    from the request's generator either."""
+    seeded = SamplingParams(temperature=1.0, seed=77, max_tokens=12, ignore_eos=True)
+    prompt = list(range(1, 40))
+    texts = [
+        LLM(tiny_llama, num_kv_blocks=64, max_num_batched_tokens=budget)
+        .generate([prompt], seeded)[0]
+        .outputs[0]
+        .token_ids
+        for budget in (1024, 7)
+    ]
+    assert texts[0] == texts[1]

@@ -31,7 +31,7 @@ def test_sanitize_finds_replay_equal_to_eager(tiny_checkpoint):
 @pytest.mark.parametrize("skip", ["block_table", "slot_mapping", "seq_lens", "positions"])
 def test_sanitize_reports_a_skipped_refresh(tiny_llama, skip):
     llm = LLM(tiny_llama, sanitize=True, **ARGS)
-    for graph, _ in llm.engine.runner.captured.graphs.values():
+    for graph, _ in llm.engine._runner.captured.graphs.values():
         (forgotten,) = [i for i in graph.inputs if i.name == skip]
         # A code path that forgets one refresh (StaticInput is frozen).
         object.__setattr__(forgotten, "refresh", lambda values: None)

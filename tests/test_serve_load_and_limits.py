@@ -126,7 +126,7 @@ def test_an_engine_failure_is_a_503_for_everyone_and_an_unhealthy_server():
     def broken_forward(step):
         raise RuntimeError("simulated device failure")
 
-    engine.runner.execute = broken_forward
+    engine._runner.execute = broken_forward
     with running_server(engine=engine) as base_url:
         body = {"model": MODEL, "prompt": "x", "max_tokens": 4}
         for stream in (False, True):

@@ -240,7 +240,7 @@ def test_prefix_cache_hits_keep_the_draft_cache_valid(tiny_llama):
     head = [rng.randrange(1, 256) for _ in range(37)]
     llm = self_drafting(tiny_llama, enforce_eager=False)
     prefill_tokens = []
-    forward = llm.engine.runner.forward
+    forward = llm.engine._runner.forward
 
     def spy(step):
         prefill_tokens.append(step.num_tokens)
@@ -249,7 +249,7 @@ def test_prefix_cache_hits_keep_the_draft_cache_valid(tiny_llama):
     for i in range(4):
         llm.generate([[*head, i + 1, i + 2]], greedy(20))
         if i == 0:
-            llm.engine.runner.forward = spy
+            llm.engine._runner.forward = spy
     assert prefill_tokens[0] < len(head)  # the later prompts hit the cache
     metrics = llm.engine.stats().speculative
     assert metrics.num_draft_tokens > 40 and metrics.acceptance_rate == 1.0

@@ -17,9 +17,9 @@ def test_padded_rows_change_no_logits_and_write_no_kv(tiny_llama):
     engine = llm.engine
     for prompt in ([1, 2, 3, 4, 5], [6, 7], list(range(20, 31))):
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=8))
-    runner = engine.runner
+    runner = engine._runner
     for _ in range(3):  # a prefill step, then decode steps
-        plan = engine.scheduler.schedule()
+        plan = engine._scheduler.schedule()
         inputs = StepInputs.build(plan, engine.config.block_size)
         before = [cache.clone() for cache in runner.kv_caches]
         plain = runner.forward(inputs).logits
@@ -33,7 +33,7 @@ def test_padded_rows_change_no_logits_and_write_no_kv(tiny_llama):
         for got, expected in zip(runner.kv_caches, after_plain, strict=True):
             # All but the spare slot, which absorbs padded tokens' writes.
             torch.testing.assert_close(got[:, :-1], expected[:, :-1], atol=1e-5, rtol=0)
-        engine.scheduler.update(plan, runner.execute(inputs))
+        engine._scheduler.update(plan, runner.execute(inputs))
 
 
 def test_pad_values_follow_the_table():

@@ -1,8 +1,30 @@
 """updraft: an LLM inference engine with a paged KV cache and continuous batching."""
 
-from updraft.engine.llm import LLM
-from updraft.outputs import CompletionOutput, RequestOutput
-from updraft.sampling_params import SamplingParams
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from updraft.engine.llm import LLM
+    from updraft.outputs import CompletionOutput, RequestOutput
+    from updraft.sampling_params import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
+
+# Loaded on first use, so that importing a leaf module (``updraft.request``, say) does
+# not load the whole engine.
+_EXPORTS = {
+    "LLM": "updraft.engine.llm",
+    "CompletionOutput": "updraft.outputs",
+    "RequestOutput": "updraft.outputs",
+    "SamplingParams": "updraft.sampling_params",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'updraft' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -10,7 +10,6 @@ request's append-only lists only when someone asks for them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import NamedTuple
 
 
@@ -97,7 +96,7 @@ class OutputSoFar(NamedTuple):
 NOTHING_YET = OutputSoFar([], 0, 0, [], 0, None, 0)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class CompletionOutput:
     index: int = 0
     delta_text: str = ""  # what is new since the previous output of this request
@@ -107,15 +106,15 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     so_far: OutputSoFar = field(default=NOTHING_YET, repr=False)
 
-    @cached_property
+    @property
     def text(self) -> str:
         return "".join(self.so_far.text_pieces[: self.so_far.num_text_pieces])
 
-    @cached_property
+    @property
     def token_ids(self) -> list[int]:
         return self.so_far.sequence[self.so_far.start : self.so_far.end]
 
-    @cached_property
+    @property
     def logprobs(self) -> list[float] | None:
         """Log-probability of each output token under the model's unmodified
         distribution; None unless the request asked for them."""
@@ -124,7 +123,7 @@ class CompletionOutput:
         return self.so_far.logprobs[: self.so_far.num_logprobs]
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestMetrics:
     arrival_time: float
     first_token_time: float | None
@@ -145,7 +144,7 @@ class RequestMetrics:
         return None if self.finish_time is None else self.finish_time - self.arrival_time
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None

@@ -42,23 +42,24 @@ class Engine:
         self.tokenizer = Tokenizer.from_dir(config.model)
         self.context_len = config.max_model_len or self.model_config.max_position_embeddings
         k = config.num_speculative_tokens if config.speculative_method else 0
-        self.runner = Runner(self.model_config, config, self.context_len, (1, 1 + k) if k else (1,))
-        pool = BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        query_lens = (1, 1 + k) if k else (1,)  # decode and verify steps, for graphs
+        self._runner = Runner(self.model_config, config, self.context_len, query_lens)
+        pool = BlockPool(self._runner.num_blocks, config.block_size, config.enable_prefix_caching)
         # A sequence never holds more tokens than the cache can, so one request alone
         # always fits and preemption always makes progress.
         self.max_model_len = min(self.context_len, pool.num_blocks * config.block_size)
-        self.scheduler = Scheduler(
+        self._scheduler = Scheduler(
             KVCacheManager(pool),
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.max_model_len,
             num_lookahead_tokens=k,
         )
-        self.proposer = make_proposer(ProposerContext(config, self.runner, self.max_model_len))
-        self.wants_hidden_states = self.proposer is not None and self.proposer.wants_hidden_states
-        self.drafts: dict[str, Draft] = {}  # proposed after a step, verified by the next
-        self.pending_outputs: list[RequestOutput] = []
-        self.clock = StepClock()
+        self._proposer = make_proposer(ProposerContext(config, self._runner, self.max_model_len))
+        self._wants_hidden_states = bool(self._proposer and self._proposer.wants_hidden_states)
+        self._drafts: dict[str, Draft] = {}  # proposed after a step, verified by the next
+        self._pending_outputs: list[RequestOutput] = []
+        self._clock = StepClock()
         self._ids = itertools.count()
 
     # -- requests ----------------------------------------------------------------------
@@ -74,7 +75,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self.scheduler.requests:
+        if request_id in self._scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         token_ids, error = self._prompt_token_ids(prompt)
@@ -87,9 +88,9 @@ class Engine:
             error = self._check_length(len(token_ids))
         if error is not None:
             request.error = error
-            self.pending_outputs.append(self.scheduler.finish(request, FinishReason.ERROR))
+            self._pending_outputs.append(self._scheduler.finish(request, FinishReason.ERROR))
         else:
-            self.scheduler.add(request)
+            self._scheduler.add(request)
         return request_id
 
     def _prompt_token_ids(self, prompt: str | Sequence[int]) -> tuple[list[int], str | None]:
@@ -118,55 +119,55 @@ class Engine:
         return f"prompt of {num_prompt_tokens} tokens leaves no room to generate within {limit}"
 
     def abort(self, request_id: str) -> bool:
-        request = self.scheduler.requests.get(request_id)
+        request = self._scheduler.requests.get(request_id)
         if request is None:
             return False
-        self.pending_outputs.append(self.scheduler.finish(request, FinishReason.ABORT))
+        self._pending_outputs.append(self._scheduler.finish(request, FinishReason.ABORT))
         return True
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self.pending_outputs)
+        return self._scheduler.has_unfinished or bool(self._pending_outputs)
 
     # -- stepping ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Run one step; returns an output for every request that produced text or
         finished since the last call."""
-        outputs, self.pending_outputs = self.pending_outputs, []
-        clock = self.clock.start()
-        plan = self.scheduler.schedule(self.drafts)
+        outputs, self._pending_outputs = self._pending_outputs, []
+        clock = self._clock.start()
+        plan = self._scheduler.schedule(self._drafts)
         clock.lap("schedule")
         if not plan.scheduled:
             return outputs
-        inputs = StepInputs.build(plan, self.config.block_size, self.wants_hidden_states)
+        inputs = StepInputs.build(plan, self.config.block_size, self._wants_hidden_states)
         clock.lap("build")
-        result = self.runner.execute(inputs)
+        result = self._runner.execute(inputs)
         clock.lap("sample", forward_seconds=result.forward_seconds)
-        outputs += self.scheduler.update(plan, result)
+        outputs += self._scheduler.update(plan, result)
         clock.lap("update")
-        if self.proposer is not None:
-            self.drafts = self.proposer.propose(inputs, result, self.scheduler.drafting())
+        if self._proposer is not None:
+            self._drafts = self._proposer.propose(inputs, result, self._scheduler.drafting())
             clock.lap("propose")
         return outputs
 
     def stats(self) -> EngineStats:
         """A snapshot: queue lengths, KV blocks, how steps ran, speculative acceptance."""
-        scheduler = self.scheduler
+        scheduler = self._scheduler
         pool = scheduler.kv.pool
-        draft_runner = None if self.proposer is None else self.proposer.runner
+        draft_runner = None if self._proposer is None else self._proposer.runner
         return EngineStats(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
             kv_blocks_used=pool.num_used,
             kv_blocks_total=pool.num_blocks,
-            steps=dict(self.runner.step_modes),
+            steps=dict(self._runner.step_modes),
             draft_steps=None if draft_runner is None else dict(draft_runner.step_modes),
-            speculative=None if self.proposer is None else scheduler.speculative.copy(),
-            sanitize=snapshot_report(self.runner.sanitize_report),
+            speculative=None if self._proposer is None else scheduler.speculative.copy(),
+            sanitize=snapshot_report(self._runner.sanitize_report),
             draft_sanitize=None
             if draft_runner is None
             else snapshot_report(draft_runner.sanitize_report),
-            num_steps=self.runner.step_modes.total(),
-            phase_seconds=dict(self.clock.seconds),
+            num_steps=self._runner.step_modes.total(),
+            phase_seconds=dict(self._clock.seconds),
         )

@@ -130,6 +130,8 @@ class KVCacheManager:
         blocks whose tokens are all known: accepted drafts are appended after)."""
         computed = min(request.num_computed_tokens, request.num_tokens)
         full_blocks = computed // self.block_size
+        if full_blocks <= request.num_registered_blocks:
+            return
         hashes = self._hashes(request, full_blocks)
         for index in range(request.num_registered_blocks, full_blocks):
             self.pool.register(request.block_ids[index], hashes[index])

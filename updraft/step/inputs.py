@@ -14,12 +14,10 @@ nothing.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from updraft.graph.static_input import LAST, padded
@@ -120,56 +118,74 @@ class StepInputs:
     def from_queries(
         cls, queries: list[Query], block_size: int, return_hidden_states: bool = False
     ) -> StepInputs:
-        """One forward over ``queries``, in order (a proposer's own draft steps)."""
-        num_reqs = len(queries)
-        starts = np.fromiter((q.start for q in queries), np.int64, num_reqs)
-        lengths = np.fromiter((len(q.tokens) for q in queries), np.int64, num_reqs)
-        query_start_loc = np.zeros(num_reqs + 1, np.int64)
-        np.cumsum(lengths, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        tokens = itertools.chain.from_iterable(q.tokens for q in queries)
-        input_ids = np.fromiter(tokens, np.int64, num_tokens)
-        owner = np.repeat(np.arange(num_reqs), lengths)
-        positions = np.arange(num_tokens) + np.repeat(starts - query_start_loc[:-1], lengths)
+        """One forward over ``queries``, in order (a proposer's own draft steps).
 
-        num_blocks = np.fromiter((len(q.request.block_ids) for q in queries), np.int64, num_reqs)
-        block_table = np.zeros((num_reqs, max(num_blocks.max(initial=0), 1)), np.int64)
-        for row, query in enumerate(queries):
-            block_table[row, : num_blocks[row]] = query.request.block_ids
-        block_index = positions // block_size
-        if (block_index >= num_blocks[owner]).any():
-            row = int(owner[np.argmax(block_index >= num_blocks[owner])])
-            raise RuntimeError(
-                f"request {queries[row].request.request_id} has {num_blocks[row]} KV blocks, "
-                f"too few for its tokens up to position {starts[row] + lengths[row] - 1}"
-            )
-        slot_mapping = block_table[owner, block_index] * block_size + positions % block_size
-
-        rows = [row for row, query in enumerate(queries) if query.samples]
-        sampled = [queries[row] for row in rows]
-        drafts = [q.draft or Draft([]) for q in sampled]
+        Work is per request and, for slots, per block a request touches: token runs
+        are copied with ``list.extend``, never a Python loop over tokens. A step's
+        host time is mostly cache misses after a forward has streamed the weights, so
+        few distinct calls beat many small array operations here."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        width = max((len(q.request.block_ids) for q in queries), default=1) or 1
+        block_table: list[list[int]] = []
+        rows: list[int] = []
+        logits_indices: list[int] = []
+        drafts: list[Draft] = []
+        for row, (request, start, tokens, draft, samples) in enumerate(queries):
+            end = start + len(tokens)
+            block_ids = request.block_ids
+            if end > len(block_ids) * block_size:
+                raise RuntimeError(
+                    f"request {request.request_id} has {len(block_ids)} KV blocks, too few "
+                    f"for its tokens up to position {end - 1}"
+                )
+            input_ids.extend(tokens)
+            positions.extend(range(start, end))
+            for index in range(start // block_size, (end - 1) // block_size + 1):
+                base = block_ids[index] * block_size - index * block_size
+                slot_mapping.extend(
+                    range(
+                        base + max(start, index * block_size),
+                        base + min(end, (index + 1) * block_size),
+                    )
+                )
+            query_start_loc.append(query_start_loc[-1] + len(tokens))
+            seq_lens.append(end)
+            block_table.append(block_ids + [0] * (width - len(block_ids)))
+            if samples:
+                draft = draft or Draft([])
+                rows.append(row)
+                drafts.append(draft)
+                logits_indices.extend(
+                    range(query_start_loc[-1] - 1 - len(draft.token_ids), query_start_loc[-1])
+                )
         num_drafts = [len(draft.token_ids) for draft in drafts]
-        per_row = 1 + np.array(num_drafts, np.int64)
-        first = np.repeat(query_start_loc[1:][rows] - per_row, per_row)
-        offset = np.arange(per_row.sum()) - np.repeat(np.cumsum(per_row) - per_row, per_row)
-        draft_token_ids = np.zeros((len(sampled), max(num_drafts, default=0)), np.int64)
-        for row, draft in enumerate(drafts):
-            draft_token_ids[row, : num_drafts[row]] = draft.token_ids
+        widest = max(num_drafts, default=0)
+        sampled = [queries[row].request for row in rows]
+
+        def tensor(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long)
+
         return cls(
             request_ids=[q.request.request_id for q in queries],
-            input_ids=torch.from_numpy(input_ids),
-            positions=torch.from_numpy(positions),
-            slot_mapping=torch.from_numpy(slot_mapping),
-            block_table=torch.from_numpy(block_table),
-            seq_lens=torch.from_numpy(starts + lengths),
-            query_start_loc=torch.from_numpy(query_start_loc),
+            input_ids=tensor(input_ids),
+            positions=tensor(positions),
+            slot_mapping=tensor(slot_mapping),
+            block_table=tensor(block_table).view(len(queries), width),
+            seq_lens=tensor(seq_lens),
+            query_start_loc=tensor(query_start_loc),
             sampling_rows=rows,
-            logits_indices=torch.from_numpy(first + offset),
+            logits_indices=tensor(logits_indices),
             num_drafts=num_drafts,
-            draft_token_ids=torch.from_numpy(draft_token_ids),
+            draft_token_ids=tensor(
+                [d.token_ids + [0] * (widest - len(d.token_ids)) for d in drafts]
+            ).view(len(drafts), widest),
             draft_probs=[draft.probs for draft in drafts],
             sampling=SamplingBatch(
-                [q.request.sampling_params for q in sampled], [q.request.generator for q in sampled]
+                [r.sampling_params for r in sampled], [r.generator for r in sampled]
             ),
             return_hidden_states=return_hidden_states,
         )

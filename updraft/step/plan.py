@@ -25,7 +25,7 @@ class Draft(NamedTuple):
     probs: torch.Tensor | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # one per request per step: cheap to make
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # known tokens from the first uncomputed one, then the drafts
