@@ -14,8 +14,10 @@ nothing.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, replace
 from functools import cached_property
+from itertools import pairwise
 from typing import NamedTuple
 
 import torch
@@ -92,7 +94,8 @@ class StepInputs:
 
     @cached_property
     def query_lens(self) -> list[int]:
-        return self.query_start_loc.diff().tolist()
+        starts = self.query_start_loc.tolist()
+        return [end - start for start, end in pairwise(starts)]
 
     @cached_property
     def num_decodes(self) -> int:
@@ -107,11 +110,13 @@ class StepInputs:
         first uncomputed one, then the drafts it verifies. Decodes come first."""
         queries = []
         for item in sorted(plan.scheduled, key=lambda item: item.num_new_tokens != 1):
-            request = item.request
+            request, draft = item.request, item.draft
             start = request.num_computed_tokens
-            known = request.token_ids[start : start + item.num_new_tokens - item.num_drafts]
-            tokens = known + item.draft.token_ids if item.num_drafts else known
-            queries.append(Query(request, start, tokens, item.draft, item.samples))
+            tokens = request.token_ids[start : start + item.num_new_tokens - item.num_drafts]
+            if draft is not None:
+                tokens += draft.token_ids
+            # A plain tuple in Query's field order: this runs for every request per step.
+            queries.append((request, start, tokens, draft, item.samples))
         return cls.from_queries(queries, block_size, return_hidden_states)
 
     @classmethod
@@ -120,20 +125,18 @@ class StepInputs:
     ) -> StepInputs:
         """One forward over ``queries``, in order (a proposer's own draft steps).
 
-        Work is per request and, for slots, per block a request touches: token runs
-        are copied with ``list.extend``, never a Python loop over tokens. A step's
-        host time is mostly cache misses after a forward has streamed the weights, so
-        few distinct calls beat many small array operations here."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        width = max((len(q.request.block_ids) for q in queries), default=1) or 1
-        block_table: list[list[int]] = []
+        Work is per request and, for slots, per block a request touches: token runs are
+        copied with ``extend``, never a Python loop over tokens. Host time here is mostly
+        cache misses after a forward has streamed the weights, so a few flat arrays
+        turned into tensors without copying beat many small array operations."""
+        input_ids, positions, slot_mapping = array("q"), array("q"), array("q")
+        query_start_loc, seq_lens = array("q", [0]), array("q")
+        width = max((len(q[0].block_ids) for q in queries), default=1) or 1
+        block_table, logits_indices, draft_token_ids = array("q"), array("q"), array("q")
         rows: list[int] = []
-        logits_indices: list[int] = []
-        drafts: list[Draft] = []
+        drafts: list[Draft | None] = []
+        num_drafts: list[int] = []
+        end_of_queries = 0
         for row, (request, start, tokens, draft, samples) in enumerate(queries):
             end = start + len(tokens)
             block_ids = request.block_ids
@@ -145,50 +148,58 @@ class StepInputs:
             input_ids.extend(tokens)
             positions.extend(range(start, end))
             for index in range(start // block_size, (end - 1) // block_size + 1):
-                base = block_ids[index] * block_size - index * block_size
-                slot_mapping.extend(
-                    range(
-                        base + max(start, index * block_size),
-                        base + min(end, (index + 1) * block_size),
-                    )
-                )
-            query_start_loc.append(query_start_loc[-1] + len(tokens))
+                first = block_ids[index] * block_size - index * block_size
+                low, high = max(start, index * block_size), min(end, (index + 1) * block_size)
+                slot_mapping.extend(range(first + low, first + high))
+            end_of_queries += len(tokens)
+            query_start_loc.append(end_of_queries)
             seq_lens.append(end)
-            block_table.append(block_ids + [0] * (width - len(block_ids)))
+            block_table.extend(block_ids)
+            block_table.extend(zeros(width - len(block_ids)))
             if samples:
-                draft = draft or Draft([])
+                count = 0 if draft is None else len(draft.token_ids)
                 rows.append(row)
                 drafts.append(draft)
-                logits_indices.extend(
-                    range(query_start_loc[-1] - 1 - len(draft.token_ids), query_start_loc[-1])
-                )
-        num_drafts = [len(draft.token_ids) for draft in drafts]
+                num_drafts.append(count)
+                logits_indices.extend(range(end_of_queries - 1 - count, end_of_queries))
         widest = max(num_drafts, default=0)
-        sampled = [queries[row].request for row in rows]
-
-        def tensor(values: list) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long)
-
+        for draft, count in zip(drafts, num_drafts, strict=True):
+            if count:
+                draft_token_ids.extend(draft.token_ids)
+            draft_token_ids.extend(zeros(widest - count))
+        sampled = [queries[row][0] for row in rows]
         return cls(
-            request_ids=[q.request.request_id for q in queries],
-            input_ids=tensor(input_ids),
-            positions=tensor(positions),
-            slot_mapping=tensor(slot_mapping),
-            block_table=tensor(block_table).view(len(queries), width),
-            seq_lens=tensor(seq_lens),
-            query_start_loc=tensor(query_start_loc),
+            request_ids=[q[0].request_id for q in queries],
+            input_ids=long_tensor(input_ids),
+            positions=long_tensor(positions),
+            slot_mapping=long_tensor(slot_mapping),
+            block_table=long_tensor(block_table).view(len(queries), width),
+            seq_lens=long_tensor(seq_lens),
+            query_start_loc=long_tensor(query_start_loc),
             sampling_rows=rows,
-            logits_indices=tensor(logits_indices),
+            logits_indices=long_tensor(logits_indices),
             num_drafts=num_drafts,
-            draft_token_ids=tensor(
-                [d.token_ids + [0] * (widest - len(d.token_ids)) for d in drafts]
-            ).view(len(drafts), widest),
-            draft_probs=[draft.probs for draft in drafts],
+            draft_token_ids=long_tensor(draft_token_ids).view(len(drafts), widest),
+            draft_probs=[None if draft is None else draft.probs for draft in drafts],
             sampling=SamplingBatch(
                 [r.sampling_params for r in sampled], [r.generator for r in sampled]
             ),
             return_hidden_states=return_hidden_states,
         )
+
+
+ZEROS = array("q", bytes(8 * 1024))  # padding to copy from
+
+
+def zeros(count: int) -> array:
+    return ZEROS[:count] if count <= len(ZEROS) else array("q", bytes(8 * count))
+
+
+def long_tensor(values: array) -> torch.Tensor:
+    """An int64 tensor over ``values``'s memory, without a copy."""
+    if not values:
+        return torch.empty(0, dtype=torch.long)
+    return torch.frombuffer(values, dtype=torch.long)
 
 
 def pad_inputs(
