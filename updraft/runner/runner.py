@@ -107,6 +107,8 @@ class Runner:
     def execute(self, inputs: StepInputs) -> StepOutput:
         start = time.perf_counter()
         forward = self.forward(inputs)
+        if self.device.type == "cuda":  # sampling waits for the forward anyway
+            torch.cuda.synchronize(self.device)
         forward_seconds = time.perf_counter() - start
         tokens = self.sample(forward.logits, inputs)
         return StepOutput(
