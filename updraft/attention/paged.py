@@ -7,8 +7,10 @@ to slot -1, which is how padded tokens write nothing without a branch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -26,7 +28,18 @@ def allocate_kv_cache(
     device: torch.device | str,
 ) -> list[torch.Tensor]:
     shape = (2, num_blocks * block_size + 1, num_kv_heads, head_dim)
+    if torch.device(device).type == "cpu":
+        return [zeros_on_first_write(shape, dtype) for _ in range(num_layers)]
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+
+def zeros_on_first_write(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor from calloc'd memory: the OS maps each page on its first write, so
+    a large KV budget costs memory only as blocks fill (``torch.zeros`` would write,
+    and so map, every byte up front)."""
+    numel = math.prod(shape)
+    memory = np.zeros(numel * dtype.itemsize, dtype=np.uint8)
+    return torch.from_numpy(memory).view(dtype).view(shape)
 
 
 def kv_cache_bytes_per_block(
