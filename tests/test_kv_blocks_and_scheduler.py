@@ -4,15 +4,17 @@ wrongly, leave a draft or a planned token without its KV slot, or strand a reque
 
 from __future__ import annotations
 
+import hashlib
 import random
+import struct
 from collections import Counter
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from updraft.engine.kv_blocks import BlockPool, KVCacheManager
+from updraft.engine.kv_blocks import BlockPool, KVCacheManager, hash_block
 from updraft.engine.scheduler import Scheduler
 from updraft.request import FinishReason, Request
 from updraft.sampling_params import SamplingParams
@@ -60,6 +62,40 @@ def test_prefix_cache_hit_skips_computed_tokens():
     assert kv.allocate(second, 3, cached)
     assert second.num_computed_tokens == 8
     assert [pool.ref_counts[b] for b in cached] == [2, 2]
+
+
+def test_block_keys_are_sha256_of_the_parent_key_and_the_token_ids():
+    first = hash_block(None, [1, 2, 3, 4])
+    assert first.hex() == "423c67495f85186ca3e591741ba6cc626e28672b9a607b1f2e4fb2b026dc3225"
+    assert first == hashlib.sha256(b"updraft-kv-block" + struct.pack("<4q", 1, 2, 3, 4)).digest()
+    second = hash_block(first, [5, 6, 7, 8])
+    assert second == hashlib.sha256(first + struct.pack("<4q", 5, 6, 7, 8)).digest()
+    assert hash_block(None, [5, 6, 7, 8]) != second  # the key covers the whole prefix
+
+
+PI = [3, 1, 4, 1, 5, 9, 2, 6, 5]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    cut=st.integers(0, len(PI)),
+    tail=st.lists(st.integers(0, 2**31), min_size=1, max_size=9),
+)
+def test_a_cached_prefix_is_found_only_by_the_same_tokens(cut, tail):
+    pool = BlockPool(num_blocks=8, block_size=BLOCK_SIZE)
+    kv = KVCacheManager(pool)
+    owner = Request("owner", None, PI, SamplingParams())
+    assert kv.allocate(owner, len(PI))
+    owner.num_computed_tokens = len(PI)
+    kv.register_computed(owner)
+    other = PI[:cut] + tail
+    found = kv.cached_prefix(Request("probe", None, other, SamplingParams()))
+    # Full blocks of the probe (all but its last token) equal to the owner's, in order.
+    usable = (len(other) - 1) // BLOCK_SIZE
+    same = 0
+    while same < min(usable, 2) and other[: (same + 1) * 4] == PI[: (same + 1) * 4]:
+        same += 1
+    assert found == owner.block_ids[:same]
 
 
 class SchedulerMachine(RuleBasedStateMachine):

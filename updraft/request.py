@@ -49,7 +49,7 @@ class Request:
     token_ids: list[int] = field(init=False)  # prompt then output, appended in place
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # of full blocks, in order
+    block_hashes: list[bytes] = field(default_factory=list)  # keys of full blocks, in order
     num_registered_blocks: int = 0  # blocks offered to the prefix cache
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None

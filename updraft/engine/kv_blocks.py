@@ -1,22 +1,35 @@
 """The KV block pool: allocation, reference counts and prefix caching of full blocks.
 
 A block is ``block_size`` consecutive KV slots. Blocks whose tokens are all computed get
-a content hash chained over the request's earlier blocks, so a later request with the
-same prefix reuses them. A free block keeps its hash (and its KV) until it is handed out
+a key, a SHA-256 digest chained over the request's earlier blocks, so a later request
+with the same prefix reuses them. The key must be collision-resistant: a prompt crafted
+to collide with another user's prefix would otherwise read that user's KV. A free block keeps its hash (and its KV) until it is handed out
 again; free blocks are handed out least recently freed first, which is LRU eviction of
 the prefix cache.
 """
 
 from __future__ import annotations
 
+import hashlib
+import sys
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from updraft.request import Request
 
 
-def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    return hash((parent_hash, tuple(token_ids)))
+BlockKey = bytes
+ROOT_KEY = b"updraft-kv-block"  # the parent of a sequence's first block
+
+
+def hash_block(parent_key: BlockKey | None, token_ids: Sequence[int]) -> BlockKey:
+    """SHA-256 of the parent block's key and the token ids as little-endian int64."""
+    tokens = array("q", token_ids)
+    if sys.byteorder == "big":
+        tokens.byteswap()
+    parent = ROOT_KEY if parent_key is None else parent_key
+    return hashlib.sha256(parent + tokens.tobytes()).digest()
 
 
 class BlockPool:
@@ -25,8 +38,8 @@ class BlockPool:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.block_hashes: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # content hash -> block id
+        self.block_hashes: list[BlockKey | None] = [None] * num_blocks
+        self.cached: dict[BlockKey, int] = {}  # content key -> block id
         # Free blocks in eviction order; an OrderedDict gives O(1) removal on a cache hit.
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
 
@@ -59,7 +72,7 @@ class BlockPool:
             if self.ref_counts[block] == 0:
                 self.free_blocks[block] = None
 
-    def lookup(self, block_hashes: Sequence[int]) -> list[int]:
+    def lookup(self, block_hashes: Sequence[BlockKey]) -> list[int]:
         """The cached blocks for the longest prefix of ``block_hashes``."""
         blocks = []
         if self.enable_prefix_caching:
@@ -77,7 +90,7 @@ class BlockPool:
                 del self.free_blocks[block]
             self.ref_counts[block] += 1
 
-    def register(self, block: int, block_hash: int) -> None:
+    def register(self, block: int, block_hash: BlockKey) -> None:
         """Record a block's content once all its tokens are computed. The first block
         with given content stays the cached one."""
         if not self.enable_prefix_caching or self.block_hashes[block] is not None:
@@ -142,7 +155,7 @@ class KVCacheManager:
         request.block_ids = []
         request.num_registered_blocks = 0
 
-    def _hashes(self, request: Request, num_blocks: int) -> list[int]:
+    def _hashes(self, request: Request, num_blocks: int) -> list[BlockKey]:
         hashes = request.block_hashes
         size = self.block_size
         while len(hashes) < num_blocks:
