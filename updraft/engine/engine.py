@@ -97,6 +97,10 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 return [], f"{self.config.model} has no tokenizer.json; pass token ids"
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as error:
+                return [], f"prompt has a lone surrogate at character {error.start}: not text"
             token_ids = self.tokenizer.encode(prompt)
         else:
             token_ids = list(prompt)

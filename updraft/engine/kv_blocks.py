@@ -3,9 +3,9 @@
 A block is ``block_size`` consecutive KV slots. Blocks whose tokens are all computed get
 a key, a SHA-256 digest chained over the request's earlier blocks, so a later request
 with the same prefix reuses them. The key must be collision-resistant: a prompt crafted
-to collide with another user's prefix would otherwise read that user's KV. A free block keeps its hash (and its KV) until it is handed out
-again; free blocks are handed out least recently freed first, which is LRU eviction of
-the prefix cache.
+to collide with another user's prefix would otherwise read that user's KV. A free block
+keeps its key (and its KV) until it is handed out again; free blocks are handed out
+least recently freed first, which is LRU eviction of the prefix cache.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from updraft.request import Request
-
 
 BlockKey = bytes
 ROOT_KEY = b"updraft-kv-block"  # the parent of a sequence's first block

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from updraft.sampling_params import SamplingParams
 from updraft.serve.errors import APIError
@@ -22,6 +22,21 @@ from updraft.serve.errors import APIError
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # The sampler holds top_k in an int64 tensor; no vocabulary comes near this.
 TOP_K_MAX = 2**31 - 1
+
+
+def _unicode(text: str) -> str:
+    """JSON can carry a lone surrogate ("\\ud800"), which is not Unicode text: refuse it
+    here, where the 400 names the field, instead of deep in the tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"contains a lone surrogate at character {error.start}, which is not valid Unicode text"
+        ) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
 
 
 class StreamOptions(BaseModel):
@@ -33,14 +48,14 @@ class StreamOptions(BaseModel):
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
-    model: str
+    model: Text
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = Field(default=None, ge=-1, le=TOP_K_MAX)
     min_p: float | None = None
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     n: int = 1
@@ -49,7 +64,7 @@ class _Request(BaseModel):
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
 
     def check_supported(self) -> None:
         if self.n != 1:
@@ -103,7 +118,7 @@ class _Request(BaseModel):
 
 class CompletionRequest(_Request):
     # One prompt per request: text, token ids, or a one-element list of either.
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
     best_of: int | None = None
@@ -135,15 +150,15 @@ class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def for_template(self) -> dict[str, Any]:
         content = self.content

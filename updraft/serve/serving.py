@@ -238,8 +238,10 @@ class OpenAIServing:
                 choices[0].logprobs = logprobs
             body = ChatCompletionChunk(
                 id=request_id, created=created, model=model, choices=choices, usage=usage
-            )
-            return _event(body.model_dump(exclude_unset=True))
+            ).model_dump()
+            for choice in body["choices"]:  # a delta names only what it changes
+                choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+            return _event(body)
 
         yield chunk(ChatDelta(role="assistant", content=""), None)
         async with aclosing(_chain(first, outputs)) as stream:
