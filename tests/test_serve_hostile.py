@@ -81,3 +81,77 @@ def test_raw_chat_chunks_carry_every_field_of_the_schema(base_url):
             assert choice["index"] == 0 and "delta" in choice and "finish_reason" in choice
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
     wait_for_idle(base_url)
+
+
+def test_a_stopped_server_releases_its_engine():
+    """Servers come and go in one process (tests, embedders): a stopped one must not
+    keep its engine, and with it the weights and the KV cache, alive."""
+    import gc
+    import weakref
+
+    from updraft.config import EngineConfig
+    from updraft.engine.engine import Engine
+    from updraft.engine.llm import DEMO_MODEL_DIR
+
+    engine = Engine(EngineConfig(model=str(DEMO_MODEL_DIR)))
+    alive = weakref.ref(engine)
+    with running_server(engine=engine) as url:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 200
+    del engine
+    gc.collect()
+    assert alive() is None, [type(r).__name__ for r in gc.get_referrers(alive())]
+
+
+@pytest.fixture(scope="module")
+def keyed_url():
+    with running_server(ServeSettings(model_name=MODEL, api_key="s3cret")) as url:
+        yield url
+
+
+def test_the_key_is_checked_before_the_body_is_read(keyed_url):
+    invalid = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": -1})
+    for body in ("{not json", invalid):
+        response = post(keyed_url, "/v1/completions", body)
+        assert response.status_code == 401, response.text
+        assert response.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_docs_and_schema_need_the_key_and_probes_do_not(keyed_url):
+    for path in ("/docs", "/redoc", "/openapi.json", "/nowhere"):
+        assert httpx.get(keyed_url + path).status_code == 401, path
+    authorized = {"Authorization": "Bearer s3cret"}
+    assert httpx.get(keyed_url + "/openapi.json", headers=authorized).status_code == 200
+    assert httpx.get(keyed_url + "/health").status_code == 200
+    assert httpx.get(keyed_url + "/metrics").status_code == 200
+
+
+def test_metrics_name_the_served_model_not_its_directory(tmp_path):
+    import shutil
+
+    from updraft.engine.llm import DEMO_MODEL_DIR
+    from updraft.serve.server import default_model_name
+
+    model_dir = tmp_path / "private" / "my-model"
+    shutil.copytree(DEMO_MODEL_DIR, model_dir)
+    name = default_model_name(str(model_dir))
+    assert name == "my-model"
+    from updraft.config import EngineConfig
+    from updraft.engine.engine import Engine
+
+    engine = Engine(EngineConfig(model=str(model_dir)))
+    with running_server(ServeSettings(model_name=name), engine=engine) as url:
+        text = httpx.get(f"{url}/metrics").text
+    assert 'model_name="my-model"' in text and str(tmp_path) not in text
+
+
+def test_an_empty_api_key_refuses_to_start(capsys, monkeypatch):
+    from updraft.cli import main
+
+    assert main(["serve", "--api-key", ""]) == 2
+    assert "API key from --api-key is empty" in capsys.readouterr().err
+    monkeypatch.setenv("UPDRAFT_API_KEY", "  ")
+    assert main(["serve"]) == 2
+    assert "UPDRAFT_API_KEY" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="empty"):
+        ServeSettings(model_name=MODEL, api_key="")

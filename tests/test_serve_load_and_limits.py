@@ -160,7 +160,7 @@ def test_sigterm_drains_the_running_stream_then_exits_zero():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    env = {**os.environ, "UPDRAFT_API_KEY": ""}
+    env = {name: value for name, value in os.environ.items() if name != "UPDRAFT_API_KEY"}
     process = subprocess.Popen(
         [sys.executable, "-m", "updraft", "serve", "--port", str(port)],
         env=env,
@@ -191,6 +191,9 @@ def test_sigterm_drains_the_running_stream_then_exits_zero():
         assert lines[-1] == "data: [DONE]"
         assert json.loads(lines[-2].removeprefix("data: "))["usage"]["completion_tokens"] == 150
         assert process.wait(timeout=60) == 0
+        log = process.stderr.read().decode()
+        assert "serving 'updraft-demo'" in log and f"on http://127.0.0.1:{port}" in log
+        assert "it needs no API key" in log
     finally:
         if process.poll() is None:
             process.kill()

@@ -214,9 +214,18 @@ def run_serve(args: argparse.Namespace) -> int:
     from updraft.serve.server import default_model_name, serve
     from updraft.serve.serving import ServeSettings
 
+    api_key, source = args.api_key, "--api-key"
+    if api_key is None:
+        api_key, source = os.environ.get("UPDRAFT_API_KEY"), "UPDRAFT_API_KEY"
+    if api_key is not None and not api_key.strip():
+        # `--api-key "$KEY"` with KEY unset must not quietly start an open server.
+        raise ValueError(
+            f"the API key from {source} is empty; give a key, or leave out both --api-key "
+            "and UPDRAFT_API_KEY to serve without one"
+        )
     settings = ServeSettings(
         model_name=args.served_model_name or default_model_name(args.model),
-        api_key=args.api_key or os.environ.get("UPDRAFT_API_KEY") or None,
+        api_key=api_key,
         max_request_bytes=args.max_request_bytes,
         max_tokens_limit=args.max_tokens_limit,
         max_waiting=args.max_waiting,

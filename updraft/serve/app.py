@@ -10,18 +10,18 @@ import asyncio
 import contextlib
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from updraft.engine.engine import Engine
 from updraft.serve.chat_template import ChatTemplate
 from updraft.serve.engine_loop import AsyncEngine
-from updraft.serve.errors import APIError, error_body, install_error_handlers
+from updraft.serve.errors import error_body, install_error_handlers
 from updraft.serve.metrics import CONTENT_TYPE, ServerMetrics
 from updraft.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from updraft.serve.serving import OpenAIServing, ServeSettings
@@ -30,70 +30,76 @@ T = TypeVar("T")
 
 
 def build_app(engine: Engine, settings: ServeSettings) -> FastAPI:
+    """The app over ``engine``. Routes are module-level functions that find the engine
+    through ``request.app.state``, and the lifespan drops it there at shutdown: FastAPI
+    keeps route callables in module-wide caches, and a closure over the engine would
+    keep its weights and KV cache alive after the server stops."""
     metrics = ServerMetrics(settings.model_name)
     async_engine = AsyncEngine(engine, metrics)
-    serving = OpenAIServing(async_engine, settings, ChatTemplate.from_dir(engine.config.model))
-    started = int(time.time())
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async_engine.start()
-        yield
-        # uvicorn has already waited for open responses; this bounds what is left.
-        await async_engine.shutdown(settings.drain_timeout)
-
-    app = FastAPI(title="updraft", version="0.1.0", lifespan=lifespan)
-    app.state.engine = async_engine
-    app.state.metrics = metrics
+    app = FastAPI(title="updraft", version="0.1.0", lifespan=_lifespan)
     app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.engine = async_engine
+    app.state.serving = OpenAIServing(
+        async_engine, settings, ChatTemplate.from_dir(engine.config.model)
+    )
+    app.state.model_card = ModelCard(
+        id=settings.model_name, created=int(time.time()), max_model_len=engine.max_model_len
+    )
     install_error_handlers(app)
+    # Middleware added last runs first: the key is checked before the body is read.
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
-
-    async def require_api_key(request: Request) -> None:
-        if settings.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(
-            token.strip().encode(), settings.api_key.encode()
-        ):
-            metrics.rejected(401)
-            raise APIError(
-                401,
-                "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
-
-    @v1.post("/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _until_disconnect(request, serving.completion(body))
-
-    @v1.post("/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _until_disconnect(request, serving.chat(body))
-
-    @v1.get("/models")
-    async def models() -> ModelList:
-        card = ModelCard(
-            id=settings.model_name, created=started, max_model_len=engine.max_model_len
+    if settings.api_key is not None:
+        app.add_middleware(
+            RequireAPIKey, api_key=settings.api_key, on_refusal=lambda: metrics.rejected(401)
         )
-        return ModelList(data=[card])
-
     app.include_router(v1)
-
-    @app.get("/health")
-    async def health() -> Response:
-        if not async_engine.is_alive:
-            return JSONResponse(error_body(503, "the engine loop has stopped"), status_code=503)
-        return Response(status_code=200)
-
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
-
+    app.include_router(probes)
     return app
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    state = app.state
+    state.engine.start()
+    try:
+        yield
+    finally:
+        # uvicorn has already waited for open responses; this bounds what is left.
+        await state.engine.shutdown(state.settings.drain_timeout)
+        del state.serving, state.engine
+
+
+v1 = APIRouter(prefix="/v1")
+probes = APIRouter()
+
+
+@v1.post("/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    return await _until_disconnect(request, request.app.state.serving.completion(body))
+
+
+@v1.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    return await _until_disconnect(request, request.app.state.serving.chat(body))
+
+
+@v1.get("/models")
+async def models(request: Request) -> ModelList:
+    return ModelList(data=[request.app.state.model_card])
+
+
+@probes.get("/health")
+async def health(request: Request) -> Response:
+    engine = getattr(request.app.state, "engine", None)
+    if engine is None or not engine.is_alive:
+        return JSONResponse(error_body(503, "the engine loop has stopped"), status_code=503)
+    return Response(status_code=200)
+
+
+@probes.get("/metrics")
+async def prometheus_metrics(request: Request) -> Response:
+    return Response(request.app.state.metrics.exposition(), media_type=CONTENT_TYPE)
 
 
 async def _until_disconnect(request: Request, work: Awaitable[T]) -> T | Response:
@@ -120,6 +126,39 @@ async def _until_disconnect(request: Request, work: Awaitable[T]) -> T | Respons
 async def _wait_for_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+# Probes stay open with an API key: liveness, and Prometheus counters that name nothing
+# but the served model.
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+class RequireAPIKey:
+    """401 for every path but ``OPEN_PATHS`` (the API, its docs and its OpenAPI schema
+    included) without ``Authorization: Bearer <key>``, before the body is read."""
+
+    def __init__(self, app: ASGIApp, api_key: str, on_refusal: Callable[[], None]) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+        self.on_refusal = on_refusal
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        authorization = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = authorization.partition(b" ")
+        if scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.api_key):
+            await self.app(scope, receive, send)
+            return
+        self.on_refusal()
+        message = "missing or wrong API key: send 'Authorization: Bearer <key>'"
+        response = JSONResponse(
+            error_body(401, message, code="invalid_api_key"),
+            status_code=401,
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+        await response(scope, receive, send)
 
 
 class BodySizeLimit:

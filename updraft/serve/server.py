@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -15,10 +16,13 @@ from updraft.serve.app import build_app
 from updraft.serve.serving import ServeSettings
 
 DEMO_MODEL_NAME = "updraft-demo"
+logger = logging.getLogger("updraft.serve")
 
 
 def default_model_name(model: str | None) -> str:
-    return DEMO_MODEL_NAME if model is None else model
+    """The checkpoint directory's own name: clients need no more, and the server's
+    metrics (open without a key) then reveal no path on the host."""
+    return DEMO_MODEL_NAME if model is None else Path(model).expanduser().resolve().name
 
 
 def make_server(
@@ -48,8 +52,22 @@ def serve(
     port: int,
 ) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    engine = Engine(EngineConfig(model=str(model or DEMO_MODEL_DIR), **engine_args))
+    model_dir = str(model or DEMO_MODEL_DIR)
+    engine = Engine(EngineConfig(model=model_dir, **engine_args))
     server = make_server(engine, settings, host, port)
+    access = (
+        "clients must send its API key"
+        if settings.api_key
+        else "it needs no API key: anyone who can reach this address can use it"
+    )
+    logger.info(
+        "serving %r (from %s) on http://%s:%d; %s",
+        settings.model_name,
+        model_dir,
+        host,
+        port,
+        access,
+    )
     # uvicorn drains on SIGTERM and then raises the signal again; with this handler in
     # place that second delivery is a no-op, so a drained server exits 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)

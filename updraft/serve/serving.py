@@ -55,6 +55,10 @@ class ServeSettings:
     max_waiting: int = 256
     drain_timeout: float = 60.0
 
+    def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("the API key is empty: it would let anyone in; use None for no key")
+
 
 class ClosingStreamingResponse(StreamingResponse):
     """Closes its body when the response ends however it ends, so a client gone
