@@ -175,3 +175,33 @@ def test_a_seeded_request_gives_the_same_text_however_its_prompt_is_chunked(tiny
         for budget in (1024, 7)
     ]
     assert texts[0] == texts[1]
+
+
+@pytest.mark.parametrize(
+    "extreme",
+    [
+        {"temperature": 1e-40},
+        {"temperature": 5e-324},
+        {"top_p": 1e-300},
+        {"temperature": 1e-40, "top_p": 1e-300},
+        {"min_p": 1.0},
+        {"top_k": 1},
+        {"top_k": 2**31 - 1, "temperature": 1e-30},
+    ],
+)
+def test_extreme_sampling_values_behave_as_their_limit(tiny_llama, extreme):
+    """Each of these is greedy in the limit, and must give greedy's tokens rather than
+    a silent wrong answer (token 0 from NaN probabilities, say)."""
+    llm = LLM(tiny_llama, num_kv_blocks=64)
+    greedy_ids = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=10))
+    params = SamplingParams(max_tokens=10, seed=0, **extreme)
+    assert llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids == (
+        greedy_ids[0].outputs[0].token_ids
+    )
+
+
+def test_a_huge_temperature_samples_every_token_alike(tiny_llama):
+    llm = LLM(tiny_llama, num_kv_blocks=64)
+    params = SamplingParams(temperature=1e30, max_tokens=200, seed=0, ignore_eos=True)
+    tokens = llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
+    assert len(set(tokens)) > 100  # near-uniform over 256 tokens, no NaN collapse to one id

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+GREEDY_BELOW = 1e-5
+
 
 @dataclass
 class SamplingParams:
     """How to pick the next token and when to stop.
 
-    ``temperature == 0`` means greedy. ``top_k <= 0``, ``top_p == 1`` and ``min_p == 0``
-    switch their filter off. With a ``seed`` a request draws from its own generator, so
-    the same seed gives the same text whatever else shares the batch.
+    ``temperature == 0`` (or below ``GREEDY_BELOW``) means greedy. ``top_k <= 0``,
+    ``top_p == 1`` and ``min_p == 0`` switch their filter off. With a ``seed`` a request
+    draws from its own generator, so the same seed gives the same text whatever else
+    shares the batch.
     """
 
     max_tokens: int = 16
@@ -59,7 +62,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperatures below ``GREEDY_BELOW`` are greedy: dividing logits by one would
+        overflow to inf and NaN, and their limit is the argmax anyway."""
+        return self.temperature < GREEDY_BELOW
 
 
 def _is_int(value: object) -> bool:

@@ -58,8 +58,9 @@ def _nucleus(logits: torch.Tensor, batch: SamplingBatch, width: int) -> torch.Te
         (top_k > 0)[:, None], kept.softmax(dim=-1), logits.softmax(dim=-1).gather(-1, order)
     )
     mass_before = probs.cumsum(dim=-1) - probs
-    # Keep the smallest prefix whose mass reaches top_p; the top token always stays.
-    drop |= mass_before >= top_p[:, None]
+    # Keep the smallest prefix whose mass reaches top_p; the top token always stays, even
+    # for a top_p so small (1e-300) that it is 0 in float32.
+    drop |= (mass_before >= top_p[:, None]) & (ranks[None] > 0)
     untouched = (top_p >= 1) & (top_k == 0)
     if width < vocab:
         # Tokens past the candidates are dropped only if the candidates reach top_p.

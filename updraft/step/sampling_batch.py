@@ -30,7 +30,9 @@ class SamplingBatch:
 
     @cached_property
     def temperature(self) -> torch.Tensor:  # [B], 0 for greedy rows
-        return torch.tensor([p.temperature for p in self.params], dtype=torch.float32)
+        return torch.tensor(
+            [0.0 if p.greedy else p.temperature for p in self.params], dtype=torch.float32
+        )
 
     @cached_property
     def top_k(self) -> torch.Tensor:  # [B], 0 for off
