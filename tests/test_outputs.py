@@ -69,3 +69,23 @@ def test_stop_strings_are_found_across_pieces_and_cut():
         if found:
             break
     assert found == "return" and text == "x = 1\n"
+
+
+def test_the_first_stop_string_completed_ends_the_text_and_the_longest_wins_a_tie():
+    tokenizer = Tokenizer.from_dir(DEMO_MODEL_DIR)
+
+    def stop_at(text: str, stops: list[str]) -> tuple[str | None, str]:
+        detokenizer = Detokenizer(tokenizer, [1], stops)
+        found, out = None, ""
+        for token_id in tokenizer.encode(text):
+            found = detokenizer.add(token_id)
+            out += detokenizer.take(found is not None)
+            if found:
+                break
+        return found, out
+
+    assert stop_at("one two three", ["two three", "wo"]) == ("wo", "one t")
+    assert stop_at("one two three", ["two", "o"]) == ("o", "")
+    assert stop_at("a = bcd", ["bcd", "cd", "d"]) == ("bcd", "a = ")
+    many = [f"never{i}" for i in range(31)] + ["three"]
+    assert stop_at("one two three four", many) == ("three", "one two ")

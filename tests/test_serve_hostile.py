@@ -155,3 +155,16 @@ def test_an_empty_api_key_refuses_to_start(capsys, monkeypatch):
     assert "UPDRAFT_API_KEY" in capsys.readouterr().err
     with pytest.raises(ValueError, match="empty"):
         ServeSettings(model_name=MODEL, api_key="")
+
+
+def test_stop_strings_are_bounded_in_number_and_length(base_url):
+    body = {"model": MODEL, "prompt": "import os", "max_tokens": 4}
+    for stop in (["x"] * 33, ["y" * 257], [f"s{i}" for i in range(80_000)]):
+        response = post(base_url, "/v1/completions", {**body, "stop": stop})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "stop"
+        assert len(response.text) < 1000  # the error quotes a short piece, not the input
+    most = [chr(ord("A") + i) * 256 for i in range(32)]
+    assert post(base_url, "/v1/completions", {**body, "stop": most}).status_code == 200
+    too_many_ids = {**body, "stop_token_ids": list(range(257))}
+    assert post(base_url, "/v1/completions", too_many_ids).status_code == 400

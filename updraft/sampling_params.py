@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass, field
 
 GREEDY_BELOW = 1e-5
+# Stop conditions are checked at every token of a request: bound what one request may
+# ask for, so that it cannot slow down the others.
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_LENGTH = 256
+MAX_STOP_TOKEN_IDS = 256
+_short = reprlib.Repr()  # error messages quote at most a short piece of a bad value
+_short.maxstring = _short.maxother = 60
+_short.maxlist = 4
 
 
 @dataclass
@@ -47,18 +56,27 @@ class SamplingParams:
                 self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64),
                 "an int in [-2**63, 2**64) or None",
             ),
-            "stop": (all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
+            "stop": (
+                len(self.stop) <= MAX_STOP_STRINGS
+                and all(
+                    isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_LENGTH for s in self.stop
+                ),
+                f"at most {MAX_STOP_STRINGS} non-empty strings of at most "
+                f"{MAX_STOP_STRING_LENGTH} characters",
+            ),
             "stop_token_ids": (
-                all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-                "ints >= 0",
+                len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
+                and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+                f"at most {MAX_STOP_TOKEN_IDS} ints >= 0",
             ),
             "ignore_eos": (isinstance(self.ignore_eos, bool), "a bool"),
             "logprobs": (isinstance(self.logprobs, bool), "a bool"),
         }
         for name, (ok, expected) in rules.items():
             if not ok:
-                value = getattr(self, name)
-                raise ValueError(f"SamplingParams.{name} must be {expected}, got {value!r}")
+                value = _short.repr(getattr(self, name))
+                raise ValueError(f"SamplingParams.{name} must be {expected}, got {value}")
+        self.stop_token_set = frozenset(self.stop_token_ids)  # checked at every token
 
     @property
     def greedy(self) -> bool:

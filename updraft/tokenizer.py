@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import ahocorasick
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
@@ -54,6 +55,11 @@ class Detokenizer:
     holds back an id that ends in an incomplete UTF-8 character until a later one
     completes it. With stop strings, the last ``len(longest stop) - 1`` characters are
     held back too, since they may be the start of a stop string.
+
+    Stop strings are found by one Aho-Corasick automaton over the new text and the held
+    back characters, so a token costs the same whether a request has one stop string or
+    many. The first stop string the text completes ends it (the longest, if several end
+    at the same character), and the text is cut just before that string.
     """
 
     def __init__(self, tokenizer: Tokenizer | None, prompt_ids: list[int], stop: list[str]):
@@ -62,7 +68,7 @@ class Detokenizer:
         self.held: list[int] = []  # ids the stream has not turned into text yet
         self.pending = ""  # decoded text not yet taken
         self.pieces: list[str] = []  # the text taken so far, append-only
-        self.stop = stop
+        self.matcher = _automaton(stop) if stop else None
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.stopped = False  # a stop string was found; nothing more is added
 
@@ -85,13 +91,17 @@ class Detokenizer:
         self.held = []
         start = max(len(self.pending) - self.hold, 0)
         self.pending += piece
-        if not self.stop:
+        if self.matcher is None:
             return None
-        found = [(i, stop) for stop in self.stop if (i := self.pending.find(stop, start)) != -1]
-        if not found:
+        matches = self.matcher.iter(self.pending, start)
+        first_end, stop = next(matches, (None, None))
+        if stop is None:
             return None
-        index, stop = min(found)
-        self.pending = self.pending[:index]
+        for end, other in matches:
+            if end != first_end:
+                break
+            stop = max(stop, other, key=len)
+        self.pending = self.pending[: first_end + 1 - len(stop)]
         self.stopped = True
         return stop
 
@@ -106,3 +116,11 @@ class Detokenizer:
         if piece:
             self.pieces.append(piece)
         return piece
+
+
+def _automaton(words: list[str]) -> ahocorasick.Automaton:
+    automaton = ahocorasick.Automaton()
+    for word in words:
+        automaton.add_word(word, word)
+    automaton.make_automaton()
+    return automaton

@@ -13,7 +13,7 @@ def stop_condition(request: Request, token_id: int, max_model_len: int) -> Finis
     stop_string = request.detokenizer.add(token_id)
     if token_id in request.eos_token_ids:
         request.stop_reason = None
-    elif token_id in params.stop_token_ids:
+    elif token_id in params.stop_token_set:
         request.stop_reason = token_id
     elif stop_string is not None:
         request.stop_reason = stop_string
