@@ -3,6 +3,8 @@ hurt the server or another client, and what must happen instead."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 
 import httpx
@@ -168,3 +170,98 @@ def test_stop_strings_are_bounded_in_number_and_length(base_url):
     assert post(base_url, "/v1/completions", {**body, "stop": most}).status_code == 200
     too_many_ids = {**body, "stop_token_ids": list(range(257))}
     assert post(base_url, "/v1/completions", too_many_ids).status_code == 400
+
+
+def test_huge_prompts_do_not_stall_a_running_stream(base_url):
+    """Ten 1 MB prompts (refused unread) and two 60k-character ones (tokenized off the
+    engine thread, then refused for their length) arrive while a stream runs."""
+    import threading
+    import time
+
+    huge = {"model": MODEL, "prompt": "x" * 1_000_000, "max_tokens": 4}
+    long = {"model": MODEL, "prompt": "def f(x):\n    return x\n" * 2_500, "max_tokens": 4}
+    statuses: list[int] = []
+
+    def send(body: dict) -> None:
+        statuses.append(post(base_url, "/v1/completions", body, timeout=120).status_code)
+
+    body = {"model": MODEL, "prompt": "import os", "max_tokens": 80, "ignore_eos": True}
+    body.update(stream=True, temperature=0)
+    arrivals, senders = [], []
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            arrivals.append(time.monotonic())
+            if len(arrivals) == 10:
+                senders = [
+                    threading.Thread(target=send, args=(b,)) for b in [huge] * 10 + [long] * 2
+                ]
+                for sender in senders:
+                    sender.start()
+    for sender in senders:
+        sender.join()
+    assert statuses == [400] * 12
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+    assert len(gaps) > 60 and max(gaps[10:]) < 1.0, max(gaps[10:])
+    wait_for_idle(base_url)
+
+
+def test_slowloris_connections_cannot_starve_the_server():
+    """300 connections that send half a request and then a byte now and then, against a
+    server allowed 256 open files: /health keeps answering, idle connections are
+    closed, and the log grows by a line or two, not a line per connection."""
+    import resource
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    def low_file_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+    server = subprocess.Popen(
+        [sys.executable, "-m", "updraft", "serve", "--port", str(port), "--request-timeout", "4"],
+        preexec_fn=low_file_limit,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    base_url = f"http://127.0.0.1:{port}"
+    slow: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert server.poll() is None, server.stderr.read().decode()
+            try:
+                if httpx.get(f"{base_url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.1)
+        for _ in range(300):
+            connection = socket.create_connection(("127.0.0.1", port))
+            connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            slow.append(connection)
+        answers = []
+        end = time.monotonic() + 10
+        while time.monotonic() < end:
+            for connection in slow:  # keep trickling, as slowloris does
+                with contextlib.suppress(OSError):
+                    connection.send(b"X")
+            answers.append(httpx.get(f"{base_url}/health", timeout=5).status_code)
+            time.sleep(0.2)
+        assert answers and set(answers) == {200}
+        body = {"model": MODEL, "prompt": "import os", "max_tokens": 3}
+        assert httpx.post(f"{base_url}/v1/completions", json=body, timeout=30).status_code == 200
+    finally:
+        for connection in slow:
+            connection.close()
+        server.terminate()
+        log = server.communicate(timeout=60)[1].decode()
+    assert log.count("Too many open files") <= 1, log[-3000:]
+    assert log.count("WARNING") + log.count("ERROR") <= 4, log[-3000:]

@@ -109,6 +109,19 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
         help="with this many requests queued, new ones get 503 with Retry-After",
     )
     http.add_argument(
+        "--max-connections",
+        type=int,
+        default=1024,
+        help="open connections at once; past it, the one that has waited longest without "
+        "sending a whole request is closed (capped by the open-file limit)",
+    )
+    http.add_argument(
+        "--request-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client has to send a whole request (headers and body)",
+    )
+    http.add_argument(
         "--drain-timeout",
         type=float,
         default=60.0,
@@ -230,6 +243,8 @@ def run_serve(args: argparse.Namespace) -> int:
         max_tokens_limit=args.max_tokens_limit,
         max_waiting=args.max_waiting,
         drain_timeout=args.drain_timeout,
+        max_connections=args.max_connections,
+        request_timeout=args.request_timeout,
     )
     return serve(args.model, engine_kwargs(args), settings, args.host, args.port)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
 
 import ahocorasick
@@ -29,6 +30,13 @@ class Tokenizer:
     def backend(self) -> HFTokenizer:
         """The ``tokenizers`` object, for its streaming decoder."""
         return self._tokenizer
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters one token decodes to: its vocabulary entry's
+        length (byte-level entries spell one character per byte), plus one for a space a
+        decoder may add. A text longer than ``n * max_token_chars`` has over n tokens."""
+        return max(map(len, self._tokenizer.get_vocab(with_added_tokens=True)), default=0) + 1
 
     @property
     def vocab_size(self) -> int:

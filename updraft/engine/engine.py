@@ -78,14 +78,17 @@ class Engine:
         if request_id in self._scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
-        token_ids, error = self._prompt_token_ids(prompt)
+        if text is None and len(prompt) >= self.max_model_len:
+            # Refused at the cost of len(), before a look at each of a huge list's ids.
+            token_ids, error = [], self._check_length(len(prompt))
+        else:
+            token_ids, error = self._prompt_token_ids(prompt)
+            error = error or self._check_length(len(token_ids))
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
         detokenizer = Detokenizer(self.tokenizer, token_ids, params.stop)
         request = Request(
             request_id, text, token_ids, params, eos, time.perf_counter(), detokenizer
         )
-        if error is None:
-            error = self._check_length(len(token_ids))
         if error is not None:
             request.error = error
             self._pending_outputs.append(self._scheduler.finish(request, FinishReason.ERROR))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,12 @@ from updraft.config import EngineConfig
 from updraft.engine.engine import Engine
 from updraft.engine.llm import DEMO_MODEL_DIR
 from updraft.serve.app import build_app
+from updraft.serve.connections import (
+    ACCEPT_BURST,
+    guarded_protocol,
+    quiet_overload_logs,
+    raise_descriptor_limit,
+)
 from updraft.serve.serving import ServeSettings
 
 DEMO_MODEL_NAME = "updraft-demo"
@@ -39,6 +46,8 @@ def make_server(
         port=port,
         # uvicorn waits this long for open responses after SIGTERM before cancelling them.
         timeout_graceful_shutdown=settings.drain_timeout,
+        http=guarded_protocol(settings.max_connections, settings.request_timeout),
+        backlog=ACCEPT_BURST,
         **{"log_level": "info", **uvicorn_args},
     )
     return uvicorn.Server(config)
@@ -52,7 +61,9 @@ def serve(
     port: int,
 ) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    quiet_overload_logs()
     model_dir = str(model or DEMO_MODEL_DIR)
+    settings = replace(settings, max_connections=raise_descriptor_limit(settings.max_connections))
     engine = Engine(EngineConfig(model=model_dir, **engine_args))
     server = make_server(engine, settings, host, port)
     access = (

@@ -7,6 +7,7 @@ that, a streaming request becomes server-sent events ending in ``data: [DONE]``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
@@ -54,6 +55,8 @@ class ServeSettings:
     max_tokens_limit: int | None = None  # None: the engine's max_model_len
     max_waiting: int = 256
     drain_timeout: float = 60.0
+    max_connections: int = 1024  # open at once; past it the idlest is closed
+    request_timeout: float = 30.0  # seconds for a whole request to arrive
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -81,6 +84,11 @@ class OpenAIServing:
         self.tokenizer: Tokenizer | None = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
         self.max_tokens_limit = settings.max_tokens_limit or self.max_model_len
+        # A longer text cannot fit in the context whatever it tokenizes to: refused
+        # before any tokenizing.
+        self.max_prompt_chars = (
+            None if self.tokenizer is None else self.max_model_len * self.tokenizer.max_token_chars
+        )
 
     # -- the two endpoints ---------------------------------------------------------------
 
@@ -90,7 +98,7 @@ class OpenAIServing:
         params = body.sampling_params(
             COMPLETIONS_DEFAULT_MAX_TOKENS, self.max_tokens_limit, body.logprobs is not None
         )
-        prompt = body.single_prompt()
+        prompt = await self._tokenized(body.single_prompt(), "prompt")
         request_id = new_id("cmpl")
         outputs, first = await self._start(request_id, prompt, params, "prompt")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -118,10 +126,13 @@ class OpenAIServing:
         self._check_model(body.model)
         body.check_supported()
         params = body.sampling_params(self.max_tokens_limit, self.max_tokens_limit, body.logprobs)
+        messages = [m.for_template() for m in body.messages]
         try:
-            prompt = self.chat_template.render([m.for_template() for m in body.messages])
+            # Off the event loop: a template over a megabyte of messages takes a while.
+            prompt = await asyncio.to_thread(self.chat_template.render, messages)
         except ChatTemplateError as error:
             raise APIError(400, f"messages: {error}", param="messages") from error
+        prompt = await self._tokenized(prompt, "messages")
         request_id = new_id("chatcmpl")
         outputs, first = await self._start(request_id, prompt, params, "messages")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -158,6 +169,21 @@ class OpenAIServing:
                 param="model",
                 code="model_not_found",
             )
+
+    async def _tokenized(self, prompt: str | list[int], field: str) -> str | list[int]:
+        """Token ids for a text prompt, tokenized in a worker thread: the engine thread,
+        which steps every running request, never tokenizes (``tokenizers`` releases the
+        GIL while it works). A text too long for any context is refused unread."""
+        if isinstance(prompt, list) or self.tokenizer is None:
+            return prompt
+        if len(prompt) > self.max_prompt_chars:
+            raise APIError(
+                400,
+                f"{field}: {len(prompt)} characters are more than {self.max_model_len} tokens, "
+                "the context length, can hold",
+                param=field,
+            )
+        return await asyncio.to_thread(self.tokenizer.encode, prompt)
 
     async def _start(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, field: str
