@@ -22,7 +22,7 @@ import torch
 
 from benchmarks.common import make_random_qwen3, markdown_table
 from updraft import LLM, SamplingParams
-from updraft.engine.llm import DEMO_MODEL_DIR
+from updraft.demo import DEMO_MODEL_DIR
 from updraft.step.inputs import StepInputs
 
 BATCHES = (1, 8, 32)

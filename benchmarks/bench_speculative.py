@@ -28,7 +28,7 @@ import transformers
 
 from benchmarks.common import markdown_table
 from updraft import LLM, SamplingParams
-from updraft.engine.llm import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
+from updraft.demo import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
 NEW_TOKENS = 128

@@ -11,8 +11,8 @@ from contextlib import contextmanager
 import httpx
 
 from updraft.config import EngineConfig
+from updraft.demo import DEMO_MODEL_DIR
 from updraft.engine.engine import Engine
-from updraft.engine.llm import DEMO_MODEL_DIR
 from updraft.serve.server import make_server
 from updraft.serve.serving import ServeSettings
 

@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from updraft import LLM, SamplingParams
 from updraft.cli import main
-from updraft.engine.llm import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
+from updraft.demo import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
 
 DEMO_ROOT = DEMO_MODEL_DIR.parent
 

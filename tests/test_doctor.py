@@ -4,7 +4,7 @@ problem when a refresh is skipped."""
 from __future__ import annotations
 
 from updraft.cli import main
-from updraft.engine.llm import DEMO_DRAFT_DIR
+from updraft.demo import DEMO_DRAFT_DIR
 from updraft.graph.static_input import StaticInput
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 from updraft import LLM, SamplingParams
-from updraft.engine.llm import DEMO_MODEL_DIR
+from updraft.demo import DEMO_MODEL_DIR
 from updraft.tokenizer import MAX_PENDING_IDS, Detokenizer, Tokenizer
 
 

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from updraft import LLM, SamplingParams
-from updraft.serve.chat_template import SIMPLE_CHAT_TEMPLATE, ChatTemplate
+from updraft.chat_template import SIMPLE_CHAT_TEMPLATE, ChatTemplate
 from updraft.serve.serving import ServeSettings
 
 from .serving import MODEL, metric, running_server, wait_for_idle

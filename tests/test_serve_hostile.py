@@ -92,8 +92,8 @@ def test_a_stopped_server_releases_its_engine():
     import weakref
 
     from updraft.config import EngineConfig
+    from updraft.demo import DEMO_MODEL_DIR
     from updraft.engine.engine import Engine
-    from updraft.engine.llm import DEMO_MODEL_DIR
 
     engine = Engine(EngineConfig(model=str(DEMO_MODEL_DIR)))
     alive = weakref.ref(engine)
@@ -131,7 +131,7 @@ def test_docs_and_schema_need_the_key_and_probes_do_not(keyed_url):
 def test_metrics_name_the_served_model_not_its_directory(tmp_path):
     import shutil
 
-    from updraft.engine.llm import DEMO_MODEL_DIR
+    from updraft.demo import DEMO_MODEL_DIR
     from updraft.serve.server import default_model_name
 
     model_dir = tmp_path / "private" / "my-model"

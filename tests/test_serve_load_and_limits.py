@@ -16,8 +16,8 @@ import openai
 import pytest
 
 from updraft.config import EngineConfig
+from updraft.demo import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
 from updraft.engine.engine import Engine
-from updraft.engine.llm import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
 from updraft.serve.serving import ServeSettings
 
 from .serving import MODEL, metric, running_server, wait_for_idle

@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 
 from updraft import LLM, SamplingParams
-from updraft.engine.llm import DEMO_DRAFT_DIR
+from updraft.demo import DEMO_DRAFT_DIR
 
 from .serving import MODEL, metric, running_server, wait_for_idle
 

@@ -11,7 +11,7 @@ import torch
 
 from tests.probes import LogitsProbe
 from updraft import LLM, SamplingParams
-from updraft.engine.llm import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
+from updraft.demo import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
 from updraft.graph.static_input import StaticInput
 from updraft.speculative.draft_model import DraftModel
 

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 import typing
 from collections.abc import Sequence
 from dataclasses import fields
+from pathlib import Path
 
+# Only leaves at import time: `updraft --help` must not wait for torch.
 from updraft.config import EngineConfig
-from updraft.doctor import doctor
-from updraft.engine.llm import DEMO_DRAFT_DIR, DEMO_MODEL_DIR, LLM
+from updraft.demo import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
 from updraft.sampling_params import SamplingParams
 
 
@@ -45,15 +47,28 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=HelpFormatter,
     )
-    generate.add_argument("--prompt", required=True, help="the prompt text")
+    source = generate.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the prompt text; - reads it from standard input")
+    source.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
     add_engine_arguments(generate)
     sampling = generate.add_argument_group("sampling")
     sampling.add_argument("--max-tokens", type=int, default=64)
-    sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    sampling.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 is greedy, the CLI's default (SamplingParams and the server default to 1)",
+    )
     sampling.add_argument("--top-k", type=int, default=0, help="0 turns it off")
     sampling.add_argument("--top-p", type=float, default=1.0)
     sampling.add_argument("--min-p", type=float, default=0.0)
-    sampling.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    sampling.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        type=unescape,
+        help=r"stop string (repeatable); \n, \t, \r and \\ are read as escapes",
+    )
     sampling.add_argument("--ignore-eos", action="store_true")
     add_serve_parser(commands)
     doctor = commands.add_parser(
@@ -176,7 +191,39 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {f.name: getattr(args, f.name) for f in fields(EngineConfig) if f.name != "model"}
 
 
+ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def unescape(text: str) -> str:
+    """``--stop "\\n"`` arrives as a backslash and an n (the shell does not turn it into
+    a newline): read the common escapes, so that it means what it looks like."""
+    return re.sub(r"\\([ntr\\])", lambda match: ESCAPES[match.group(1)], text)
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt_file is not None:
+        return args.prompt_file.read_text()
+    return sys.stdin.read() if args.prompt == "-" else args.prompt
+
+
+def load(model: str | None, engine_args: dict):
+    """An ``LLM``, saying on stderr what it is doing meanwhile: loading weights and
+    capturing graphs take seconds."""
+    from updraft.config import EngineConfig
+    from updraft.engine.llm import LLM
+
+    graphs = EngineConfig(model=str(model or DEMO_MODEL_DIR), **engine_args).use_graphs
+    what = "loading the model and capturing graphs" if graphs else "loading the model"
+    print(f"[updraft] {what} ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    llm = LLM(model, **engine_args)
+    print(f"[updraft] ready in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    return llm
+
+
 def run_generate(args: argparse.Namespace) -> int:
+    prompt = read_prompt(args)
+
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -186,10 +233,10 @@ def run_generate(args: argparse.Namespace) -> int:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
     )
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = load(args.model, engine_kwargs(args))
     start = time.perf_counter()
     final = None
-    for output in llm.generate_stream(args.prompt, params):
+    for output in llm.generate_stream(prompt, params):
         sys.stdout.write(output.outputs[0].delta_text)
         sys.stdout.flush()
         final = output
@@ -257,10 +304,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             return run_serve(args)
         if args.command == "doctor":
+            from updraft.doctor import doctor
+
             return 0 if doctor(args.model, engine_kwargs(args)) else 1
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\n[updraft] interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

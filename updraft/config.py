@@ -7,18 +7,26 @@ needs; ``EngineConfig`` is how the engine is run (memory, batching, dtype).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from updraft.checkpoints import local_checkpoint
+
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+# By name: this module is what `updraft --help` reads, and must not import torch.
+DTYPES = ("float32", "float16", "bfloat16")
+DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, name)
 
 
 @dataclass(frozen=True)
@@ -48,7 +56,7 @@ class ModelConfig:
     attention_bias: bool
     mlp_bias: bool
     qk_norm: bool
-    checkpoint_dtype: torch.dtype
+    checkpoint_dtype: str  # one of DTYPES
     eos_token_ids: tuple[int, ...] = ()
 
     @classmethod
@@ -76,14 +84,15 @@ class ModelConfig:
             )
         if raw.get("use_sliding_window"):
             raise ValueError("sliding-window attention (use_sliding_window) is not supported")
-        num_heads = raw["num_attention_heads"]
-        head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
+        num_heads = _positive_int(raw, "num_attention_heads")
+        hidden_size = _positive_int(raw, "hidden_size")
+        head_dim = raw.get("head_dim") or hidden_size // num_heads
         return cls(
             architecture=architecture,
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_layers=raw["num_hidden_layers"],
+            vocab_size=_positive_int(raw, "vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=_positive_int(raw, "intermediate_size"),
+            num_layers=_positive_int(raw, "num_hidden_layers"),
             num_heads=num_heads,
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
@@ -95,11 +104,23 @@ class ModelConfig:
             attention_bias=architecture == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
             mlp_bias=raw.get("mlp_bias", False),
             qk_norm=architecture == "Qwen3ForCausalLM",
-            checkpoint_dtype=DTYPES.get(
-                str(raw.get("torch_dtype") or raw.get("dtype") or "float32"), torch.float32
-            ),
+            checkpoint_dtype=_dtype_name(raw.get("torch_dtype") or raw.get("dtype")),
             eos_token_ids=eos_token_ids,
         )
+
+
+def _positive_int(raw: dict[str, Any], key: str) -> int:
+    value = raw.get(key)
+    if value is None:
+        raise ValueError(f"config.json lacks {key!r}, which the model needs")
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"config.json: {key} must be a positive int, got {value!r}")
+    return value
+
+
+def _dtype_name(value: Any) -> str:
+    name = str(value or "float32").removeprefix("torch.")
+    return name if name in DTYPES else "float32"
 
 
 def _rope_config(raw: dict[str, Any]) -> RopeConfig:
@@ -194,6 +215,11 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        self.model = local_checkpoint(str(self.model))
+        if self.speculative_model is not None:
+            self.speculative_model = local_checkpoint(str(self.speculative_model))
+        if not DEVICE.fullmatch(self.device):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(
                 f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {self.dtype!r}"
@@ -220,17 +246,19 @@ class EngineConfig:
             )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
     @property
     def use_graphs(self) -> bool:
         if self.enforce_eager is None:
-            return torch.device(self.device).type == "cuda"
+            return self.device.split(":")[0] == "cuda"
         return not self.enforce_eager
 
     def compute_dtype(self, model_config: ModelConfig) -> torch.dtype:
         if self.dtype != "auto":
-            return DTYPES[self.dtype]
+            return torch_dtype(self.dtype)
         # Half-precision matmuls are slow on most CPUs: compute in float32 there.
         if self.device == "cpu":
-            return torch.float32
-        return model_config.checkpoint_dtype
+            return torch_dtype("float32")
+        return torch_dtype(model_config.checkpoint_dtype)

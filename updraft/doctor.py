@@ -11,7 +11,9 @@ when something disagrees.
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +29,7 @@ PROMPTS = [
     "# Return the largest element of a list\ndef largest(items):",
     "with open(path) as f:",
 ]
+SAY = functools.partial(print, flush=True)  # runs take seconds: show each line at once
 # Different lengths, so requests leave at different steps and the batch shrinks
 # through the buckets.
 MAX_TOKENS = [48, 40, 32, 24, 16, 8]
@@ -63,7 +66,11 @@ def run(name: str, model: str | None, engine_args: dict[str, Any]) -> DoctorRun:
     )
 
 
-def doctor(model: str | None, engine_args: dict[str, Any], log=print) -> bool:
+def doctor(
+    model: str | None,
+    engine_args: dict[str, Any],
+    log: Callable[[str], None] = SAY,
+) -> bool:
     """Run the checks, print a report through ``log``; True when healthy."""
     # Sanitize copies the whole KV cache every step: keep it small.
     engine_args = {**engine_args, "kv_cache_memory_gib": 0.05, "num_kv_blocks": None}
@@ -75,10 +82,12 @@ def doctor(model: str | None, engine_args: dict[str, Any], log=print) -> bool:
     if draft_has_graphs:
         combos = [(True, True), (True, False), (False, True), (False, False)]
     runs = []
-    for target_eager, draft_eager in combos:
+    for number, (target_eager, draft_eager) in enumerate(combos, start=1):
         name = "target " + ("eager" if target_eager else "graph")
         if draft_has_graphs:
             name += ", draft " + ("eager" if draft_eager else "graph")
+        # Each run loads the model (and captures graphs): say what is happening.
+        log(f"run {number} of {len(combos)}: {name} ...")
         args = {
             **engine_args,
             "enforce_eager": target_eager,

@@ -28,9 +28,16 @@ def allocate_kv_cache(
     device: torch.device | str,
 ) -> list[torch.Tensor]:
     shape = (2, num_blocks * block_size + 1, num_kv_heads, head_dim)
-    if torch.device(device).type == "cpu":
-        return [zeros_on_first_write(shape, dtype) for _ in range(num_layers)]
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    try:
+        if torch.device(device).type == "cpu":
+            return [zeros_on_first_write(shape, dtype) for _ in range(num_layers)]
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    except (MemoryError, torch.OutOfMemoryError) as error:
+        size = num_layers * math.prod(shape) * dtype.itemsize / 2**30
+        raise ValueError(
+            f"cannot allocate a KV cache of {num_blocks} blocks ({size:.1f} GiB) on {device}: "
+            f"{error}; lower kv_cache_memory_gib or num_kv_blocks"
+        ) from error
 
 
 def zeros_on_first_write(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -40,7 +40,13 @@ class Engine:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         self.tokenizer = Tokenizer.from_dir(config.model)
-        self.context_len = config.max_model_len or self.model_config.max_position_embeddings
+        trained = self.model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > trained:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} is above the {trained} positions "
+                f"{config.model} was trained for (max_position_embeddings in its config.json)"
+            )
+        self.context_len = config.max_model_len or trained
         k = config.num_speculative_tokens if config.speculative_method else 0
         query_lens = (1, 1 + k) if k else (1,)  # decode and verify steps, for graphs
         self._runner = Runner(self.model_config, config, self.context_len, query_lens)

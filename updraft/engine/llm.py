@@ -7,15 +7,14 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from updraft.chat_template import ChatTemplate
 from updraft.config import EngineConfig
+from updraft.demo import DEMO_MODEL_DIR
 from updraft.engine.engine import Engine
 from updraft.outputs import RequestOutput
 from updraft.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
-
-DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo" / "target"
-DEMO_DRAFT_DIR = DEMO_MODEL_DIR.parent / "draft"
 
 
 class LLM:
@@ -32,6 +31,7 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown engine arguments {sorted(unknown)}; known: {sorted(known)}")
         self.engine = Engine(EngineConfig(model=str(model or DEMO_MODEL_DIR), **engine_args))
+        self._chat_template: ChatTemplate | None = None
 
     @property
     def tokenizer(self):
@@ -49,6 +49,20 @@ class LLM:
             if output.finished:
                 finals[output.request_id] = output
         return [finals[request_id] for request_id in request_ids]
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Reply to one conversation (a list of ``{"role", "content"}`` messages) or to
+        several; each is rendered with the checkpoint's chat template, or updraft's
+        simple one when it has none, exactly as ``updraft serve`` renders it."""
+        if self._chat_template is None:
+            self._chat_template = ChatTemplate.from_dir(self.engine.config.model)
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self._chat_template.render(list(c)) for c in conversations]
+        return self.generate(prompts, sampling_params)
 
     def generate_stream(
         self,

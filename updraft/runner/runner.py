@@ -52,6 +52,11 @@ class Runner:
         self.model_config = model_config
         self.config = config
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"device {config.device!r} was asked for, but this PyTorch ({torch.__version__}) "
+                "sees no CUDA device; use --device cpu, or install a CUDA build (README)"
+            )
         self.dtype = config.compute_dtype(model_config)
         self.block_size = config.block_size
         self.model = load_model(

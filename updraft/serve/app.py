@@ -18,8 +18,8 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from updraft.chat_template import ChatTemplate
 from updraft.engine.engine import Engine
-from updraft.serve.chat_template import ChatTemplate
 from updraft.serve.engine_loop import AsyncEngine
 from updraft.serve.errors import error_body, install_error_handlers
 from updraft.serve.metrics import CONTENT_TYPE, ServerMetrics

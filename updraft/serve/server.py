@@ -11,8 +11,8 @@ from typing import Any
 import uvicorn
 
 from updraft.config import EngineConfig
+from updraft.demo import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 from updraft.engine.engine import Engine
-from updraft.engine.llm import DEMO_MODEL_DIR
 from updraft.serve.app import build_app
 from updraft.serve.connections import (
     ACCEPT_BURST,
@@ -22,7 +22,6 @@ from updraft.serve.connections import (
 )
 from updraft.serve.serving import ServeSettings
 
-DEMO_MODEL_NAME = "updraft-demo"
 logger = logging.getLogger("updraft.serve")
 
 

@@ -17,9 +17,9 @@ from fastapi.responses import JSONResponse
 from starlette.responses import StreamingResponse
 from starlette.types import Send
 
+from updraft.chat_template import ChatTemplate, ChatTemplateError
 from updraft.outputs import RequestOutput
 from updraft.sampling_params import SamplingParams
-from updraft.serve.chat_template import ChatTemplate, ChatTemplateError
 from updraft.serve.engine_loop import AsyncEngine, EngineDeadError, ShuttingDownError
 from updraft.serve.errors import APIError, error_body
 from updraft.serve.protocol import (

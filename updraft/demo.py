@@ -1,0 +1,9 @@
+"""Where the shipped demo models live (a leaf: the CLI reads it without loading torch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DEMO_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "demo" / "target"
+DEMO_DRAFT_DIR = DEMO_MODEL_DIR.parent / "draft"
+DEMO_MODEL_NAME = "updraft-demo"  # the name `updraft serve` gives it
