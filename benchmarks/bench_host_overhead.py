@@ -3,9 +3,11 @@ the step's inputs, sampling bookkeeping, detokenizing, building outputs), on the
 model, eager, float32.
 
 1. Decode steps at batch 1 and 32 (token-id prompts of 16-48 tokens, greedy, 128 new
-   tokens each): per step, total wall time of ``Engine.step()`` and the time spent in
-   the model (``forward`` and ``compute_logits``, timed by wrapping them); host time is
-   the difference. Medians over every decode step of the run, best of ``--rounds``.
+   tokens each), and at batch 32 with every request carrying the most stop strings a
+   request may (32 of 256 characters, none matching): per step, total wall time of
+   ``Engine.step()`` and the time spent in the model (``forward`` and
+   ``compute_logits``, timed by wrapping them); host time is the difference. Medians
+   over every decode step of the run, best of ``--rounds``.
 2. One request generating 4,096 tokens: output tokens/s and host time per step over the
    first and the last 512 tokens. A cost that grows with the output (copying the token
    list or the text at every step) shows up as more host time in the last window; the
@@ -28,6 +30,7 @@ from pathlib import Path
 from benchmarks.common import markdown_table
 from updraft import LLM, SamplingParams
 from updraft.demo import DEMO_MODEL_DIR
+from updraft.sampling_params import MAX_STOP_STRING_LENGTH, MAX_STOP_STRINGS
 
 BATCHES = (1, 32)
 LONG_OUTPUT = 4096
@@ -80,10 +83,16 @@ def timed_steps(llm: LLM, timer: ForwardTimer) -> list[tuple[float, float, int]]
     return steps
 
 
-def decode_host_time(llm: LLM, timer: ForwardTimer, batch: int, seed: int) -> tuple[float, float]:
+# The most stop strings a request may carry, each as long as allowed, none ever matching.
+MOST_STOPS = [chr(0x4E00 + i) * MAX_STOP_STRING_LENGTH for i in range(MAX_STOP_STRINGS)]
+
+
+def decode_host_time(
+    llm: LLM, timer: ForwardTimer, batch: int, seed: int, stop: list[str] | None = None
+) -> tuple[float, float]:
     """Median (total, host) milliseconds of the decode steps of one batch."""
     rng = random.Random(seed)
-    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True, stop=stop or [])
     for _ in range(batch):
         prompt = [rng.randrange(1, 4096) for _ in range(rng.randint(16, 48))]
         llm.engine.add_request(prompt, params)
@@ -124,6 +133,11 @@ def main() -> None:
         best = min(runs, key=lambda r: r[1])
         spread = f"{min(h for _, h in runs):.2f}-{max(h for _, h in runs):.2f}"
         rows.append([f"decode, batch {batch}", f"{best[0]:.2f}", f"{best[1]:.2f}", spread, ""])
+    runs = [decode_host_time(llm, timer, 32, seed, MOST_STOPS) for seed in range(rounds)]
+    best = min(runs, key=lambda r: r[1])
+    spread = f"{min(h for _, h in runs):.2f}-{max(h for _, h in runs):.2f}"
+    label = f"decode, batch 32, each with {len(MOST_STOPS)} stop strings"
+    rows.append([label, f"{best[0]:.2f}", f"{best[1]:.2f}", spread, ""])
     runs = [long_output(llm, timer) for _ in range(rounds)]
     best = max(runs, key=lambda windows: windows[1][0])
     for label, (rate, step, host) in zip(("first", "last"), best, strict=True):
