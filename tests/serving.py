@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -67,3 +69,32 @@ def wait_for_idle(base_url: str, timeout: float = 30.0) -> None:
             return
         assert time.monotonic() < deadline, f"server still busy: {values}"
         time.sleep(0.05)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_server_process(*args: str, **popen_args) -> tuple[subprocess.Popen, str]:
+    """``updraft serve`` in a child process on a free port, its stderr piped; returns
+    once /health answers, with the process and the base URL."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "updraft", "serve", "--port", str(port), *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        **popen_args,
+    )
+    base_url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        assert process.poll() is None, process.stderr.read().decode()
+        try:
+            if httpx.get(f"{base_url}/health").status_code == 200:
+                return process, base_url
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.1)

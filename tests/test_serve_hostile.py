@@ -13,7 +13,7 @@ import pytest
 
 from updraft.serve.serving import ServeSettings
 
-from .serving import MODEL, running_server, wait_for_idle
+from .serving import MODEL, running_server, start_server_process, wait_for_idle
 
 
 @pytest.fixture(scope="module")
@@ -213,36 +213,15 @@ def test_slowloris_connections_cannot_starve_the_server():
     closed, and the log grows by a line or two, not a line per connection."""
     import resource
     import socket
-    import subprocess
-    import sys
     import time
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
 
     def low_file_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 
-    server = subprocess.Popen(
-        [sys.executable, "-m", "updraft", "serve", "--port", str(port), "--request-timeout", "4"],
-        preexec_fn=low_file_limit,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    base_url = f"http://127.0.0.1:{port}"
+    server, base_url = start_server_process("--request-timeout", "4", preexec_fn=low_file_limit)
+    port = int(base_url.rsplit(":", 1)[1])
     slow: list[socket.socket] = []
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert server.poll() is None, server.stderr.read().decode()
-            try:
-                if httpx.get(f"{base_url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.1)
         for _ in range(300):
             connection = socket.create_connection(("127.0.0.1", port))
             connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")

@@ -6,10 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import openai
@@ -20,7 +16,7 @@ from updraft.demo import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
 from updraft.engine.engine import Engine
 from updraft.serve.serving import ServeSettings
 
-from .serving import MODEL, metric, running_server, wait_for_idle
+from .serving import MODEL, metric, running_server, start_server_process, wait_for_idle
 
 PROMPTS = ["def add(a, b):", "class Stack:", "import os", "for i in range(10):"]
 
@@ -157,28 +153,10 @@ def test_an_api_key_guards_every_v1_route():
 
 
 def test_sigterm_drains_the_running_stream_then_exits_zero():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     env = {name: value for name, value in os.environ.items() if name != "UPDRAFT_API_KEY"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "updraft", "serve", "--port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    base_url = f"http://127.0.0.1:{port}"
+    process, base_url = start_server_process(env=env)
+    port = int(base_url.rsplit(":", 1)[1])
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, process.stderr.read().decode()
-            try:
-                if httpx.get(f"{base_url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.1)
         body = {"model": MODEL, "prompt": "import os", "max_tokens": 150, "ignore_eos": True}
         body.update(stream=True, stream_options={"include_usage": True})
         lines = []
