@@ -71,6 +71,8 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 
 def _storage(tensor: torch.Tensor) -> int:
+    if tensor.is_mkldnn:  # an opaque prepacked weight has no storage: it names itself
+        return id(tensor)
     return tensor.untyped_storage().data_ptr()
 
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from updraft.config import ModelConfig
 from updraft.models.llama import FusedLinear
+from updraft.models.packed_linear import can_prepack, prepack_linears
 from updraft.models.registry import model_class
 
 # checkpoint projection -> (fused parameter in the model, index of its slice)
@@ -67,6 +68,8 @@ def load_model(
     finally:
         torch.set_default_dtype(default_dtype)
     load_weights(model, files)
+    if can_prepack(torch.device(device), dtype):
+        prepack_linears(model)
     return model.eval().requires_grad_(False)
 
 

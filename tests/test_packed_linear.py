@@ -1,0 +1,35 @@
+"""oneDNN-prepacked linear layers compute what ``F.linear`` computes, and the CPU model
+in float32 uses them everywhere (reference parity lives in test_reference_models)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from updraft import LLM
+from updraft.models.packed_linear import PackedLinear, can_prepack
+
+pytestmark = pytest.mark.skipif(
+    not can_prepack(torch.device("cpu"), torch.float32), reason="needs PyTorch with oneDNN"
+)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 96), (7, 96), (2, 3, 96)])
+def test_packed_linear_equals_f_linear(bias, shape):
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 200, bias=bias)
+    x = torch.randn(shape)
+    expected = F.linear(x, linear.weight, linear.bias)
+    torch.testing.assert_close(PackedLinear(linear)(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_cpu_model_in_float32_runs_every_projection_prepacked(tiny_llama):
+    model = LLM(tiny_llama, num_kv_blocks=16).engine._runner.model
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    # qkv, o, gate_up and down in each of 2 layers, and the LM head
+    assert sum(isinstance(m, PackedLinear) for m in model.modules()) == 2 * 4 + 1
+    half = LLM(tiny_llama, num_kv_blocks=16, dtype="bfloat16").engine._runner.model
+    assert not any(isinstance(m, PackedLinear) for m in half.modules())
