@@ -55,11 +55,6 @@ class EngineStats:
     def describe_draft_steps(self) -> str:
         return describe_steps(self.draft_steps or {})
 
-    @property
-    def host_seconds(self) -> float:
-        """Time in steps outside the model forward."""
-        return sum(s for phase, s in self.phase_seconds.items() if phase != "forward")
-
 
 def snapshot_report(report: SanitizeReport | None) -> SanitizeReport | None:
     return None if report is None else replace(report, mismatches=list(report.mismatches))
