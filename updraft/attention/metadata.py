@@ -151,7 +151,7 @@ class AttentionMetadata:
 
 def group_shapes(step: StepInputs) -> list[GroupShape]:
     query_lens = step.query_lens
-    query_start_loc = step.query_start_loc.tolist()
+    query_start_loc = step.query_starts
     seq_lens = step.seq_lens.tolist()
     num_real = sum(1 for n in query_lens if n > 0)
     shapes = []

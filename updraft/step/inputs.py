@@ -93,9 +93,13 @@ class StepInputs:
         return self.seq_lens.numel()
 
     @cached_property
+    def query_starts(self) -> list[int]:
+        """``query_start_loc`` as a host list, read once per step."""
+        return self.query_start_loc.tolist()
+
+    @cached_property
     def query_lens(self) -> list[int]:
-        starts = self.query_start_loc.tolist()
-        return [end - start for start, end in pairwise(starts)]
+        return [end - start for start, end in pairwise(self.query_starts)]
 
     @cached_property
     def num_decodes(self) -> int:
