@@ -66,6 +66,30 @@ def test_streamed_completion_adds_up_to_the_same_text_and_usage(client, llm):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
 
 
+def test_return_token_ids_streams_every_token_of_a_token_id_prompt(base_url, llm):
+    """vLLM's return_token_ids: with a token-id prompt each chunk names its new token
+    ids, so a client sees every token arrive even where no text is printable; without
+    it, responses carry no token_ids field."""
+    prompt = llm.tokenizer.encode(PROMPT)
+    reference = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+    plain = httpx.post(f"{base_url}/v1/completions", json=body).json()
+    assert "token_ids" not in plain["choices"][0]
+    whole = httpx.post(f"{base_url}/v1/completions", json={**body, "return_token_ids": True})
+    assert whole.json()["choices"][0]["token_ids"] == list(reference.token_ids)
+    streamed = []
+    with httpx.stream(
+        "POST",
+        f"{base_url}/v1/completions",
+        json={**body, "return_token_ids": True, "stream": True},
+    ) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                streamed.append(json.loads(line.removeprefix("data: "))["choices"][0]["token_ids"])
+    assert [t for chunk in streamed for t in chunk] == list(reference.token_ids)
+    assert all(streamed[:-1])  # no empty chunk before the end
+
+
 def test_stream_is_server_sent_events_ending_in_done(base_url):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "stream": True}
     with httpx.stream("POST", f"{base_url}/v1/completions", json=body) as response:

@@ -123,6 +123,9 @@ class CompletionRequest(_Request):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    # vLLM's extension: each choice (each chunk, when streaming) carries its token ids,
+    # so a client of a server without a tokenizer still sees every token arrive.
+    return_token_ids: bool = False
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -226,6 +229,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = Field(default=None, exclude_if=lambda ids: ids is None)
 
 
 class CompletionResponse(BaseModel):

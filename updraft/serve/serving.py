@@ -103,7 +103,9 @@ class OpenAIServing:
         outputs, first = await self._start(request_id, prompt, params, "prompt")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
-            events = self._completion_events(request_id, body.model, first, outputs, include_usage)
+            events = self._completion_events(
+                request_id, body.model, first, outputs, include_usage, body.return_token_ids
+            )
             return ClosingStreamingResponse(_sse(events), media_type="text/event-stream")
         final = await _last(first, outputs)
         completion = final.outputs[0]
@@ -116,6 +118,7 @@ class OpenAIServing:
                     text=completion.text,
                     logprobs=self._completion_logprobs(completion.token_ids, completion.logprobs),
                     finish_reason=completion.finish_reason,
+                    token_ids=list(completion.token_ids) if body.return_token_ids else None,
                 )
             ],
             usage=_usage(final),
@@ -218,14 +221,16 @@ class OpenAIServing:
         first: RequestOutput,
         outputs: AsyncIterator[RequestOutput],
         include_usage: bool,
+        return_token_ids: bool,
     ) -> AsyncIterator[str]:
         created = now()
         want_logprobs = first.outputs[0].logprobs is not None
+        every_token = want_logprobs or return_token_ids
         offset = 0
         async with aclosing(_chain(first, outputs)) as stream:
             async for output in stream:
                 completion = output.outputs[0]
-                if not (completion.delta_text or completion.finish_reason or want_logprobs):
+                if not (completion.delta_text or completion.finish_reason or every_token):
                     continue  # text held back: a possible stop string or a partial character
                 logprobs = None
                 if want_logprobs and completion.delta_token_ids:
@@ -236,6 +241,7 @@ class OpenAIServing:
                     text=completion.delta_text,
                     logprobs=logprobs,
                     finish_reason=completion.finish_reason,
+                    token_ids=list(completion.delta_token_ids) if return_token_ids else None,
                 )
                 chunk = CompletionResponse(
                     id=request_id, created=created, model=model, choices=[choice], usage=None
