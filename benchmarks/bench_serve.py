@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from benchmarks.common import markdown_table
+from benchmarks.common import free_port, markdown_table
 
 MODEL = "updraft-demo"
 PROMPTS = [
@@ -49,26 +48,18 @@ class Result:
     output_tokens: int = 0
 
 
-async def one_request(
-    client: httpx.AsyncClient, prompt: str, max_tokens: int, stream: bool
-) -> Result:
-    body = {
-        "model": MODEL,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": stream,
-    }
+async def one_request(client: httpx.AsyncClient, body: dict, stream: bool) -> Result:
+    """Send one completion; with ``stream``, time each chunk that brings tokens (its
+    ``token_ids`` when the body asks for them, else its text)."""
     result = Result()
     start = time.perf_counter()
     if not stream:
-        response = await client.post("/v1/completions", json=body)
+        response = await client.post("/v1/completions", json={**body, "stream": False})
         response.raise_for_status()
         result.latency = time.perf_counter() - start
         result.output_tokens = response.json()["usage"]["completion_tokens"]
         return result
-    body["stream_options"] = {"include_usage": True}
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     last = None
     async with client.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
@@ -77,33 +68,61 @@ async def one_request(
                 continue
             chunk = json.loads(line.removeprefix("data: "))
             now = time.perf_counter()
-            if chunk["choices"] and chunk["choices"][0]["text"]:
+            choice = chunk["choices"][0] if chunk["choices"] else {}
+            if choice.get("token_ids") or choice.get("text"):
                 if last is None:
                     result.ttft = now - start
                 else:
                     result.itls.append(now - last)
                 last = now
-            if chunk["usage"]:
+            if chunk.get("usage"):
                 result.output_tokens = chunk["usage"]["completion_tokens"]
     result.latency = time.perf_counter() - start
     return result
 
 
 async def run_load(
-    base_url: str, num_requests: int, rate: float, max_tokens: int, stream: bool
+    base_url: str, bodies: list[dict], rate: float, stream: bool
 ) -> tuple[list[Result], float]:
+    """Send ``bodies`` with Poisson arrivals at ``rate`` per second (inf: all at once)."""
     rng = random.Random(0)
-    limits = httpx.Limits(max_connections=num_requests + 8)
+    limits = httpx.Limits(max_connections=len(bodies) + 8)
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=600) as client:
         tasks = []
         start = time.perf_counter()
-        for index in range(num_requests):
-            prompt = PROMPTS[index % len(PROMPTS)]
-            tasks.append(asyncio.create_task(one_request(client, prompt, max_tokens, stream)))
+        for body in bodies:
+            tasks.append(asyncio.create_task(one_request(client, body, stream)))
             if rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
         return results, time.perf_counter() - start
+
+
+def summarize(label: list[str], results: list[Result], elapsed: float) -> list[str]:
+    """One table row: ``label`` cells, then req/s, output tok/s, TTFT, ITL, latency."""
+    ttfts = [r.ttft for r in results if r.ttft is not None]
+    itls = [itl for r in results for itl in r.itls]
+    return [
+        *label,
+        f"{len(results) / elapsed:.2f}",
+        f"{sum(r.output_tokens for r in results) / elapsed:.0f}",
+        ms(percentile(ttfts, 50)),
+        ms(percentile(ttfts, 99)),
+        ms(percentile(itls, 50)),
+        ms(percentile(itls, 99)),
+        ms(statistics.median(r.latency for r in results)),
+    ]
+
+
+SUMMARY_HEADER = [
+    "req/s",
+    "output tok/s",
+    "TTFT p50 ms",
+    "TTFT p99 ms",
+    "ITL p50 ms",
+    "ITL p99 ms",
+    "latency p50 ms",
+]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -118,9 +137,7 @@ def ms(value: float) -> str:
 
 
 def start_server(max_num_seqs: int) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     command = [sys.executable, "-m", "updraft", "serve", "--port", str(port)]
     command += ["--max-num-seqs", str(max_num_seqs), "--max-waiting", "100000"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -147,44 +164,33 @@ def main() -> None:
     max_tokens = 32 if args.quick else 64
     scenarios = [(4.0, True), (16.0, True), (float("inf"), True), (float("inf"), False)]
     process, base_url = start_server(args.max_num_seqs)
+
+    def bodies(count: int, max_tokens: int) -> list[dict]:
+        return [
+            {
+                "model": MODEL,
+                "prompt": PROMPTS[index % len(PROMPTS)],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            for index in range(count)
+        ]
+
     try:
-        asyncio.run(run_load(base_url, 4, float("inf"), 4, True))  # warm-up
+        asyncio.run(run_load(base_url, bodies(4, 4), float("inf"), True))  # warm-up
         rows = []
         for rate, stream in scenarios:
             results, elapsed = asyncio.run(
-                run_load(base_url, num_requests, rate, max_tokens, stream)
+                run_load(base_url, bodies(num_requests, max_tokens), rate, stream)
             )
             assert all(r.output_tokens == max_tokens for r in results)
-            ttfts = [r.ttft for r in results if r.ttft is not None]
-            itls = [itl for r in results for itl in r.itls]
-            latencies = [r.latency for r in results]
-            rows.append(
-                [
-                    "all at once" if rate == float("inf") else f"{rate:g}/s",
-                    "yes" if stream else "no",
-                    f"{num_requests / elapsed:.2f}",
-                    f"{sum(r.output_tokens for r in results) / elapsed:.0f}",
-                    ms(percentile(ttfts, 50)),
-                    ms(percentile(ttfts, 99)),
-                    ms(percentile(itls, 50)),
-                    ms(percentile(itls, 99)),
-                    ms(statistics.median(latencies)),
-                ]
-            )
+            arrivals = "all at once" if rate == float("inf") else f"{rate:g}/s"
+            rows.append(summarize([arrivals, "yes" if stream else "no"], results, elapsed))
     finally:
         process.terminate()
         process.wait(60)
-    header = [
-        "arrivals",
-        "stream",
-        "req/s",
-        "output tok/s",
-        "TTFT p50 ms",
-        "TTFT p99 ms",
-        "ITL p50 ms",
-        "ITL p99 ms",
-        "latency p50 ms",
-    ]
+    header = ["arrivals", "stream", *SUMMARY_HEADER]
     title = (
         f"updraft serve, demo model, {num_requests} requests x {max_tokens} tokens, "
         f"max_num_seqs {args.max_num_seqs}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import socket
 import time
 from collections.abc import Callable
 from datetime import date
@@ -62,3 +63,10 @@ def markdown_table(title: str, header: list[str], rows: list[list[str]]) -> str:
     ]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -1,0 +1,79 @@
+"""Write a Llama or Qwen3 checkpoint directory (config.json + safetensors) as a GGUF F32
+file for llama.cpp, with the ``gguf`` package's writer and tensor-name map.
+
+llama.cpp's own converter wants a tokenizer it recognises; the benchmark's checkpoints
+have none (prompts are token ids), so the file carries no vocabulary, only its size.
+
+    benchmarks/peers/.venv-llamacpp/bin/python benchmarks/peers/make_gguf.py DIR OUT.gguf
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.numpy import load_file
+
+
+def halves_to_pairs(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Rows of each head from [first half | second half] order to interleaved pairs."""
+    rows, cols = weight.shape
+    return weight.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def main(model_dir: Path, out: Path) -> None:
+    config = json.loads((model_dir / "config.json").read_text())
+    arch = {"qwen3": gguf.MODEL_ARCH.QWEN3, "llama": gguf.MODEL_ARCH.LLAMA}.get(
+        config["model_type"]
+    )
+    if arch is None:
+        raise SystemExit(f"only llama and qwen3 are converted, got {config['model_type']}")
+    layers = config["num_hidden_layers"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer = gguf.GGUFWriter(str(out), config["model_type"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    theta = config.get("rope_theta") or config.get("rope_parameters", {}).get("rope_theta", 1e6)
+    writer.add_rope_freq_base(float(theta))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("no_vocab")
+    writer.add_vocab_size(config["vocab_size"])
+
+    names = gguf.get_tensor_name_map(arch, layers)
+    tensors: dict[str, np.ndarray] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        tensors.update(load_file(path))
+    for hf_name, array in tensors.items():
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise SystemExit(f"no GGUF name for {hf_name}")
+        array = array.astype(np.float32)
+        # llama.cpp's Llama RoPE rotates interleaved pairs where HF rotates the two
+        # halves of each head: reorder q/k rows to match. Its Qwen3 RoPE is HF's.
+        if arch == gguf.MODEL_ARCH.LLAMA and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = (
+                config["num_attention_heads"]
+                if "q_proj" in hf_name
+                else config["num_key_value_heads"]
+            )
+            array = halves_to_pairs(array, heads)
+        writer.add_tensor(name, np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.0f} MiB)")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]))
