@@ -90,6 +90,7 @@ def test_every_engine_setting_is_a_flag_that_reaches_the_config():
     values = {
         "--dtype": "float32",
         "--device": "cpu",
+        "--quantization": "int8",
         "--seed": "7",
         "--block-size": "8",
         "--kv-cache-memory-gib": "0.5",
@@ -115,6 +116,7 @@ def test_every_engine_setting_is_a_flag_that_reaches_the_config():
     assert kwargs == {
         "dtype": "float32",
         "device": "cpu",
+        "quantization": "int8",
         "seed": 7,
         "block_size": 8,
         "kv_cache_memory_gib": 0.5,

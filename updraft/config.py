@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # By name: this module is what `updraft --help` reads, and must not import torch.
 DTYPES = ("float32", "float16", "bfloat16")
+QUANTIZATIONS = ("int8",)
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
@@ -174,6 +175,12 @@ class EngineConfig:
         choices=["auto", *DTYPES],
     )
     device: str = setting("cpu", "cpu, cuda or cuda:N")
+    quantization: str | None = setting(
+        None,
+        "int8: weight-only int8 linear layers (per-channel scales, float32 activations; "
+        "CPU only), about a quarter of the weight bytes per decode step",
+        choices=QUANTIZATIONS,
+    )
     seed: int = setting(0, "seed of the sampling of requests that have no seed of their own")
     block_size: int = setting(16, "tokens per KV cache block")
     kv_cache_memory_gib: float = setting(1.0, "KV cache budget in GiB")
@@ -223,6 +230,10 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(
                 f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {self.dtype!r}"
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
             )
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:

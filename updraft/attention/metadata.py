@@ -92,7 +92,7 @@ class AttentionMetadata:
     shapes: list[GroupShape]
     block_size: int
     num_padding_tokens: int = 0  # trailing tokens of no request (a graph bucket's padding)
-    _groups: list[AttentionGroup] | None = field(default=None, repr=False)
+    _groups: dict[int, AttentionGroup] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_step(
@@ -137,16 +137,18 @@ class AttentionMetadata:
             num_padding_tokens=(step.num_tokens if num_tokens is None else num_tokens) - num_real,
         )
 
-    def groups(self) -> list[AttentionGroup]:
-        """The index tensors, built on first use and shared by the later layers."""
-        if self._groups is None:
-            self._groups = [
-                AttentionGroup.build(
-                    shape, self.query_start_loc, self.seq_lens, self.block_table, self.block_size
-                )
-                for shape in self.shapes
-            ]
-        return self._groups
+    def group(self, index: int) -> AttentionGroup:
+        """The index tensors of ``shapes[index]``, built on first use and shared by the
+        later layers."""
+        if index not in self._groups:
+            self._groups[index] = AttentionGroup.build(
+                self.shapes[index],
+                self.query_start_loc,
+                self.seq_lens,
+                self.block_table,
+                self.block_size,
+            )
+        return self._groups[index]
 
 
 def group_shapes(step: StepInputs) -> list[GroupShape]:

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from updraft.attention.metadata import AttentionMetadata
+from updraft.attention.metadata import AttentionGroup, AttentionMetadata
 from updraft.graph.tasks import register_task
+from updraft.kernels.ops import paged_decode_attention_available
 
 
 def allocate_kv_cache(
@@ -81,28 +83,60 @@ def write_kv(
 def attend(
     query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """Each group of requests attends to its whole context, read back through the block
-    table. query [T, H, D] -> [T, H * D]."""
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    """Each group of requests attends to its whole context. query [T, H, D] -> [T, H * D].
+
+    Decodes (one query token each) read the paged cache in place with updraft's CPU
+    kernel where it runs (float32 on the CPU); other groups, and decodes elsewhere, gather
+    their context through the block table into one padded attention call."""
     outputs = []
-    for group in metadata.groups():
-        batch, max_query = group.query_index.shape
-        max_context = group.kv_slots.shape[1]
-        q = query.index_select(0, group.query_index.flatten())
-        k = key_cache.index_select(0, group.kv_slots.flatten())
-        v = value_cache.index_select(0, group.kv_slots.flatten())
-        # [B * L, heads, D] -> [B, heads, L, D]
-        q = q.view(batch, max_query, *q.shape[1:]).transpose(1, 2)
-        k = k.view(batch, max_context, *k.shape[1:]).transpose(1, 2)
-        v = v.view(batch, max_context, *v.shape[1:]).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-        )
-        outputs.append(out.transpose(1, 2).flatten(0, 1).index_select(0, group.output_index))
+    for index, shape in enumerate(metadata.shapes):
+        if shape.max_query == 1 and reads_cache_in_place(query):
+            first, last = shape.first_req, shape.last_req
+            outputs.append(
+                torch.ops.updraft.paged_decode_attention(
+                    query[shape.first_token : shape.last_token],
+                    kv_cache,
+                    metadata.block_table[first:last],
+                    metadata.seq_lens[first:last],
+                    metadata.block_size,
+                    scale,
+                )
+            )
+        else:
+            outputs.append(gather_and_attend(query, kv_cache, metadata.group(index), scale))
     if metadata.num_padding_tokens:
         outputs.append(query.new_zeros(metadata.num_padding_tokens, *query.shape[1:]))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
     return out.flatten(1)
+
+
+def reads_cache_in_place(query: torch.Tensor) -> bool:
+    return query.dtype == torch.float32 and query.device.type == "cpu" and decode_kernel_builds()
+
+
+@cache
+def decode_kernel_builds() -> bool:
+    return paged_decode_attention_available()
+
+
+def gather_and_attend(
+    query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup, scale: float
+) -> torch.Tensor:
+    """One padded attention call over the group's context, gathered from the cache."""
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    batch, max_query = group.query_index.shape
+    max_context = group.kv_slots.shape[1]
+    q = query.index_select(0, group.query_index.flatten())
+    k = key_cache.index_select(0, group.kv_slots.flatten())
+    v = value_cache.index_select(0, group.kv_slots.flatten())
+    # [B * L, heads, D] -> [B, heads, L, D]
+    q = q.view(batch, max_query, *q.shape[1:]).transpose(1, 2)
+    k = k.view(batch, max_context, *k.shape[1:]).transpose(1, 2)
+    v = v.view(batch, max_context, *v.shape[1:]).transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    return out.transpose(1, 2).flatten(0, 1).index_select(0, group.output_index)
 
 
 def paged_attention(

@@ -15,6 +15,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from updraft.config import ModelConfig
+from updraft.models.int8_linear import can_quantize_int8, quantize_linears
 from updraft.models.llama import FusedLinear
 from updraft.models.packed_linear import can_prepack, prepack_linears
 from updraft.models.registry import model_class
@@ -57,6 +58,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     max_positions: int | None = None,
+    quantization: str | None = None,
 ) -> nn.Module:
     model_dir = Path(model_dir)
     files = weight_files(model_dir)
@@ -68,7 +70,13 @@ def load_model(
     finally:
         torch.set_default_dtype(default_dtype)
     load_weights(model, files)
-    if can_prepack(torch.device(device), dtype):
+    if quantization == "int8":
+        if not can_quantize_int8(torch.device(device), dtype):
+            raise ValueError(
+                f"quantization 'int8' runs on the CPU in float32, not on {device} in {dtype}"
+            )
+        quantize_linears(model)
+    elif can_prepack(torch.device(device), dtype):
         prepack_linears(model)
     return model.eval().requires_grad_(False)
 

@@ -15,6 +15,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+# The row count oneDNN lays a weight out for. Any count runs on the layout, but one laid
+# out for a single row ran 1.2-2x slower from 4 rows up (a batched decode step), while
+# one laid out for 16 rows ran a single row as fast (benchmarks/RESULTS.md).
+PACKED_FOR_ROWS = 16
+
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     return (
@@ -30,9 +35,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        # Reordered for one row at a time, a decode step's shape; other batch sizes
-        # run on the same layout.
-        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
+        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACKED_FOR_ROWS)
         self.register_buffer("packed_weight", packed, persistent=False)
         self.bias = linear.bias
 

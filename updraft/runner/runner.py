@@ -60,7 +60,12 @@ class Runner:
         self.dtype = config.compute_dtype(model_config)
         self.block_size = config.block_size
         self.model = load_model(
-            model_config, config.model, self.dtype, self.device, max_positions=max_model_len
+            model_config,
+            config.model,
+            self.dtype,
+            self.device,
+            max_positions=max_model_len,
+            quantization=config.quantization,
         )
         self.num_blocks = self._num_blocks() if num_blocks is None else num_blocks
         self.kv_caches = allocate_kv_cache(

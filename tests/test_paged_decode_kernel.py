@@ -1,0 +1,113 @@
+"""The decode-attention kernel reads the paged cache in place and computes what softmax
+attention over each request's gathered context computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from updraft import LLM, SamplingParams
+from updraft.attention import paged
+from updraft.kernels.ops import paged_decode_attention_available
+
+pytestmark = pytest.mark.skipif(
+    not paged_decode_attention_available(), reason="needs a C compiler to build the kernel"
+)
+
+
+def reference(query, kv_cache, block_table, seq_lens, block_size, scale):
+    """Softmax attention of each request's one query over its context, gathered."""
+    heads, kv_heads = query.shape[1], kv_cache.shape[2]
+    out = torch.zeros_like(query)
+    for b, length in enumerate(seq_lens.tolist()):
+        if length == 0:
+            continue
+        positions = torch.arange(length)
+        slots = block_table[b, positions // block_size] * block_size + positions % block_size
+        k = kv_cache[0, slots].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        v = kv_cache[1, slots].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        q = query[b][:, None]  # [H, 1, D]
+        out[b] = F.scaled_dot_product_attention(q, k, v, scale=scale)[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (6, 1)])
+def test_kernel_equals_attention_over_the_gathered_context(heads, kv_heads):
+    torch.manual_seed(heads * 10 + kv_heads)
+    block_size, num_blocks, head_dim = 4, 40, 24
+    kv_cache = torch.randn(2, num_blocks * block_size + 1, kv_heads, head_dim)
+    seq_lens = torch.tensor([1, 17, 0, 33, 5])  # a padding row with no context
+    block_table = torch.full((5, 9), -1)
+    order = torch.randperm(num_blocks)  # blocks anywhere in the cache, in any order
+    used = 0
+    for b, length in enumerate(seq_lens.tolist()):
+        count = -(-length // block_size)
+        block_table[b, :count] = order[used : used + count]
+        used += count
+    query = torch.randn(5, heads, head_dim)
+    got = torch.ops.updraft.paged_decode_attention(
+        query, kv_cache, block_table, seq_lens, block_size, 0.3
+    )
+    want = reference(query, kv_cache, block_table, seq_lens, block_size, 0.3)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert got[2].eq(0).all()
+
+
+def test_a_missing_block_is_skipped_not_read():
+    """A block id of -1 inside the context (an inconsistent step) reads nothing: the
+    kernel attends to the positions it can address and stays in bounds."""
+    kv_cache = torch.randn(2, 8 * 4 + 1, 1, 8)
+    block_table = torch.tensor([[2, -1, 10**9]])
+    query = torch.randn(1, 1, 8)
+    got = torch.ops.updraft.paged_decode_attention(
+        query, kv_cache, block_table, torch.tensor([12]), 4, 1.0
+    )
+    want = reference(query, kv_cache, block_table[:, :1], torch.tensor([4]), 4, 1.0)
+    torch.testing.assert_close(got, want)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(TypeError, match="float32 tensors on the CPU"):
+        torch.ops.updraft.paged_decode_attention(
+            torch.randn(1, 2, 8).double(), torch.randn(2, 9, 2, 8).double(),
+            torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), 8, 1.0,
+        )  # fmt: skip
+    with pytest.raises(TypeError, match="whole query-head groups"):
+        torch.ops.updraft.paged_decode_attention(
+            torch.randn(1, 3, 8), torch.randn(2, 9, 2, 8),
+            torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), 8, 1.0,
+        )  # fmt: skip
+
+
+def test_engine_decodes_read_the_cache_in_place(tiny_llama, monkeypatch):
+    """Decode groups never gather their context; prefill groups still do."""
+    gathered = []
+    original = paged.gather_and_attend
+
+    def spy(query, kv_cache, group, scale):
+        gathered.append(group.query_index.shape[1])  # the group's longest query
+        return original(query, kv_cache, group, scale)
+
+    monkeypatch.setattr(paged, "gather_and_attend", spy)
+    llm = LLM(tiny_llama, num_kv_blocks=32)
+    llm.generate([[1, 2, 3, 4, 5, 6]], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert gathered and all(longest > 1 for longest in gathered)
+
+
+def test_loading_the_kernels_keeps_subnormal_floats():
+    """The kernels are compiled with -ffast-math but must not be linked with it, which
+    would switch the whole process to flush-to-zero (hypothesis, numpy and torch all
+    notice)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from updraft.kernels.build import load\n"
+        "load('paged_attention'); load('int8_linear')\n"
+        "tiny = sys.float_info.min\n"
+        "assert tiny / 4 > 0, 'subnormals flushed'\n"
+        "assert (torch.tensor([torch.finfo(torch.float32).tiny]) / 4).item() > 0\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,66 @@
+"""Compile a kernel's C source with the machine's compiler, once, and load it.
+
+Each kernel is one C file beside this one, with no dependency but the C library and
+OpenMP; it builds in about a second, into a per-user temporary folder, keyed by the
+source and flags, so an edit or another machine's flags build afresh. Built with the
+machine's own vector instructions (-march=native).
+
+torch is imported before a kernel loads, so the kernel's ``libgomp.so.1`` resolves to
+the OpenMP runtime torch already loaded (same soname): one thread pool for both.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch  # noqa: F401 (loads torch's OpenMP runtime first; see above)
+
+# -ffast-math lets reductions and exp vectorise (glibc's vector exp); the kernels keep
+# every value finite, so its no-inf/no-NaN assumption holds. It is a compile flag only:
+# linked with it, gcc adds crtfastmath.o, which flushes subnormals to zero in the whole
+# process at load time.
+COMPILE = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c")
+LINK = ("-shared", "-fopenmp")
+LIBRARIES = ("-lmvec", "-lm")  # after the objects: the linker resolves left to right
+
+
+def _compiler() -> str:
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        raise RuntimeError("updraft's CPU kernels need a C compiler (gcc or cc) on PATH")
+    return compiler
+
+
+@cache
+def load(name: str) -> ctypes.CDLL:
+    """The compiled ``<name>.c``, built on first use."""
+    source = Path(__file__).with_name(f"{name}.c")
+    compiler = _compiler()
+    flags = " ".join([compiler, *COMPILE, *LINK, *LIBRARIES])
+    key = hashlib.sha256(source.read_bytes() + flags.encode())
+    folder = Path(tempfile.gettempdir()) / f"updraft-kernels-{os.getuid()}"
+    library = folder / f"{name}-{key.hexdigest()[:16]}.so"
+    if not library.is_file():
+        folder.mkdir(mode=0o700, exist_ok=True)
+        partial = library.with_suffix(f".{os.getpid()}.tmp")
+        objects = partial.with_suffix(".o")
+        for command in (
+            [compiler, *COMPILE, str(source), "-o", str(objects)],
+            [compiler, *LINK, str(objects), "-o", str(partial), *LIBRARIES],
+        ):
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"building the {name} kernel failed:\n{done.stderr[-2000:]}")
+        objects.unlink()
+        partial.replace(library)  # atomic: concurrent builders leave one whole file
+    try:
+        return ctypes.CDLL(str(library))
+    except OSError as error:
+        raise RuntimeError(f"loading the {name} kernel failed: {error}") from error

@@ -1,0 +1,100 @@
+/* Decode attention over a paged KV cache, read in place.
+
+   One query token per request. Request b's context is positions [0, seq_lens[b]); the
+   K/V of position t live at slot block_table[b][t / block_size] * block_size +
+   t % block_size of each cache, [num_slots, kv_heads, head_dim]. The query heads that
+   share a KV head (grouped-query attention) are done together, so each K/V row is read
+   once per step. Work items are (request, KV head) pairs over the OpenMP threads.
+
+   A request with no context (a padding row) gets zeros. A slot outside the cache (a
+   block id of -1 where the context says a position exists) is skipped rather than read:
+   memory stays safe even if a caller passes an inconsistent step. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The score of a position not read: finite (the build assumes no infinities) and so
+   low that its exp is 0 next to any real score. */
+#define MASKED (-1e30f)
+
+static float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < n; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+static void axpy(float *restrict y, float a, const float *restrict x, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+void paged_decode_attention(const float *query, const float *key_cache,
+                            const float *value_cache, const int64_t *block_table,
+                            const int64_t *seq_lens, float *out, int64_t requests,
+                            int64_t heads, int64_t kv_heads, int64_t head_dim,
+                            int64_t max_blocks, int64_t block_size, int64_t num_slots,
+                            float scale, int threads) {
+    const int64_t group = heads / kv_heads;
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t capacity = 0;
+        float *scores = NULL; /* [group, context] for the current work item */
+        int64_t *slots = NULL;
+#pragma omp for schedule(dynamic, 1) collapse(2)
+        for (int64_t b = 0; b < requests; b++) {
+            for (int64_t kh = 0; kh < kv_heads; kh++) {
+                const int64_t context = seq_lens[b] > 0 ? seq_lens[b] : 0;
+                float *o = out + (b * heads + kh * group) * head_dim;
+                memset(o, 0, sizeof(float) * group * head_dim);
+                if (context == 0) continue;
+                if (context > capacity) {
+                    free(scores);
+                    free(slots);
+                    scores = malloc(sizeof(float) * group * context);
+                    slots = malloc(sizeof(int64_t) * context);
+                    capacity = (scores && slots) ? context : 0;
+                    if (capacity == 0) continue; /* out of memory: zeros, not a crash */
+                }
+                for (int64_t t = 0; t < context; t++) {
+                    int64_t block = block_table[b * max_blocks + t / block_size];
+                    int64_t slot = block * block_size + t % block_size;
+                    slots[t] = (block < 0 || slot >= num_slots) ? -1 : slot;
+                }
+                const float *q = query + (b * heads + kh * group) * head_dim;
+                for (int64_t g = 0; g < group; g++) {
+                    float *s = scores + g * context;
+                    float top = MASKED;
+                    for (int64_t t = 0; t < context; t++) {
+                        s[t] = MASKED;
+                        if (slots[t] < 0) continue;
+                        const float *k = key_cache + (slots[t] * kv_heads + kh) * head_dim;
+                        s[t] = dot(q + g * head_dim, k, head_dim) * scale;
+                        if (s[t] > top) top = s[t];
+                    }
+                    /* exp of a score that was skipped underflows to 0: no branch, so the
+                       loop vectorises (the kernel is built with -ffast-math, no infs) */
+                    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+                    for (int64_t t = 0; t < context; t++) {
+                        s[t] = expf(s[t] - top);
+                        total += s[t];
+                    }
+                    float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+#pragma omp simd
+                    for (int64_t t = 0; t < context; t++) s[t] *= inverse;
+                }
+                for (int64_t t = 0; t < context; t++) {
+                    if (slots[t] < 0) continue;
+                    const float *v = value_cache + (slots[t] * kv_heads + kh) * head_dim;
+                    for (int64_t g = 0; g < group; g++)
+                        axpy(o + g * head_dim, scores[g * context + t], v, head_dim);
+                }
+            }
+        }
+        free(scores);
+        free(slots);
+    }
+}
