@@ -108,6 +108,7 @@ def test_every_engine_setting_is_a_flag_that_reaches_the_config():
         "--enforce-eager",
         "--sanitize",
         "--no-speculative-enforce-eager",
+        "--no-adaptive-threads",
     ]
     argv = ["doctor", *[part for pair in values.items() for part in pair], *switches]
     args = build_parser().parse_args(argv)
@@ -117,6 +118,7 @@ def test_every_engine_setting_is_a_flag_that_reaches_the_config():
         "dtype": "float32",
         "device": "cpu",
         "quantization": "int8",
+        "adaptive_threads": False,
         "seed": 7,
         "block_size": 8,
         "kv_cache_memory_gib": 0.5,

@@ -181,6 +181,12 @@ class EngineConfig:
         "CPU only), about a quarter of the weight bytes per decode step",
         choices=QUANTIZATIONS,
     )
+    adaptive_threads: bool = setting(
+        True,
+        "on the CPU, leave other processes the cores they keep busy (kernels that wait for "
+        "a thread sharing a busy core run several times slower); --no-adaptive-threads "
+        "keeps every core",
+    )
     seed: int = setting(0, "seed of the sampling of requests that have no seed of their own")
     block_size: int = setting(16, "tokens per KV cache block")
     kv_cache_memory_gib: float = setting(1.0, "KV cache budget in GiB")

@@ -27,6 +27,7 @@ from updraft.engine.stats import EngineStats, StepClock, snapshot_report
 from updraft.outputs import RequestOutput
 from updraft.request import FinishReason, Request
 from updraft.runner.runner import Runner
+from updraft.runner.threads import ThreadBudget
 from updraft.sampling_params import SamplingParams
 from updraft.speculative.registry import ProposerContext, check_method, make_proposer
 from updraft.step.inputs import StepInputs
@@ -66,6 +67,9 @@ class Engine:
         self._drafts: dict[str, Draft] = {}  # proposed after a step, verified by the next
         self._pending_outputs: list[RequestOutput] = []
         self._clock = StepClock()
+        self._threads = ThreadBudget(
+            enabled=config.adaptive_threads and self._runner.device.type == "cpu"
+        )
         self._ids = itertools.count()
 
     # -- requests ----------------------------------------------------------------------
@@ -153,6 +157,7 @@ class Engine:
         clock.lap("schedule")
         if not plan.scheduled:
             return outputs
+        self._threads.adjust()
         inputs = StepInputs.build(plan, self.config.block_size, self._wants_hidden_states)
         clock.lap("build")
         result = self._runner.execute(inputs)
@@ -175,6 +180,7 @@ class Engine:
             kv_blocks_used=pool.num_used,
             kv_blocks_total=pool.num_blocks,
             steps=dict(self._runner.step_modes),
+            threads=self._threads.threads,
             draft_steps=None if draft_runner is None else dict(draft_runner.step_modes),
             speculative=None if self._proposer is None else scheduler.speculative.copy(),
             sanitize=snapshot_report(self._runner.sanitize_report),

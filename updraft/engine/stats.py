@@ -42,6 +42,7 @@ class EngineStats:
     kv_blocks_used: int
     kv_blocks_total: int
     steps: dict[str, int]  # how the target's steps ran: "graph", "eager (prefill)", ...
+    threads: int  # CPU threads the last step ran with (fewer while other processes are busy)
     draft_steps: dict[str, int] | None  # the same for the proposer's own model, if any
     speculative: SpeculativeMetrics | None  # acceptance per draft position
     sanitize: SanitizeReport | None  # with sanitize=True, the target's replays
