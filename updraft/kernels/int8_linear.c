@@ -2,19 +2,15 @@
 
    x [M, K] float32, w [N, K] int8 (one scale per output row), y [M, N] float32.
    Decode reads each weight once per token, so a step is bound by weight bytes: int8
-   weights are a quarter of float32's. Each weight row is widened to float once, into a
-   buffer that stays in L1, and then serves all M rows of x. Output rows are split over
-   the OpenMP threads. */
+   weights are a quarter of float32's. With one row of x, each weight row is widened as
+   it is read. With more, four weight rows at a time are widened into a buffer that
+   stays in L1, and each row of x is multiplied by all four in one pass, so a load of x
+   serves four multiply-adds. Output rows are split over the OpenMP threads. */
 
 #include <stdint.h>
 #include <stdlib.h>
 
-static float dot(const float *restrict a, const float *restrict b, int64_t k) {
-    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t i = 0; i < k; i++) acc += a[i] * b[i];
-    return acc;
-}
+#define TILE 4
 
 static float dot_int8(const float *restrict a, const int8_t *restrict b, int64_t k) {
     float acc = 0.0f;
@@ -23,24 +19,52 @@ static float dot_int8(const float *restrict a, const int8_t *restrict b, int64_t
     return acc;
 }
 
+/* y[0..TILE) = x . w[t] for the TILE widened rows w, each k long */
+static void dot_tile(const float *restrict x, const float *restrict w, int64_t k, float *y) {
+    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+    for (int64_t i = 0; i < k; i++) {
+        float v = x[i];
+        a0 += v * w[i];
+        a1 += v * w[k + i];
+        a2 += v * w[2 * k + i];
+        a3 += v * w[3 * k + i];
+    }
+    y[0] = a0;
+    y[1] = a1;
+    y[2] = a2;
+    y[3] = a3;
+}
+
 void int8_linear(const float *x, const int8_t *w, const float *scale, const float *bias,
                  float *y, int64_t m_rows, int64_t n_rows, int64_t k, int threads) {
+    const int64_t tiles = (n_rows + TILE - 1) / TILE;
 #pragma omp parallel num_threads(threads)
     {
-        float *widened = m_rows > 1 ? malloc(sizeof(float) * k) : NULL;
+        float *widened = m_rows > 1 ? malloc(sizeof(float) * TILE * k) : NULL;
 #pragma omp for schedule(static)
-        for (int64_t n = 0; n < n_rows; n++) {
-            const int8_t *row = w + n * k;
-            float offset = bias ? bias[n] : 0.0f;
-            if (m_rows == 1 || widened == NULL) {  /* no buffer: widen per row of x */
-                for (int64_t m = 0; m < m_rows; m++)
-                    y[m * n_rows + n] = dot_int8(x + m * k, row, k) * scale[n] + offset;
+        for (int64_t tile = 0; tile < tiles; tile++) {
+            const int64_t first = tile * TILE;
+            const int64_t count = n_rows - first < TILE ? n_rows - first : TILE;
+            if (m_rows == 1 || widened == NULL || count < TILE) {
+                for (int64_t n = first; n < first + count; n++) {
+                    float offset = bias ? bias[n] : 0.0f;
+                    for (int64_t m = 0; m < m_rows; m++)
+                        y[m * n_rows + n] = dot_int8(x + m * k, w + n * k, k) * scale[n] + offset;
+                }
                 continue;
             }
+            const int8_t *rows = w + first * k;
 #pragma omp simd
-            for (int64_t i = 0; i < k; i++) widened[i] = (float)row[i];
-            for (int64_t m = 0; m < m_rows; m++)
-                y[m * n_rows + n] = dot(x + m * k, widened, k) * scale[n] + offset;
+            for (int64_t i = 0; i < TILE * k; i++) widened[i] = (float)rows[i];
+            for (int64_t m = 0; m < m_rows; m++) {
+                float out[TILE];
+                dot_tile(x + m * k, widened, k, out);
+                for (int64_t t = 0; t < TILE; t++) {
+                    int64_t n = first + t;
+                    y[m * n_rows + n] = out[t] * scale[n] + (bias ? bias[n] : 0.0f);
+                }
+            }
         }
         free(widened);
     }
