@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("shape", [(1, 96), (7, 96), (2, 3, 96)])
+@pytest.mark.parametrize("shape", [(1, 96), (2, 96), (7, 96), (2, 3, 96), (1, 1, 96)])
 def test_packed_linear_equals_f_linear(bias, shape):
     torch.manual_seed(0)
     linear = nn.Linear(96, 200, bias=bias)

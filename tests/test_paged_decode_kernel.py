@@ -105,7 +105,7 @@ def test_loading_the_kernels_keeps_subnormal_floats():
     code = (
         "import sys, torch\n"
         "from updraft.kernels.build import load\n"
-        "load('paged_attention'); load('int8_linear')\n"
+        "load('paged_attention'); load('linear')\n"
         "tiny = sys.float_info.min\n"
         "assert tiny / 4 > 0, 'subnormals flushed'\n"
         "assert (torch.tensor([torch.finfo(torch.float32).tiny]) / 4).item() > 0\n"

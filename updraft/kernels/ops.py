@@ -16,10 +16,11 @@ _POINTER = ctypes.c_void_p
 _INT = ctypes.c_int64
 
 
-def _int8_library() -> ctypes.CDLL:
-    lib = load("int8_linear")
-    lib.int8_linear.restype = None
-    lib.int8_linear.argtypes = [_POINTER] * 5 + [_INT] * 3 + [ctypes.c_int]
+def _linear_library() -> ctypes.CDLL:
+    lib = load("linear")
+    for function in (lib.int8_linear, lib.float_linear):
+        function.restype = None
+        function.argtypes = [_POINTER] * 5 + [_INT] * 3 + [ctypes.c_int]
     return lib
 
 
@@ -37,26 +38,27 @@ def _check(condition: bool, op: str, what: str) -> None:
         raise TypeError(f"updraft::{op} takes {what}")
 
 
-def int8_linear(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+def _linear(
+    function: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    """x [M, K] float32 @ (weight [N, K] int8 * scale [N] float32)^T + bias -> [M, N]."""
-    _check(
-        x.dtype == torch.float32 and weight.dtype == torch.int8 and x.device.type == "cpu",
-        "int8_linear",
-        "float32 activations and int8 weights on the CPU",
-    )
-    _check(weight.is_contiguous() and scale.is_contiguous(), "int8_linear", "contiguous weights")
+    _check(x.dtype == torch.float32 and x.device.type == "cpu", function, "float32 x on the CPU")
+    _check(weight.is_contiguous(), function, "a contiguous weight")
     x = x.contiguous()
     rows, k = x.shape
     n = weight.shape[0]
-    _check(weight.shape[1] == k and scale.shape == (n,), "int8_linear", "matching shapes")
+    _check(weight.shape[1] == k, function, f"a weight of {k} columns for x [{rows}, {k}]")
+    _check(scale is None or scale.shape == (n,), function, "one scale per output row")
+    _check(bias is None or bias.shape == (n,), function, "one bias per output row")
     out = torch.empty(rows, n, dtype=torch.float32)
-    _int8_library().int8_linear(
+    getattr(_linear_library(), function)(
         x.data_ptr(),
         weight.data_ptr(),
-        scale.data_ptr(),
-        None if bias is None else bias.contiguous().data_ptr(),
+        None if scale is None else scale.contiguous().data_ptr(),
+        None if bias is None else bias.float().contiguous().data_ptr(),
         out.data_ptr(),
         rows,
         n,
@@ -64,6 +66,20 @@ def int8_linear(
         torch.get_num_threads(),
     )
     return out
+
+
+def int8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [M, K] float32 @ (weight [N, K] int8 * scale [N] float32)^T + bias -> [M, N]."""
+    _check(weight.dtype == torch.int8, "int8_linear", "an int8 weight")
+    return _linear("int8_linear", x, weight, scale, bias)
+
+
+def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T + bias, all float32, for few rows of x."""
+    _check(weight.dtype == torch.float32, "float_linear", "a float32 weight")
+    return _linear("float_linear", x, weight, None, bias)
 
 
 def paged_decode_attention(
@@ -123,6 +139,11 @@ _LIBRARY.impl("int8_linear", int8_linear, "CPU")
 _LIBRARY.impl(
     "int8_linear", lambda x, weight, scale, bias: x.new_empty(x.shape[0], weight.shape[0]), "Meta"
 )
+_LIBRARY.define("float_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_LIBRARY.impl("float_linear", float_linear, "CPU")
+_LIBRARY.impl(
+    "float_linear", lambda x, weight, bias: x.new_empty(x.shape[0], weight.shape[0]), "Meta"
+)
 _LIBRARY.define(
     "paged_decode_attention(Tensor query, Tensor kv_cache, Tensor block_table, "
     "Tensor seq_lens, int block_size, float scale) -> Tensor"
@@ -132,8 +153,17 @@ _LIBRARY.impl("paged_decode_attention", lambda query, *rest: torch.empty_like(qu
 
 
 def build_int8_linear() -> None:
-    """Build the int8 kernel now, so a compiler problem shows at load, not mid-step."""
-    _int8_library()
+    """Build the linear kernels now, so a compiler problem shows at load, not mid-step."""
+    _linear_library()
+
+
+def float_linear_available() -> bool:
+    """Whether the linear kernels build here (a C compiler is on PATH)."""
+    try:
+        _linear_library()
+    except RuntimeError:
+        return False
+    return True
 
 
 def paged_decode_attention_available() -> bool:

@@ -3,7 +3,7 @@
 Each output channel (row) of a weight gets its own scale, max|w| / 127, and is stored as
 int8: a quarter of float32's bytes, which is what a decode step reads. Activations stay
 float32; the product is ``(x @ q^T) * scale + bias``, computed by updraft's C kernel
-(``kernels/int8_linear.c``, the op ``torch.ops.updraft.int8_linear``).
+(``kernels/linear.c``, the op ``torch.ops.updraft.int8_linear``).
 
 PyTorch's own weight-only int8 op takes its vectorised path only for half-precision
 activations on the CPU; with float32 it runs a scalar loop about 10x slower than a

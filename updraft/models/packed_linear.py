@@ -1,10 +1,15 @@
-"""Linear layers whose weights oneDNN has laid out for itself, for float32 on the CPU.
+"""Linear layers for float32 on the CPU: oneDNN with prepacked weights, and updraft's
+own kernel for one or two rows.
 
 PyTorch's default CPU path for a matrix-vector product (a decode step's every
 projection) streams a weight at about half the machine's memory bandwidth; oneDNN with a
 weight reordered once at load time ("prepacked", as vLLM's CPU backend and inductor's
-freezing do) streams it about twice as fast. Decode at batch 1 reads every weight once
-per token, so this is most of a decode step.
+freezing do) is the fast path for batches. For one or two rows (batch-1 decode, which
+reads every weight once per token and does little else) oneDNN still reads at 15-21
+GB/s where the machine streams 28-32; the plain row-streaming kernel
+``updraft::float_linear`` reads at 24-32 GB/s, 1.3-1.7x faster (benchmarks/RESULTS.md).
+So a layer keeps both: the plain weight for few rows and the packed one for more. That
+is twice the linear weights' memory, the price of both speeds; int8 keeps one copy.
 
 The reordered weight is an opaque oneDNN tensor: it has no storage to view or copy, and
 nothing but ``_linear_pointwise`` reads it.
@@ -15,10 +20,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from updraft.kernels.ops import float_linear_available
+
 # The row count oneDNN lays a weight out for. Any count runs on the layout, but one laid
 # out for a single row ran 1.2-2x slower from 4 rows up (a batched decode step), while
 # one laid out for 16 rows ran a single row as fast (benchmarks/RESULTS.md).
 PACKED_FOR_ROWS = 16
+# Up to this many rows the plain kernel beats oneDNN; from 4 rows oneDNN wins.
+FEW_ROWS = 2
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -35,11 +44,19 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACKED_FOR_ROWS)
+        weight = linear.weight.detach()
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_FOR_ROWS)
         self.register_buffer("packed_weight", packed, persistent=False)
+        plain = weight.contiguous().clone() if float_linear_available() else None
+        self.register_buffer("weight", plain, persistent=False)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features  # a Python int: fixed within a captured step
+        if self.weight is not None and rows <= FEW_ROWS:
+            flat = x.reshape(rows, self.in_features)
+            out = torch.ops.updraft.float_linear(flat, self.weight, self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
