@@ -2,9 +2,9 @@
 
    One query token per request. Request b's context is positions [0, seq_lens[b]); the
    K/V of position t live at slot block_table[b][t / block_size] * block_size +
-   t % block_size of each cache, [num_slots, kv_heads, head_dim]. The query heads that
-   share a KV head (grouped-query attention) are done together, so each K/V row is read
-   once per step. Work items are (request, KV head) pairs over the OpenMP threads.
+   t % block_size of each cache, [num_slots, kv_heads, head_dim]. Each K/V row is read once,
+   whole (every KV head) and in order, for all the query heads of a work item: a request,
+   or a request's single KV head when there are fewer requests than threads.
 
    A request with no context (a padding row) gets zeros. A slot outside the cache (a
    block id of -1 where the context says a position exists) is skipped rather than read:
@@ -38,60 +38,81 @@ void paged_decode_attention(const float *query, const float *key_cache,
                             int64_t max_blocks, int64_t block_size, int64_t num_slots,
                             float scale, int threads) {
     const int64_t group = heads / kv_heads;
+    /* A work item is a request's KV heads [first, last): all of them when there are
+       requests enough to share out, so each K/V row is read whole and in order; one
+       each otherwise, so a lone request still uses every thread. */
+    const int64_t split = requests >= threads ? 1 : kv_heads;
+    const int64_t per_item = kv_heads / split;
 #pragma omp parallel num_threads(threads)
     {
         int64_t capacity = 0;
-        float *scores = NULL; /* [group, context] for the current work item */
+        float *scores = NULL; /* [heads of the item, context] */
         int64_t *slots = NULL;
-#pragma omp for schedule(dynamic, 1) collapse(2)
-        for (int64_t b = 0; b < requests; b++) {
-            for (int64_t kh = 0; kh < kv_heads; kh++) {
-                const int64_t context = seq_lens[b] > 0 ? seq_lens[b] : 0;
-                float *o = out + (b * heads + kh * group) * head_dim;
-                memset(o, 0, sizeof(float) * group * head_dim);
-                if (context == 0) continue;
-                if (context > capacity) {
-                    free(scores);
-                    free(slots);
-                    scores = malloc(sizeof(float) * group * context);
-                    slots = malloc(sizeof(int64_t) * context);
-                    capacity = (scores && slots) ? context : 0;
-                    if (capacity == 0) continue; /* out of memory: zeros, not a crash */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < requests * split; item++) {
+            const int64_t b = item / split;
+            const int64_t first = (item % split) * per_item, last = first + per_item;
+            const int64_t item_heads = (last - first) * group;
+            const int64_t context = seq_lens[b] > 0 ? seq_lens[b] : 0;
+            float *o = out + (b * heads + first * group) * head_dim;
+            memset(o, 0, sizeof(float) * item_heads * head_dim);
+            if (context == 0) continue;
+            if (context > capacity) {
+                free(scores);
+                free(slots);
+                scores = malloc(sizeof(float) * heads * context);
+                slots = malloc(sizeof(int64_t) * context);
+                capacity = (scores && slots) ? context : 0;
+                if (capacity == 0) continue; /* out of memory: zeros, not a crash */
+            }
+            for (int64_t t = 0; t < context; t += block_size) {
+                int64_t block = block_table[b * max_blocks + t / block_size];
+                int64_t end = t + block_size < context ? t + block_size : context;
+                for (int64_t u = t; u < end; u++) {
+                    int64_t slot = block * block_size + (u - t);
+                    slots[u] = (block < 0 || slot >= num_slots) ? -1 : slot;
                 }
-                for (int64_t t = 0; t < context; t++) {
-                    int64_t block = block_table[b * max_blocks + t / block_size];
-                    int64_t slot = block * block_size + t % block_size;
-                    slots[t] = (block < 0 || slot >= num_slots) ? -1 : slot;
-                }
-                const float *q = query + (b * heads + kh * group) * head_dim;
-                for (int64_t g = 0; g < group; g++) {
-                    float *s = scores + g * context;
-                    float top = MASKED;
-                    for (int64_t t = 0; t < context; t++) {
-                        s[t] = MASKED;
-                        if (slots[t] < 0) continue;
-                        const float *k = key_cache + (slots[t] * kv_heads + kh) * head_dim;
-                        s[t] = dot(q + g * head_dim, k, head_dim) * scale;
-                        if (s[t] > top) top = s[t];
+            }
+            const float *q = query + (b * heads + first * group) * head_dim;
+            /* scores: each K row once, for every head of the item */
+            for (int64_t t = 0; t < context; t++) {
+                for (int64_t h = 0; h < item_heads; h++) scores[h * context + t] = MASKED;
+                if (slots[t] < 0) continue;
+                const float *row = key_cache + (slots[t] * kv_heads + first) * head_dim;
+                for (int64_t kh = 0; kh < last - first; kh++)
+                    for (int64_t g = 0; g < group; g++) {
+                        int64_t h = kh * group + g;
+                        scores[h * context + t] =
+                            dot(q + h * head_dim, row + kh * head_dim, head_dim) * scale;
                     }
-                    /* exp of a score that was skipped underflows to 0: no branch, so the
-                       loop vectorises (the kernel is built with -ffast-math, no infs) */
-                    float total = 0.0f;
+            }
+            for (int64_t h = 0; h < item_heads; h++) {
+                float *s = scores + h * context;
+                float top = MASKED;
+                for (int64_t t = 0; t < context; t++)
+                    if (s[t] > top) top = s[t];
+                /* a skipped position's exp underflows to 0: no branch, so the loop
+                   vectorises (the kernel is built with -ffast-math, no infinities) */
+                float total = 0.0f;
 #pragma omp simd reduction(+ : total)
-                    for (int64_t t = 0; t < context; t++) {
-                        s[t] = expf(s[t] - top);
-                        total += s[t];
-                    }
-                    float inverse = total > 0.0f ? 1.0f / total : 0.0f;
-#pragma omp simd
-                    for (int64_t t = 0; t < context; t++) s[t] *= inverse;
-                }
                 for (int64_t t = 0; t < context; t++) {
-                    if (slots[t] < 0) continue;
-                    const float *v = value_cache + (slots[t] * kv_heads + kh) * head_dim;
-                    for (int64_t g = 0; g < group; g++)
-                        axpy(o + g * head_dim, scores[g * context + t], v, head_dim);
+                    s[t] = expf(s[t] - top);
+                    total += s[t];
                 }
+                float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+#pragma omp simd
+                for (int64_t t = 0; t < context; t++) s[t] *= inverse;
+            }
+            /* values: each V row once, for every head of the item */
+            for (int64_t t = 0; t < context; t++) {
+                if (slots[t] < 0) continue;
+                const float *row = value_cache + (slots[t] * kv_heads + first) * head_dim;
+                for (int64_t kh = 0; kh < last - first; kh++)
+                    for (int64_t g = 0; g < group; g++) {
+                        int64_t h = kh * group + g;
+                        axpy(o + h * head_dim, scores[h * context + t], row + kh * head_dim,
+                             head_dim);
+                    }
             }
         }
         free(scores);
