@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,6 +37,7 @@ TRAIN_DEMO = Path(__file__).parents[1] / "scripts" / "train_demo.py"
 def train_demo_module():
     spec = importlib.util.spec_from_file_location("train_demo", TRAIN_DEMO)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
