@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from benchmarks.common import make_random_qwen3, markdown_table, timed
+from benchmarks.common import make_random_qwen3, markdown_table
+from benchmarks.peers.workload import best_time
 from updraft import LLM, SamplingParams
 
 
@@ -62,11 +63,11 @@ def main() -> None:
         llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
 
     hf_decode = (new_tokens - 1) / (
-        timed(lambda: hf_generate(hf, [prompt], new_tokens))
-        - timed(lambda: hf_generate(hf, [prompt], 1))
+        best_time(lambda: hf_generate(hf, [prompt], new_tokens))
+        - best_time(lambda: hf_generate(hf, [prompt], 1))
     )
     ours_decode = (new_tokens - 1) / (
-        timed(lambda: updraft_run(new_tokens)) - timed(lambda: updraft_run(1))
+        best_time(lambda: updraft_run(new_tokens)) - best_time(lambda: updraft_run(1))
     )
 
     prompts = [
@@ -75,10 +76,10 @@ def main() -> None:
     outputs = [rng.randint(16, new_tokens) for _ in range(num_requests)]
     useful = sum(outputs)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
-    ours_batch = timed(lambda: llm.generate(prompts, params))
-    hf_batch = timed(lambda: hf_generate(hf, prompts, max(outputs)))
-    hf_serial = timed(
-        lambda: [hf_generate(hf, [p], n) for p, n in zip(prompts, outputs, strict=True)]
+    ours_batch = best_time(lambda: llm.generate(prompts, params))
+    hf_batch = best_time(lambda: hf_generate(hf, prompts, max(outputs)))
+    hf_serial = best_time(
+        lambda: [hf_generate(hf, [p], n) for p, n in zip(prompts, outputs, strict=True)], 1
     )
 
     rows = [

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import platform
 import socket
-import time
-from collections.abc import Callable
 from datetime import date
 from pathlib import Path
 
@@ -34,17 +32,6 @@ def make_random_qwen3(directory: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     transformers.Qwen3ForCausalLM(config).save_pretrained(directory)
     return directory
-
-
-def timed(fn: Callable[[], object], repeats: int = 1) -> float:
-    """Best wall time of ``repeats`` runs, after one warm-up run."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def machine() -> str:

@@ -56,7 +56,7 @@ def peak_rss_mib() -> float:
     return float("nan")
 
 
-def best_time(fn: Callable[[], object], repeats: int) -> float:
+def best_time(fn: Callable[[], object], repeats: int = 1) -> float:
     """Best wall time of ``repeats`` runs after one warm-up run."""
     fn()
     best = float("inf")
