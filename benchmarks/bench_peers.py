@@ -47,6 +47,15 @@ WORKERS = {
     "transformers": "engine_transformers.py",
 }
 BATCH1_ONLY = {"llama.cpp", "transformers"}  # they run one request at a time
+# n-gram (prompt lookup) speculation, 3 draft tokens from suffixes of up to 3 tokens, in
+# each engine's own terms (--ngram)
+NGRAM_OPTIONS = {
+    "updraft": ["speculative_method='ngram'", "num_speculative_tokens=3"],
+    "vllm": [
+        "speculative_config={'method': 'ngram', 'num_speculative_tokens': 3, "
+        "'prompt_lookup_max': 3, 'prompt_lookup_min': 1}"
+    ],
+}
 
 
 def stream_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
@@ -72,10 +81,20 @@ def float32_weight_bytes(model_dir: Path) -> int:
 
 
 def run_worker(
-    engine: str, model: Path, workload: str, vocab: int, quick: bool, contention: bool
+    engine: str,
+    model: Path,
+    workload: str,
+    vocab: int,
+    quick: bool,
+    contention: bool,
+    options: list[str] | None = None,
 ) -> dict:
+    """Run ``workload`` ("batch1" or "mixed", then any words naming the variant) in
+    ``engine``'s worker process; ``options`` are its engine settings, ``k=v``."""
     command = [str(PYTHONS[engine]), str(PEERS / WORKERS[engine])]
-    command += ["--model", str(model), "--workload", workload, "--vocab", str(vocab)]
+    command += ["--model", str(model), "--workload", workload.split()[0]]
+    command += ["--vocab", str(vocab)]
+    command += [f"--option={option}" for option in options or []]
     if quick:
         command += ["--quick", "--repeats", "1"]
     busy = None
@@ -124,6 +143,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--contention", action="store_true", help="also run beside a busy loop")
     parser.add_argument("--quick", action="store_true", help="short workloads, one round")
+    parser.add_argument("--ngram", action="store_true", help="also with n-gram speculation")
     args = parser.parse_args()
     args.work_dir.mkdir(parents=True, exist_ok=True)
     engines = [e for e in args.engines.split(",") if PYTHONS[e].exists()]
@@ -146,16 +166,19 @@ def main() -> None:
     for round_index in range(rounds):
         order = engines[round_index % len(engines) :] + engines[: round_index % len(engines)]
         for engine in order:
-            for workload in ["batch1", "mixed"]:
-                if workload == "mixed" and engine in BATCH1_ONLY:
+            variants = [("batch1", []), ("mixed", [])]
+            if args.ngram and engine in NGRAM_OPTIONS:
+                variants += [(f"{w} ngram", NGRAM_OPTIONS[engine]) for w in ("batch1", "mixed")]
+            for workload, options in variants:
+                if workload.startswith("mixed") and engine in BATCH1_ONLY:
                     continue
-                for contended in conditions:
+                for contended in conditions if not options else [False]:
                     report = run_worker(
-                        engine, models[engine], workload, vocab, args.quick, contended
+                        engine, models[engine], workload, vocab, args.quick, contended, options
                     )
                     results.setdefault((engine, workload, contended), []).append(report)
                     print(
-                        f"round {round_index + 1} {engine:12s} {workload:6s} "
+                        f"round {round_index + 1} {engine:12s} {workload:12s} "
                         f"{'busy ' if contended else ''}{report['tokens_per_second']:8.1f} tok/s "
                         f"rss {report['peak_rss_mib']:.0f} MiB",
                         flush=True,
@@ -183,14 +206,16 @@ def main() -> None:
 
     reference = {k[1]: v[0]["tokens"] for k, v in results.items() if k[0] == "updraft"}
 
-    def same_tokens(engine: str) -> str:
+    def same_tokens(engine: str, workloads: tuple[str, ...] = ("batch1", "mixed")) -> str:
+        """Requests whose tokens equal plain (unspeculated) updraft's."""
         verdicts = []
-        for workload in ["batch1", "mixed"]:
-            if (engine, workload, False) in results and workload in reference:
+        for workload in workloads:
+            plain = reference.get(workload.split()[0])
+            if (engine, workload, False) in results and plain is not None:
                 theirs = results[(engine, workload, False)][0]["tokens"]
-                equal = sum(a == b for a, b in zip(theirs, reference[workload], strict=True))
+                equal = sum(a == b for a, b in zip(theirs, plain, strict=True))
                 verdicts.append(f"{equal}/{len(theirs)}")
-        return " + ".join(verdicts)
+        return " + ".join(verdicts) or "-"
 
     def versus_vllm(engine: str) -> str:
         if engine == "vllm" or "vllm" not in engines:
@@ -206,6 +231,17 @@ def main() -> None:
         row("peak RSS MiB (1 GiB KV cache)", peak_rss),
         row("requests with updraft's tokens, batch 1 + mixed", same_tokens),
     ]
+    if args.ngram:
+        rows += [
+            row(
+                "decode tokens/s, batch 1, n-gram k=3", lambda e: summary(rates(e, "batch1 ngram"))
+            ),
+            row("32 mixed requests, n-gram k=3", lambda e: summary(rates(e, "mixed ngram"))),
+            row(
+                "n-gram requests with plain updraft's tokens",
+                lambda e: same_tokens(e, ("batch1 ngram", "mixed ngram")),
+            ),
+        ]
     if args.contention:
         rows += [
             row("batch 1 beside a busy loop, tokens/s", lambda e: slowdown(e, "batch1")),
