@@ -14,7 +14,8 @@ here first. Engines run in rounds, in a rotating order; the table shows the best
 and the range. Every engine's tokens are compared with updraft's.
 
     bash benchmarks/peers/setup_vllm.sh; bash benchmarks/peers/setup_llamacpp.sh
-    .venv/bin/python -m benchmarks.bench_peers [--model demo|100m] [--rounds 3] [--contention]
+    .venv/bin/python -m benchmarks.bench_peers [--model demo|100m] [--rounds 3] \\
+        [--contention] [--ngram]
 """
 
 from __future__ import annotations
