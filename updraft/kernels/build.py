@@ -2,7 +2,7 @@
 
 Each kernel is one C file beside this one, with no dependency but the C library and
 OpenMP; it builds in about a second, into a per-user temporary folder, keyed by the
-source and flags, so an edit or another machine's flags build afresh. Built with the
+source, the flags and the CPU, so an edit or another kind of CPU builds afresh. Built with the
 machine's own vector instructions (-march=native).
 
 torch is imported before a kernel loads, so the kernel's ``libgomp.so.1`` resolves to
@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -38,12 +39,23 @@ def _compiler() -> str:
     return compiler
 
 
+def _cpu() -> str:
+    """What -march=native builds for: a kernel is never reused on another kind of CPU,
+    even from a temporary folder that machines share."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = ("model name", "flags", "Features")
+    return "".join(sorted({line for line in info.splitlines() if line.startswith(wanted)}))
+
+
 @cache
 def load(name: str) -> ctypes.CDLL:
     """The compiled ``<name>.c``, built on first use."""
     source = Path(__file__).with_name(f"{name}.c")
     compiler = _compiler()
-    flags = " ".join([compiler, *COMPILE, *LINK, *LIBRARIES])
+    flags = " ".join([compiler, *COMPILE, *LINK, *LIBRARIES, _cpu()])
     key = hashlib.sha256(source.read_bytes() + flags.encode())
     folder = Path(tempfile.gettempdir()) / f"updraft-kernels-{os.getuid()}"
     library = folder / f"{name}-{key.hexdigest()[:16]}.so"
