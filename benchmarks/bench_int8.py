@@ -17,7 +17,6 @@ import importlib.util
 import math
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -27,6 +26,7 @@ from tokenizers import Tokenizer
 from benchmarks.bench_peers import prepare_model
 from benchmarks.common import markdown_table
 from benchmarks.peers import workload
+from benchmarks.peers.workload import best_time
 from updraft import LLM, SamplingParams
 from updraft.demo import DEMO_MODEL_DIR
 from updraft.models.int8_linear import quantize_weight
@@ -73,10 +73,7 @@ def speeds(model: Path, vocab: int, quantization: str | None) -> tuple[float, fl
 
     def run(prompts, lengths) -> float:
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
-        llm.generate(prompts, params)  # warm-up
-        start = time.perf_counter()
-        llm.generate(prompts, params)
-        return time.perf_counter() - start
+        return best_time(lambda: llm.generate(prompts, params))
 
     new = workload.BATCH1_NEW_TOKENS
     decode = (new - 1) / (run([prompt], [new]) - run([prompt], [1]))

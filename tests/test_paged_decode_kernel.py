@@ -9,10 +9,10 @@ import torch.nn.functional as F
 
 from updraft import LLM, SamplingParams
 from updraft.attention import paged
-from updraft.kernels.ops import paged_decode_attention_available
+from updraft.kernels.ops import kernel_builds
 
 pytestmark = pytest.mark.skipif(
-    not paged_decode_attention_available(), reason="needs a C compiler to build the kernel"
+    not kernel_builds("paged_attention"), reason="needs a C compiler to build the kernel"
 )
 
 

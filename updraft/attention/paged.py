@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cache
 
 import numpy as np
 import torch
@@ -17,7 +16,7 @@ import torch.nn.functional as F
 
 from updraft.attention.metadata import AttentionGroup, AttentionMetadata
 from updraft.graph.tasks import register_task
-from updraft.kernels.ops import paged_decode_attention_available
+from updraft.kernels.ops import kernel_builds
 
 
 def allocate_kv_cache(
@@ -111,12 +110,11 @@ def attend(
 
 
 def reads_cache_in_place(query: torch.Tensor) -> bool:
-    return query.dtype == torch.float32 and query.device.type == "cpu" and decode_kernel_builds()
-
-
-@cache
-def decode_kernel_builds() -> bool:
-    return paged_decode_attention_available()
+    return (
+        query.dtype == torch.float32
+        and query.device.type == "cpu"
+        and kernel_builds("paged_attention")
+    )
 
 
 def gather_and_attend(

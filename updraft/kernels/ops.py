@@ -7,6 +7,7 @@ records it with its tensors and replays it like any aten op.
 from __future__ import annotations
 
 import ctypes
+from functools import cache
 
 import torch
 
@@ -16,6 +17,8 @@ _POINTER = ctypes.c_void_p
 _INT = ctypes.c_int64
 
 
+# Cached: ops call these on every step, and the argument types need setting only once.
+@cache
 def _linear_library() -> ctypes.CDLL:
     lib = load("linear")
     for function in (lib.int8_linear, lib.float_linear):
@@ -24,6 +27,7 @@ def _linear_library() -> ctypes.CDLL:
     return lib
 
 
+@cache
 def _attention_library() -> ctypes.CDLL:
     lib = load("paged_attention")
     lib.paged_decode_attention.restype = None
@@ -157,19 +161,16 @@ def build_int8_linear() -> None:
     _linear_library()
 
 
-def float_linear_available() -> bool:
-    """Whether the linear kernels build here (a C compiler is on PATH)."""
-    try:
-        _linear_library()
-    except RuntimeError:
-        return False
-    return True
+_LIBRARIES = {"linear": _linear_library, "paged_attention": _attention_library}
 
 
-def paged_decode_attention_available() -> bool:
-    """Whether the decode-attention kernel builds here (a C compiler is on PATH)."""
+@cache
+def kernel_builds(name: str) -> bool:
+    """Whether kernel ``name`` ("linear" or "paged_attention") builds and loads here (a
+    C compiler is on PATH). Answered once per process: a failed build would otherwise be
+    tried again by every caller."""
     try:
-        _attention_library()
+        _LIBRARIES[name]()
     except RuntimeError:
         return False
     return True

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from updraft.kernels.ops import float_linear_available
+from updraft.kernels.ops import kernel_builds
 
 # The row count oneDNN lays a weight out for. Any count runs on the layout, but one laid
 # out for a single row ran 1.2-2x slower from 4 rows up (a batched decode step), while
@@ -47,7 +47,9 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach()
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_FOR_ROWS)
         self.register_buffer("packed_weight", packed, persistent=False)
-        plain = weight.contiguous().clone() if float_linear_available() else None
+        # The loaded weight itself (no copy): nothing writes it, and a tied LM head then
+        # shares the embedding's memory.
+        plain = weight.contiguous() if kernel_builds("linear") else None
         self.register_buffer("weight", plain, persistent=False)
         self.bias = linear.bias
 
