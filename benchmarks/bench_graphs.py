@@ -1,10 +1,10 @@
-"""Per-step decode time, captured graph replay vs eager, on the demo model and a random
-~100M Qwen3-style model, at decode batches of 1, 8 and 32.
+"""Per-step decode time, captured graph replay (compiled runs, and op by op) vs eager, on
+the demo model and a random ~100M Qwen3-style model, at decode batches of 1, 8 and 32.
 
 For each model and batch, requests with prompts of 64-160 tokens are prefilled, then
 one decode step is timed over and over through ``Runner.execute`` (forward, sampling
-and the KV write at the same slots), alternating replay and eager so that the machine's
-drift affects both alike. The table shows the median of each.
+and the KV write at the same slots), alternating the three modes so that the machine's
+drift affects all alike. The table shows the median of each.
 
     .venv/bin/python -m benchmarks.bench_graphs [--quick] [--device cuda]
 """
@@ -23,6 +23,7 @@ import torch
 from benchmarks.common import make_random_qwen3, markdown_table
 from updraft import LLM, SamplingParams
 from updraft.demo import DEMO_MODEL_DIR
+from updraft.runner.captured import CapturedSteps
 from updraft.step.inputs import StepInputs
 
 BATCHES = (1, 8, 32)
@@ -41,21 +42,32 @@ def decode_step(llm: LLM, batch: int, vocab: int, rng: random.Random) -> StepInp
     return step
 
 
-def time_modes(llm: LLM, step: StepInputs, repeats: int) -> tuple[float, float]:
-    """Median seconds per step for (graph, eager), measured alternately."""
+def time_modes(llm: LLM, step: StepInputs, repeats: int) -> dict[str, float]:
+    """Median seconds per step for compiled replay, op-by-op replay and eager, measured
+    in turn."""
     runner = llm.engine._runner
-    captured = runner.captured
-    times: dict[bool, list[float]] = {True: [], False: []}
-    for i in range(2 * (repeats + 2)):
-        graph = i % 2 == 0
-        runner.captured = captured if graph else None
-        start = time.perf_counter()
-        runner.execute(step)
-        if i >= 4:  # two warm-up rounds
-            times[graph].append(time.perf_counter() - start)
-    runner.captured = captured
-    assert runner.step_modes["graph"] == repeats + 2, "the graph steps did not replay"
-    return statistics.median(times[True]), statistics.median(times[False])
+    compiled = runner.captured
+    op_by_op = CapturedSteps(
+        runner.model,
+        runner.kv_caches,
+        runner.block_size,
+        compiled.max_blocks,
+        compiled.sizes,
+        runner.device,
+        compile_runs=False,
+    )
+    modes = {"compiled": compiled, "op by op": op_by_op, "eager": None}
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    for i in range(repeats + 2):
+        for mode, captured in modes.items():
+            runner.captured = captured
+            start = time.perf_counter()
+            runner.execute(step)
+            if i >= 2:  # two warm-up rounds
+                times[mode].append(time.perf_counter() - start)
+    runner.captured = compiled
+    assert runner.step_modes["graph"] == 2 * (repeats + 2), "the graph steps did not replay"
+    return {mode: statistics.median(seconds) for mode, seconds in times.items()}
 
 
 def main() -> None:
@@ -75,26 +87,35 @@ def main() -> None:
                 device=args.device,
                 dtype=dtype,
                 enforce_eager=False,
+                compile_graphs=args.device == "cpu",
                 capture_sizes=(batch,),
                 kv_cache_memory_gib=0.5,
             )
             step = decode_step(llm, batch, vocab, random.Random(batch))
             repeats = 5 if args.quick else (40 if name.startswith("demo") else 12)
-            graph, eager = time_modes(llm, step, repeats)
+            ms = time_modes(llm, step, repeats)
             rows.append(
                 [
                     name,
                     str(batch),
-                    f"{eager * 1e3:.2f}",
-                    f"{graph * 1e3:.2f}",
-                    f"{eager / graph:.2f}x",
+                    f"{ms['eager'] * 1e3:.2f}",
+                    f"{ms['op by op'] * 1e3:.2f}",
+                    f"{ms['compiled'] * 1e3:.2f}",
+                    f"{ms['eager'] / ms['compiled']:.2f}x",
                 ]
             )
             del llm
     print(
         markdown_table(
             f"decode step time, graph replay vs eager, {args.device}, {dtype}",
-            ["model", "batch", "eager ms/step", "graph ms/step", "graph speedup"],
+            [
+                "model",
+                "batch",
+                "eager ms/step",
+                "replay op by op",
+                "replay compiled",
+                "compiled / eager speedup",
+            ],
             rows,
         )
     )

@@ -12,6 +12,12 @@ from hypothesis import settings
 # CI replays the same examples every run, so a red CI always reproduces; locally each
 # run explores new ones.
 settings.register_profile("ci", derandomize=True)
+
+# Engines here replay captured steps op by op: compiling them with inductor would cost
+# seconds per engine. The tests of compiled runs ask for them explicitly, and
+# UPDRAFT_COMPILE_GRAPHS=1 runs the whole suite compiled. Set before any engine starts,
+# so the servers and CLIs the tests start inherit it.
+os.environ.setdefault("UPDRAFT_COMPILE_GRAPHS", "0")
 if os.environ.get("CI"):
     settings.load_profile("ci")
 

@@ -51,7 +51,7 @@ def test_generate_command_streams_text_and_a_summary(capsys):
     assert captured.out == reference[0].outputs[0].text + "\n"
     assert "[updraft] 12 tokens in" in captured.err
     assert "tokens/s" in captured.err and "time to first token" in captured.err
-    assert "[updraft] steps: 12 eager (graphs off)" in captured.err
+    assert "[updraft] steps: 1 eager (prefill), 11 graph" in captured.err
 
 
 def test_generate_command_can_replay_captured_decode_steps(capsys):
@@ -109,6 +109,7 @@ def test_every_engine_setting_is_a_flag_that_reaches_the_config():
         "--sanitize",
         "--no-speculative-enforce-eager",
         "--no-adaptive-threads",
+        "--no-compile-graphs",
     ]
     argv = ["doctor", *[part for pair in values.items() for part in pair], *switches]
     args = build_parser().parse_args(argv)
@@ -132,6 +133,7 @@ def test_every_engine_setting_is_a_flag_that_reaches_the_config():
         "num_speculative_tokens": 5,
         "enable_prefix_caching": False,
         "enforce_eager": True,
+        "compile_graphs": False,
         "sanitize": True,
         "speculative_enforce_eager": False,
     }

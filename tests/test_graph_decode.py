@@ -13,14 +13,18 @@ from updraft.runner.captured import CapturedSteps
 BUCKET = 4  # decode requests per captured step
 
 
-def run(tiny_llama, skip: str | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def run(
+    tiny_llama, skip: str | None = None, compile_runs: bool = False
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Decode 3 requests for 8 steps; before the engine runs each decode step, it is run
-    both eagerly and by replay of a separately captured graph, each from the same KV
-    cache. Returns both logits sequences."""
-    llm = LLM(tiny_llama, num_kv_blocks=64, block_size=4)
+    both eagerly and by replay of a separately captured graph (its runs of ops compiled
+    or not), each from the same KV cache. Returns both logits sequences."""
+    llm = LLM(tiny_llama, num_kv_blocks=64, block_size=4, enforce_eager=True)
     engine = llm.engine
     runner = engine._runner
-    captured = CapturedSteps(runner.model, runner.kv_caches, 4, 16, [BUCKET], runner.device)
+    captured = CapturedSteps(
+        runner.model, runner.kv_caches, 4, 16, [BUCKET], runner.device, compile_runs=compile_runs
+    )
     graph, (_, graph_logits) = captured.graphs[BUCKET, 1]
     if skip is not None:
         (forgotten,) = [i for i in graph.inputs if i.name == skip]
@@ -53,14 +57,16 @@ def run(tiny_llama, skip: str | None = None) -> tuple[list[torch.Tensor], list[t
     return eager_all, graph_all
 
 
-def test_replayed_decode_steps_equal_eager(tiny_llama):
-    eager, replayed = run(tiny_llama)
+@pytest.mark.parametrize("compile_runs", [False, True], ids=["op by op", "compiled"])
+def test_replayed_decode_steps_equal_eager(tiny_llama, compile_runs):
+    eager, replayed = run(tiny_llama, compile_runs=compile_runs)
     for e, g in zip(eager, replayed, strict=True):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("compile_runs", [False, True], ids=["op by op", "compiled"])
 @pytest.mark.parametrize("skip", ["block_table", "slot_mapping", "seq_lens", "positions"])
-def test_skipping_one_refresh_makes_outputs_diverge(tiny_llama, skip):
-    eager, replayed = run(tiny_llama, skip=skip)
+def test_skipping_one_refresh_makes_outputs_diverge(tiny_llama, skip, compile_runs):
+    eager, replayed = run(tiny_llama, skip=skip, compile_runs=compile_runs)
     worst = max((g - e).abs().max().item() for e, g in zip(eager, replayed, strict=True))
     assert worst > 1e-2, f"skipping the {skip} refresh went unnoticed"

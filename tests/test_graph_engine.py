@@ -3,6 +3,7 @@ reports how each step ran."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.probes import LogitsProbe
@@ -11,12 +12,13 @@ from updraft import LLM, SamplingParams
 PROMPTS = [list(range(3, 10)), [200, 17], list(range(40, 77)), [5] * 9]
 
 
-def test_graph_replay_matches_eager_through_the_engine(tiny_checkpoint):
+@pytest.mark.parametrize("compile_graphs", [False, True], ids=["op by op", "compiled"])
+def test_graph_replay_matches_eager_through_the_engine(tiny_checkpoint, compile_graphs):
     kind, model_dir = tiny_checkpoint
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     args = dict(block_size=4, num_kv_blocks=128, capture_sizes=(1, 2, 4))
     eager = LLM(model_dir, enforce_eager=True, **args)
-    graph = LLM(model_dir, enforce_eager=False, **args)
+    graph = LLM(model_dir, enforce_eager=False, compile_graphs=compile_graphs, **args)
     eager_probe, graph_probe = LogitsProbe(eager), LogitsProbe(graph)
     # Requests join and leave: different lengths finish at different steps.
     many = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 5, 12, 1)]
@@ -51,11 +53,15 @@ def test_buffers_keep_their_address_and_padded_rows_their_pad_values(tiny_llama)
     assert buffers["seq_lens"][0] > 0 and buffers["block_table"][0].any()
 
 
-def test_graphs_default_to_on_for_cuda_and_off_for_the_cpu():
-    from updraft.config import EngineConfig
+def test_graphs_default_to_on_and_compiled(monkeypatch):
+    from updraft.config import COMPILE_GRAPHS_ENV, EngineConfig
 
-    assert not EngineConfig(model="m").use_graphs
+    monkeypatch.delenv(COMPILE_GRAPHS_ENV)
+    assert EngineConfig(model="m").use_graphs and EngineConfig(model="m").compiles_graphs
     assert EngineConfig(model="m", device="cuda").use_graphs
-    assert EngineConfig(model="m", device="cuda:1").use_graphs
-    assert not EngineConfig(model="m", device="cuda", enforce_eager=True).use_graphs
+    assert not EngineConfig(model="m", enforce_eager=True).use_graphs
+    assert not EngineConfig(model="m", compile_graphs=False).compiles_graphs
+    monkeypatch.setenv(COMPILE_GRAPHS_ENV, "0")
+    assert not EngineConfig(model="m").compiles_graphs
+    assert EngineConfig(model="m", compile_graphs=True).compiles_graphs
     assert EngineConfig(model="m", enforce_eager=False).use_graphs

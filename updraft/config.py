@@ -7,6 +7,7 @@ needs; ``EngineConfig`` is how the engine is run (memory, batching, dtype).
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,9 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
 DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZATIONS = ("int8",)
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+# The default of EngineConfig.compile_graphs where it is not given: a test suite that
+# starts many engines sets it to 0 to skip inductor's compile time.
+COMPILE_GRAPHS_ENV = "UPDRAFT_COMPILE_GRAPHS"
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -199,12 +203,18 @@ class EngineConfig:
         None, "context length (default: the model's max_position_embeddings)"
     )
     enable_prefix_caching: bool = setting(True, "reuse the KV of prompt blocks seen before")
-    enforce_eager: bool | None = setting(
+    enforce_eager: bool = setting(
+        False,
+        # Captured steps remove CUDA's launch overhead; on the CPU their compiled runs
+        # fuse the small ops between matrix products (benchmarks/RESULTS.md).
+        "run every step eagerly instead of replaying captured decode and verify steps",
+    )
+    compile_graphs: bool | None = setting(
         None,
-        # Captured steps remove CUDA's launch overhead; on the CPU replay only matches
-        # eager per step and capture costs a few seconds at start-up (RESULTS.md).
-        "run every step eagerly; --no-enforce-eager replays captured decode and verify "
-        "steps (default: graphs on CUDA, eager on the CPU)",
+        "on the CPU, compile each captured step's runs of ops between attention calls into "
+        "fused kernels with inductor (seconds per capture size at the first start, cached "
+        "on disk after); --no-compile-graphs replays them op by op (default: on, or "
+        f"${COMPILE_GRAPHS_ENV} when set to 0 or 1)",
     )
     capture_sizes: tuple[int, ...] = setting(
         (1, 2, 4, 8, 16, 32, 64), "batch sizes of captured steps, comma-separated"
@@ -268,9 +278,13 @@ class EngineConfig:
 
     @property
     def use_graphs(self) -> bool:
-        if self.enforce_eager is None:
-            return self.device.split(":")[0] == "cuda"
         return not self.enforce_eager
+
+    @property
+    def compiles_graphs(self) -> bool:
+        if self.compile_graphs is not None:
+            return self.compile_graphs
+        return os.environ.get(COMPILE_GRAPHS_ENV, "1") != "0"
 
     def compute_dtype(self, model_config: ModelConfig) -> torch.dtype:
         if self.dtype != "auto":

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from updraft.graph.recorded import RecordedGraph, TaskNode
+from updraft.graph.recorded import RecordedGraph
+from updraft.graph.recorded_nodes import TaskNode
 from updraft.graph.tasks import ParamProvider, recording_tasks
 from updraft.graph.weakref import weak_ref_tensors
 

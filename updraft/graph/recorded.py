@@ -19,14 +19,20 @@ static input: such a tensor would be replayed stale.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten
 
+from updraft.graph.compiled_runs import compiled_segments
+from updraft.graph.recorded_nodes import (
+    OpNode,
+    TaskNode,
+    bind,
+    find_out_variant,
+    storage_of,
+    tensors_in,
+)
 from updraft.graph.tasks import ParamProvider, recording_tasks
 
 HOST_SYNC_OPS = {torch.ops.aten._local_scalar_dense.default}
@@ -35,45 +41,6 @@ SHAPE_FROM_DATA = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_outp
 
 class CaptureError(RuntimeError):
     """The captured function does something a graph cannot replay faithfully."""
-
-
-@dataclass
-class OpNode:
-    func: torch._ops.OpOverload
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    outputs: list[torch.Tensor]  # captured results that replay writes into
-    rerun: bool
-    out_variant: torch._ops.OpOverload | None = None  # writes straight into outputs[0]
-
-
-def _out_variant(func: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
-    """``func``'s ``out=`` overload when it has the same arguments plus one ``out``."""
-    candidate = getattr(func.overloadpacket, "out", None)
-    if candidate is None or func._schema.is_mutable:
-        return None
-    names = [a.name for a in func._schema.arguments]
-    out_names = [a.name for a in candidate._schema.arguments if not a.is_out]
-    outs = [a for a in candidate._schema.arguments if a.is_out]
-    return candidate if names == out_names and len(outs) == 1 and outs[0].name == "out" else None
-
-
-@dataclass
-class TaskNode:
-    op: Callable[..., Any]
-    kwargs: dict[str, Any]
-    provider: ParamProvider
-    output: torch.Tensor
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
-
-
-def _storage(tensor: torch.Tensor) -> int:
-    if tensor.is_mkldnn:  # an opaque prepacked weight has no storage: it names itself
-        return id(tensor)
-    return tensor.untyped_storage().data_ptr()
 
 
 class _Recorder(TorchDispatchMode):
@@ -103,22 +70,27 @@ class _Recorder(TorchDispatchMode):
 class RecordedGraph:
     """One captured function. ``constants`` are tensors it may read without producing
     them and that never change between replays of a step (weights); ``persistent`` are
-    tensors it may read and write that live across steps (KV cache, static inputs)."""
+    tensors it may read and write that live across steps (KV cache, static inputs).
+    ``compile_runs`` replays the stretches of ops between tasks as inductor-compiled
+    kernels (``compiled_runs.py``) instead of op by op."""
 
     def __init__(
         self,
         constants: Iterable[torch.Tensor],
         persistent: Iterable[torch.Tensor],
         module_names: dict[int, str] | None = None,
+        compile_runs: bool = False,
     ) -> None:
-        self.constant_storages = {_storage(t) for t in constants}
-        self.persistent_storages = {_storage(t) for t in persistent}
+        self.constant_storages = {storage_of(t) for t in constants}
+        self.persistent_storages = {storage_of(t) for t in persistent}
         self.produced: set[int] = set()
         self.nodes: list[OpNode | TaskNode] = []
         self.tasks: list[TaskNode] = []  # the task nodes, in order
         self.module_names = module_names or {}
         self.module_stack: list[str] = []
         self.undeclared: list[str] = []
+        self.compile_runs = compile_runs
+        self.output_storages: set[int] = set()
         self._segments: list[list[Callable[[], Any]]] | None = None
 
     # -- capture -----------------------------------------------------------------------
@@ -140,6 +112,9 @@ class RecordedGraph:
                 "(weights, KV cache or StaticInput); they would be replayed stale:\n  "
                 + "\n  ".join(self.undeclared)
             )
+        self.output_storages = {storage_of(tensor) for tensor in tensors_in(out)}
+        if self.compile_runs:  # compile now: the first replay should not pay for it
+            self._segments = self.segments()
         return out
 
     def _enter(self, module: torch.nn.Module, _inputs: Any) -> None:
@@ -153,25 +128,25 @@ class RecordedGraph:
 
     def check_inputs(self, func: Any, args: Any, kwargs: Any, where: str) -> None:
         allowed = self.produced | self.constant_storages | self.persistent_storages
-        for tensor in _tensors((args, kwargs)):
-            if _storage(tensor) not in allowed:
+        for tensor in tensors_in((args, kwargs)):
+            if storage_of(tensor) not in allowed:
                 self.undeclared.append(
                     f"{func} at {where} reads a {tuple(tensor.shape)} {tensor.dtype} tensor"
                 )
-                allowed.add(_storage(tensor))  # report each tensor once
-                self.produced.add(_storage(tensor))
+                allowed.add(storage_of(tensor))  # report each tensor once
+                self.produced.add(storage_of(tensor))
 
     def record_op(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
-        outputs = _tensors(out)
-        inputs = _tensors((args, kwargs))
-        reads_only_constants = all(_storage(t) in self.constant_storages for t in inputs)
+        outputs = tensors_in(out)
+        inputs = tensors_in((args, kwargs))
+        reads_only_constants = all(storage_of(t) in self.constant_storages for t in inputs)
         mutates = func._schema.is_mutable
         if reads_only_constants and not mutates:
-            self.constant_storages.update(_storage(t) for t in outputs)
+            self.constant_storages.update(storage_of(t) for t in outputs)
             return
-        self.produced.update(_storage(t) for t in outputs)
+        self.produced.update(storage_of(t) for t in outputs)
         rerun = mutates or not func.is_view
-        out_variant = _out_variant(func) if rerun and len(outputs) == 1 else None
+        out_variant = find_out_variant(func) if rerun and len(outputs) == 1 else None
         self.nodes.append(
             OpNode(func, args, kwargs, [] if mutates else outputs, rerun, out_variant)
         )
@@ -184,7 +159,7 @@ class RecordedGraph:
             out = op(**kwargs)
         if not isinstance(out, torch.Tensor):
             raise CaptureError(f"task {op.__name__} must return one tensor")
-        self.produced.add(_storage(out))
+        self.produced.add(storage_of(out))
         task = TaskNode(op, kwargs, provider, out)
         self.nodes.append(task)
         self.tasks.append(task)
@@ -195,12 +170,14 @@ class RecordedGraph:
     def segments(self) -> list[list[Callable[[], Any]]]:
         """The ops to re-run, bound to their tensors, split at the tasks: segment i runs
         before task i, and the last segment after the last task."""
+        if self.compile_runs:
+            return compiled_segments(self.nodes, self.output_storages)
         segments: list[list[Callable[[], Any]]] = [[]]
         for node in self.nodes:
             if isinstance(node, TaskNode):
                 segments.append([])
             elif node.rerun:
-                segments[-1].append(_bind(node))
+                segments[-1].append(bind(node))
         return segments
 
     def check(self, task_params: list[dict[str, Any]]) -> None:
@@ -216,20 +193,3 @@ class RecordedGraph:
             if i < len(self.tasks):
                 task = self.tasks[i]
                 task.output.copy_(task.op(**{**task.kwargs, **task_params[i]}))
-
-
-def _bind(node: OpNode) -> Callable[[], Any]:
-    """One recorded op as a call with no arguments that leaves its result in the
-    captured output tensors. ``_op`` skips the Python wrapper of ``OpOverload``."""
-    if node.out_variant is not None:
-        return partial(node.out_variant._op, *node.args, **node.kwargs, out=node.outputs[0])
-    run = partial(node.func._op, *node.args, **node.kwargs)
-    if not node.outputs:  # an in-place op writes its targets itself
-        return run
-    outputs = node.outputs
-
-    def run_and_copy() -> None:
-        for captured, fresh in zip(outputs, _tensors(run()), strict=True):
-            captured.copy_(fresh)
-
-    return run_and_copy

@@ -5,6 +5,7 @@ verify steps 1 + k. All buckets share one set of static input buffers, made from
 ``GRAPH_INPUTS`` at the largest shape; a bucket reads their leading rows. A step of
 ``n`` requests that all have query length ``q`` replays the smallest captured bucket
 ``(b >= n, q)``, its inputs padded by each buffer's refresh; any other step runs eagerly.
+On the CPU, ``compile_runs`` fuses each graph's runs of ops with inductor.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class CapturedSteps:
         device: torch.device,
         query_lens: tuple[int, ...] = (1,),
         inputs: tuple[GraphInput, ...] = GRAPH_INPUTS,
+        compile_runs: bool = False,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -49,6 +51,7 @@ class CapturedSteps:
         self.sizes = sorted(set(sizes))
         self.query_lens = tuple(sorted(set(query_lens)))
         self.specs = inputs
+        self.compile_runs = compile_runs
         largest = sizes_for(
             self.sizes[-1] * self.query_lens[-1], self.sizes[-1], blocks=self.max_blocks
         )
@@ -128,7 +131,7 @@ class CapturedSteps:
             module_names={id(m): name or "model" for name, m in self.model.named_modules()},
         )
         if self.pool is None:
-            backend = RecordedGraph(**declared)
+            backend = RecordedGraph(**declared, compile_runs=self.compile_runs)
         else:
             backend = CudaGraph(**declared, pool=self.pool)
         graph = UpdatableGraph(backend, list(inputs.values()), metadata)

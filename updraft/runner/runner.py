@@ -88,6 +88,7 @@ class Runner:
                 list(config.capture_sizes),
                 self.device,
                 query_lens,
+                compile_runs=config.compiles_graphs,
             )
         # How each step ran: "graph" or "eager (<why>)", counted.
         self.step_modes: Counter[str] = Counter()

@@ -1,0 +1,119 @@
+"""Compiled runs: a recorded graph whose stretches of ops between tasks and in-place
+writes are fused by inductor replays exactly what re-running the function computes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from updraft.graph import compiled_runs
+from updraft.graph.recorded import RecordedGraph
+from updraft.graph.tasks import register_task
+
+
+@dataclass(frozen=True)
+class Scale:
+    def resolve(self, metadata: dict) -> dict:
+        return {"factor": metadata["factor"]}
+
+
+def scaled(x: torch.Tensor, factor: float) -> torch.Tensor:
+    return x * factor
+
+
+class Layer(torch.nn.Module):
+    """Elementwise runs around an in-place cache write that reads a view of a run's
+    intermediate, and a task whose input is another."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(width))
+        self.inputs = torch.zeros(3, width)
+        self.slots = torch.zeros(3, dtype=torch.long)
+        self.cache = torch.zeros(10, width)
+
+    def forward(self) -> torch.Tensor:
+        hidden = torch.tanh(self.inputs * self.weight) + 1
+        # The write reads the first two columns of the run's result, through a view.
+        self.cache[:, :2].index_copy_(0, self.slots, hidden[:, :2])
+        hidden = register_task(scaled, {"x": hidden, "factor": 2.0}, Scale())
+        return (torch.relu(hidden) * self.weight).sum(-1)
+
+    def reference(self, factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = torch.tanh(self.inputs * self.weight) + 1
+        return (torch.relu(hidden * factor) * self.weight).sum(-1), hidden[:, :2]
+
+
+class DispatchedOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def capture(model: Layer) -> tuple[RecordedGraph, torch.Tensor]:
+    graph = RecordedGraph(
+        constants=model.parameters(),
+        persistent=[model.inputs, model.slots, model.cache],
+        compile_runs=True,
+    )
+    return graph, graph.capture(model)
+
+
+@torch.inference_mode()
+def test_compiled_replay_equals_rerunning_the_function():
+    torch.manual_seed(0)
+    model = Layer(width=5)
+    graph, out = capture(model)
+    for factor in (3.0, -1.5, 0.5):
+        model.inputs.copy_(torch.randn(3, 5))
+        model.slots.copy_(torch.randperm(10)[:3])
+        graph.replay([{"factor": factor}])
+        expected, written = model.reference(factor)
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(model.cache[model.slots, :2], written)
+
+
+@torch.inference_mode()
+def test_fused_ops_are_not_dispatched_one_by_one():
+    model = Layer(width=6)
+    graph, _ = capture(model)
+    with DispatchedOps() as seen:
+        graph.replay([{"factor": 2.0}])
+    # The in-place write and the task stay calls of their own; tanh, relu and the sum
+    # run inside inductor's kernels, out of the dispatcher's sight.
+    assert "index_copy_.default" in seen.ops
+    assert not {"tanh.default", "relu.default", "sum.dim_IntList"} & set(seen.ops), seen.ops
+
+
+@torch.inference_mode()
+def test_a_run_inductor_cannot_compile_replays_op_by_op(monkeypatch, caplog):
+    from torch._inductor import compile_fx
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(compile_fx, "compile_fx", refuse)
+    monkeypatch.setattr(compiled_runs, "_compiled", {})
+    torch.manual_seed(1)
+    model = Layer(width=7)
+    graph, out = capture(model)
+    assert "left uncompiled (RuntimeError: no C++ compiler)" in caplog.text
+    model.inputs.copy_(torch.randn(3, 7))
+    graph.replay([{"factor": 4.0}])
+    torch.testing.assert_close(out, model.reference(4.0)[0])
+
+
+@torch.inference_mode()
+def test_layers_of_the_same_shape_share_one_compiled_run(monkeypatch):
+    monkeypatch.setattr(compiled_runs, "_compiled", {})
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        capture(Layer(width=4))
+    # One run before the task, one after; the second layer compiles nothing new.
+    assert len(compiled_runs._compiled) == 2

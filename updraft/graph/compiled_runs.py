@@ -1,0 +1,170 @@
+"""Compiled runs: the recorded CPU graph's ops fused into kernels by inductor.
+
+Replaying recorded ops one by one costs one dispatcher call and one pass over memory
+per op: a decode layer's norms, rotary embedding, activation and residual adds are a
+few dozen small ops, which on a small model cost more than its matrix products. A
+compiled run is one of those stretches turned into an FX graph and compiled by inductor,
+so it runs as a few fused loops.
+
+A run is a maximal stretch of recorded ops between two things a run cannot hold:
+
+* a task (its host-side parameters change per step: it stays a Python call);
+* an op that writes its inputs in place (the KV cache write): inductor would make it a
+  functional copy of the whole cache;
+* an op on an opaque oneDNN weight (it has no storage a compiled graph can describe).
+
+The graph's inputs are the very tensors the recorded ops read (weights, the KV cache,
+static input buffers, earlier results), so a replay reads whatever was refreshed into
+them; views taken inside the run are re-taken inside the graph. Each result that anything
+after the run reads (a later op, a task, the graph's output) is copied into the tensor
+captured for it, so everything downstream finds it where it did at capture.
+
+Decoder layers repeat the same runs over other weights: a process-wide cache keyed by
+the graph's code and its inputs' shapes compiles each distinct run once, and inductor's
+own cache on disk makes a later start quick.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from updraft.graph.recorded_nodes import OpNode, TaskNode, bind, storage_of, tensors_in
+
+logger = logging.getLogger(__name__)
+
+# Fewer ops than this run as they were recorded: a compiled call costs about as much as
+# one op, so fusing a single op gains nothing.
+MIN_OPS_PER_RUN = 2
+
+_compiled: dict[tuple[Any, ...], Callable[..., Any]] = {}
+
+
+def compilable(node: OpNode) -> bool:
+    return not node.func._schema.is_mutable and not any(
+        tensor.is_mkldnn for tensor in tensors_in((node.args, node.kwargs))
+    )
+
+
+def compiled_segments(
+    nodes: Sequence[OpNode | TaskNode], output_storages: set[int]
+) -> list[list[Callable[[], Any]]]:
+    """The replay segments of a recorded graph (segment i runs before task i), with each
+    run of compilable ops as one compiled call and every other op bound as recorded."""
+    read_after = _storages_read_after(nodes, output_storages)
+    segments: list[list[Callable[[], Any]]] = [[]]
+    run: list[OpNode] = []
+
+    def close_run(end: int) -> None:
+        if sum(node.rerun for node in run) >= MIN_OPS_PER_RUN:
+            segments[-1].append(_compiled_run(run, read_after[end]))
+        else:
+            segments[-1].extend(bind(node) for node in run if node.rerun)
+        run.clear()
+
+    for index, node in enumerate(nodes):
+        if isinstance(node, TaskNode):
+            close_run(index)
+            segments.append([])
+        elif compilable(node):
+            run.append(node)
+        else:
+            close_run(index)
+            if node.rerun:
+                segments[-1].append(bind(node))
+    close_run(len(nodes))
+    return segments
+
+
+def _storages_read_after(
+    nodes: Sequence[OpNode | TaskNode], output_storages: set[int]
+) -> list[set[int]]:
+    """``result[i]``: the storages read by node i or later, or returned by the graph."""
+    reads = set(output_storages)
+    result = [set(reads)]
+    for node in reversed(nodes):
+        read = node.kwargs if isinstance(node, TaskNode) else (node.args, node.kwargs)
+        reads |= {storage_of(tensor) for tensor in tensors_in(read)}
+        result.append(set(reads))
+    return result[::-1]
+
+
+def _compiled_run(run: list[OpNode], read_later: set[int]) -> Callable[[], Any]:
+    graph = torch.fx.Graph()
+    values: dict[int, torch.fx.Node] = {}  # id of a captured tensor -> its graph value
+    inputs: list[torch.Tensor] = []
+
+    def value_of(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        if id(leaf) not in values:
+            values[id(leaf)] = graph.placeholder(f"input_{len(inputs)}")
+            inputs.append(leaf)
+        return values[id(leaf)]
+
+    results: list[tuple[torch.Tensor, torch.fx.Node]] = []
+    for node in run:
+        call = graph.call_function(
+            node.func, tree_map(value_of, node.args), tree_map(value_of, node.kwargs)
+        )
+        returns = node.func._schema.returns
+        if len(returns) == 1 and not isinstance(returns[0].type, torch.ListType):
+            outputs = [(node.outputs[0], call)]
+        else:
+            outputs = [
+                (tensor, graph.call_function(operator.getitem, (call, i)))
+                for i, tensor in enumerate(node.outputs)
+            ]
+        for tensor, value in outputs:
+            values[id(tensor)] = value
+        if node.rerun:
+            results.extend(outputs)
+    # Views alias a result's storage, so refreshing the result refreshes them too.
+    kept: dict[int, tuple[torch.Tensor, torch.fx.Node]] = {}
+    for tensor, value in results:
+        storage = storage_of(tensor)
+        if storage in read_later and storage not in kept:
+            kept[storage] = (tensor, value)
+    targets = [tensor for tensor, _ in kept.values()]
+    graph.output(tuple(value for _, value in kept.values()))
+    module = torch.fx.GraphModule({}, graph)
+    fused = _compile(module, inputs)
+    if fused is None:
+        plain = [bind(node) for node in run if node.rerun]
+        return lambda: [call() for call in plain]
+
+    def replay_run() -> None:
+        for target, fresh in zip(targets, fused(*inputs), strict=True):
+            target.copy_(fresh)
+
+    return replay_run
+
+
+def _compile(module: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Callable | None:
+    """Inductor's compiled ``module``, shared by every run with the same code over
+    inputs of the same layout; None (with a warning) where inductor cannot compile."""
+    key = (
+        module.code,
+        tuple((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device) for t in inputs),
+    )
+    if key not in _compiled:
+        from torch._guards import TracingContext, tracing
+        from torch._inductor.compile_fx import compile_fx
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        # A shape environment, even with every shape fixed, is what lets inductor keep
+        # the compiled graph in its on-disk cache.
+        context = TracingContext(FakeTensorMode(shape_env=ShapeEnv()))
+        try:
+            with tracing(context):
+                _compiled[key] = compile_fx(module, inputs)
+        except Exception as error:  # no compiler, an op inductor lacks: replay op by op
+            logger.warning("graph run left uncompiled (%s: %s)", type(error).__name__, error)
+            _compiled[key] = None
+    return _compiled[key]

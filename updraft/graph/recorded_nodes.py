@@ -1,0 +1,70 @@
+"""The nodes a recorded graph keeps: ops with the tensors they ran on, and tasks; and
+how a node is bound into a call with no arguments for replay."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from updraft.graph.tasks import ParamProvider
+
+
+@dataclass
+class OpNode:
+    func: torch._ops.OpOverload
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    outputs: list[torch.Tensor]  # captured results that replay writes into
+    rerun: bool
+    out_variant: torch._ops.OpOverload | None = None  # writes straight into outputs[0]
+
+
+def find_out_variant(func: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """``func``'s ``out=`` overload when it has the same arguments plus one ``out``."""
+    candidate = getattr(func.overloadpacket, "out", None)
+    if candidate is None or func._schema.is_mutable:
+        return None
+    names = [a.name for a in func._schema.arguments]
+    out_names = [a.name for a in candidate._schema.arguments if not a.is_out]
+    outs = [a for a in candidate._schema.arguments if a.is_out]
+    return candidate if names == out_names and len(outs) == 1 and outs[0].name == "out" else None
+
+
+@dataclass
+class TaskNode:
+    op: Callable[..., Any]
+    kwargs: dict[str, Any]
+    provider: ParamProvider
+    output: torch.Tensor
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
+
+
+def storage_of(tensor: torch.Tensor) -> int:
+    if tensor.is_mkldnn:  # an opaque prepacked weight has no storage: it names itself
+        return id(tensor)
+    return tensor.untyped_storage().data_ptr()
+
+
+def bind(node: OpNode) -> Callable[[], Any]:
+    """One recorded op as a call with no arguments that leaves its result in the
+    captured output tensors. ``_op`` skips the Python wrapper of ``OpOverload``."""
+    if node.out_variant is not None:
+        return partial(node.out_variant._op, *node.args, **node.kwargs, out=node.outputs[0])
+    run = partial(node.func._op, *node.args, **node.kwargs)
+    if not node.outputs:  # an in-place op writes its targets itself
+        return run
+    outputs = node.outputs
+
+    def run_and_copy() -> None:
+        for captured, fresh in zip(outputs, tensors_in(run()), strict=True):
+            captured.copy_(fresh)
+
+    return run_and_copy
