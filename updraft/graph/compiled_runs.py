@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import operator
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -130,19 +131,19 @@ def _compiled_run(run: list[OpNode], read_later: set[int]) -> Callable[[], Any]:
         storage = storage_of(tensor)
         if storage in read_later and storage not in kept:
             kept[storage] = (tensor, value)
-    targets = [tensor for tensor, _ in kept.values()]
-    graph.output(tuple(value for _, value in kept.values()))
+    # The graph writes them into the captured tensors itself: inductor then stores each
+    # result straight into its target instead of into a new tensor copied after.
+    for tensor, value in kept.values():
+        target = graph.placeholder(f"target_{len(inputs)}")
+        inputs.append(tensor)
+        graph.call_function(torch.ops.aten.copy_.default, (target, value))
+    graph.output(())
     module = torch.fx.GraphModule({}, graph)
     fused = _compile(module, inputs)
     if fused is None:
         plain = [bind(node) for node in run if node.rerun]
         return lambda: [call() for call in plain]
-
-    def replay_run() -> None:
-        for target, fresh in zip(targets, fused(*inputs), strict=True):
-            target.copy_(fresh)
-
-    return replay_run
+    return partial(fused, *inputs)
 
 
 def _compile(module: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Callable | None:
