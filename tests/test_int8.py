@@ -71,9 +71,19 @@ def test_int8_engine_equals_float32_on_the_dequantized_weights(kind, tmp_path):
     logits = {}
     tokens = {}
     for name, llm in [
-        ("reference", LLM(reference_dir, num_kv_blocks=32)),
-        ("int8", LLM(source, num_kv_blocks=32, quantization="int8")),
-        ("int8 graphs", LLM(source, num_kv_blocks=32, quantization="int8", enforce_eager=False)),
+        ("reference", LLM(reference_dir, num_kv_blocks=32, enforce_eager=True)),
+        ("int8", LLM(source, num_kv_blocks=32, quantization="int8", enforce_eager=True)),
+        ("int8 graphs", LLM(source, num_kv_blocks=32, quantization="int8", compile_graphs=False)),
+        (
+            "int8 compiled",
+            LLM(
+                source,
+                num_kv_blocks=32,
+                quantization="int8",
+                compile_graphs=True,
+                capture_sizes=(1, 4),
+            ),
+        ),
     ]:
         probe = LogitsProbe(llm)
         outputs = llm.generate(prompts, params)
@@ -84,6 +94,10 @@ def test_int8_engine_equals_float32_on_the_dequantized_weights(kind, tmp_path):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     for got, want in zip(logits["int8 graphs"], logits["int8"], strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # Fused kernels round differently from the ops they replace.
+    assert tokens["int8 compiled"] == tokens["int8"]
+    for got, want in zip(logits["int8 compiled"], logits["int8"], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_int8_replaces_every_linear_and_keeps_the_embedding(tiny_llama):

@@ -81,7 +81,7 @@ def test_bad_arguments_are_named():
 
 
 def test_engine_decodes_read_the_cache_in_place(tiny_llama, monkeypatch):
-    """Decode groups never gather their context; prefill groups still do."""
+    """Decode groups never gather their context; prefill groups of long queries do."""
     gathered = []
     original = paged.gather_and_attend
 
@@ -91,8 +91,8 @@ def test_engine_decodes_read_the_cache_in_place(tiny_llama, monkeypatch):
 
     monkeypatch.setattr(paged, "gather_and_attend", spy)
     llm = LLM(tiny_llama, num_kv_blocks=32)
-    llm.generate([[1, 2, 3, 4, 5, 6]], SamplingParams(max_tokens=8, ignore_eos=True))
-    assert gathered and all(longest > 1 for longest in gathered)
+    llm.generate([list(range(1, 21))], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert gathered and all(longest > paged.IN_PLACE_MAX_QUERY for longest in gathered)
 
 
 def test_loading_the_kernels_keeps_subnormal_floats():
@@ -111,3 +111,38 @@ def test_loading_the_kernels_keeps_subnormal_floats():
         "assert (torch.tensor([torch.finfo(torch.float32).tiny]) / 4).item() > 0\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_short_queries_read_the_cache_in_place_and_equal_the_gathered_path(monkeypatch):
+    """A verify-sized group (queries of 2-4 tokens, one of them a whole short prompt) runs
+    the kernel, one causal context per query token, and equals padded attention."""
+    from updraft.attention.metadata import AttentionMetadata, GroupShape
+
+    torch.manual_seed(5)
+    block_size, heads, kv_heads, head_dim = 4, 8, 2, 16
+    kv_cache = torch.randn(2, 40 * block_size + 1, kv_heads, head_dim)
+    query_lens, seq_lens = [4, 2, 3], [9, 14, 3]
+    block_table = torch.zeros(3, 6, dtype=torch.long)  # padded as StepInputs pads it
+    order = torch.randperm(40)
+    used = 0
+    for b, length in enumerate(seq_lens):
+        count = -(-length // block_size)
+        block_table[b, :count] = order[used : used + count]
+        used += count
+    metadata = AttentionMetadata(
+        slot_mapping=torch.zeros(9, dtype=torch.long),
+        block_table=block_table,
+        seq_lens=torch.tensor(seq_lens),
+        query_start_loc=torch.tensor([0, 4, 6, 9]),
+        shapes=[GroupShape(0, 3, 0, 9, max_query=max(query_lens), max_context=max(seq_lens))],
+        block_size=block_size,
+    )
+    query = torch.randn(9, heads, head_dim)
+    want = paged.gather_and_attend(query, kv_cache, metadata.group(0), 0.25).flatten(1)
+
+    def gathering(*args, **kwargs):
+        raise AssertionError("a short-query group gathered its context")
+
+    monkeypatch.setattr(paged, "gather_and_attend", gathering)
+    got = paged.attend(query, kv_cache, metadata, 0.25)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -212,8 +212,12 @@ def load(model: str | None, engine_args: dict):
     from updraft.config import EngineConfig
     from updraft.engine.llm import LLM
 
-    graphs = EngineConfig(model=str(model or DEMO_MODEL_DIR), **engine_args).use_graphs
-    what = "loading the model and capturing graphs" if graphs else "loading the model"
+    config = EngineConfig(model=str(model or DEMO_MODEL_DIR), **engine_args)
+    what = "loading the model"
+    if config.use_graphs:
+        what += " and capturing graphs"
+        if config.compiles_graphs and config.device == "cpu":
+            what += " (compiling them: up to a minute at the first start, seconds after)"
     print(f"[updraft] {what} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     llm = LLM(model, **engine_args)

@@ -84,6 +84,33 @@ class AttentionGroup:
 
 
 @dataclass
+class TokenRows:
+    """A group's query tokens as requests of one token each, for the in-place decode
+    kernel: token t of a request whose context is ``seq_len`` long and whose query ends
+    at token ``end`` sees the first ``seq_len - (end - 1 - t)`` positions (causal), through
+    its request's block-table row."""
+
+    block_table: torch.Tensor  # [tokens, max_blocks]
+    seq_lens: torch.Tensor  # [tokens]
+
+    @classmethod
+    def build(
+        cls,
+        shape: GroupShape,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+    ) -> TokenRows:
+        first, last = shape.first_req, shape.last_req
+        ends = query_start_loc[first + 1 : last + 1]
+        tokens = torch.arange(shape.first_token, shape.last_token, device=ends.device)
+        owner = torch.searchsorted(ends, tokens, right=True)
+        hidden_after = ends.index_select(0, owner) - 1 - tokens
+        lens = seq_lens[first:last].index_select(0, owner) - hidden_after
+        return cls(block_table[first:last].index_select(0, owner), lens)
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens]; -1 writes into the spare slot
     block_table: torch.Tensor  # [num_reqs, max_blocks]
@@ -93,6 +120,7 @@ class AttentionMetadata:
     block_size: int
     num_padding_tokens: int = 0  # trailing tokens of no request (a graph bucket's padding)
     _groups: dict[int, AttentionGroup] = field(default_factory=dict, repr=False)
+    _token_rows: dict[int, TokenRows] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_step(
@@ -149,6 +177,15 @@ class AttentionMetadata:
                 self.block_size,
             )
         return self._groups[index]
+
+    def token_rows(self, index: int) -> TokenRows:
+        """``shapes[index]``'s tokens as one-token requests, built on first use and
+        shared by the later layers."""
+        if index not in self._token_rows:
+            self._token_rows[index] = TokenRows.build(
+                self.shapes[index], self.query_start_loc, self.seq_lens, self.block_table
+            )
+        return self._token_rows[index]
 
 
 def group_shapes(step: StepInputs) -> list[GroupShape]:

@@ -56,6 +56,12 @@ def kv_cache_bytes_per_block(
     return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
 
+# Groups whose longest query is at most this many tokens (decodes, and verify steps of
+# up to 7 drafts) read the cache in place, one pass over the context per query token.
+# Longer queries (prefill chunks) do better as one padded matrix product per request.
+IN_PLACE_MAX_QUERY = 8
+
+
 @dataclass(frozen=True)
 class AttentionParams:
     """Provider of one attention layer's per-step parameters: the step's metadata, whose
@@ -84,19 +90,26 @@ def attend(
 ) -> torch.Tensor:
     """Each group of requests attends to its whole context. query [T, H, D] -> [T, H * D].
 
-    Decodes (one query token each) read the paged cache in place with updraft's CPU
-    kernel where it runs (float32 on the CPU); other groups, and decodes elsewhere, gather
-    their context through the block table into one padded attention call."""
+    Where updraft's CPU kernel runs (float32 on the CPU), decodes and groups of short
+    queries (speculative verify steps) read the paged cache in place, each query token
+    as a decode of its own causal context; prefill groups, and everything elsewhere,
+    gather their context through the block table into one padded attention call."""
     outputs = []
     for index, shape in enumerate(metadata.shapes):
-        if shape.max_query == 1 and reads_cache_in_place(query):
-            first, last = shape.first_req, shape.last_req
+        if shape.max_query <= IN_PLACE_MAX_QUERY and reads_cache_in_place(query):
+            if shape.max_query == 1:
+                first, last = shape.first_req, shape.last_req
+                block_table = metadata.block_table[first:last]
+                seq_lens = metadata.seq_lens[first:last]
+            else:
+                rows = metadata.token_rows(index)
+                block_table, seq_lens = rows.block_table, rows.seq_lens
             outputs.append(
                 torch.ops.updraft.paged_decode_attention(
                     query[shape.first_token : shape.last_token],
                     kv_cache,
-                    metadata.block_table[first:last],
-                    metadata.seq_lens[first:last],
+                    block_table,
+                    seq_lens,
                     metadata.block_size,
                     scale,
                 )
