@@ -3,24 +3,13 @@ writes are fused by inductor replays exactly what re-running the function comput
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.test_recorded_graph import Scale, scaled
 from updraft.graph import compiled_runs
 from updraft.graph.recorded import RecordedGraph
 from updraft.graph.tasks import register_task
-
-
-@dataclass(frozen=True)
-class Scale:
-    def resolve(self, metadata: dict) -> dict:
-        return {"factor": metadata["factor"]}
-
-
-def scaled(x: torch.Tensor, factor: float) -> torch.Tensor:
-    return x * factor
 
 
 class Layer(torch.nn.Module):

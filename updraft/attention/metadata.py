@@ -34,6 +34,16 @@ class GroupShape:
     max_context: int
 
 
+def token_owners(
+    shape: GroupShape, query_start_loc: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group's token indices in the flat batch, and the index within the group of
+    the request each belongs to."""
+    ends = query_start_loc[shape.first_req + 1 : shape.last_req + 1]
+    tokens = torch.arange(shape.first_token, shape.last_token, device=ends.device)
+    return tokens, torch.searchsorted(ends, tokens, right=True)
+
+
 @dataclass
 class AttentionGroup:
     """Index tensors for one padded attention call.
@@ -77,8 +87,7 @@ class AttentionGroup:
         mask = (rows[None, :, None] < query_lens[:, None, None]) & (
             columns[None, None, :] <= context_before[:, None, None] + rows[None, :, None]
         )
-        tokens = torch.arange(shape.first_token, shape.last_token, device=device)
-        owner = torch.searchsorted(starts_ends[1:], tokens, right=True)
+        tokens, owner = token_owners(shape, query_start_loc)
         output_index = owner * shape.max_query + tokens - starts.index_select(0, owner)
         return cls(query_index, kv_slots, mask[:, None], output_index)
 
@@ -102,10 +111,8 @@ class TokenRows:
         block_table: torch.Tensor,
     ) -> TokenRows:
         first, last = shape.first_req, shape.last_req
-        ends = query_start_loc[first + 1 : last + 1]
-        tokens = torch.arange(shape.first_token, shape.last_token, device=ends.device)
-        owner = torch.searchsorted(ends, tokens, right=True)
-        hidden_after = ends.index_select(0, owner) - 1 - tokens
+        tokens, owner = token_owners(shape, query_start_loc)
+        hidden_after = query_start_loc[first + 1 : last + 1].index_select(0, owner) - 1 - tokens
         lens = seq_lens[first:last].index_select(0, owner) - hidden_after
         return cls(block_table[first:last].index_select(0, owner), lens)
 

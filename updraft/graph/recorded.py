@@ -115,6 +115,9 @@ class RecordedGraph:
         self.output_storages = {storage_of(tensor) for tensor in tensors_in(out)}
         if self.compile_runs:  # compile now: the first replay should not pay for it
             self._segments = self.segments()
+            # The compiled runs hold the tensors they read and write; what the fused ops
+            # produced in between was only held by their nodes, and can go.
+            self.nodes = []
         return out
 
     def _enter(self, module: torch.nn.Module, _inputs: Any) -> None:
@@ -170,6 +173,8 @@ class RecordedGraph:
     def segments(self) -> list[list[Callable[[], Any]]]:
         """The ops to re-run, bound to their tensors, split at the tasks: segment i runs
         before task i, and the last segment after the last task."""
+        if self._segments is not None:
+            return self._segments
         if self.compile_runs:
             return compiled_segments(self.nodes, self.output_storages)
         segments: list[list[Callable[[], Any]]] = [[]]
