@@ -91,3 +91,28 @@ def test_data_dependent_shape_is_refused():
     model = Toy()
     with pytest.raises(CaptureError, match="output shape that depends on tensor data"):
         capture(model, lambda: model.inputs[model.inputs > 0])
+
+
+@torch.inference_mode()  # as the engine captures: these ops then reach the recorder whole
+def test_an_op_that_may_alias_but_copied_is_rerun():
+    """``to``, ``reshape`` and ``contiguous`` return a view only when they can; when they
+    copied, replay must compute the copy again."""
+    model = Toy()
+    graph, out = capture(
+        model,
+        lambda: (
+            model.inputs.to(torch.float64).sum()
+            + model.inputs.t().reshape(-1).cumsum(0).sum()
+            + (model.inputs > 0).to(torch.float32).sum()
+        ),
+    )
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        model.inputs.copy_(torch.randn(3, 4))
+        graph.replay([])
+        expected = (
+            model.inputs.double().sum()
+            + model.inputs.t().reshape(-1).cumsum(0).sum()
+            + (model.inputs > 0).float().sum()
+        )
+        torch.testing.assert_close(out, expected)

@@ -148,7 +148,11 @@ class RecordedGraph:
             self.constant_storages.update(storage_of(t) for t in outputs)
             return
         self.produced.update(storage_of(t) for t in outputs)
-        rerun = mutates or not func.is_view
+        # An op whose schema allows aliasing (to, reshape, contiguous) returns a view
+        # only sometimes: whether it did is in the storages, and a copy must re-run.
+        read = {storage_of(t) for t in inputs}
+        is_view = func.is_view and all(storage_of(t) in read for t in outputs)
+        rerun = mutates or not is_view
         out_variant = find_out_variant(func) if rerun and len(outputs) == 1 else None
         self.nodes.append(
             OpNode(func, args, kwargs, [] if mutates else outputs, rerun, out_variant)
