@@ -28,6 +28,14 @@ def _linear_library() -> ctypes.CDLL:
 
 
 @cache
+def _moe_library() -> ctypes.CDLL:
+    lib = load("moe")
+    lib.grouped_mlp.restype = None
+    lib.grouped_mlp.argtypes = [_POINTER] * 6 + [_INT] * 4 + [ctypes.c_int]
+    return lib
+
+
+@cache
 def _attention_library() -> ctypes.CDLL:
     lib = load("paged_attention")
     lib.paged_decode_attention.restype = None
@@ -137,6 +145,47 @@ def paged_decode_attention(
     return out
 
 
+def grouped_mlp(
+    x: torch.Tensor, offsets: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """Rows of x [R, H] grouped by expert (rows [offsets[e], offsets[e+1]) to expert e)
+    through each expert's SiLU MLP: gate_up [E, 2I, H], down [E, H, I] -> [R, H]."""
+    experts, double_inter, hidden = gate_up.shape
+    _check(
+        x.dtype == gate_up.dtype == down.dtype == torch.float32 and x.device.type == "cpu",
+        "grouped_mlp",
+        "float32 tensors on the CPU",
+    )
+    _check(
+        offsets.dtype == torch.int64 and offsets.shape == (experts + 1,),
+        "grouped_mlp",
+        "int64 offsets, one more than experts",
+    )
+    _check(
+        x.shape[1] == hidden and down.shape == (experts, hidden, double_inter // 2),
+        "grouped_mlp",
+        "x [R, H], gate_up [E, 2I, H] and down [E, H, I]",
+    )
+    x = x.contiguous()
+    rows = x.shape[0]
+    h = torch.empty(rows, double_inter // 2, dtype=torch.float32)
+    out = torch.zeros_like(x)
+    _moe_library().grouped_mlp(
+        x.data_ptr(),
+        offsets.contiguous().data_ptr(),
+        gate_up.contiguous().data_ptr(),
+        down.contiguous().data_ptr(),
+        h.data_ptr(),
+        out.data_ptr(),
+        rows,
+        experts,
+        hidden,
+        double_inter // 2,
+        torch.get_num_threads(),
+    )
+    return out
+
+
 _LIBRARY = torch.library.Library("updraft", "DEF")
 _LIBRARY.define("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor")
 _LIBRARY.impl("int8_linear", int8_linear, "CPU")
@@ -154,6 +203,9 @@ _LIBRARY.define(
 )
 _LIBRARY.impl("paged_decode_attention", paged_decode_attention, "CPU")
 _LIBRARY.impl("paged_decode_attention", lambda query, *rest: torch.empty_like(query), "Meta")
+_LIBRARY.define("grouped_mlp(Tensor x, Tensor offsets, Tensor gate_up, Tensor down) -> Tensor")
+_LIBRARY.impl("grouped_mlp", grouped_mlp, "CPU")
+_LIBRARY.impl("grouped_mlp", lambda x, *rest: torch.empty_like(x), "Meta")
 
 
 def build_int8_linear() -> None:
@@ -161,12 +213,16 @@ def build_int8_linear() -> None:
     _linear_library()
 
 
-_LIBRARIES = {"linear": _linear_library, "paged_attention": _attention_library}
+_LIBRARIES = {
+    "linear": _linear_library,
+    "paged_attention": _attention_library,
+    "moe": _moe_library,
+}
 
 
 @cache
 def kernel_builds(name: str) -> bool:
-    """Whether kernel ``name`` ("linear" or "paged_attention") builds and loads here (a
+    """Whether kernel ``name`` ("linear", "paged_attention", "moe") builds and loads here (a
     C compiler is on PATH). Answered once per process: a failed build would otherwise be
     tried again by every caller."""
     try:

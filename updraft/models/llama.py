@@ -81,11 +81,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """The gated SiLU MLP (also DeepSeek's dense layers and shared experts)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        size = config.intermediate_size
-        self.gate_up_proj = FusedLinear(config.hidden_size, [size, size], bias=config.mlp_bias)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=config.mlp_bias)
+        size = intermediate_size
+        self.gate_up_proj = FusedLinear(hidden_size, [size, size], bias=bias)
+        self.down_proj = nn.Linear(size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -98,7 +100,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, f"model.layers.{index}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
     def forward(
         self,
