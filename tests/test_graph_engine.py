@@ -65,3 +65,22 @@ def test_graphs_default_to_on_and_compiled(monkeypatch):
     assert not EngineConfig(model="m").compiles_graphs
     assert EngineConfig(model="m", compile_graphs=True).compiles_graphs
     assert EngineConfig(model="m", enforce_eager=False).use_graphs
+
+
+def test_an_engine_with_captured_steps_is_freed_without_the_cycle_collector(tiny_llama):
+    """Graphs hold buffers and KV caches: a reference cycle through them would keep every
+    finished engine's memory until Python's cycle collector happens to run."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        llm = LLM(tiny_llama, num_kv_blocks=16, capture_sizes=(1, 2))
+        llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        captured = weakref.ref(llm.engine._runner.captured)
+        kv_cache = weakref.ref(llm.engine._runner.kv_caches[0])
+        del llm
+        assert captured() is None and kv_cache() is None
+    finally:
+        gc.enable()

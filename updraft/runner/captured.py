@@ -114,10 +114,12 @@ class CapturedSteps:
             for spec in self.specs
         }
 
+        block_size = self.block_size  # not self: the graph keeps this function
+
         def metadata(step: StepInputs) -> AttentionMetadata:
             return AttentionMetadata.bind(
                 step,
-                self.block_size,
+                block_size,
                 slot_mapping=inputs["slot_mapping"].buffer,
                 block_table=inputs["block_table"].buffer,
                 seq_lens=inputs["seq_lens"].buffer,
