@@ -35,6 +35,14 @@ def test_unknown_architecture_names_the_supported_ones(checkpoint):
         LLM(checkpoint)
 
 
+def test_unsupported_rope_type_names_the_supported_ones(checkpoint):
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0}
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"'longrope'.*default, linear, llama3, yarn"):
+        LLM(checkpoint)
+
+
 def test_missing_model_directory_and_config(tmp_path):
     with pytest.raises(FileNotFoundError, match="model directory not found"):
         LLM(tmp_path / "nowhere")

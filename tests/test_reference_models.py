@@ -26,13 +26,9 @@ def reference_logits(model_dir, token_ids: list[int]) -> torch.Tensor:
         return model.eval()(torch.tensor([token_ids])).logits[0]
 
 
-@pytest.mark.parametrize(
-    "token_budget",
-    [1024, 10],
-    ids=["whole-prefill", "chunked-prefill-beside-decodes"],
-)
-def test_logits_match_transformers_over_prefill_and_decode(tiny_checkpoint, token_budget):
-    kind, model_dir = tiny_checkpoint
+def assert_logits_match(model_dir, token_budget: int = 1024) -> None:
+    """Prefill PROMPTS together (in chunks when ``token_budget`` is small), decode
+    DECODE_STEPS, and compare every emitted token's logits with transformers' forward."""
     llm = LLM(
         model_dir,
         block_size=4,
@@ -53,7 +49,45 @@ def test_logits_match_transformers_over_prefill_and_decode(tiny_checkpoint, toke
         expected = expected[len(prompt) - 1 : len(sequence) - 1]
         got = probe.of(output)
         assert got.shape == expected.shape
-        assert (got - expected).abs().max().item() < 1e-4, kind
+        assert (got - expected).abs().max().item() < 1e-4, model_dir
+
+
+@pytest.mark.parametrize(
+    "token_budget",
+    [1024, 10],
+    ids=["whole-prefill", "chunked-prefill-beside-decodes"],
+)
+def test_logits_match_transformers_over_prefill_and_decode(tiny_checkpoint, token_budget):
+    assert_logits_match(tiny_checkpoint[1], token_budget)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"factor": 4.0},
+        # DeepSeek's form: the cos/sin scale is a ratio of two mscale terms.
+        {"factor": 8.0, "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 16, "beta_slow": 2},
+    ],
+    ids=["yarn", "yarn-mscale"],
+)
+def test_yarn_rope_matches_transformers(tmp_path, rope):
+    """Prompts and decodes run past the original context of 32 positions."""
+    from tests.conftest import TINY
+
+    config = transformers.Qwen2Config(
+        **TINY,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "original_max_position_embeddings": 32,
+            **rope,
+        },
+    )
+    torch.manual_seed(0)
+    transformers.Qwen2ForCausalLM(config).eval().save_pretrained(tmp_path)
+    assert_logits_match(tmp_path)
 
 
 def test_greedy_equals_transformers_generate(tiny_checkpoint):

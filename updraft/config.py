@@ -37,11 +37,19 @@ def torch_dtype(name: str) -> torch.dtype:
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    kind: str = "default"  # default | linear | llama3
+    kind: str = "default"  # default | linear | llama3 | yarn
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # YaRN: the rotation counts that bound the blend of interpolated and original
+    # frequencies, and the cos/sin scale (attention_factor, else derived from mscale).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -135,15 +143,29 @@ def _rope_config(raw: dict[str, Any]) -> RopeConfig:
     params.update(raw.get("rope_parameters") or {})
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ("default", "linear", "llama3"):
-        raise ValueError(f"unsupported RoPE type {kind!r}; supported: default, linear, llama3")
+    if kind not in ("default", "linear", "llama3", "yarn"):
+        raise ValueError(
+            f"unsupported RoPE type {kind!r}; supported: default, linear, llama3, yarn"
+        )
+    original = int(params.get("original_max_position_embeddings", 8192))
+    factor = params.get("factor")
+    if factor is None:  # YaRN without a factor stretches the original context to the new
+        factor = raw.get("max_position_embeddings", original) / original if kind == "yarn" else 1
+    optional = {
+        name: float(params[name]) if params.get(name) is not None else None
+        for name in ("mscale", "mscale_all_dim", "attention_factor")
+    }
     return RopeConfig(
         theta=float(theta),
         kind=kind,
-        factor=float(params.get("factor", 1.0)),
+        factor=float(factor),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=original,
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        **optional,
     )
 
 

@@ -16,7 +16,44 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         return inv_freq / rope.factor
     if rope.kind == "llama3":
         return _llama3_scaled(inv_freq, rope)
+    if rope.kind == "yarn":
+        return _yarn_scaled(inv_freq, rope, head_dim)
     return inv_freq
+
+
+def attention_factor(rope: RopeConfig) -> float:
+    """YaRN's scale of cos and sin (1 for other kinds): given, or 0.1 ln(factor) + 1,
+    or with DeepSeek's ``mscale``/``mscale_all_dim`` the ratio of two such terms."""
+    if rope.kind != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+
+    def mscale(weight: float) -> float:
+        return 1.0 if rope.factor <= 1 else 0.1 * weight * math.log(rope.factor) + 1.0
+
+    if rope.mscale and rope.mscale_all_dim:
+        return mscale(rope.mscale) / mscale(rope.mscale_all_dim)
+    return mscale(1.0)
+
+
+def _yarn_scaled(inv_freq: torch.Tensor, rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """YaRN (NTK-by-parts): frequencies that turn more than ``beta_fast`` times over the
+    original context keep their value, those that turn fewer than ``beta_slow`` times
+    are divided by ``factor``, and a linear ramp over the dimensions blends between."""
+
+    def dimension_of(rotations: float) -> float:
+        turns = rope.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return head_dim * math.log(turns) / (2 * math.log(rope.theta))
+
+    low, high = dimension_of(rope.beta_fast), dimension_of(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of no width would divide by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / rope.factor * ramp + inv_freq * (1 - ramp)
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
@@ -44,8 +81,9 @@ class RotaryEmbedding(torch.nn.Module):
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inverse_frequencies(rope, head_dim))
         angles = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        scale = attention_factor(rope)
+        self.register_buffer("cos", angles.cos() * scale, persistent=False)
+        self.register_buffer("sin", angles.sin() * scale, persistent=False)
 
     def lookup(
         self, positions: torch.Tensor, dtype: torch.dtype
