@@ -38,18 +38,8 @@ def reference_and_ours(seed: int = 0):
         tensor.copy_(torch.randn_like(tensor) * 0.3)
     # A correction that changes which experts are chosen, not their weights.
     state["gate.e_score_correction_bias"].copy_(torch.randn(8) * 0.5)
-    config = MoEConfig(
-        hidden_size=32,
-        moe_intermediate_size=16,
-        num_experts=8,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        n_shared_experts=1,
-        routed_scaling_factor=2.5,
-        norm_topk_prob=True,
-    )
-    ours = DeepseekMoE(config).eval()
+    same_names = {name: value for name, value in TINY.items() if name != "n_routed_experts"}
+    ours = DeepseekMoE(MoEConfig(num_experts=TINY["n_routed_experts"], **same_names)).eval()
     with torch.no_grad():
         ours.gate.weight.copy_(state["gate.weight"])
         ours.gate.e_score_correction_bias.copy_(state["gate.e_score_correction_bias"])
