@@ -154,6 +154,7 @@ def _compile(module: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Callab
         tuple((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device) for t in inputs),
     )
     if key not in _compiled:
+        import torch._inductor.config
         from torch._guards import TracingContext, tracing
         from torch._inductor.compile_fx import compile_fx
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -162,8 +163,12 @@ def _compile(module: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Callab
         # A shape environment, even with every shape fixed, is what lets inductor keep
         # the compiled graph in its on-disk cache.
         context = TracingContext(FakeTensorMode(shape_env=ShapeEnv()))
+        # A run is always called with the very tensors it was compiled for: checking
+        # their sizes, strides and alignment at every call could never fail, and costs
+        # a few microseconds per input.
+        checks_off = torch._inductor.config.patch(size_asserts=False, alignment_asserts=False)
         try:
-            with tracing(context):
+            with tracing(context), checks_off:
                 _compiled[key] = compile_fx(module, inputs)
         except Exception as error:  # no compiler, an op inductor lacks: replay op by op
             logger.warning("graph run left uncompiled (%s: %s)", type(error).__name__, error)
