@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Generate a completion and stream it to stdout; a one-line summary (tokens, "
             "tokens/s, time to first token) goes to stderr. Without --model the shipped "
-            "demo model (a small Llama trained on Python's standard library) is used."
+            "demo model (a small Llama trained on Python's standard library) is used. "
+            "One request runs, so only the batch-1 step is captured unless "
+            "--capture-sizes says otherwise."
         ),
         formatter_class=HelpFormatter,
     )
@@ -51,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt", help="the prompt text; - reads it from standard input")
     source.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
     add_engine_arguments(generate)
+    # One request runs at a time here: capturing (and compiling) the batch-1 step is
+    # enough, and keeps the first start on a machine short.
+    generate.set_defaults(capture_sizes=(1,))
     sampling = generate.add_argument_group("sampling")
     sampling.add_argument("--max-tokens", type=int, default=64)
     sampling.add_argument(
