@@ -27,6 +27,7 @@ own cache on disk makes a later start quick.
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -57,13 +58,13 @@ def compiled_segments(
 ) -> list[list[Callable[[], Any]]]:
     """The replay segments of a recorded graph (segment i runs before task i), with each
     run of compilable ops as one compiled call and every other op bound as recorded."""
-    read_after = _storages_read_after(nodes, output_storages)
+    last_read = _last_reads(nodes, output_storages)
     segments: list[list[Callable[[], Any]]] = [[]]
     run: list[OpNode] = []
 
     def close_run(end: int) -> None:
         if sum(node.rerun for node in run) >= MIN_OPS_PER_RUN:
-            segments[-1].append(_compiled_run(run, read_after[end]))
+            segments[-1].append(_compiled_run(run, last_read, end))
         else:
             segments[-1].extend(bind(node) for node in run if node.rerun)
         run.clear()
@@ -82,20 +83,19 @@ def compiled_segments(
     return segments
 
 
-def _storages_read_after(
-    nodes: Sequence[OpNode | TaskNode], output_storages: set[int]
-) -> list[set[int]]:
-    """``result[i]``: the storages read by node i or later, or returned by the graph."""
-    reads = set(output_storages)
-    result = [set(reads)]
-    for node in reversed(nodes):
+def _last_reads(nodes: Sequence[OpNode | TaskNode], output_storages: set[int]) -> dict[int, float]:
+    """Each storage the graph reads, with the index of the last node that reads it
+    (infinity for what the graph returns)."""
+    last: dict[int, float] = {}
+    for index, node in enumerate(nodes):
         read = node.kwargs if isinstance(node, TaskNode) else (node.args, node.kwargs)
-        reads |= {storage_of(tensor) for tensor in tensors_in(read)}
-        result.append(set(reads))
-    return result[::-1]
+        last.update((storage_of(tensor), index) for tensor in tensors_in(read))
+    last.update((storage, math.inf) for storage in output_storages)
+    return last
 
 
-def _compiled_run(run: list[OpNode], read_later: set[int]) -> Callable[[], Any]:
+def _compiled_run(run: list[OpNode], last_read: dict[int, float], end: int) -> Callable[[], Any]:
+    """``run`` as one compiled call; ``end`` is the index of the node after it."""
     graph = torch.fx.Graph()
     values: dict[int, torch.fx.Node] = {}  # id of a captured tensor -> its graph value
     inputs: list[torch.Tensor] = []
@@ -129,7 +129,7 @@ def _compiled_run(run: list[OpNode], read_later: set[int]) -> Callable[[], Any]:
     kept: dict[int, tuple[torch.Tensor, torch.fx.Node]] = {}
     for tensor, value in results:
         storage = storage_of(tensor)
-        if storage in read_later and storage not in kept:
+        if last_read.get(storage, -1) >= end and storage not in kept:
             kept[storage] = (tensor, value)
     # The graph writes them into the captured tensors itself: inductor then stores each
     # result straight into its target instead of into a new tensor copied after.

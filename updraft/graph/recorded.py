@@ -114,7 +114,7 @@ class RecordedGraph:
             )
         self.output_storages = {storage_of(tensor) for tensor in tensors_in(out)}
         if self.compile_runs:  # compile now: the first replay should not pay for it
-            self._segments = self.segments()
+            self.segments()
             # The compiled runs hold the tensors they read and write; what the fused ops
             # produced in between was only held by their nodes, and can go.
             self.nodes = []
@@ -176,27 +176,25 @@ class RecordedGraph:
 
     def segments(self) -> list[list[Callable[[], Any]]]:
         """The ops to re-run, bound to their tensors, split at the tasks: segment i runs
-        before task i, and the last segment after the last task."""
-        if self._segments is not None:
-            return self._segments
-        if self.compile_runs:
-            return compiled_segments(self.nodes, self.output_storages)
-        segments: list[list[Callable[[], Any]]] = [[]]
-        for node in self.nodes:
-            if isinstance(node, TaskNode):
-                segments.append([])
-            elif node.rerun:
-                segments[-1].append(bind(node))
-        return segments
+        before task i, and the last segment after the last task. Built once."""
+        if self._segments is None:
+            if self.compile_runs:
+                self._segments = compiled_segments(self.nodes, self.output_storages)
+            else:
+                self._segments = [[]]
+                for node in self.nodes:
+                    if isinstance(node, TaskNode):
+                        self._segments.append([])
+                    elif node.rerun:
+                        self._segments[-1].append(bind(node))
+        return self._segments
 
     def check(self, task_params: list[dict[str, Any]]) -> None:
         """Nothing to check: a re-run task takes whatever its provider resolves."""
 
     def replay(self, task_params: list[dict[str, Any]]) -> None:
         """Re-run the recorded ops; ``task_params[i]`` updates the kwargs of task i."""
-        if self._segments is None:
-            self._segments = self.segments()
-        for i, segment in enumerate(self._segments):
+        for i, segment in enumerate(self.segments()):
             for call in segment:
                 call()
             if i < len(self.tasks):

@@ -151,6 +151,7 @@ def grouped_mlp(
     """Rows of x [R, H] grouped by expert (rows [offsets[e], offsets[e+1]) to expert e)
     through each expert's SiLU MLP: gate_up [E, 2I, H], down [E, H, I] -> [R, H]."""
     experts, double_inter, hidden = gate_up.shape
+    inter = double_inter // 2
     _check(
         x.dtype == gate_up.dtype == down.dtype == torch.float32 and x.device.type == "cpu",
         "grouped_mlp",
@@ -162,13 +163,13 @@ def grouped_mlp(
         "int64 offsets, one more than experts",
     )
     _check(
-        x.shape[1] == hidden and down.shape == (experts, hidden, double_inter // 2),
+        x.shape[1] == hidden and down.shape == (experts, hidden, inter),
         "grouped_mlp",
         "x [R, H], gate_up [E, 2I, H] and down [E, H, I]",
     )
     x = x.contiguous()
     rows = x.shape[0]
-    h = torch.empty(rows, double_inter // 2, dtype=torch.float32)
+    h = torch.empty(rows, inter, dtype=torch.float32)
     out = torch.zeros_like(x)
     _moe_library().grouped_mlp(
         x.data_ptr(),
@@ -180,7 +181,7 @@ def grouped_mlp(
         rows,
         experts,
         hidden,
-        double_inter // 2,
+        inter,
         torch.get_num_threads(),
     )
     return out
