@@ -69,6 +69,65 @@ def make_tiny_checkpoint(kind: str, directory: Path, seed: int = 0, dtype=torch.
     return directory
 
 
+# DeepSeek: MLA with kv_lora_rank (24) unlike qk_rope_head_dim (8), so the cache's two
+# parts cannot be swapped unnoticed; 8 routed experts in 2 groups, 1 shared, layer 0
+# dense. V3.2's indexer keeps 6 tokens, fewer than most prompts, and has 16 heads: with
+# few heads a key's weighted ReLU score is exactly 0 often enough for the top-k to tie.
+DEEPSEEK_TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=16,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_shared_experts=1,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    first_k_dense_replace=1,
+    kv_lora_rank=24,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=12,
+    v_head_dim=10,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=None,
+)
+DEEPSEEK = {
+    "deepseek-v3": dict(q_lora_rank=16),
+    "deepseek-v3-no-q-lora": dict(q_lora_rank=None),
+    "deepseek-v3.2": dict(q_lora_rank=16, index_topk=6, index_head_dim=16, index_n_heads=16),
+}
+
+
+def make_deepseek_checkpoint(kind: str, directory: Path, seed: int = 0) -> Path:
+    import transformers
+
+    config_class, model_class = (
+        (transformers.DeepseekV32Config, transformers.DeepseekV32ForCausalLM)
+        if kind == "deepseek-v3.2"
+        else (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM)
+    )
+    torch.manual_seed(seed)
+    model = model_class(config_class(**DEEPSEEK_TINY, **DEEPSEEK[kind])).eval()
+    with torch.no_grad():  # a bias that changes which experts win
+        for name, tensor in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                tensor.normal_(0, 0.5)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session", params=sorted(DEEPSEEK))
+def tiny_deepseek(request, tmp_path_factory) -> tuple[str, Path]:
+    kind = request.param
+    return kind, make_deepseek_checkpoint(kind, tmp_path_factory.mktemp(kind))
+
+
 @pytest.fixture(scope="session", params=sorted(ARCHITECTURES))
 def tiny_checkpoint(request, tmp_path_factory) -> tuple[str, Path]:
     kind = request.param

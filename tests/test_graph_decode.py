@@ -1,12 +1,15 @@
 """A decode step captured with the recorded backend replays exactly like eager, and a
-skipped refresh of any declared input shows up in its output."""
+skipped refresh of any declared input shows up in its output: for GQA (Llama), MLA
+(DeepSeek-V3) and MLA with sparse attention (DeepSeek-V3.2) alike."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tests.conftest import make_deepseek_checkpoint
 from updraft import LLM, SamplingParams
+from updraft.attention import latent
 from updraft.attention.metadata import AttentionMetadata
 from updraft.runner.captured import CapturedSteps
 
@@ -70,3 +73,48 @@ def test_skipping_one_refresh_makes_outputs_diverge(tiny_llama, skip, compile_ru
     eager, replayed = run(tiny_llama, skip=skip, compile_runs=compile_runs)
     worst = max((g - e).abs().max().item() for e, g in zip(eager, replayed, strict=True))
     assert worst > 1e-2, f"skipping the {skip} refresh went unnoticed"
+
+
+@pytest.fixture(scope="module", params=["deepseek-v3", "deepseek-v3.2"])
+def deepseek(request, tmp_path_factory):
+    return make_deepseek_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.mark.parametrize("compile_runs", [False, True], ids=["op by op", "compiled"])
+def test_latent_attention_replays_equal_eager(deepseek, compile_runs):
+    eager, replayed = run(deepseek, compile_runs=compile_runs)
+    for e, g in zip(eager, replayed, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("skip", ["block_table", "slot_mapping", "seq_lens", "positions"])
+def test_latent_attention_notices_a_skipped_refresh(deepseek, skip):
+    eager, replayed = run(deepseek, skip=skip)
+    worst = max((g - e).abs().max().item() for e, g in zip(eager, replayed, strict=True))
+    assert worst > 1e-2, f"skipping the {skip} refresh went unnoticed"
+
+
+def test_a_stale_seq_lens_changes_the_sparse_attention_selection(tmp_path, monkeypatch):
+    """DSA's top-k tokens are chosen inside the step from seq_lens: a replay that kept
+    the captured lengths would choose other tokens, and the output shows it."""
+    model_dir = make_deepseek_checkpoint("deepseek-v3.2", tmp_path)
+    chosen = []
+    select = latent.index_selection
+
+    def spy(*args):
+        selected = select(*args)
+        chosen.append(selected[:, 0, 0].clone())  # each decode's query row
+        return selected
+
+    monkeypatch.setattr(latent, "index_selection", spy)
+    for skip in (None, "seq_lens"):
+        chosen.clear()
+        eager, _ = run(model_dir, skip=skip)
+        # One prefill step (3 layers), then per decode step 3 layers each of: the eager
+        # run, the replay, and the engine's own (eager) step.
+        steps = [chosen[i : i + 9] for i in range(3, len(chosen), 9)]
+        assert len(steps) == len(eager)
+        same = all(
+            torch.equal(a, b) for step in steps for a, b in zip(step[:3], step[3:6], strict=True)
+        )
+        assert same == (skip is None), skip

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from updraft.config import MoEConfig
 from updraft.graph.recorded import RecordedGraph
 from updraft.kernels.ops import kernel_builds
-from updraft.models.moe import DeepseekMoE, MoEConfig
+from updraft.models.moe import DeepseekMoE
 
 pytestmark = pytest.mark.skipif(
     not kernel_builds("moe"), reason="needs a C compiler to build the expert kernel"

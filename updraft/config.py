@@ -18,7 +18,9 @@ from updraft.checkpoints import local_checkpoint
 if TYPE_CHECKING:
     import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+DEEPSEEK_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
+SUPPORTED_ARCHITECTURES = LLAMA_ARCHITECTURES + DEEPSEEK_ARCHITECTURES
 # By name: this module is what `updraft --help` reads, and must not import torch.
 DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZATIONS = ("int8",)
@@ -53,6 +55,46 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek): queries through an optional low-rank
+    ``q_lora_rank``; keys and values from one compressed latent of ``kv_lora_rank``
+    values per token plus a shared rotary key of ``qk_rope_head_dim``."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # rotary pairs are adjacent columns (x0, x1), (x2, x3), ...
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """DeepSeekMoE: routed experts chosen by a group-limited sigmoid router, and shared
+    experts every token passes through."""
+
+    hidden_size: int
+    moe_intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    n_shared_experts: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+
+
+@dataclass(frozen=True)
+class IndexerConfig:
+    """DeepSeek sparse attention's lightning indexer: each query attends only to the
+    ``topk`` context tokens its ``n_heads`` ReLU scores rank highest."""
+
+    n_heads: int
+    head_dim: int
+    topk: int
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -71,6 +113,15 @@ class ModelConfig:
     qk_norm: bool
     checkpoint_dtype: str  # one of DTYPES
     eos_token_ids: tuple[int, ...] = ()
+    # DeepSeek: latent attention, experts from layer ``first_k_dense_replace`` on, and
+    # (V3.2) the sparse-attention indexer.
+    mla: MLAConfig | None = None
+    moe: MoEConfig | None = None
+    first_k_dense_replace: int = 0
+    indexer: IndexerConfig | None = None
+    # Multi-token prediction layers stored after the decoder layers (DeepSeek's
+    # num_nextn_predict_layers): the loader skips them.
+    mtp_layers: int = 0
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -100,6 +151,11 @@ class ModelConfig:
         num_heads = _positive_int(raw, "num_attention_heads")
         hidden_size = _positive_int(raw, "hidden_size")
         head_dim = raw.get("head_dim") or hidden_size // num_heads
+        deepseek = (
+            _deepseek_parts(raw, architecture) if architecture in DEEPSEEK_ARCHITECTURES else {}
+        )
+        if deepseek:  # the rotary part is what RoPE turns
+            head_dim = deepseek["mla"].qk_rope_head_dim
         return cls(
             architecture=architecture,
             vocab_size=_positive_int(raw, "vocab_size"),
@@ -119,7 +175,80 @@ class ModelConfig:
             qk_norm=architecture == "Qwen3ForCausalLM",
             checkpoint_dtype=_dtype_name(raw.get("torch_dtype") or raw.get("dtype")),
             eos_token_ids=eos_token_ids,
+            **deepseek,
         )
+
+
+def _deepseek_parts(raw: dict[str, Any], architecture: str) -> dict[str, Any]:
+    if raw.get("attention_bias"):
+        raise ValueError("config.json: DeepSeek attention with attention_bias is not supported")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(
+            f"config.json: hidden_act {raw['hidden_act']!r} is not supported (silu is)"
+        )
+    q_lora_rank = raw.get("q_lora_rank")
+    if q_lora_rank is not None:
+        q_lora_rank = _positive_int(raw, "q_lora_rank")
+    mla = MLAConfig(
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=_positive_int(raw, "kv_lora_rank"),
+        qk_nope_head_dim=_positive_int(raw, "qk_nope_head_dim"),
+        qk_rope_head_dim=_positive_int(raw, "qk_rope_head_dim"),
+        v_head_dim=_positive_int(raw, "v_head_dim"),
+        # V3.2 always interleaves; V3 says so in its config (default true).
+        rope_interleave=architecture == "DeepseekV32ForCausalLM"
+        or bool(raw.get("rope_interleave", True)),
+    )
+    if mla.qk_rope_head_dim % 2:
+        raise ValueError(f"config.json: qk_rope_head_dim must be even, got {mla.qk_rope_head_dim}")
+    num_experts = _positive_int(raw, "n_routed_experts")
+    n_group = raw.get("n_group") or 1
+    if num_experts % n_group:
+        raise ValueError(
+            f"config.json: n_routed_experts {num_experts} is not a multiple of n_group {n_group}"
+        )
+    if num_experts // n_group < 2:
+        raise ValueError(
+            "config.json: each expert group needs at least 2 experts (groups rank by their top two)"
+        )
+    moe = MoEConfig(
+        hidden_size=_positive_int(raw, "hidden_size"),
+        moe_intermediate_size=_positive_int(raw, "moe_intermediate_size"),
+        num_experts=num_experts,
+        num_experts_per_tok=_positive_int(raw, "num_experts_per_tok"),
+        n_group=n_group,
+        topk_group=raw.get("topk_group") or 1,
+        n_shared_experts=raw.get("n_shared_experts") or 0,
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+    )
+    if moe.topk_group > n_group or moe.num_experts_per_tok > moe.topk_group * (
+        num_experts // n_group
+    ):
+        raise ValueError(
+            f"config.json: num_experts_per_tok {moe.num_experts_per_tok} experts cannot be chosen "
+            f"from topk_group {moe.topk_group} of {n_group} groups of {num_experts // n_group}"
+        )
+    indexer = None
+    if architecture == "DeepseekV32ForCausalLM":
+        if q_lora_rank is None:
+            raise ValueError(
+                "config.json: DeepSeek-V3.2 needs q_lora_rank (its indexer reads the query latent)"
+            )
+        indexer = IndexerConfig(
+            n_heads=_positive_int(raw, "index_n_heads"),
+            head_dim=_positive_int(raw, "index_head_dim"),
+            topk=_positive_int(raw, "index_topk"),
+        )
+        if indexer.head_dim < mla.qk_rope_head_dim:
+            raise ValueError("config.json: index_head_dim must be at least qk_rope_head_dim")
+    return {
+        "mla": mla,
+        "moe": moe,
+        "first_k_dense_replace": int(raw.get("first_k_dense_replace") or 0),
+        "indexer": indexer,
+        "mtp_layers": int(raw.get("num_nextn_predict_layers") or 0),
+    }
 
 
 def _positive_int(raw: dict[str, Any], key: str) -> int:

@@ -1,8 +1,10 @@
 """Paged attention over a slot-addressed KV cache, in plain PyTorch.
 
-A layer's cache is one tensor [2, num_slots + 1, num_kv_heads, head_dim]: slot
+A GQA layer's cache is one tensor [2, num_slots + 1, num_kv_heads, head_dim]: slot
 ``block * block_size + offset`` holds one position. The extra last slot absorbs writes
-to slot -1, which is how padded tokens write nothing without a branch.
+to slot -1, which is how padded tokens write nothing without a branch. Other attention
+kinds (``attention/latent.py``) keep other rows per slot (``attention/cache_layout.py``)
+and share the allocation and the group and token-row indices of ``metadata``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from updraft.attention.cache_layout import CacheLayout
 from updraft.attention.metadata import AttentionGroup, AttentionMetadata
 from updraft.graph.tasks import register_task
 from updraft.kernels.ops import kernel_builds
@@ -23,12 +26,11 @@ def allocate_kv_cache(
     num_layers: int,
     num_blocks: int,
     block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
+    layout: CacheLayout,
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> list[torch.Tensor]:
-    shape = (2, num_blocks * block_size + 1, num_kv_heads, head_dim)
+    shape = layout.shape(num_blocks * block_size + 1)
     try:
         if torch.device(device).type == "cpu":
             return [zeros_on_first_write(shape, dtype) for _ in range(num_layers)]
@@ -51,9 +53,9 @@ def zeros_on_first_write(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Te
 
 
 def kv_cache_bytes_per_block(
-    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    num_layers: int, block_size: int, layout: CacheLayout, dtype: torch.dtype
 ) -> int:
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+    return num_layers * block_size * layout.values_per_slot * dtype.itemsize
 
 
 # Groups whose longest query is at most this many tokens (decodes, and verify steps of
@@ -134,18 +136,39 @@ def gather_and_attend(
     query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup, scale: float
 ) -> torch.Tensor:
     """One padded attention call over the group's context, gathered from the cache."""
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    slots = group.kv_slots.flatten()
+    keys = kv_cache[0].index_select(0, slots)
+    values = kv_cache[1].index_select(0, slots)
+    return attend_gathered(query, keys, values, group, scale)
+
+
+def attend_gathered(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    group: AttentionGroup,
+    scale: float,
+    mask: torch.Tensor | None = None,
+    first_token: int = 0,
+) -> torch.Tensor:
+    """query [tokens, H, D] (the flat batch from ``first_token`` on), the group's context
+    keys [B * Kmax, Hkv, D] and values [B * Kmax, Hkv, Dv] -> the group's tokens
+    [t, H, Dv]. ``mask`` [B, 1, Qmax, Kmax] replaces the group's causal mask."""
     batch, max_query = group.query_index.shape
     max_context = group.kv_slots.shape[1]
-    q = query.index_select(0, group.query_index.flatten())
-    k = key_cache.index_select(0, group.kv_slots.flatten())
-    v = value_cache.index_select(0, group.kv_slots.flatten())
+    index = group.query_index.flatten()
+    q = query.index_select(0, index - first_token if first_token else index)
     # [B * L, heads, D] -> [B, heads, L, D]
     q = q.view(batch, max_query, *q.shape[1:]).transpose(1, 2)
-    k = k.view(batch, max_context, *k.shape[1:]).transpose(1, 2)
-    v = v.view(batch, max_context, *v.shape[1:]).transpose(1, 2)
+    k = keys.view(batch, max_context, *keys.shape[1:]).transpose(1, 2)
+    v = values.view(batch, max_context, *values.shape[1:]).transpose(1, 2)
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        q,
+        k,
+        v,
+        attn_mask=group.mask if mask is None else mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
     )
     return out.transpose(1, 2).flatten(0, 1).index_select(0, group.output_index)
 

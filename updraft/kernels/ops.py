@@ -40,7 +40,7 @@ def _attention_library() -> ctypes.CDLL:
     lib = load("paged_attention")
     lib.paged_decode_attention.restype = None
     lib.paged_decode_attention.argtypes = (
-        [_POINTER] * 6 + [_INT] * 7 + [ctypes.c_float, ctypes.c_int]
+        [_POINTER] * 6 + [_INT] * 9 + [ctypes.c_float, ctypes.c_int]
     )
     return lib
 
@@ -104,31 +104,87 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """query [B, H, D] (one token per request), kv_cache [2, slots, Hkv, D], block_table
     [B, max_blocks] and seq_lens [B] int64 -> [B, H, D]."""
-    _check(
-        query.dtype == kv_cache.dtype == torch.float32 and query.device.type == "cpu",
+    _check(kv_cache.is_contiguous(), "paged_decode_attention", "a contiguous cache")
+    _, num_slots, kv_heads, head_dim = kv_cache.shape
+    return _decode_attention(
         "paged_decode_attention",
+        query,
+        (kv_cache[0], kv_cache[1]),
+        (num_slots, kv_heads, head_dim, head_dim, kv_heads * head_dim),
+        block_table,
+        seq_lens,
+        block_size,
+        scale,
+    )
+
+
+def paged_latent_attention(
+    query: torch.Tensor,
+    latent_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    value_dim: int,
+) -> torch.Tensor:
+    """Multi-query attention over a latent cache [slots, C]: query [B, H, W] scores the
+    first W columns of each context row, and the first ``value_dim`` columns are the
+    values -> [B, H, value_dim]."""
+    num_slots, width = latent_cache.shape
+    _check(
+        latent_cache.is_contiguous() and query.shape[-1] <= width and value_dim <= width,
+        "paged_latent_attention",
+        "a contiguous [slots, C] cache at least as wide as the query and the values",
+    )
+    return _decode_attention(
+        "paged_latent_attention",
+        query,
+        (latent_cache, latent_cache),
+        (num_slots, 1, query.shape[-1], value_dim, width),
+        block_table,
+        seq_lens,
+        block_size,
+        scale,
+    )
+
+
+def _decode_attention(
+    op: str,
+    query: torch.Tensor,
+    caches: tuple[torch.Tensor, torch.Tensor],
+    geometry: tuple[int, int, int, int, int],  # slots, kv heads, key dim, value dim, stride
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    num_slots, kv_heads, head_dim, value_dim, slot_stride = geometry
+    _check(
+        query.dtype == caches[0].dtype == torch.float32 and query.device.type == "cpu",
+        op,
         "float32 tensors on the CPU",
     )
     _check(
-        block_table.dtype == seq_lens.dtype == torch.int64 and kv_cache.is_contiguous(),
-        "paged_decode_attention",
-        "int64 block tables and seq_lens and a contiguous cache",
+        block_table.dtype == seq_lens.dtype == torch.int64,
+        op,
+        "int64 block tables and seq_lens",
     )
-    requests, heads, head_dim = query.shape
-    _, num_slots, kv_heads, _ = kv_cache.shape
+    requests, heads, query_dim = query.shape
     _check(
-        heads % kv_heads == 0 and block_table.shape[0] == seq_lens.shape[0] == requests,
-        "paged_decode_attention",
+        query_dim == head_dim
+        and heads % kv_heads == 0
+        and block_table.shape[0] == seq_lens.shape[0] == requests,
+        op,
         "whole query-head groups and one block-table row and seq_len per request",
     )
     query = query.contiguous()
     block_table = block_table.contiguous()
     seq_lens = seq_lens.contiguous()
-    out = torch.empty_like(query)
+    out = query.new_empty(requests, heads, value_dim)
     _attention_library().paged_decode_attention(
         query.data_ptr(),
-        kv_cache[0].data_ptr(),
-        kv_cache[1].data_ptr(),
+        caches[0].data_ptr(),
+        caches[1].data_ptr(),
         block_table.data_ptr(),
         seq_lens.data_ptr(),
         out.data_ptr(),
@@ -136,6 +192,8 @@ def paged_decode_attention(
         heads,
         kv_heads,
         head_dim,
+        value_dim,
+        slot_stride,
         block_table.shape[1],
         block_size,
         num_slots,
@@ -204,6 +262,16 @@ _LIBRARY.define(
 )
 _LIBRARY.impl("paged_decode_attention", paged_decode_attention, "CPU")
 _LIBRARY.impl("paged_decode_attention", lambda query, *rest: torch.empty_like(query), "Meta")
+_LIBRARY.define(
+    "paged_latent_attention(Tensor query, Tensor latent_cache, Tensor block_table, "
+    "Tensor seq_lens, int block_size, float scale, int value_dim) -> Tensor"
+)
+_LIBRARY.impl("paged_latent_attention", paged_latent_attention, "CPU")
+_LIBRARY.impl(
+    "paged_latent_attention",
+    lambda query, *rest: query.new_empty(*query.shape[:-1], rest[-1]),
+    "Meta",
+)
 _LIBRARY.define("grouped_mlp(Tensor x, Tensor offsets, Tensor gate_up, Tensor down) -> Tensor")
 _LIBRARY.impl("grouped_mlp", grouped_mlp, "CPU")
 _LIBRARY.impl("grouped_mlp", lambda x, *rest: torch.empty_like(x), "Meta")

@@ -2,7 +2,11 @@
 
    One query token per request. Request b's context is positions [0, seq_lens[b]); the
    K/V of position t live at slot block_table[b][t / block_size] * block_size +
-   t % block_size of each cache, [num_slots, kv_heads, head_dim]. Each K/V row is read once,
+   t % block_size of each cache, whose slots are slot_stride floats apart and hold
+   kv_heads keys of head_dim and values of value_dim. GQA caches are
+   [num_slots, kv_heads, head_dim] each; a latent (MLA) cache is one [num_slots, width]
+   tensor read as one KV head whose key is the first head_dim columns of a row and whose
+   value is the first value_dim of the same row. Each K/V row is read once,
    whole (every KV head) and in order, for all the query heads of a work item: a request,
    or a request's single KV head when there are fewer requests than threads.
 
@@ -35,8 +39,9 @@ void paged_decode_attention(const float *query, const float *key_cache,
                             const float *value_cache, const int64_t *block_table,
                             const int64_t *seq_lens, float *out, int64_t requests,
                             int64_t heads, int64_t kv_heads, int64_t head_dim,
-                            int64_t max_blocks, int64_t block_size, int64_t num_slots,
-                            float scale, int threads) {
+                            int64_t value_dim, int64_t slot_stride, int64_t max_blocks,
+                            int64_t block_size, int64_t num_slots, float scale,
+                            int threads) {
     const int64_t group = heads / kv_heads;
     /* A work item is a request's KV heads [first, last): all of them when there are
        requests enough to share out, so each K/V row is read whole and in order; one
@@ -54,8 +59,8 @@ void paged_decode_attention(const float *query, const float *key_cache,
             const int64_t first = (item % split) * per_item, last = first + per_item;
             const int64_t item_heads = (last - first) * group;
             const int64_t context = seq_lens[b] > 0 ? seq_lens[b] : 0;
-            float *o = out + (b * heads + first * group) * head_dim;
-            memset(o, 0, sizeof(float) * item_heads * head_dim);
+            float *o = out + (b * heads + first * group) * value_dim;
+            memset(o, 0, sizeof(float) * item_heads * value_dim);
             if (context == 0) continue;
             if (context > capacity) {
                 free(scores);
@@ -78,7 +83,7 @@ void paged_decode_attention(const float *query, const float *key_cache,
             for (int64_t t = 0; t < context; t++) {
                 for (int64_t h = 0; h < item_heads; h++) scores[h * context + t] = MASKED;
                 if (slots[t] < 0) continue;
-                const float *row = key_cache + (slots[t] * kv_heads + first) * head_dim;
+                const float *row = key_cache + slots[t] * slot_stride + first * head_dim;
                 for (int64_t kh = 0; kh < last - first; kh++)
                     for (int64_t g = 0; g < group; g++) {
                         int64_t h = kh * group + g;
@@ -106,12 +111,12 @@ void paged_decode_attention(const float *query, const float *key_cache,
             /* values: each V row once, for every head of the item */
             for (int64_t t = 0; t < context; t++) {
                 if (slots[t] < 0) continue;
-                const float *row = value_cache + (slots[t] * kv_heads + first) * head_dim;
+                const float *row = value_cache + slots[t] * slot_stride + first * value_dim;
                 for (int64_t kh = 0; kh < last - first; kh++)
                     for (int64_t g = 0; g < group; g++) {
                         int64_t h = kh * group + g;
-                        axpy(o + h * head_dim, scores[h * context + t], row + kh * head_dim,
-                             head_dim);
+                        axpy(o + h * value_dim, scores[h * context + t], row + kh * value_dim,
+                             value_dim);
                     }
             }
         }

@@ -8,6 +8,7 @@ missing or unknown tensor is an error that names it and the files read.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -17,18 +18,29 @@ from torch import nn
 from updraft.config import ModelConfig
 from updraft.models.int8_linear import can_quantize_int8, quantize_linears
 from updraft.models.llama import FusedLinear
+from updraft.models.moe import Experts
 from updraft.models.packed_linear import can_prepack, prepack_linears
 from updraft.models.registry import model_class
 
-# checkpoint projection -> (fused parameter in the model, index of its slice)
+# checkpoint projection -> (fused parameter in the model, index of its slice), the first
+# of these the model has
 FUSED_SLICES = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
+    "q_proj": (("qkv_proj", 0), ("qkv_a_proj", 0)),
+    "k_proj": (("qkv_proj", 1),),
+    "v_proj": (("qkv_proj", 2),),
+    "gate_proj": (("gate_up_proj", 0),),
+    "up_proj": (("gate_up_proj", 1),),
+    "q_a_proj": (("qkv_a_proj", 0),),
+    "kv_a_proj_with_mqa": (("qkv_a_proj", 1),),
 }
+# One expert's projection in a checkpoint -> its slice of the stacked expert weights:
+# (parameter, part); gate and up are the two halves of gate_up_proj's rows.
+EXPERT_TENSOR = re.compile(
+    r"(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight"
+)
+EXPERT_PARTS = {"gate": ("gate_up_proj", 0), "up": ("gate_up_proj", 1), "down": ("down_proj", 0)}
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -69,7 +81,7 @@ def load_model(
             model = model_class(config)(config, max_positions=max_positions)
     finally:
         torch.set_default_dtype(default_dtype)
-    load_weights(model, files)
+    load_weights(model, files, skip_layers_from=config.num_layers, skip_layers=config.mtp_layers)
     if quantization == "int8":
         if not can_quantize_int8(torch.device(device), dtype):
             raise ValueError(
@@ -82,16 +94,25 @@ def load_model(
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, files: list[Path]) -> None:
+def load_weights(
+    model: nn.Module, files: list[Path], skip_layers_from: int = 0, skip_layers: int = 0
+) -> None:
+    """Fill every parameter slice of ``model`` from ``files``. Layers
+    [skip_layers_from, skip_layers_from + skip_layers) are a checkpoint's multi-token
+    prediction layers, which the model does not run."""
     params = dict(model.named_parameters())  # tied weights appear once
     modules = dict(model.named_modules())
     unfilled = {(name, index) for name, index in _slices(params, modules)}
     unknown = []
+    skipped = range(skip_layers_from, skip_layers_from + skip_layers)
     for path in files:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as reader:
                 for checkpoint_name in reader.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    if checkpoint_name.endswith(IGNORED_SUFFIXES):
+                    layer = LAYER.match(checkpoint_name)
+                    if checkpoint_name.endswith(IGNORED_SUFFIXES) or (
+                        layer and int(layer[1]) in skipped
+                    ):
                         continue
                     target = _target(checkpoint_name, params)
                     if target is None:
@@ -114,17 +135,29 @@ def _slices(params: dict[str, nn.Parameter], modules: dict[str, nn.Module]):
         module = modules[name.rpartition(".")[0]]
         if isinstance(module, FusedLinear):
             yield from ((name, index) for index in range(len(module.split_sizes)))
+        elif isinstance(module, Experts):
+            parts = (0, 1) if name.endswith("gate_up_proj") else (0,)
+            for expert in range(module.num_experts):
+                yield from ((name, (expert, part)) for part in parts)
         else:
             yield name, 0
 
 
-def _target(checkpoint_name: str, params: dict[str, nn.Parameter]) -> tuple[str, int] | None:
+Slice = int | tuple[int, int]  # a fused slice; or (expert, part) of stacked experts
+
+
+def _target(checkpoint_name: str, params: dict[str, nn.Parameter]) -> tuple[str, Slice] | None:
+    expert = EXPERT_TENSOR.fullmatch(checkpoint_name)
+    if expert is not None:
+        param, part = EXPERT_PARTS[expert["proj"]]
+        name = f"{expert['experts']}.{param}"
+        return (name, (int(expert["expert"]), part)) if name in params else None
     module_path, _, kind = checkpoint_name.rpartition(".")
     parent, _, projection = module_path.rpartition(".")
-    if projection in FUSED_SLICES:
-        fused, index = FUSED_SLICES[projection]
+    for fused, index in FUSED_SLICES.get(projection, ()):
         name = f"{parent}.{fused}.{kind}"
-        return (name, index) if name in params else None
+        if name in params:
+            return name, index
     if checkpoint_name in params:
         return checkpoint_name, 0
     if checkpoint_name == "lm_head.weight" and "lm_head.weight" not in params:
@@ -135,7 +168,7 @@ def _target(checkpoint_name: str, params: dict[str, nn.Parameter]) -> tuple[str,
 def _copy_into(
     params: dict[str, nn.Parameter],
     modules: dict[str, nn.Module],
-    target: tuple[str, int],
+    target: tuple[str, Slice],
     tensor: torch.Tensor,
 ) -> None:
     name, index = target
@@ -143,7 +176,13 @@ def _copy_into(
         return
     param = params[name]
     module = modules[name.rpartition(".")[0]]
-    if isinstance(module, FusedLinear):
+    if isinstance(index, tuple):  # one expert's gate, up or down rows
+        expert, part = index
+        param = param[expert]
+        if name.endswith("gate_up_proj"):
+            half = param.shape[0] // 2
+            param = param.narrow(0, part * half, half)
+    elif isinstance(module, FusedLinear):
         start = sum(module.split_sizes[:index])
         param = param.narrow(0, start, module.split_sizes[index])
     if param.shape != tensor.shape:

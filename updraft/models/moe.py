@@ -15,26 +15,12 @@ chosen expert's weights once over its rows. Every shape is fixed by the token co
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from updraft.config import MoEConfig
 from updraft.models.llama import MLP
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    hidden_size: int
-    moe_intermediate_size: int
-    num_experts: int
-    num_experts_per_tok: int
-    n_group: int
-    topk_group: int
-    n_shared_experts: int
-    routed_scaling_factor: float
-    norm_topk_prob: bool
 
 
 class TopKRouter(nn.Module):
@@ -42,7 +28,8 @@ class TopKRouter(nn.Module):
         super().__init__()
         self.config = config
         self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
-        self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts))
+        # A parameter, not a buffer: checkpoints carry it, and the loader fills parameters.
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] float32, experts [T, k] int64)."""
@@ -69,6 +56,7 @@ class Experts(nn.Module):
 
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
+        self.num_experts = config.num_experts
         size, hidden = config.moe_intermediate_size, config.hidden_size
         self.gate_up_proj = nn.Parameter(torch.zeros(config.num_experts, 2 * size, hidden))
         self.down_proj = nn.Parameter(torch.zeros(config.num_experts, hidden, size))

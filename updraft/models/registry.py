@@ -5,12 +5,15 @@ from __future__ import annotations
 from torch import nn
 
 from updraft.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from updraft.models.deepseek import DeepseekForCausalLM
 from updraft.models.llama import LlamaForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
+    "DeepseekV32ForCausalLM": DeepseekForCausalLM,
 }
 assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES)
 

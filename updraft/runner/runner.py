@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from updraft.attention.cache_layout import cache_layout
 from updraft.attention.metadata import AttentionMetadata
 from updraft.attention.paged import allocate_kv_cache, kv_cache_bytes_per_block
 from updraft.config import EngineConfig, ModelConfig
@@ -67,13 +68,13 @@ class Runner:
             max_positions=max_model_len,
             quantization=config.quantization,
         )
+        self.cache_layout = cache_layout(model_config)
         self.num_blocks = self._num_blocks() if num_blocks is None else num_blocks
         self.kv_caches = allocate_kv_cache(
             model_config.num_layers,
             self.num_blocks,
             self.block_size,
-            model_config.num_kv_heads,
-            model_config.head_dim,
+            self.cache_layout,
             self.dtype,
             self.device,
         )
@@ -102,8 +103,7 @@ class Runner:
         per_block = kv_cache_bytes_per_block(
             self.model_config.num_layers,
             self.block_size,
-            self.model_config.num_kv_heads,
-            self.model_config.head_dim,
+            self.cache_layout,
             self.dtype,
         )
         num_blocks = int(self.config.kv_cache_memory_gib * 2**30) // per_block
@@ -178,13 +178,15 @@ class Runner:
             hidden.append(states)
             return logits.clone()
 
+        slot_dim = self.cache_layout.slot_dim
         logits = checked_replay(
             replay,
             lambda kv_caches: self.model.compute_logits(self._hidden_eager(inputs, kv_caches)),
             self.kv_caches,
             self.sanitize_report,
             label=f"step {self.step_modes.total()} (bucket {bucket}, {inputs.num_reqs} requests)",
-            live=lambda kv_cache: kv_cache[:, :-1],  # the spare slot takes padded writes
+            # the spare last slot takes padded writes
+            live=lambda kv_cache: kv_cache.narrow(slot_dim, 0, kv_cache.shape[slot_dim] - 1),
         )
         return hidden[0], logits
 

@@ -1,0 +1,46 @@
+"""What one layer's KV cache holds per slot, by attention kind.
+
+A slot is one token position of one block (``block * block_size + offset``); every
+layer's cache has ``num_blocks * block_size + 1`` of them, the last a spare that takes
+the writes of padded tokens (slot -1). The block pool, prefix cache and capacity
+planning count blocks and never look inside a slot, so a new attention kind is a new
+layout here and nothing else changes above the model.
+
+* GQA (Llama, Qwen): ``[2, slots, kv_heads, head_dim]``, keys then values.
+* MLA (DeepSeek): ``[slots, kv_lora_rank + qk_rope_head_dim]``, the normalised latent
+  ``c_kv`` and the rotated shared key ``k_pe``, not expanded keys and values; with the
+  V3.2 indexer, its ``index_head_dim`` key follows in the same row.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from updraft.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    before_slots: tuple[int, ...]  # dims in front of the slot dim (GQA: K and V)
+    per_slot: tuple[int, ...]  # the shape of one slot
+
+    def shape(self, num_slots: int) -> tuple[int, ...]:
+        return (*self.before_slots, num_slots, *self.per_slot)
+
+    @property
+    def slot_dim(self) -> int:
+        return len(self.before_slots)
+
+    @property
+    def values_per_slot(self) -> int:
+        return math.prod(self.before_slots) * math.prod(self.per_slot)
+
+
+def cache_layout(config: ModelConfig) -> CacheLayout:
+    if config.mla is not None:
+        width = config.mla.kv_lora_rank + config.mla.qk_rope_head_dim
+        if config.indexer is not None:
+            width += config.indexer.head_dim
+        return CacheLayout(before_slots=(), per_slot=(width,))
+    return CacheLayout(before_slots=(2,), per_slot=(config.num_kv_heads, config.head_dim))

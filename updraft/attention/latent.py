@@ -1,0 +1,218 @@
+"""Multi-head latent attention (MLA) over a paged latent cache, with DeepSeek sparse
+attention (DSA) when the model has an indexer.
+
+A layer's cache is [num_slots + 1, kv_lora_rank + qk_rope_head_dim (+ index_head_dim)]:
+per token the normalised latent ``c_kv``, the rotated shared key ``k_pe`` and, for DSA,
+the indexer's key (``attention/cache_layout.py``). Keys and values are never cached
+expanded. Two ways to attend over it, chosen per group of requests like GQA's:
+
+* **Absorbed** (decodes and verify steps, query groups of up to ``IN_PLACE_MAX_QUERY``
+  tokens): the key up-projection W_UK folds into the query (q_nope W_UK, per head), so
+  each head attends as multi-query attention over ``[c_kv | k_pe]`` with values
+  ``c_kv``, and the value up-projection W_UV applies to the result. Per step this reads
+  each cached row once, ``kv_lora_rank + qk_rope_head_dim`` values, whatever the heads.
+* **Expanded** (prefill chunks): the group's context goes through ``kv_b_proj`` once
+  into per-head keys and values, which is cheaper when many query tokens share them.
+
+With DSA, the indexer scores every context token for every query token (a weighted sum
+over its heads of ReLU'd dot products with the cached indexer keys), and each query
+attends only to the ``index_topk`` best of its causal context: the selection is a mask
+derived inside the step from the cache and the step's own seq_lens and block table, so
+a replay selects afresh like everything else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from updraft.attention.metadata import AttentionGroup, AttentionMetadata
+from updraft.attention.paged import IN_PLACE_MAX_QUERY, AttentionParams, attend_gathered
+from updraft.graph.tasks import register_task
+from updraft.kernels.ops import kernel_builds
+
+
+@dataclass(frozen=True)
+class LatentDims:
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    index_head_dim: int = 0  # 0: no indexer (dense attention)
+    index_topk: int = 0
+
+    @property
+    def key_width(self) -> int:
+        """The columns of a cached row that keys are made of: ``c_kv`` then ``k_pe``."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+def write_latent(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """rows [T, width] into their slots; slot -1 lands in the spare last slot."""
+    cache.index_copy_(0, slot_mapping.remainder(cache.shape[0]), rows)
+
+
+def latent_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    kv_b_weight: torch.Tensor,
+    dims: LatentDims,
+    scale: float,
+    params: AttentionParams,
+    index_query: torch.Tensor | None = None,
+    index_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q_nope [T, H, nope], q_pe [T, H, rope] (rotated) -> [T, H * v_head_dim]; with
+    DSA, the indexer's queries [T, index_heads, index_head_dim] and head weights
+    [T, index_heads]. The attention is a task: its group shapes change every step. Its
+    tensors are direct arguments, where capture sees them (a tensor inside some other
+    object would not be tracked as one the task reads)."""
+    kwargs = {
+        "q_nope": q_nope,
+        "q_pe": q_pe,
+        "cache": cache,
+        "metadata": metadata,
+        "kv_b_weight": kv_b_weight,
+        "dims": dims,
+        "scale": scale,
+        "index_query": index_query,
+        "index_weights": index_weights,
+    }
+    return register_task(attend_latent, kwargs, params)
+
+
+def attend_latent(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    kv_b_weight: torch.Tensor,
+    dims: LatentDims,
+    scale: float,
+    index_query: torch.Tensor | None,
+    index_weights: torch.Tensor | None,
+) -> torch.Tensor:
+    heads = q_nope.shape[1]
+    # kv_b_proj's rows are, per head, the key's nope part then the value.
+    up = kv_b_weight.view(heads, dims.qk_nope_head_dim + dims.v_head_dim, dims.kv_lora_rank)
+    w_uk, w_uv = up.split([dims.qk_nope_head_dim, dims.v_head_dim], dim=1)
+    outputs = []
+    for index, shape in enumerate(metadata.shapes):
+        tokens = slice(shape.first_token, shape.last_token)
+        selected = None
+        if index_query is not None:
+            group = metadata.group(index)
+            selected = index_selection(index_query, index_weights, cache, group, dims)
+        if shape.max_query <= IN_PLACE_MAX_QUERY:
+            # [t, H, nope] x [H, nope, L] -> [t, H, L]: the query in latent space
+            q_latent = torch.einsum("thn,hnl->thl", q_nope[tokens], w_uk)
+            query = torch.cat([q_latent, q_pe[tokens]], dim=-1)
+            latent = _absorbed(query, cache, metadata, index, dims, scale, selected)
+            outputs.append(torch.einsum("thl,hvl->thv", latent, w_uv))
+        else:
+            outputs.append(
+                _expanded(
+                    q_nope, q_pe, cache, metadata.group(index), kv_b_weight, dims, scale, selected
+                )
+            )
+    if metadata.num_padding_tokens:
+        outputs.append(q_nope.new_zeros(metadata.num_padding_tokens, heads, dims.v_head_dim))
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+    return out.flatten(1)
+
+
+def _absorbed(
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    index: int,
+    dims: LatentDims,
+    scale: float,
+    selected: torch.Tensor | None,
+) -> torch.Tensor:
+    """query [t, H, L + rope] in latent space -> [t, H, L]: multi-query attention whose
+    keys are the cached rows' first L + rope columns and whose values are their first L."""
+    shape = metadata.shapes[index]
+    if selected is None and _reads_cache_in_place(query):
+        if shape.max_query == 1:
+            block_table = metadata.block_table[shape.first_req : shape.last_req]
+            seq_lens = metadata.seq_lens[shape.first_req : shape.last_req]
+        else:
+            rows = metadata.token_rows(index)
+            block_table, seq_lens = rows.block_table, rows.seq_lens
+        return torch.ops.updraft.paged_latent_attention(
+            query, cache, block_table, seq_lens, metadata.block_size, scale, dims.kv_lora_rank
+        )
+    group = metadata.group(index)
+    rows = cache.index_select(0, group.kv_slots.flatten())
+    keys = rows[:, None, : dims.key_width]
+    values = rows[:, None, : dims.kv_lora_rank]
+    return attend_gathered(query, keys, values, group, scale, selected, shape.first_token)
+
+
+def expand_latent(
+    latent: torch.Tensor, kv_b_weight: torch.Tensor, dims: LatentDims
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cached ``c_kv`` rows [N, L] -> per-head key nope parts [N, H, nope] and values
+    [N, H, v] through kv_b_proj: the prefill path (decode never calls it)."""
+    expanded = F.linear(latent, kv_b_weight).view(
+        latent.shape[0], -1, dims.qk_nope_head_dim + dims.v_head_dim
+    )
+    k_nope, values = expanded.split([dims.qk_nope_head_dim, dims.v_head_dim], dim=-1)
+    return k_nope, values
+
+
+def _expanded(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    group: AttentionGroup,
+    kv_b_weight: torch.Tensor,
+    dims: LatentDims,
+    scale: float,
+    selected: torch.Tensor | None,
+) -> torch.Tensor:
+    rows = cache.index_select(0, group.kv_slots.flatten())
+    k_nope, values = expand_latent(rows[:, : dims.kv_lora_rank], kv_b_weight, dims)
+    k_pe = rows[:, None, dims.kv_lora_rank : dims.key_width].expand(-1, k_nope.shape[1], -1)
+    keys = torch.cat([k_nope, k_pe], dim=-1)
+    query = torch.cat([q_nope, q_pe], dim=-1)
+    return attend_gathered(query, keys, values, group, scale, selected)
+
+
+def index_selection(
+    index_query: torch.Tensor,
+    index_weights: torch.Tensor,
+    cache: torch.Tensor,
+    group: AttentionGroup,
+    dims: LatentDims,
+) -> torch.Tensor:
+    """DSA: the mask [B, 1, Qmax, Kmax] of the context tokens each query of the group
+    attends to: its causal context where that is at most ``index_topk`` tokens, else the
+    ``index_topk`` tokens of it the indexer scores highest."""
+    batch, max_query = group.query_index.shape
+    max_context = group.kv_slots.shape[1]
+    keys = cache.index_select(0, group.kv_slots.flatten())[:, dims.key_width :]
+    keys = keys.reshape(batch, max_context, dims.index_head_dim).float()
+    rows = group.query_index.flatten()
+    query = index_query.index_select(0, rows).view(batch, max_query, -1, dims.index_head_dim)
+    weights = index_weights.index_select(0, rows).view(batch, max_query, -1)
+    scores = F.relu(torch.einsum("bqhi,bki->bqhk", query.float(), keys) * dims.index_head_dim**-0.5)
+    totals = torch.einsum("bqh,bqhk->bqk", weights.float(), scores)
+    allowed = group.mask[:, 0]
+    totals = totals.masked_fill(~allowed, float("-inf"))
+    chosen = totals.topk(min(dims.index_topk, max_context), dim=-1).indices
+    selected = torch.zeros_like(allowed).scatter(-1, chosen, True) & allowed
+    return selected[:, None]
+
+
+def _reads_cache_in_place(query: torch.Tensor) -> bool:
+    return (
+        query.dtype == torch.float32
+        and query.device.type == "cpu"
+        and kernel_builds("paged_attention")
+    )
