@@ -34,6 +34,13 @@ def test_logits_match_transformers_over_prefill_and_decode(tiny_deepseek, token_
     assert_logits_match(tiny_deepseek[1], token_budget)
 
 
+def test_attention_gathered_instead_of_read_in_place_matches_too(tiny_deepseek, monkeypatch):
+    """Where the CPU kernel does not run (GPUs, other dtypes), decodes attend over the
+    gathered context, and with DSA under the selection's mask."""
+    monkeypatch.setattr(latent, "_reads_cache_in_place", lambda query: False)
+    assert_logits_match(tiny_deepseek[1], token_budget=10)
+
+
 def test_greedy_equals_transformers_generate(tiny_deepseek):
     kind, model_dir = tiny_deepseek
     outputs = LLM(model_dir, block_size=8, num_kv_blocks=64).generate(PROMPTS, greedy(30))

@@ -97,3 +97,15 @@ def test_a_captured_moe_layer_replays_new_routing():
         x.copy_(torch.randn(6, 32) * 2)
         graph.replay([])
         torch.testing.assert_close(out, ours(x), atol=1e-5, rtol=1e-5)
+
+
+def test_the_fallback_without_the_kernel_equals_the_kernel(monkeypatch):
+    """Other devices and dtypes run the experts per row, with the same result."""
+    from updraft.models import moe
+
+    _, ours = reference_and_ours(seed=2)
+    x = torch.randn(7, 32)
+    with torch.inference_mode():
+        expected = ours(x)
+        monkeypatch.setattr(moe, "kernel_builds", lambda name: False)
+        torch.testing.assert_close(ours(x), expected, atol=1e-5, rtol=1e-5)

@@ -54,6 +54,28 @@ def test_kernel_equals_attention_over_the_gathered_context(heads, kv_heads):
     assert got[2].eq(0).all()
 
 
+def test_latent_kernel_is_multi_query_attention_over_the_rows_it_names():
+    """MLA's absorbed decode: one KV head whose key is the first W columns of a latent
+    row and whose value is its first L; the rest of the row (DSA's indexer key) is not
+    read. As GQA with one KV head over the same rows, gathered."""
+    torch.manual_seed(3)
+    block_size, latent, rope, extra, heads = 4, 24, 8, 16, 5
+    cache = torch.randn(30 * block_size + 1, latent + rope + extra)
+    block_table = torch.randperm(30)[:18].view(3, 6)
+    seq_lens = torch.tensor([21, 1, 0])
+    query = torch.randn(3, heads, latent + rope)
+    got = torch.ops.updraft.paged_latent_attention(
+        query, cache, block_table, seq_lens, block_size, 0.2, latent
+    )
+    width = latent + rope
+    as_gqa = torch.stack([cache[:, :width], F.pad(cache[:, :latent], (0, rope))])[
+        :, :, None
+    ]  # values padded to the key width: GQA's layout
+    want = reference(query, as_gqa, block_table, seq_lens, block_size, 0.2)[..., :latent]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert got.shape == (3, heads, latent) and got[2].eq(0).all()
+
+
 def test_a_missing_block_is_skipped_not_read():
     """A block id of -1 inside the context (an inconsistent step) reads nothing: the
     kernel attends to the positions it can address and stays in bounds."""

@@ -24,6 +24,7 @@ a replay selects afresh like everything else.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,32 @@ class LatentDims:
     def key_width(self) -> int:
         """The columns of a cached row that keys are made of: ``c_kv`` then ``k_pe``."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+class Selection(NamedTuple):
+    """DSA's choice for one group: per query row of the padded group [B, Qmax], context
+    indices best first [B, Qmax, k], of which the first ``count`` are chosen (the rest
+    are positions outside the causal context, which sort last)."""
+
+    chosen: torch.Tensor
+    count: torch.Tensor
+
+    def mask(self, max_context: int) -> torch.Tensor:
+        """[B, 1, Qmax, Kmax]: True where a query attends."""
+        ranks = torch.arange(self.chosen.shape[-1], device=self.chosen.device)
+        keep = ranks < self.count[..., None]
+        empty = torch.zeros(
+            *self.chosen.shape[:-1], max_context, dtype=torch.bool, device=keep.device
+        )
+        return empty.scatter(-1, self.chosen, keep)[:, None]
+
+    def token_rows(self, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per query token of the group, in order: the slots of its chosen context as a
+        block table of one-slot blocks [t, k], and how many there are [t]."""
+        batch, max_query, k = self.chosen.shape
+        slots = group.kv_slots.gather(1, self.chosen.view(batch, max_query * k))
+        table = slots.view(batch * max_query, k).index_select(0, group.output_index)
+        return table, self.count.flatten().index_select(0, group.output_index)
 
 
 def write_latent(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -132,26 +159,33 @@ def _absorbed(
     index: int,
     dims: LatentDims,
     scale: float,
-    selected: torch.Tensor | None,
+    selected: Selection | None,
 ) -> torch.Tensor:
     """query [t, H, L + rope] in latent space -> [t, H, L]: multi-query attention whose
-    keys are the cached rows' first L + rope columns and whose values are their first L."""
+    keys are the cached rows' first L + rope columns and whose values are their first L.
+    Where the kernel runs it reads the rows in place: each request's context through its
+    block table, or with DSA only each query token's chosen slots."""
     shape = metadata.shapes[index]
-    if selected is None and _reads_cache_in_place(query):
-        if shape.max_query == 1:
+    if _reads_cache_in_place(query):
+        block_size = metadata.block_size
+        if selected is not None:
+            block_table, seq_lens = selected.token_rows(metadata.group(index))
+            block_size = 1
+        elif shape.max_query == 1:
             block_table = metadata.block_table[shape.first_req : shape.last_req]
             seq_lens = metadata.seq_lens[shape.first_req : shape.last_req]
         else:
             rows = metadata.token_rows(index)
             block_table, seq_lens = rows.block_table, rows.seq_lens
         return torch.ops.updraft.paged_latent_attention(
-            query, cache, block_table, seq_lens, metadata.block_size, scale, dims.kv_lora_rank
+            query, cache, block_table, seq_lens, block_size, scale, dims.kv_lora_rank
         )
     group = metadata.group(index)
     rows = cache.index_select(0, group.kv_slots.flatten())
     keys = rows[:, None, : dims.key_width]
     values = rows[:, None, : dims.kv_lora_rank]
-    return attend_gathered(query, keys, values, group, scale, selected, shape.first_token)
+    mask = None if selected is None else selected.mask(group.kv_slots.shape[1])
+    return attend_gathered(query, keys, values, group, scale, mask, shape.first_token)
 
 
 def expand_latent(
@@ -174,14 +208,15 @@ def _expanded(
     kv_b_weight: torch.Tensor,
     dims: LatentDims,
     scale: float,
-    selected: torch.Tensor | None,
+    selected: Selection | None,
 ) -> torch.Tensor:
     rows = cache.index_select(0, group.kv_slots.flatten())
     k_nope, values = expand_latent(rows[:, : dims.kv_lora_rank], kv_b_weight, dims)
     k_pe = rows[:, None, dims.kv_lora_rank : dims.key_width].expand(-1, k_nope.shape[1], -1)
     keys = torch.cat([k_nope, k_pe], dim=-1)
     query = torch.cat([q_nope, q_pe], dim=-1)
-    return attend_gathered(query, keys, values, group, scale, selected)
+    mask = None if selected is None else selected.mask(group.kv_slots.shape[1])
+    return attend_gathered(query, keys, values, group, scale, mask)
 
 
 def index_selection(
@@ -190,10 +225,10 @@ def index_selection(
     cache: torch.Tensor,
     group: AttentionGroup,
     dims: LatentDims,
-) -> torch.Tensor:
-    """DSA: the mask [B, 1, Qmax, Kmax] of the context tokens each query of the group
-    attends to: its causal context where that is at most ``index_topk`` tokens, else the
-    ``index_topk`` tokens of it the indexer scores highest."""
+) -> Selection:
+    """DSA: the context tokens each query of the group attends to: its causal context
+    where that is at most ``index_topk`` tokens, else the ``index_topk`` tokens of it
+    the indexer scores highest."""
     batch, max_query = group.query_index.shape
     max_context = group.kv_slots.shape[1]
     keys = cache.index_select(0, group.kv_slots.flatten())[:, dims.key_width :]
@@ -205,9 +240,9 @@ def index_selection(
     totals = torch.einsum("bqh,bqhk->bqk", weights.float(), scores)
     allowed = group.mask[:, 0]
     totals = totals.masked_fill(~allowed, float("-inf"))
-    chosen = totals.topk(min(dims.index_topk, max_context), dim=-1).indices
-    selected = torch.zeros_like(allowed).scatter(-1, chosen, True) & allowed
-    return selected[:, None]
+    k = min(dims.index_topk, max_context)
+    chosen = totals.topk(k, dim=-1).indices  # sorted: outside the context comes last
+    return Selection(chosen, allowed.sum(dim=-1).clamp(max=k))
 
 
 def _reads_cache_in_place(query: torch.Tensor) -> bool:

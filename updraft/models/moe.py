@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from updraft.config import MoEConfig
+from updraft.kernels.ops import kernel_builds
 from updraft.models.llama import MLP
 
 
@@ -68,15 +69,27 @@ class Experts(nn.Module):
         chosen = experts.flatten()
         order = torch.argsort(chosen, stable=True)  # (token, expert) pairs by expert
         token_of_row = order // k
-        counts = torch.zeros(num_experts, dtype=torch.int64).scatter_add(
-            0, chosen, torch.ones_like(chosen)
-        )
-        offsets = F.pad(counts.cumsum(0), (1, 0))
-        rows = torch.ops.updraft.grouped_mlp(
-            x.index_select(0, token_of_row), offsets, self.gate_up_proj, self.down_proj
-        )
+        rows = x.index_select(0, token_of_row)
+        if x.dtype == torch.float32 and x.device.type == "cpu" and kernel_builds("moe"):
+            counts = torch.zeros(num_experts, dtype=torch.int64).scatter_add(
+                0, chosen, torch.ones_like(chosen)
+            )
+            offsets = F.pad(counts.cumsum(0), (1, 0))
+            rows = torch.ops.updraft.grouped_mlp(rows, offsets, self.gate_up_proj, self.down_proj)
+        else:
+            rows = self._per_row(rows, chosen.index_select(0, order))
         rows = rows * weights.flatten().index_select(0, order)[:, None].to(rows.dtype)
         return torch.zeros_like(x).index_add(0, token_of_row, rows)
+
+    def _per_row(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Where the kernel does not run (other devices and dtypes): each row through its
+        expert's weights, gathered per row. Correct and capturable (no shape depends on
+        the routing), but it copies each row's weights: a fallback, not a fast path."""
+        gate, up = torch.bmm(self.gate_up_proj.index_select(0, experts), rows[:, :, None]).chunk(
+            2, dim=1
+        )
+        hidden = F.silu(gate) * up
+        return torch.bmm(self.down_proj.index_select(0, experts), hidden)[:, :, 0]
 
 
 class DeepseekMoE(nn.Module):
