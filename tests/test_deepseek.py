@@ -203,3 +203,50 @@ def test_the_server_serves_a_deepseek_model(tmp_path):
         reply = httpx.post(f"{url}/v1/completions", json={**body, "temperature": 0}, timeout=60)
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["text"] == expected[0].outputs[0].text
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"quantization_config": {"quant_method": "fp8"}}, r"quantized checkpoints.*fp8"),
+        ({"n_group": 3}, r"n_routed_experts 8 is not a multiple of n_group 3"),
+        ({"num_experts_per_tok": 6}, r"num_experts_per_tok 6 experts cannot be chosen"),
+        ({"kv_lora_rank": 0}, r"kv_lora_rank must be a positive int"),
+        ({"qk_rope_head_dim": 7}, r"qk_rope_head_dim must be even"),
+        ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported"),
+        ({"architectures": ["DeepseekV2ForCausalLM"]}, r"unsupported architecture"),
+    ],
+)
+def test_bad_deepseek_configs_are_named(tmp_path, change, message):
+    import json
+
+    model_dir = make_deepseek_checkpoint("deepseek-v3", tmp_path)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=message):
+        LLM(model_dir)
+
+
+def test_a_missing_expert_tensor_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model_dir = make_deepseek_checkpoint("deepseek-v3", tmp_path)
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    del tensors["model.layers.2.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing .*experts\.gate_up_proj \(expert 5's up_proj\)"):
+        LLM(model_dir)
+
+
+def test_bfloat16_compute_stays_close_and_routes_in_float32(tiny_deepseek):
+    from tests.probes import LogitsProbe
+
+    _, model_dir = tiny_deepseek
+    full_llm, half_llm = LLM(model_dir), LLM(model_dir, dtype="bfloat16")
+    full_probe, half_probe = LogitsProbe(full_llm), LogitsProbe(half_llm)
+    full = full_probe.of(full_llm.generate([PROMPTS[2]], greedy(1))[0])[0]
+    half = half_probe.of(half_llm.generate([PROMPTS[2]], greedy(1))[0])[0]
+    assert (full - half).abs().max().item() < 0.1 * full.abs().max().item()
+    router = half_llm.engine._runner.model.model.layers[1].mlp.gate
+    assert router.weight.dtype == router.e_score_correction_bias.dtype == torch.float32

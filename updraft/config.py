@@ -146,6 +146,12 @@ class ModelConfig:
                 f"unsupported architecture {architectures or '(none given)'}; "
                 f"updraft supports {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if raw.get("quantization_config"):
+            method = raw["quantization_config"].get("quant_method", "?")
+            raise ValueError(
+                f"quantized checkpoints (quantization_config: {method}) are not supported; "
+                "load one in float32, bfloat16 or float16 (--quantization int8 quantizes at load)"
+            )
         if raw.get("use_sliding_window"):
             raise ValueError("sliding-window attention (use_sliding_window) is not supported")
         num_heads = _positive_int(raw, "num_attention_heads")

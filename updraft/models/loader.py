@@ -126,7 +126,7 @@ def load_weights(
     if unknown:
         raise ValueError(f"unexpected tensors {sorted(unknown)[:8]} in {names}")
     if unfilled:
-        missing = sorted(f"{name}[{index}]" if index else name for name, index in unfilled)
+        missing = sorted(_describe(name, index) for name, index in unfilled)
         raise ValueError(f"weights missing from {names}: {missing[:8]}")
 
 
@@ -144,6 +144,14 @@ def _slices(params: dict[str, nn.Parameter], modules: dict[str, nn.Module]):
 
 
 Slice = int | tuple[int, int]  # a fused slice; or (expert, part) of stacked experts
+
+
+def _describe(name: str, index: Slice) -> str:
+    if isinstance(index, tuple):
+        expert, part = index
+        projection = ("up" if part else "gate") if name.endswith("gate_up_proj") else "down"
+        return f"{name} (expert {expert}'s {projection}_proj)"
+    return f"{name}[{index}]" if index else name
 
 
 def _target(checkpoint_name: str, params: dict[str, nn.Parameter]) -> tuple[str, Slice] | None:

@@ -28,9 +28,15 @@ class TopKRouter(nn.Module):
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
         self.config = config
-        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
+        # float32 whatever the compute dtype, as the reference keeps them: rounding the
+        # router's scores or bias to bfloat16 would change which experts win.
+        self.weight = nn.Parameter(
+            torch.zeros(config.num_experts, config.hidden_size, dtype=torch.float32)
+        )
         # A parameter, not a buffer: checkpoints carry it, and the loader fills parameters.
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts))
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(config.num_experts, dtype=torch.float32)
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] float32, experts [T, k] int64)."""
