@@ -116,3 +116,31 @@ def test_an_op_that_may_alias_but_copied_is_rerun():
             + (model.inputs > 0).float().sum()
         )
         torch.testing.assert_close(out, expected)
+
+
+@torch.inference_mode()
+def test_a_tensor_at_a_freed_constants_address_is_not_taken_for_a_constant():
+    """Storages are told apart by address. A constant the graph folded (an arange) and
+    then freed would leave its address to a tensor produced later, which would pass for
+    a constant: the op reading it would be baked in with the capture's values. The
+    recorder keeps folded constants alive, so no address is reused during a capture.
+    (Found on DeepSeek's FULL verify graphs, whose aranges are freed mid-capture.)"""
+    x = torch.zeros(64)
+    graph = RecordedGraph(constants=[], persistent=[x])
+
+    def forward() -> torch.Tensor:
+        kept = []
+        for _ in range(200):  # until the allocator hands a freed constant's memory back
+            constant = torch.arange(64.0) + 0
+            address = constant.data_ptr()
+            del constant
+            produced = x * 2
+            if produced.data_ptr() == address:
+                break
+            kept.append(produced)
+        return produced + 1
+
+    out = graph.capture(forward)
+    x.copy_(torch.ones(64))
+    graph.replay([])
+    assert out.eq(3).all()

@@ -82,6 +82,11 @@ class RecordedGraph:
         compile_runs: bool = False,
     ) -> None:
         self.constant_storages = {storage_of(t) for t in constants}
+        # What ops on constants alone produced (an arange, a mask of aranges): kept
+        # alive, since storages are told apart by address. Freed, its memory could
+        # hold a tensor produced later, which would then pass for a constant and be
+        # baked into the graph with the capture's values.
+        self.folded: list[torch.Tensor] = []
         self.persistent_storages = {storage_of(t) for t in persistent}
         self.produced: set[int] = set()
         self.nodes: list[OpNode | TaskNode] = []
@@ -146,6 +151,7 @@ class RecordedGraph:
         mutates = func._schema.is_mutable
         if reads_only_constants and not mutates:
             self.constant_storages.update(storage_of(t) for t in outputs)
+            self.folded.extend(outputs)
             return
         self.produced.update(storage_of(t) for t in outputs)
         # An op whose schema allows aliasing (to, reshape, contiguous) returns a view
