@@ -91,21 +91,40 @@ def test_capture_lints_on_cuda_as_on_the_cpu():
         graph.capture(lambda: model.inputs.sum().item())
 
 
-@needs_cuda
-def test_engine_on_cuda_replays_like_eager(tiny_checkpoint):
-    kind, model_dir = tiny_checkpoint
-    prompts = [list(range(3, 10)), [200, 17], list(range(40, 77))]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (16, 5, 9)]
-    args = dict(device="cuda", dtype="float32", block_size=4, num_kv_blocks=128)
+def engine_on_cuda_replays_like_eager(model_dir, graph_mode: str, **speculation) -> None:
+    """Greedy tokens and logits of CUDA replays equal eager's (with sanitize on), and
+    the graphs are FULL or PIECEWISE as asked."""
+    prompts = [list(range(3, 10)), [200, 17], list(range(40, 77)), [5, 6, 7] * 8]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (16, 5, 9, 24)]
+    args = dict(device="cuda", dtype="float32", block_size=4, num_kv_blocks=128, **speculation)
     eager_llm = LLM(model_dir, enforce_eager=True, **args)
     eager_probe = LogitsProbe(eager_llm)
     eager = eager_llm.generate(prompts, params)
-    llm = LLM(model_dir, enforce_eager=False, capture_sizes=(1, 2, 4), sanitize=True, **args)
+    llm = LLM(model_dir, graph_mode=graph_mode, capture_sizes=(1, 2, 4), sanitize=True, **args)
     probe = LogitsProbe(llm)
     graph = llm.generate(prompts, params)
     for e, g in zip(eager, graph, strict=True):
-        assert g.outputs[0].token_ids == e.outputs[0].token_ids, kind
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids, model_dir
         torch.testing.assert_close(probe.of(g), eager_probe.of(e), atol=1e-4, rtol=0)
     stats = llm.engine.stats()
     assert stats.steps["graph"] > 0
     assert stats.sanitize.healthy, stats.sanitize.mismatches
+    modes = {graph.backend.mode for graph, _ in llm.engine._runner.captured.graphs.values()}
+    assert modes == {graph_mode.upper()}
+    if speculation:
+        assert stats.speculative.rounds > 0
+
+
+@needs_cuda
+@pytest.mark.parametrize("graph_mode", ["piecewise", "full"])
+def test_engine_on_cuda_replays_like_eager(tiny_checkpoint, graph_mode):
+    engine_on_cuda_replays_like_eager(tiny_checkpoint[1], graph_mode)
+
+
+@needs_cuda
+@pytest.mark.parametrize("graph_mode", ["piecewise", "full"])
+def test_latent_and_sparse_attention_on_cuda_replay_like_eager(tiny_deepseek, graph_mode):
+    """MLA (DeepSeek-V3, with and without q_lora) and DSA (V3.2): decode steps, and
+    verify steps of n-gram speculation."""
+    engine_on_cuda_replays_like_eager(tiny_deepseek[1], graph_mode)
+    engine_on_cuda_replays_like_eager(tiny_deepseek[1], graph_mode, speculative_method="ngram")

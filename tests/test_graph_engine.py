@@ -84,3 +84,32 @@ def test_an_engine_with_captured_steps_is_freed_without_the_cycle_collector(tiny
         assert captured() is None and kv_cache() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "deepseek-v3", "deepseek-v3.2"])
+def test_full_graphs_hold_attention_and_match_eager_in_decode_and_verify_steps(tmp_path, kind):
+    """graph_mode="full": attention shaped by the bucket inside the graph (no task),
+    through decode steps and n-gram and draft-model verify steps, with sanitize on."""
+    from tests.conftest import DEEPSEEK, make_deepseek_checkpoint, make_tiny_checkpoint
+
+    make = make_deepseek_checkpoint if kind in DEEPSEEK else make_tiny_checkpoint
+    model_dir = make(kind, tmp_path / kind)
+    prompts = [*PROMPTS, [5, 6, 7] * 8]
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (24, 5, 12, 9, 30)
+    ]
+    args = dict(block_size=4, num_kv_blocks=256, capture_sizes=(1, 2, 4))
+    for speculation in ({}, {"speculative_method": "ngram"}, {"speculative_model": str(model_dir)}):
+        eager = LLM(model_dir, enforce_eager=True, **args, **speculation)
+        full = LLM(model_dir, graph_mode="full", sanitize=True, **args, **speculation)
+        eager_probe, full_probe = LogitsProbe(eager), LogitsProbe(full)
+        expected, got = eager.generate(prompts, params), full.generate(prompts, params)
+        for e, g in zip(expected, got, strict=True):
+            assert g.outputs[0].token_ids == e.outputs[0].token_ids, (kind, speculation)
+            torch.testing.assert_close(full_probe.of(g), eager_probe.of(e), atol=1e-4, rtol=0)
+        stats = full.engine.stats()
+        assert stats.steps["graph"] > 0 and stats.sanitize.healthy, stats.sanitize.mismatches
+        runner = full.engine._runner
+        assert all(not graph.backend.tasks for graph, _ in runner.captured.graphs.values())
+        if speculation:
+            assert stats.speculative.rounds > 0

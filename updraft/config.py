@@ -24,6 +24,7 @@ SUPPORTED_ARCHITECTURES = LLAMA_ARCHITECTURES + DEEPSEEK_ARCHITECTURES
 # By name: this module is what `updraft --help` reads, and must not import torch.
 DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZATIONS = ("int8",)
+GRAPH_MODES = ("piecewise", "full")
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 # The default of EngineConfig.compile_graphs where it is not given: a test suite that
 # starts many engines sets it to 0 to skip inductor's compile time.
@@ -373,6 +374,14 @@ class EngineConfig:
         "on disk after); --no-compile-graphs replays them op by op (default: on, or "
         f"${COMPILE_GRAPHS_ENV} when set to 0 or 1)",
     )
+    graph_mode: str = setting(
+        "piecewise",
+        "piecewise: attention, whose shapes change every step, runs between captured "
+        "segments with that step's shapes; full: decode and verify graphs hold attention "
+        "too, shaped by the bucket over every block a request may have (one CUDA graph "
+        "per step, but attention over max_model_len wherever it gathers)",
+        choices=["piecewise", "full"],
+    )
     capture_sizes: tuple[int, ...] = setting(
         (1, 2, 4, 8, 16, 32, 64), "batch sizes of captured steps, comma-separated"
     )
@@ -411,6 +420,10 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.graph_mode not in GRAPH_MODES:
+            raise ValueError(
+                f"graph_mode must be one of {', '.join(GRAPH_MODES)}, got {self.graph_mode!r}"
+            )
         if not self.capture_sizes or min(self.capture_sizes) < 1:
             raise ValueError(f"capture_sizes must be sizes >= 1, got {self.capture_sizes}")
         if self.speculative_model is not None and self.speculative_method is None:

@@ -30,8 +30,12 @@ import torch
 import torch.nn.functional as F
 
 from updraft.attention.metadata import AttentionGroup, AttentionMetadata
-from updraft.attention.paged import IN_PLACE_MAX_QUERY, AttentionParams, attend_gathered
-from updraft.graph.tasks import register_task
+from updraft.attention.paged import (
+    IN_PLACE_MAX_QUERY,
+    AttentionParams,
+    attend_gathered,
+    attention_op,
+)
 from updraft.kernels.ops import kernel_builds
 
 
@@ -109,7 +113,7 @@ def latent_attention(
         "index_query": index_query,
         "index_weights": index_weights,
     }
-    return register_task(attend_latent, kwargs, params)
+    return attention_op(attend_latent, kwargs, params, metadata)
 
 
 def attend_latent(

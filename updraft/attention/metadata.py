@@ -91,6 +91,28 @@ class AttentionGroup:
         output_index = owner * shape.max_query + tokens - starts.index_select(0, owner)
         return cls(query_index, kv_slots, mask[:, None], output_index)
 
+    @classmethod
+    def uniform(
+        cls, shape: GroupShape, seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int
+    ) -> AttentionGroup:
+        """A whole bucket of ``last_req`` requests of ``max_query`` tokens each, over
+        every block of the block table: every shape is the bucket's, so nothing here
+        depends on the step. A padding request (seq_len 0) attends to its first slot:
+        a defined softmax whose output no one reads."""
+        batch, max_query = shape.last_req, shape.max_query
+        device = block_table.device
+        rows = torch.arange(max_query, device=device)
+        columns = torch.arange(shape.max_context, device=device)
+        query_index = torch.arange(batch * max_query, device=device).view(batch, max_query)
+        table = block_table[:batch]
+        kv_slots = table.index_select(1, columns // block_size) * block_size + (
+            columns % block_size
+        )
+        context_before = seq_lens[:batch] - max_query
+        mask = columns[None, None, :] <= context_before[:, None, None] + rows[None, :, None]
+        mask = mask | (columns == 0)  # position 0 is in every real query's context anyway
+        return cls(query_index, kv_slots, mask[:, None], query_index.flatten())
+
 
 @dataclass
 class TokenRows:
@@ -116,6 +138,19 @@ class TokenRows:
         lens = seq_lens[first:last].index_select(0, owner) - hidden_after
         return cls(block_table[first:last].index_select(0, owner), lens)
 
+    @classmethod
+    def uniform(
+        cls, shape: GroupShape, seq_lens: torch.Tensor, block_table: torch.Tensor
+    ) -> TokenRows:
+        """The same for a whole bucket of requests of ``max_query`` tokens each; a
+        padding request's tokens see nothing."""
+        batch, max_query = shape.last_req, shape.max_query
+        tokens = torch.arange(batch * max_query, device=block_table.device)
+        owner = tokens // max_query
+        hidden_after = max_query - 1 - tokens % max_query
+        lens = (seq_lens[:batch].index_select(0, owner) - hidden_after).clamp(min=0)
+        return cls(block_table[:batch].index_select(0, owner), lens)
+
 
 @dataclass
 class AttentionMetadata:
@@ -126,6 +161,9 @@ class AttentionMetadata:
     shapes: list[GroupShape]
     block_size: int
     num_padding_tokens: int = 0  # trailing tokens of no request (a graph bucket's padding)
+    # Shapes are a whole bucket's, over its whole block table (``bucket``): attention
+    # then has no host-side parameter that changes per step, and a graph holds it whole.
+    uniform: bool = False
     _groups: dict[int, AttentionGroup] = field(default_factory=dict, repr=False)
     _token_rows: dict[int, TokenRows] = field(default_factory=dict, repr=False)
 
@@ -172,9 +210,45 @@ class AttentionMetadata:
             num_padding_tokens=(step.num_tokens if num_tokens is None else num_tokens) - num_real,
         )
 
+    @classmethod
+    def bucket(
+        cls,
+        block_size: int,
+        slot_mapping: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        num_requests: int,
+        query_len: int,
+    ) -> AttentionMetadata:
+        """Metadata of a bucket of ``num_requests`` requests of ``query_len`` tokens,
+        whatever step fills it: one group, every request (padding ones see no context),
+        over the block table's full width. What a FULL graph captures."""
+        shape = GroupShape(
+            first_req=0,
+            last_req=num_requests,
+            first_token=0,
+            last_token=num_requests * query_len,
+            max_query=query_len,
+            max_context=block_table.shape[1] * block_size,
+        )
+        return cls(
+            slot_mapping=slot_mapping,
+            block_table=block_table,
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
+            shapes=[shape],
+            block_size=block_size,
+            uniform=True,
+        )
+
     def group(self, index: int) -> AttentionGroup:
         """The index tensors of ``shapes[index]``, built on first use and shared by the
         later layers."""
+        if self.uniform and index not in self._groups:
+            self._groups[index] = AttentionGroup.uniform(
+                self.shapes[index], self.seq_lens, self.block_table, self.block_size
+            )
         if index not in self._groups:
             self._groups[index] = AttentionGroup.build(
                 self.shapes[index],
@@ -188,6 +262,10 @@ class AttentionMetadata:
     def token_rows(self, index: int) -> TokenRows:
         """``shapes[index]``'s tokens as one-token requests, built on first use and
         shared by the later layers."""
+        if self.uniform and index not in self._token_rows:
+            self._token_rows[index] = TokenRows.uniform(
+                self.shapes[index], self.seq_lens, self.block_table
+            )
         if index not in self._token_rows:
             self._token_rows[index] = TokenRows.build(
                 self.shapes[index], self.query_start_loc, self.seq_lens, self.block_table

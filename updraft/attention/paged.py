@@ -10,7 +10,9 @@ and share the allocation and the group and token-row indices of ``metadata``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -186,4 +188,18 @@ def paged_attention(
     tensors; the attention itself is a task, since its shapes change every step."""
     write_kv(kv_cache, key, value, metadata.slot_mapping)
     kwargs = {"query": query, "kv_cache": kv_cache, "metadata": metadata, "scale": scale}
-    return register_task(attend, kwargs, params)
+    return attention_op(attend, kwargs, params, metadata)
+
+
+def attention_op(
+    op: Callable[..., torch.Tensor],
+    kwargs: dict[str, Any],
+    params: AttentionParams,
+    metadata: AttentionMetadata,
+) -> torch.Tensor:
+    """Attention with the step's group shapes is a task, re-resolved at every replay
+    (a PIECEWISE graph on CUDA). With a bucket's own shapes (``metadata.uniform``) it has
+    no per-step host parameter, so it runs as plain ops a graph holds whole (FULL)."""
+    if metadata.uniform:
+        return op(**kwargs)
+    return register_task(op, kwargs, params)

@@ -43,8 +43,12 @@ class CapturedSteps:
         query_lens: tuple[int, ...] = (1,),
         inputs: tuple[GraphInput, ...] = GRAPH_INPUTS,
         compile_runs: bool = False,
+        full: bool = False,
     ) -> None:
+        """``full``: capture attention inside the graphs, shaped by the bucket
+        (``AttentionMetadata.bucket``), instead of as tasks between segments."""
         self.model = model
+        self.full = full
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_blocks = max_blocks_per_request
@@ -138,7 +142,18 @@ class CapturedSteps:
             backend = CudaGraph(**declared, pool=self.pool)
         graph = UpdatableGraph(backend, list(inputs.values()), metadata)
         dummy = capture_inputs(num_tokens, size, self.max_blocks)
-        dummy_metadata = metadata(dummy)  # host-side shapes: worked out before capture
+        if self.full:
+            dummy_metadata = AttentionMetadata.bucket(
+                block_size,
+                slot_mapping=inputs["slot_mapping"].buffer,
+                block_table=inputs["block_table"].buffer,
+                seq_lens=inputs["seq_lens"].buffer,
+                query_start_loc=inputs["query_start_loc"].buffer,
+                num_requests=size,
+                query_len=query_len,
+            )
+        else:
+            dummy_metadata = metadata(dummy)  # host-side shapes: worked out before capture
 
         def forward() -> tuple[torch.Tensor, torch.Tensor]:
             hidden = self.model(

@@ -90,6 +90,7 @@ class Runner:
                 self.device,
                 query_lens,
                 compile_runs=config.compiles_graphs,
+                full=config.graph_mode == "full",
             )
         # How each step ran: "graph" or "eager (<why>)", counted.
         self.step_modes: Counter[str] = Counter()
