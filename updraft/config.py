@@ -24,7 +24,7 @@ SUPPORTED_ARCHITECTURES = LLAMA_ARCHITECTURES + DEEPSEEK_ARCHITECTURES
 # By name: this module is what `updraft --help` reads, and must not import torch.
 DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZATIONS = ("int8",)
-GRAPH_MODES = ("piecewise", "full")
+GRAPH_MODES = ("auto", "piecewise", "full")
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 # The default of EngineConfig.compile_graphs where it is not given: a test suite that
 # starts many engines sets it to 0 to skip inductor's compile time.
@@ -375,12 +375,14 @@ class EngineConfig:
         f"${COMPILE_GRAPHS_ENV} when set to 0 or 1)",
     )
     graph_mode: str = setting(
-        "piecewise",
+        "auto",
         "piecewise: attention, whose shapes change every step, runs between captured "
         "segments with that step's shapes; full: decode and verify graphs hold attention "
         "too, shaped by the bucket over every block a request may have (one CUDA graph "
-        "per step, but attention over max_model_len wherever it gathers)",
-        choices=["piecewise", "full"],
+        "per step, but attention over max_model_len wherever it gathers); auto: full where "
+        "attention reads the cache in place (float32 on the CPU, no sparse-attention "
+        "indexer), else piecewise",
+        choices=["auto", "piecewise", "full"],
     )
     capture_sizes: tuple[int, ...] = setting(
         (1, 2, 4, 8, 16, 32, 64), "batch sizes of captured steps, comma-separated"

@@ -18,6 +18,7 @@ from updraft.attention.metadata import AttentionMetadata
 from updraft.attention.paged import allocate_kv_cache, kv_cache_bytes_per_block
 from updraft.config import EngineConfig, ModelConfig
 from updraft.graph.sanitize import SanitizeReport, checked_replay, default_tolerance
+from updraft.kernels.ops import kernel_builds
 from updraft.models.loader import load_model
 from updraft.runner.captured import Bucket, CapturedSteps
 from updraft.runner.rejection_sampler import verify_step
@@ -90,12 +91,26 @@ class Runner:
                 self.device,
                 query_lens,
                 compile_runs=config.compiles_graphs,
-                full=config.graph_mode == "full",
+                full=self._full_graphs(),
             )
         # How each step ran: "graph" or "eager (<why>)", counted.
         self.step_modes: Counter[str] = Counter()
         self.sanitize_report = (
             SanitizeReport(default_tolerance(self.dtype)) if config.sanitize else None
+        )
+
+    def _full_graphs(self) -> bool:
+        """FULL graphs when asked, or with ``auto`` where they cost nothing: attention
+        reading the cache in place (the CPU kernel in float32) takes a bucket's shapes
+        for free, while gathering would attend over max_model_len, and DSA's indexer
+        scores every position a request may have."""
+        if self.config.graph_mode != "auto":
+            return self.config.graph_mode == "full"
+        return (
+            self.device.type == "cpu"
+            and self.dtype == torch.float32
+            and kernel_builds("paged_attention")
+            and self.model_config.indexer is None
         )
 
     def _num_blocks(self) -> int:
