@@ -101,17 +101,18 @@ DEEPSEEK = {
     "deepseek-v3": dict(q_lora_rank=16),
     "deepseek-v3-no-q-lora": dict(q_lora_rank=None),
     "deepseek-v3.2": dict(q_lora_rank=16, index_topk=6, index_head_dim=16, index_n_heads=16),
+    # V2-Lite's attention (no q_lora); the softmax router, group-limited
+    "deepseek-v2": dict(q_lora_rank=None, topk_method="group_limited_greedy"),
 }
 
 
 def make_deepseek_checkpoint(kind: str, directory: Path, seed: int = 0) -> Path:
     import transformers
 
-    config_class, model_class = (
-        (transformers.DeepseekV32Config, transformers.DeepseekV32ForCausalLM)
-        if kind == "deepseek-v3.2"
-        else (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM)
-    )
+    config_class, model_class = {
+        "deepseek-v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
+        "deepseek-v3.2": (transformers.DeepseekV32Config, transformers.DeepseekV32ForCausalLM),
+    }.get(kind, (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM))
     torch.manual_seed(seed)
     model = model_class(config_class(**DEEPSEEK_TINY, **DEEPSEEK[kind])).eval()
     with torch.no_grad():  # a bias that changes which experts win

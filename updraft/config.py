@@ -19,7 +19,11 @@ if TYPE_CHECKING:
     import torch
 
 LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-DEEPSEEK_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
+DEEPSEEK_ARCHITECTURES = (
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "DeepseekV32ForCausalLM",
+)
 SUPPORTED_ARCHITECTURES = LLAMA_ARCHITECTURES + DEEPSEEK_ARCHITECTURES
 # By name: this module is what `updraft --help` reads, and must not import torch.
 DTYPES = ("float32", "float16", "bfloat16")
@@ -71,8 +75,10 @@ class MLAConfig:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """DeepSeekMoE: routed experts chosen by a group-limited sigmoid router, and shared
-    experts every token passes through."""
+    """DeepSeekMoE: routed experts chosen by a group-limited router, and shared experts
+    every token passes through. V3's router scores with a sigmoid (plus a bias for
+    choosing) and ranks groups by their two best scores; V2's with a softmax, ranking
+    groups by their best."""
 
     hidden_size: int
     moe_intermediate_size: int
@@ -83,6 +89,8 @@ class MoEConfig:
     n_shared_experts: int
     routed_scaling_factor: float
     norm_topk_prob: bool
+    scoring: str = "sigmoid"  # sigmoid (V3, with e_score_correction_bias) | softmax (V2)
+    group_score: str = "top2_sum"  # top2_sum (V3) | max (V2)
 
 
 @dataclass(frozen=True)
@@ -202,19 +210,29 @@ def _deepseek_parts(raw: dict[str, Any], architecture: str) -> dict[str, Any]:
         qk_nope_head_dim=_positive_int(raw, "qk_nope_head_dim"),
         qk_rope_head_dim=_positive_int(raw, "qk_rope_head_dim"),
         v_head_dim=_positive_int(raw, "v_head_dim"),
-        # V3.2 always interleaves; V3 says so in its config (default true).
-        rope_interleave=architecture == "DeepseekV32ForCausalLM"
+        # V2 and V3.2 always interleave; V3 says so in its config (default true).
+        rope_interleave=architecture != "DeepseekV3ForCausalLM"
         or bool(raw.get("rope_interleave", True)),
     )
     if mla.qk_rope_head_dim % 2:
         raise ValueError(f"config.json: qk_rope_head_dim must be even, got {mla.qk_rope_head_dim}")
     num_experts = _positive_int(raw, "n_routed_experts")
-    n_group = raw.get("n_group") or 1
+    v2 = architecture == "DeepseekV2ForCausalLM"
+    n_group, topk_group = raw.get("n_group") or 1, raw.get("topk_group") or 1
+    if v2:
+        method = raw.get("topk_method") or "greedy"
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(
+                f"config.json: DeepSeek-V2 topk_method {method!r} is not supported "
+                "(greedy, group_limited_greedy are)"
+            )
+        if method == "greedy":  # every expert in one group
+            n_group = topk_group = 1
     if num_experts % n_group:
         raise ValueError(
             f"config.json: n_routed_experts {num_experts} is not a multiple of n_group {n_group}"
         )
-    if num_experts // n_group < 2:
+    if not v2 and num_experts // n_group < 2:
         raise ValueError(
             "config.json: each expert group needs at least 2 experts (groups rank by their top two)"
         )
@@ -224,10 +242,13 @@ def _deepseek_parts(raw: dict[str, Any], architecture: str) -> dict[str, Any]:
         num_experts=num_experts,
         num_experts_per_tok=_positive_int(raw, "num_experts_per_tok"),
         n_group=n_group,
-        topk_group=raw.get("topk_group") or 1,
+        topk_group=topk_group,
         n_shared_experts=raw.get("n_shared_experts") or 0,
         routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
-        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        # V2's router never normalises its top-k weights, whatever the config says.
+        norm_topk_prob=not v2 and bool(raw.get("norm_topk_prob", True)),
+        scoring="softmax" if v2 else "sigmoid",
+        group_score="max" if v2 else "top2_sum",
     )
     if moe.topk_group > n_group or moe.num_experts_per_tok > moe.topk_group * (
         num_experts // n_group

@@ -1,11 +1,12 @@
-"""DeepSeekMoE: a sigmoid router with group-limited top-k, routed experts and shared ones.
+"""DeepSeekMoE: a router with group-limited top-k, routed experts and shared ones.
 
-The router scores every expert with a sigmoid. For choosing experts only, each score
+V3's router scores every expert with a sigmoid. For choosing experts only, each score
 gets the checkpoint's ``e_score_correction_bias``; the experts fall into ``n_group``
 groups, a group is worth the sum of its two best corrected scores, and the top-k
 experts are chosen among the ``topk_group`` best groups. The chosen experts' weights are
 their uncorrected scores, normalised to sum to 1 (``norm_topk_prob``), times
-``routed_scaling_factor``. The shared experts see every token.
+``routed_scaling_factor``. V2's router is the same with a softmax, no bias, groups
+worth their best score, and no normalising. The shared experts see every token.
 
 Routed experts cost the tokens routed to them, not every expert for every token: the
 (token, expert) pairs are sorted by expert and ``updraft::grouped_mlp`` streams each
@@ -34,17 +35,26 @@ class TopKRouter(nn.Module):
             torch.zeros(config.num_experts, config.hidden_size, dtype=torch.float32)
         )
         # A parameter, not a buffer: checkpoints carry it, and the loader fills parameters.
-        self.e_score_correction_bias = nn.Parameter(
-            torch.zeros(config.num_experts, dtype=torch.float32)
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32))
+            if config.scoring == "sigmoid"
+            else None
         )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] float32, experts [T, k] int64)."""
         config = self.config
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
-        biased = scores + self.e_score_correction_bias
+        logits = F.linear(x.float(), self.weight.float())
+        if config.scoring == "softmax":
+            scores = biased = logits.softmax(dim=-1)
+        else:
+            scores = logits.sigmoid()
+            biased = scores + self.e_score_correction_bias
         per_group = biased.view(-1, config.n_group, config.num_experts // config.n_group)
-        group_scores = per_group.topk(2, dim=-1).values.sum(dim=-1)
+        if config.group_score == "max":
+            group_scores = per_group.amax(dim=-1)
+        else:
+            group_scores = per_group.topk(2, dim=-1).values.sum(dim=-1)
         best_groups = group_scores.topk(config.topk_group, dim=-1).indices
         in_best = torch.zeros_like(group_scores).scatter(1, best_groups, 1.0).bool()
         allowed = in_best[:, :, None].expand_as(per_group).reshape(-1, config.num_experts)
