@@ -1,5 +1,5 @@
-"""DeepSeek-V3 and V3.2 decoders: latent attention (MLA), DeepSeekMoE, and for V3.2 the
-sparse-attention indexer (DSA), read top to bottom.
+"""DeepSeek-V2, V3 and V3.2 decoders: latent attention (MLA), DeepSeekMoE, and for V3.2
+the sparse-attention indexer (DSA), read top to bottom.
 
 The batch is flat, as in ``llama.py``. Each attention layer writes one row per token
 into its latent cache (``attention/latent.py``): the normalised ``c_kv``, the rotated
@@ -19,9 +19,9 @@ from updraft.attention.latent import LatentDims, latent_attention, write_latent
 from updraft.attention.metadata import AttentionMetadata
 from updraft.attention.paged import AttentionParams
 from updraft.config import MLAConfig, ModelConfig, RopeConfig
-from updraft.models.llama import MLP, FusedLinear, RMSNorm
+from updraft.models.layers import MLP, CausalLM, DecoderLayer, FusedLinear, RMSNorm
 from updraft.models.moe import DeepseekMoE
-from updraft.models.rope import RotaryEmbedding, apply_rotary
+from updraft.models.rope import apply_rotary
 
 # The latent norms' epsilon: the reference builds them with its default, not the
 # config's rms_norm_eps.
@@ -163,66 +163,16 @@ class LatentAttention(nn.Module):
         return self.o_proj(out)
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, index: int) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LatentAttention(config, f"model.layers.{index}.self_attn")
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        if index < config.first_k_dense_replace:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size)
-        else:
-            self.mlp = DeepseekMoE(config.moe)
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        rotary: tuple[torch.Tensor, torch.Tensor],
-        cache: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, cache, metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+def deepseek_layer(config: ModelConfig, index: int) -> DecoderLayer:
+    attention = LatentAttention(config, f"model.layers.{index}.self_attn")
+    if index < config.first_k_dense_replace:
+        return DecoderLayer(config, attention, MLP(config.hidden_size, config.intermediate_size))
+    return DecoderLayer(config, attention, DeepseekMoE(config.moe))
 
 
-class DeepseekModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
-class DeepseekForCausalLM(nn.Module):
-    """DeepSeek-V3 (``DeepseekV3ForCausalLM``) and, with an indexer, V3.2
-    (``DeepseekV32ForCausalLM``)."""
+class DeepseekForCausalLM(CausalLM):
+    """DeepSeek-V2 and V3 (``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``) and,
+    with an indexer, V3.2 (``DeepseekV32ForCausalLM``)."""
 
     def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
-        super().__init__()
-        self.config = config
-        self.model = DeepseekModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = RotaryEmbedding(
-            config.rope,
-            config.mla.qk_rope_head_dim,
-            max_positions or config.max_position_embeddings,
-        )
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden_size] after the final norm."""
-        hidden = self.model.embed_tokens(input_ids)
-        rotary = self.rotary.lookup(positions, hidden.dtype)
-        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(hidden, rotary, cache, metadata)
-        return self.model.norm(hidden)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        super().__init__(config, deepseek_layer, config.mla.qk_rope_head_dim, max_positions)

@@ -17,7 +17,7 @@ from torch import nn
 
 from updraft.config import ModelConfig
 from updraft.models.int8_linear import can_quantize_int8, quantize_linears
-from updraft.models.llama import FusedLinear
+from updraft.models.layers import FusedLinear
 from updraft.models.moe import Experts
 from updraft.models.packed_linear import can_prepack, prepack_linears
 from updraft.models.registry import model_class

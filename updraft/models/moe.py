@@ -22,7 +22,7 @@ from torch import nn
 
 from updraft.config import MoEConfig
 from updraft.kernels.ops import kernel_builds
-from updraft.models.llama import MLP
+from updraft.models.layers import MLP
 
 
 class TopKRouter(nn.Module):

@@ -120,15 +120,14 @@ class CapturedSteps:
 
         block_size = self.block_size  # not self: the graph keeps this function
 
+        attention_inputs = {
+            name: inputs[name].buffer
+            for name in ("slot_mapping", "block_table", "seq_lens", "query_start_loc")
+        }
+
         def metadata(step: StepInputs) -> AttentionMetadata:
             return AttentionMetadata.bind(
-                step,
-                block_size,
-                slot_mapping=inputs["slot_mapping"].buffer,
-                block_table=inputs["block_table"].buffer,
-                seq_lens=inputs["seq_lens"].buffer,
-                query_start_loc=inputs["query_start_loc"].buffer,
-                num_tokens=num_tokens,
+                step, block_size, **attention_inputs, num_tokens=num_tokens
             )
 
         declared = dict(
@@ -144,13 +143,7 @@ class CapturedSteps:
         dummy = capture_inputs(num_tokens, size, self.max_blocks)
         if self.full:
             dummy_metadata = AttentionMetadata.bucket(
-                block_size,
-                slot_mapping=inputs["slot_mapping"].buffer,
-                block_table=inputs["block_table"].buffer,
-                seq_lens=inputs["seq_lens"].buffer,
-                query_start_loc=inputs["query_start_loc"].buffer,
-                num_requests=size,
-                query_len=query_len,
+                block_size, **attention_inputs, num_requests=size, query_len=query_len
             )
         else:
             dummy_metadata = metadata(dummy)  # host-side shapes: worked out before capture

@@ -1,0 +1,126 @@
+"""What every decoder here is made of: RMSNorm, fused projections, the gated MLP, the
+pre-norm residual block, and a causal LM over a flat batch.
+
+A model is ``CausalLM`` with its own decoder layers: the batch is flat
+(``input_ids`` and ``positions`` are [num_tokens] over all requests), each layer gets
+the shared rotary tables, its own KV cache and the step's ``AttentionMetadata``, and the
+result is the final hidden states; ``compute_logits`` applies the LM head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from updraft.attention.metadata import AttentionMetadata
+from updraft.config import ModelConfig
+from updraft.models.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Normalise in float32, as the reference does, then return to the compute dtype.
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class FusedLinear(nn.Linear):
+    """One matmul for several checkpoint projections stacked on the output dim."""
+
+    def __init__(self, in_features: int, split_sizes: list[int], bias: bool) -> None:
+        super().__init__(in_features, sum(split_sizes), bias=bias)
+        self.split_sizes = split_sizes
+
+
+class MLP(nn.Module):
+    """The gated SiLU MLP (also DeepSeek's dense layers and shared experts)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        size = intermediate_size
+        self.gate_up_proj = FusedLinear(hidden_size, [size, size], bias=bias)
+        self.down_proj = nn.Linear(size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention then pre-norm MLP (or experts), each with its residual."""
+
+    def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, kv_cache, metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """A decoder whose layer ``i`` is ``make_layer(config, i)``, with RoPE over
+    ``rotary_dim`` dimensions. Parameter names are the checkpoints' (``model.layers.N``,
+    ``lm_head``), so the loader fills them by name."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        make_layer: Callable[[ModelConfig, int], nn.Module],
+        rotary_dim: int,
+        max_positions: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        layers = [make_layer(config, i) for i in range(config.num_layers)]
+        self.model = DecoderModel(config, layers)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(
+            config.rope, rotary_dim, max_positions or config.max_position_embeddings
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden_size] after the final norm."""
+        hidden = self.model.embed_tokens(input_ids)
+        rotary = self.rotary.lookup(positions, hidden.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden = layer(hidden, rotary, kv_cache, metadata)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
