@@ -401,8 +401,8 @@ class EngineConfig:
         "segments with that step's shapes; full: decode and verify graphs hold attention "
         "too, shaped by the bucket over every block a request may have (one CUDA graph "
         "per step, but attention over max_model_len wherever it gathers); auto: full where "
-        "attention reads the cache in place (float32 on the CPU, no sparse-attention "
-        "indexer), else piecewise",
+        "attention reads the cache in place (float32 on the CPU, queries of up to 8 "
+        "tokens, no sparse-attention indexer), else piecewise",
         choices=["auto", "piecewise", "full"],
     )
     capture_sizes: tuple[int, ...] = setting(

@@ -43,9 +43,10 @@ class CapturedSteps:
         query_lens: tuple[int, ...] = (1,),
         inputs: tuple[GraphInput, ...] = GRAPH_INPUTS,
         compile_runs: bool = False,
-        full: bool = False,
+        full: bool | frozenset[int] = False,
     ) -> None:
-        """``full``: capture attention inside the graphs, shaped by the bucket
+        """``full``: capture attention inside the graphs (of every bucket, or of those
+        whose query length is in the set), shaped by the bucket
         (``AttentionMetadata.bucket``), instead of as tasks between segments."""
         self.model = model
         self.full = full
@@ -141,7 +142,7 @@ class CapturedSteps:
             backend = CudaGraph(**declared, pool=self.pool)
         graph = UpdatableGraph(backend, list(inputs.values()), metadata)
         dummy = capture_inputs(num_tokens, size, self.max_blocks)
-        if self.full:
+        if self.full is True or (self.full and query_len in self.full):
             dummy_metadata = AttentionMetadata.bucket(
                 block_size, **attention_inputs, num_requests=size, query_len=query_len
             )

@@ -15,7 +15,11 @@ import torch
 
 from updraft.attention.cache_layout import cache_layout
 from updraft.attention.metadata import AttentionMetadata
-from updraft.attention.paged import allocate_kv_cache, kv_cache_bytes_per_block
+from updraft.attention.paged import (
+    IN_PLACE_MAX_QUERY,
+    allocate_kv_cache,
+    kv_cache_bytes_per_block,
+)
 from updraft.config import EngineConfig, ModelConfig
 from updraft.graph.sanitize import SanitizeReport, checked_replay, default_tolerance
 from updraft.kernels.ops import kernel_builds
@@ -91,7 +95,7 @@ class Runner:
                 self.device,
                 query_lens,
                 compile_runs=config.compiles_graphs,
-                full=self._full_graphs(),
+                full=self._full_graphs(query_lens),
             )
         # How each step ran: "graph" or "eager (<why>)", counted.
         self.step_modes: Counter[str] = Counter()
@@ -99,19 +103,21 @@ class Runner:
             SanitizeReport(default_tolerance(self.dtype)) if config.sanitize else None
         )
 
-    def _full_graphs(self) -> bool:
-        """FULL graphs when asked, or with ``auto`` where they cost nothing: attention
-        reading the cache in place (the CPU kernel in float32) takes a bucket's shapes
-        for free, while gathering would attend over max_model_len, and DSA's indexer
-        scores every position a request may have."""
+    def _full_graphs(self, query_lens: tuple[int, ...]) -> frozenset[int]:
+        """The query lengths whose graphs hold attention (FULL): all when asked, or with
+        ``auto`` those where it costs nothing: attention that reads the cache in place
+        (the CPU kernel in float32, for queries of up to IN_PLACE_MAX_QUERY tokens) takes
+        a bucket's shapes for free, while gathering would attend over max_model_len,
+        and DSA's indexer scores every position a request may have."""
         if self.config.graph_mode != "auto":
-            return self.config.graph_mode == "full"
-        return (
+            return frozenset(query_lens) if self.config.graph_mode == "full" else frozenset()
+        in_place = (
             self.device.type == "cpu"
             and self.dtype == torch.float32
             and kernel_builds("paged_attention")
             and self.model_config.indexer is None
         )
+        return frozenset(q for q in query_lens if in_place and q <= IN_PLACE_MAX_QUERY)
 
     def _num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
