@@ -1,5 +1,8 @@
-"""Per-step decode time, captured graph replay (compiled runs, and op by op) vs eager, on
-the demo model and a random ~100M Qwen3-style model, at decode batches of 1, 8 and 32.
+"""Per-step decode time, captured graph replay vs eager, on the demo model and a random
+~100M Qwen3-style model and a random 121M DeepSeek-V3-shape one (MLA, MoE), at decode
+batches of 1, 8 and 32. Replay in the engine's
+default mode (compiled runs, FULL graphs on the CPU), compiled PIECEWISE graphs (the
+attention a task between compiled runs), and PIECEWISE op by op.
 
 For each model and batch, requests with prompts of 64-160 tokens are prefilled, then
 one decode step is timed over and over through ``Runner.execute`` (forward, sampling
@@ -7,6 +10,7 @@ and the KV write at the same slots), alternating the three modes so that the mac
 drift affects all alike. The table shows the median of each.
 
     .venv/bin/python -m benchmarks.bench_graphs [--quick] [--device cuda]
+        [--model-dir DIR] [--deepseek-dir DIR]
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.bench_deepseek import make_random_deepseek_v3
 from benchmarks.common import make_random_qwen3, markdown_table
 from updraft import LLM, SamplingParams
 from updraft.demo import DEMO_MODEL_DIR
@@ -43,20 +48,28 @@ def decode_step(llm: LLM, batch: int, vocab: int, rng: random.Random) -> StepInp
 
 
 def time_modes(llm: LLM, step: StepInputs, repeats: int) -> dict[str, float]:
-    """Median seconds per step for compiled replay, op-by-op replay and eager, measured
-    in turn."""
+    """Median seconds per step for the engine's own replay (compiled, FULL on the CPU),
+    compiled PIECEWISE replay, op-by-op PIECEWISE replay and eager, measured in turn."""
     runner = llm.engine._runner
     compiled = runner.captured
-    op_by_op = CapturedSteps(
-        runner.model,
-        runner.kv_caches,
-        runner.block_size,
-        compiled.max_blocks,
-        compiled.sizes,
-        runner.device,
-        compile_runs=False,
-    )
-    modes = {"compiled": compiled, "op by op": op_by_op, "eager": None}
+
+    def piecewise(compile_runs: bool) -> CapturedSteps:
+        return CapturedSteps(
+            runner.model,
+            runner.kv_caches,
+            runner.block_size,
+            compiled.max_blocks,
+            compiled.sizes,
+            runner.device,
+            compile_runs=compile_runs,
+        )
+
+    modes = {
+        "compiled": compiled,
+        "compiled piecewise": piecewise(compile_runs=runner.device.type == "cpu"),
+        "op by op": piecewise(compile_runs=False),
+        "eager": None,
+    }
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     for i in range(repeats + 2):
         for mode, captured in modes.items():
@@ -66,7 +79,7 @@ def time_modes(llm: LLM, step: StepInputs, repeats: int) -> dict[str, float]:
             if i >= 2:  # two warm-up rounds
                 times[mode].append(time.perf_counter() - start)
     runner.captured = compiled
-    assert runner.step_modes["graph"] == 2 * (repeats + 2), "the graph steps did not replay"
+    assert runner.step_modes["graph"] == 3 * (repeats + 2), "the graph steps did not replay"
     return {mode: statistics.median(seconds) for mode, seconds in times.items()}
 
 
@@ -75,12 +88,22 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repeats, for a smoke run")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model-dir", type=Path, default=None, help="reuse a saved 100M model")
+    parser.add_argument(
+        "--deepseek-dir", type=Path, default=None, help="reuse a saved 121M DeepSeek-V3 model"
+    )
     args = parser.parse_args()
     big = args.model_dir or Path(tempfile.mkdtemp()) / "qwen3-100m"
     make_random_qwen3(big)
+    deepseek = args.deepseek_dir or Path(tempfile.mkdtemp()) / "deepseek-v3-120m"
+    make_random_deepseek_v3(deepseek)
     dtype = "float32" if args.device == "cpu" else "bfloat16"
     rows = []
-    for name, model_dir, vocab in (("demo 5.5M", DEMO_MODEL_DIR, 4096), ("Qwen3 100M", big, 32000)):
+    models = (
+        ("demo 5.5M", DEMO_MODEL_DIR, 4096),
+        ("Qwen3 100M", big, 32000),
+        ("DeepSeek-V3 121M", deepseek, 32000),
+    )
+    for name, model_dir, vocab in models:
         for batch in BATCHES:
             llm = LLM(
                 model_dir,
@@ -100,7 +123,9 @@ def main() -> None:
                     str(batch),
                     f"{ms['eager'] * 1e3:.2f}",
                     f"{ms['op by op'] * 1e3:.2f}",
+                    f"{ms['compiled piecewise'] * 1e3:.2f}",
                     f"{ms['compiled'] * 1e3:.2f}",
+                    f"{ms['eager'] / ms['compiled piecewise']:.2f}x",
                     f"{ms['eager'] / ms['compiled']:.2f}x",
                 ]
             )
@@ -113,8 +138,10 @@ def main() -> None:
                 "batch",
                 "eager ms/step",
                 "replay op by op",
-                "replay compiled",
-                "compiled / eager speedup",
+                "compiled piecewise",
+                "compiled, default mode",
+                "piecewise / eager",
+                "default / eager",
             ],
             rows,
         )
