@@ -95,3 +95,28 @@ def test_a_provider_owning_two_tasks_is_refused_at_capture():
 
     with pytest.raises(GraphReplayError, match="more than one task"):
         graph.capture(twice, step(4, [3, 3, 3, 3]))
+
+
+def test_a_task_taking_tensors_inside_an_object_is_refused_at_capture():
+    """A tensor a task reads from inside a dataclass is invisible to the graph: a
+    compiled run would not write it for the task, which would read the capture's
+    values. Capture names it instead."""
+
+    @dataclass
+    class Box:
+        values: torch.Tensor
+
+    @dataclass(frozen=True)
+    class Provider:
+        def resolve(self, metadata) -> dict:
+            return {"scale": metadata}
+
+    def scaled(box: Box, scale: float) -> torch.Tensor:
+        return box.values * scale
+
+    x = torch.ones(4)
+    graph = UpdatableGraph(RecordedGraph(constants=[], persistent=[x]), [], lambda step: 2.0)
+    with torch.inference_mode(), pytest.raises(GraphReplayError, match=r"inside Box\.values"):
+        graph.capture(
+            lambda: register_task(scaled, {"box": Box(x * 3), "scale": 1.0}, Provider()), None
+        )

@@ -3,6 +3,7 @@ how a node is bound into a call with no arguments for replay."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -45,6 +46,19 @@ class TaskNode:
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
     return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
+
+
+def tensors_hidden_in(value: Any) -> list[str]:
+    """The fields of objects in ``value`` (dataclasses, at any depth) that hold tensors
+    ``tensors_in`` cannot see: a graph would not know it reads them."""
+    hidden = []
+    for leaf in tree_flatten(value)[0]:
+        if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            for item in dataclasses.fields(leaf):
+                inner = getattr(leaf, item.name)
+                if tensors_in(inner) or tensors_hidden_in(inner):
+                    hidden.append(f"{type(leaf).__name__}.{item.name}")
+    return hidden
 
 
 def storage_of(tensor: torch.Tensor) -> int:

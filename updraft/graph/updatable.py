@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from updraft.graph.recorded_nodes import tensors_hidden_in
 from updraft.graph.static_input import StaticInput
 
 
@@ -51,6 +52,17 @@ class UpdatableGraph:
             raise GraphReplayError(f"providers registered more than one task: {repeated}")
         metadata = self.metadata(step)
         self.task_keys = [frozenset(task.provider.resolve(metadata)) for task in self.backend.tasks]
+        for task, keys in zip(self.backend.tasks, self.task_keys, strict=True):
+            # A kwarg its provider does not renew is captured as it is: a tensor inside
+            # an object would be read at replay without the graph knowing it reads it
+            # (a compiled run would not write it, nor a CUDA graph keep it in its pool).
+            kept = {name: value for name, value in task.kwargs.items() if name not in keys}
+            hidden = tensors_hidden_in(kept)
+            if hidden:
+                raise GraphReplayError(
+                    f"task {getattr(task.op, '__name__', task.op)} takes tensors inside "
+                    f"{', '.join(hidden)}: pass them as arguments of their own"
+                )
         return self.output
 
     def replay(self, step: Any) -> Any:
