@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -41,6 +42,12 @@ EXPERT_TENSOR = re.compile(
 EXPERT_PARTS = {"gate": ("gate_up_proj", 0), "up": ("gate_up_proj", 1), "down": ("down_proj", 0)}
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def layer_of(checkpoint_name: str) -> int | None:
+    """The decoder layer a checkpoint tensor belongs to, if any."""
+    match = LAYER.match(checkpoint_name)
+    return None if match is None else int(match[1])
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -81,7 +88,10 @@ def load_model(
             model = model_class(config)(config, max_positions=max_positions)
     finally:
         torch.set_default_dtype(default_dtype)
-    load_weights(model, files, skip_layers_from=config.num_layers, skip_layers=config.mtp_layers)
+    # A checkpoint's multi-token prediction layers follow its decoder layers; the model
+    # does not run them (models/mtp.py loads them on their own).
+    mtp = range(config.num_layers, config.num_layers + config.mtp_layers)
+    load_weights(model, files, select=lambda name: layer_of(name) not in mtp)
     if quantization == "int8":
         if not can_quantize_int8(torch.device(device), dtype):
             raise ValueError(
@@ -95,24 +105,19 @@ def load_model(
 
 @torch.no_grad()
 def load_weights(
-    model: nn.Module, files: list[Path], skip_layers_from: int = 0, skip_layers: int = 0
+    model: nn.Module, files: list[Path], select: Callable[[str], bool] = lambda name: True
 ) -> None:
-    """Fill every parameter slice of ``model`` from ``files``. Layers
-    [skip_layers_from, skip_layers_from + skip_layers) are a checkpoint's multi-token
-    prediction layers, which the model does not run."""
+    """Fill every parameter slice of ``model`` from the tensors of ``files`` whose names
+    ``select`` accepts: each exactly once, and every one of them somewhere."""
     params = dict(model.named_parameters())  # tied weights appear once
     modules = dict(model.named_modules())
     unfilled = {(name, index) for name, index in _slices(params, modules)}
     unknown = []
-    skipped = range(skip_layers_from, skip_layers_from + skip_layers)
     for path in files:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as reader:
                 for checkpoint_name in reader.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    layer = LAYER.match(checkpoint_name)
-                    if checkpoint_name.endswith(IGNORED_SUFFIXES) or (
-                        layer and int(layer[1]) in skipped
-                    ):
+                    if checkpoint_name.endswith(IGNORED_SUFFIXES) or not select(checkpoint_name):
                         continue
                     target = _target(checkpoint_name, params)
                     if target is None:

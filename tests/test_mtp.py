@@ -1,0 +1,136 @@
+"""DeepSeek's multi-token prediction layer against transformers' ``MtpModel``: a tiny
+DeepSeek-V3 checkpoint carrying one MTP layer in DeepSeek's layout
+(``model.layers.{num_hidden_layers}.*``), loaded by both."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from transformers.modeling_layers import MtpModel
+
+from tests.conftest import DEEPSEEK_TINY
+from updraft import LLM, SamplingParams
+from updraft.attention.cache_layout import cache_layout
+from updraft.attention.metadata import AttentionMetadata, GroupShape
+from updraft.config import ModelConfig
+from updraft.models.loader import load_model
+from updraft.models.mtp import load_mtp_layers
+
+
+def mtp_checkpoint(directory: Path) -> Path:
+    """Save a tiny V3 main model, then write a random MTP layer beside it under the
+    names DeepSeek's checkpoints use: the block's tensors at the layer's top level,
+    ``shared_head.norm`` for the output norm, one tensor per expert."""
+    config = transformers.DeepseekV3Config(
+        **DEEPSEEK_TINY, q_lora_rank=16, num_nextn_predict_layers=1
+    )
+    torch.manual_seed(0)
+    main = transformers.DeepseekV3ForCausalLM(config).eval()
+    main.save_pretrained(directory)
+    mtp = MtpModel(main, 1)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, tensor in mtp.named_parameters():
+            if name.startswith("layers.0."):
+                tensor.normal_(0, 0.2)
+        for name, tensor in mtp.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                tensor.normal_(0, 0.5)
+    layer = config.num_hidden_layers
+    tensors = load_file(directory / "model.safetensors")
+    for name, tensor in mtp.state_dict().items():
+        if not name.startswith("layers.0."):
+            continue
+        rest = name.removeprefix("layers.0.").replace("mtp_block.", "")
+        rest = rest.replace("post_norm.", "shared_head.norm.")
+        prefix = f"model.layers.{layer}."
+        if rest.endswith("experts.gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=1)
+            for expert in range(tensor.shape[0]):
+                tensors[f"{prefix}mlp.experts.{expert}.gate_proj.weight"] = gate[expert].clone()
+                tensors[f"{prefix}mlp.experts.{expert}.up_proj.weight"] = up[expert].clone()
+        elif rest.endswith("experts.down_proj"):
+            for expert in range(tensor.shape[0]):
+                tensors[f"{prefix}mlp.experts.{expert}.down_proj.weight"] = tensor[expert].clone()
+        else:
+            tensors[prefix + rest] = tensor.clone().contiguous()
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return mtp_checkpoint(tmp_path_factory.mktemp("deepseek-mtp"))
+
+
+def reference(model_dir: Path, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers: the main model's final hidden states at positions 0..T-2, and the
+    MTP layer's logits there, fed the tokens at 1..T-1."""
+    main = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    layer = main.config.num_hidden_layers
+    # transformers looks for DeepSeek-V3's own MTP layer index (61); this model has 3.
+    main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{layer}\..*"]
+    mtp = MtpModel.from_pretrained(main).eval()
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        hidden = main.eval().model(ids[:, :-1]).last_hidden_state
+        positions = torch.arange(1, len(tokens))[None]
+        out = mtp.forward_layer(0, hidden, positions, None, input_ids=ids[:, 1:])
+        return hidden[0], mtp._project_to_logits(out)[0]
+
+
+@torch.inference_mode()
+def test_the_mtp_layer_matches_transformers_over_a_prefill_and_a_decode(checkpoint):
+    tokens = list(range(30, 50))
+    hidden, expected = reference(checkpoint, tokens)
+    config = ModelConfig.from_dir(checkpoint)
+    main = load_model(config, checkpoint, torch.float32)
+    (depth,) = load_mtp_layers(config, checkpoint, torch.float32, "cpu").depths()
+    block_size, num_blocks = 4, 8
+    cache = torch.zeros(cache_layout(config).shape(num_blocks * block_size + 1))
+    block_table = torch.arange(num_blocks)[None]
+    count = len(tokens) - 1  # MTP positions: the main model's 0..T-2, next tokens 1..T-1
+    embeds = main.model.embed_tokens(torch.tensor(tokens[1:]))
+    got = []
+    # The first count - 1 positions as one prefill chunk (expanded attention), the last
+    # as a decode (absorbed attention over the layer's latent cache).
+    for first, last in ((0, count - 1), (count - 1, count)):
+        rows = last - first
+        metadata = AttentionMetadata(
+            slot_mapping=torch.arange(first, last),
+            block_table=block_table,
+            seq_lens=torch.tensor([last]),
+            query_start_loc=torch.tensor([0, rows]),
+            shapes=[GroupShape(0, 1, 0, rows, rows, last)],
+            block_size=block_size,
+        )
+        rotary = main.rotary.lookup(torch.arange(first + 1, last + 1), torch.float32)
+        out = depth(embeds[first:last], hidden[first:last], rotary, cache, metadata)
+        got.append(main.compute_logits(out))
+    torch.testing.assert_close(torch.cat(got), expected, atol=1e-4, rtol=0)
+
+
+def test_the_engine_serves_the_main_model_of_a_checkpoint_with_mtp_layers(checkpoint):
+    """The main model skips the MTP layer's tensors and equals transformers' greedy."""
+    prompt = list(range(5, 17))
+    got = LLM(checkpoint, block_size=4, num_kv_blocks=64).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )[0]
+    reference_model = transformers.AutoModelForCausalLM.from_pretrained(
+        checkpoint, dtype=torch.float32
+    )
+    expected = reference_model.generate(
+        torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0
+    )[0, len(prompt) :].tolist()
+    assert got.outputs[0].token_ids == expected
+
+
+def test_a_checkpoint_without_mtp_layers_says_so(tiny_deepseek):
+    _, model_dir = tiny_deepseek
+    config = ModelConfig.from_dir(model_dir)
+    with pytest.raises(ValueError, match=r"num_nextn_predict_layers|missing"):
+        load_mtp_layers(config, model_dir, torch.float32, "cpu")
