@@ -35,8 +35,8 @@ from updraft.attention.paged import (
     AttentionParams,
     attend_gathered,
     attention_op,
+    reads_cache_in_place,
 )
-from updraft.kernels.ops import kernel_builds
 
 
 @dataclass(frozen=True)
@@ -170,7 +170,7 @@ def _absorbed(
     Where the kernel runs it reads the rows in place: each request's context through its
     block table, or with DSA only each query token's chosen slots."""
     shape = metadata.shapes[index]
-    if _reads_cache_in_place(query):
+    if reads_cache_in_place(query):
         block_size = metadata.block_size
         if selected is not None:
             block_table, seq_lens = selected.token_rows(metadata.group(index))
@@ -247,11 +247,3 @@ def index_selection(
     k = min(dims.index_topk, max_context)
     chosen = totals.topk(k, dim=-1).indices  # sorted: outside the context comes last
     return Selection(chosen, allowed.sum(dim=-1).clamp(max=k))
-
-
-def _reads_cache_in_place(query: torch.Tensor) -> bool:
-    return (
-        query.dtype == torch.float32
-        and query.device.type == "cpu"
-        and kernel_builds("paged_attention")
-    )
