@@ -42,6 +42,33 @@ def test_attention_gathered_instead_of_read_in_place_matches_too(tiny_deepseek, 
     assert_logits_match(tiny_deepseek[1], token_budget=10)
 
 
+@pytest.mark.parametrize(
+    "mscale, mscale_all_dim", [(1.0, 1.0), (1.0, 0.5)], ids=["as-released", "unequal"]
+)
+def test_yarn_with_deepseeks_softmax_correction_matches_transformers(
+    tmp_path, mscale, mscale_all_dim
+):
+    """DeepSeek's released configs scale RoPE with YaRN and ``mscale_all_dim``, which
+    also multiplies the softmax scale by mscale squared. Prompts and decodes run past
+    the original context of 16 positions."""
+    from tests.conftest import DEEPSEEK_TINY
+
+    rope = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "original_max_position_embeddings": 16,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": mscale,
+        "mscale_all_dim": mscale_all_dim,
+    }
+    config = transformers.DeepseekV3Config(**DEEPSEEK_TINY, q_lora_rank=16, rope_parameters=rope)
+    torch.manual_seed(0)
+    transformers.DeepseekV3ForCausalLM(config).eval().save_pretrained(tmp_path)
+    assert_logits_match(tmp_path)
+
+
 def test_v2s_ungrouped_greedy_router_matches_transformers(tmp_path):
     from tests.conftest import DEEPSEEK_TINY
 
