@@ -45,6 +45,11 @@ def test_int8_linear_equals_f_linear_on_the_dequantized_weight(rows, bias):
     assert Int8Linear(linear)(x.view(rows, 1, 100)).shape == (rows, 1, 37)
 
 
+# What int8 leaves in float: embeddings, and DeepSeek's weights that are not linear
+# layers (the absorbed kv_b_proj, the router, the stacked experts).
+KEPT_IN_FLOAT = ("embed_tokens", "kv_b_proj", "mlp.gate.weight", ".experts.")
+
+
 def dequantized_checkpoint(source, directory):
     """``source`` with every linear weight replaced by its int8 dequantization; the LM
     head untied, since int8 quantizes it and keeps the embedding in float32."""
@@ -56,15 +61,18 @@ def dequantized_checkpoint(source, directory):
         config["tie_word_embeddings"] = False
         (directory / "config.json").write_text(json.dumps(config))
     for name, tensor in tensors.items():
-        if tensor.dim() == 2 and "embed_tokens" not in name:
+        if tensor.dim() == 2 and not any(part in name for part in KEPT_IN_FLOAT):
             tensors[name] = dequantized(tensor).contiguous()
     save_file(tensors, directory / "model.safetensors")
     return directory
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "deepseek-v3.2"])
 def test_int8_engine_equals_float32_on_the_dequantized_weights(kind, tmp_path):
-    source = make_tiny_checkpoint(kind, tmp_path / "source")
+    from tests.conftest import make_deepseek_checkpoint
+
+    make = make_deepseek_checkpoint if kind.startswith("deepseek") else make_tiny_checkpoint
+    source = make(kind, tmp_path / "source")
     reference_dir = dequantized_checkpoint(source, tmp_path / "dequantized")
     prompts = [[1, 2, 3, 4, 5], list(range(40, 80)), [7] * 19]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
