@@ -134,3 +134,79 @@ def test_a_checkpoint_without_mtp_layers_says_so(tiny_deepseek):
     config = ModelConfig.from_dir(model_dir)
     with pytest.raises(ValueError, match=r"num_nextn_predict_layers|missing"):
         load_mtp_layers(config, model_dir, torch.float32, "cpu")
+
+
+def reference_mtp(model_dir: Path):
+    main = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    layer = main.config.num_hidden_layers
+    main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{layer}\..*"]
+    return main.eval(), MtpModel.from_pretrained(main).eval()
+
+
+@torch.no_grad()
+def reference_drafts(main, mtp, tokens: list[int], k: int) -> list[int]:
+    """What the MTP layer drafts after ``tokens``, reused k times: entry n - 2 (the
+    newest token beside the main model's last hidden state), then its own output
+    chained with each draft, over the whole sequence at once."""
+    ids = torch.tensor([tokens])
+    hidden = main.model(ids[:, :-1]).last_hidden_state
+    inputs = tokens[1:]
+    drafts = []
+    for _ in range(k):
+        positions = torch.arange(1, len(inputs) + 1)[None]
+        out = mtp.forward_layer(0, hidden, positions, None, input_ids=torch.tensor([inputs]))
+        draft = int(mtp._project_to_logits(out[:, -1]).argmax())
+        drafts.append(draft)
+        hidden = torch.cat([hidden, out[:, -1:]], dim=1)
+        inputs = [*inputs, draft]
+    return drafts
+
+
+@pytest.mark.parametrize("token_budget", [1024, 12], ids=["whole-prefill", "chunked-prefill"])
+def test_mtp_drafts_are_transformers_mtp_drafts_and_keep_greedy_output(checkpoint, token_budget):
+    """Every proposal, at every step, equals the drafts transformers' MtpModel makes
+    from the same tokens (so the layer's cache holds exactly what a full forward would
+    compute); and greedy output with MTP speculation equals greedy output without."""
+    prompts = [list(range(10, 31)), [5, 6, 7] * 5, list(range(100, 137))]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (14, 9, 11)]
+    args = dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=token_budget)
+    plain = LLM(checkpoint, **args).generate(prompts, params)
+    llm = LLM(checkpoint, speculative_method="mtp", num_speculative_tokens=2, **args)
+    proposer = llm.engine._proposer
+    seen = []
+    propose = proposer.propose
+
+    def spy(inputs, output, drafting):
+        drafts = propose(inputs, output, drafting)
+        for request, _ in drafting:
+            if request.request_id in drafts:
+                seen.append((list(request.token_ids), drafts[request.request_id].token_ids))
+        return drafts
+
+    proposer.propose = spy
+    got = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    assert len(seen) > 10
+    main, mtp = reference_mtp(checkpoint)
+    for tokens, drafts in seen:
+        assert drafts == reference_drafts(main, mtp, tokens, len(drafts)), len(tokens)
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
+def test_a_mixed_batch_of_16_keeps_greedy_output_with_mtp(checkpoint, enforce_eager):
+    prompts = [list(range(10, 30)) + [i, i + 1] * (i % 3 + 1) for i in range(40, 56)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 7, 13, 25) * 4
+    ]
+    args = dict(block_size=4, num_kv_blocks=512, enforce_eager=enforce_eager)
+    plain = LLM(checkpoint, **args).generate(prompts, params)
+    llm = LLM(checkpoint, speculative_method="mtp", num_speculative_tokens=3, **args)
+    got = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    stats = llm.engine.stats()
+    assert stats.speculative.rounds > 0 and stats.kv_blocks_used == 0
+
+
+def test_mtp_on_a_model_without_mtp_layers_is_refused(tiny_llama):
+    with pytest.raises(ValueError, match="no multi-token prediction layers"):
+        LLM(tiny_llama, speculative_method="mtp")

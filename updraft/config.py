@@ -415,8 +415,8 @@ class EngineConfig:
     )
     speculative_method: str | None = setting(
         None,
-        "draft (a draft model; implied by --speculative-model), ngram (prompt lookup), or "
-        "a registered proposer",
+        "draft (a draft model; implied by --speculative-model), ngram (prompt lookup), mtp "
+        "(a DeepSeek checkpoint's multi-token prediction layer), or a registered proposer",
     )
     speculative_model: str | None = setting(
         None, "draft model checkpoint directory, with the target's tokenizer"
@@ -455,10 +455,10 @@ class EngineConfig:
             raise ValueError(
                 "speculative_method 'draft' needs speculative_model (a draft checkpoint directory)"
             )
-        if self.speculative_method == "ngram" and self.speculative_model is not None:
+        if self.speculative_method in ("ngram", "mtp") and self.speculative_model is not None:
             raise ValueError(
-                f"speculative_method 'ngram' takes no speculative_model, got "
-                f"{self.speculative_model!r}"
+                f"speculative_method {self.speculative_method!r} takes no speculative_model, "
+                f"got {self.speculative_model!r}"
             )
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError(

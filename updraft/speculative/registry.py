@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from updraft.config import EngineConfig
 from updraft.runner.runner import Runner
 from updraft.speculative.draft_model import DraftModel
+from updraft.speculative.mtp import MTPProposer
 from updraft.speculative.ngram import NgramProposer
 from updraft.speculative.proposer import Proposer
 
@@ -32,6 +33,7 @@ PROPOSERS: dict[str, ProposerFactory] = {
         context.target.generator,
     ),
     "ngram": lambda context: NgramProposer(context.config.num_speculative_tokens),
+    "mtp": lambda context: MTPProposer(context.target, context.config.model),
 }
 
 

@@ -15,7 +15,7 @@ nothing.
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from itertools import pairwise
 from typing import NamedTuple
@@ -83,6 +83,10 @@ class StepInputs:
     draft_probs: list[torch.Tensor | None]  # q [num_drafts, vocab], or None: one-hot
     sampling: SamplingBatch
     return_hidden_states: bool = False
+    # Per request: the token after its last query token where that is already known (a
+    # prompt prefilled in chunks), else -1. What a proposer reading the target's hidden
+    # states pairs with the chunk's last one (models/mtp.py).
+    next_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -138,6 +142,7 @@ class StepInputs:
         width = max((len(q[0].block_ids) for q in queries), default=1) or 1
         block_table, logits_indices, draft_token_ids = array("q"), array("q"), array("q")
         rows: list[int] = []
+        next_token_ids: list[int] = []
         drafts: list[Draft | None] = []
         num_drafts: list[int] = []
         end_of_queries = 0
@@ -160,6 +165,7 @@ class StepInputs:
             seq_lens.append(end)
             block_table.extend(block_ids)
             block_table.extend(zeros(width - len(block_ids)))
+            next_token_ids.append(-1 if samples else request.token_ids[end])
             if samples:
                 count = 0 if draft is None else len(draft.token_ids)
                 rows.append(row)
@@ -189,6 +195,7 @@ class StepInputs:
                 [r.sampling_params for r in sampled], [r.generator for r in sampled]
             ),
             return_hidden_states=return_hidden_states,
+            next_token_ids=next_token_ids,
         )
 
 
