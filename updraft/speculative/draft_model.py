@@ -23,9 +23,9 @@ import torch
 
 from updraft.config import EngineConfig, ModelConfig
 from updraft.request import Request
-from updraft.runner.rejection_sampler import sample_draft
 from updraft.runner.runner import Runner
-from updraft.step.inputs import Query, StepInputs
+from updraft.speculative.proposer import draft_token_by_token
+from updraft.step.inputs import StepInputs
 from updraft.step.output import StepOutput
 from updraft.step.plan import Draft
 
@@ -71,31 +71,10 @@ class DraftModel:
         self, inputs: StepInputs, output: StepOutput, drafting: list[tuple[Request, int]]
     ) -> dict[str, Draft]:
         self.runner.forward(replace(inputs, return_hidden_states=False))  # the mirror step
-        requests = [request for request, _ in drafting]
-        limits = [limit for _, limit in drafting]
-        drafts: list[list[int]] = [[] for _ in requests]
-        probs: list[list[torch.Tensor]] = [[] for _ in requests]
-        # Each request decodes from its newest known token, one position per step, until
-        # it has its limit; the batch shrinks as requests reach theirs.
-        for depth in range(max(limits, default=0)):
-            rows = [i for i, limit in enumerate(limits) if depth < limit]
-            queries = [
-                Query(
-                    requests[i],
-                    requests[i].num_tokens - 1 + depth,
-                    [drafts[i][-1] if depth else requests[i].token_ids[-1]],
-                )
-                for i in rows
-            ]
-            step = StepInputs.from_queries(queries, self.block_size)
-            logits = self.runner.forward(step).logits
-            tokens, q = sample_draft(logits, step.sampling, self.generator)
-            for row, (i, token) in enumerate(zip(rows, tokens.tolist(), strict=True)):
-                drafts[i].append(token)
-                # Greedy requests need no q: verification compares with the argmax.
-                if q is not None and not requests[i].sampling_params.greedy:
-                    probs[i].append(q[row])
-        return {
-            request.request_id: Draft(tokens, torch.stack(rows) if rows else None)
-            for request, tokens, rows in zip(requests, drafts, probs, strict=True)
-        }
+        return draft_token_by_token(
+            drafting,
+            lambda request: request.num_tokens - 1,
+            lambda step, rows: self.runner.forward(step).logits,
+            self.block_size,
+            self.generator,
+        )

@@ -34,9 +34,9 @@ from updraft.attention.metadata import AttentionMetadata
 from updraft.attention.paged import allocate_kv_cache
 from updraft.models.mtp import load_mtp_layers
 from updraft.request import Request
-from updraft.runner.rejection_sampler import sample_draft
 from updraft.runner.runner import Runner
-from updraft.step.inputs import Query, StepInputs
+from updraft.speculative.proposer import draft_token_by_token
+from updraft.step.inputs import StepInputs
 from updraft.step.output import StepOutput
 from updraft.step.plan import Draft
 
@@ -103,45 +103,31 @@ class MTPProposer:
             if row in sampled and request_id in accepted:
                 end = inputs.query_starts[row + 1]
                 last_row[request_id] = end - 1 - sampled[row] + accepted[request_id]
-        requests, limits, hidden_rows = [], [], []
-        for request, limit in drafting:
-            row = last_row.get(request.request_id)
-            if row is not None and limit > 0:
-                requests.append(request)
-                limits.append(limit)
-                hidden_rows.append(row)
-        if not requests:
+        chosen = [(r, limit) for r, limit in drafting if limit and r.request_id in last_row]
+        if not chosen:
             return {}
-        hidden = output.hidden_states.index_select(
-            0, torch.tensor(hidden_rows, device=output.hidden_states.device)
-        )
-        drafts: list[list[int]] = [[] for _ in requests]
-        probs: list[list[torch.Tensor]] = [[] for _ in requests]
-        rows = list(range(len(requests)))
-        for depth in range(max(limits)):
-            # The batch shrinks as requests reach their limits; their states go with them.
-            kept = [i for i in rows if depth < limits[i]]
-            if len(kept) < len(rows):
-                hidden = hidden[[rows.index(i) for i in kept]]
-            rows = kept
-            queries = [
-                Query(
-                    requests[i],
-                    requests[i].num_tokens - 2 + depth,
-                    [drafts[i][-1] if depth else requests[i].token_ids[-1]],
-                )
-                for i in rows
-            ]
-            step = StepInputs.from_queries(queries, self.block_size)
+        rows_now = [last_row[request.request_id] for request, _ in chosen]
+        chain = {
+            "rows": list(range(len(chosen))),
+            "hidden": output.hidden_states.index_select(
+                0, torch.tensor(rows_now, device=output.hidden_states.device)
+            ),
+        }
+
+        def logits_of(step: StepInputs, rows: list[int]) -> torch.Tensor:
+            # Each request chains its own state; the batch shrinks as requests finish.
+            hidden = chain["hidden"]
+            if len(rows) < len(chain["rows"]):
+                hidden = hidden[[chain["rows"].index(i) for i in rows]]
             # entry n - 2 + d is fed token n - 1 + d: the query's own token
             hidden = self._forward(step, step.input_ids, hidden)
-            logits = self.target.model.compute_logits(hidden)
-            tokens, q = sample_draft(logits, step.sampling, self.target.generator)
-            for row, (i, token) in enumerate(zip(rows, tokens.tolist(), strict=True)):
-                drafts[i].append(token)
-                if q is not None and not requests[i].sampling_params.greedy:
-                    probs[i].append(q[row])
-        return {
-            request.request_id: Draft(tokens, torch.stack(rows) if rows else None)
-            for request, tokens, rows in zip(requests, drafts, probs, strict=True)
-        }
+            chain.update(rows=rows, hidden=hidden)
+            return self.target.model.compute_logits(hidden)
+
+        return draft_token_by_token(
+            chosen,
+            lambda request: request.num_tokens - 2,
+            logits_of,
+            self.block_size,
+            self.target.generator,
+        )

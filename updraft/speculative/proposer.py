@@ -13,10 +13,14 @@ the engine or the scheduler changes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
+import torch
+
 from updraft.request import Request
-from updraft.step.inputs import StepInputs
+from updraft.runner.rejection_sampler import sample_draft
+from updraft.step.inputs import Query, StepInputs
 from updraft.step.output import StepOutput
 from updraft.step.plan import Draft
 
@@ -39,3 +43,42 @@ class Proposer(Protocol):
         computed every token but its last, and its KV blocks cover ``limit`` positions
         from that last token on."""
         ...
+
+
+def draft_token_by_token(
+    drafting: list[tuple[Request, int]],
+    first_position: Callable[[Request], int],
+    logits_of: Callable[[StepInputs, list[int]], torch.Tensor],
+    block_size: int,
+    generator: torch.Generator,
+) -> dict[str, Draft]:
+    """The draft loop of a proposer with a model: step d decodes one token per request,
+    the newest known token at d = 0 and its own previous draft after, at position
+    ``first_position(request) + d``, until each request has its limit (the batch shrinks
+    as requests reach theirs). ``logits_of(step, rows)`` runs the model over the step,
+    whose queries are ``drafting``'s rows ``rows``, and returns their logits."""
+    requests = [request for request, _ in drafting]
+    limits = [limit for _, limit in drafting]
+    drafts: list[list[int]] = [[] for _ in requests]
+    probs: list[list[torch.Tensor]] = [[] for _ in requests]
+    for depth in range(max(limits, default=0)):
+        rows = [i for i, limit in enumerate(limits) if depth < limit]
+        queries = [
+            Query(
+                requests[i],
+                first_position(requests[i]) + depth,
+                [drafts[i][-1] if depth else requests[i].token_ids[-1]],
+            )
+            for i in rows
+        ]
+        step = StepInputs.from_queries(queries, block_size)
+        tokens, q = sample_draft(logits_of(step, rows), step.sampling, generator)
+        for row, (i, token) in enumerate(zip(rows, tokens.tolist(), strict=True)):
+            drafts[i].append(token)
+            # Greedy requests need no q: verification compares with the argmax.
+            if q is not None and not requests[i].sampling_params.greedy:
+                probs[i].append(q[row])
+    return {
+        request.request_id: Draft(tokens, torch.stack(rows) if rows else None)
+        for request, tokens, rows in zip(requests, drafts, probs, strict=True)
+    }
