@@ -162,17 +162,18 @@ def reference_drafts(main, mtp, tokens: list[int], k: int) -> list[int]:
     return drafts
 
 
-@pytest.mark.parametrize("token_budget", [1024, 12], ids=["whole-prefill", "chunked-prefill"])
-def test_mtp_drafts_are_transformers_mtp_drafts_and_keep_greedy_output(checkpoint, token_budget):
-    """Every proposal, at every step, equals the drafts transformers' MtpModel makes
-    from the same tokens (so the layer's cache holds exactly what a full forward would
-    compute); and greedy output with MTP speculation equals greedy output without."""
+def mtp_run(checkpoint, token_budget: int, prepare=None, **engine_args):
+    """Generate with MTP speculation, recording every proposal with the tokens it was
+    made from; ``prepare(proposer)`` runs first. -> (plain greedy outputs, outputs with
+    MTP, proposals, proposer)."""
     prompts = [list(range(10, 31)), [5, 6, 7] * 5, list(range(100, 137))]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (14, 9, 11)]
     args = dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=token_budget)
     plain = LLM(checkpoint, **args).generate(prompts, params)
-    llm = LLM(checkpoint, speculative_method="mtp", num_speculative_tokens=2, **args)
+    llm = LLM(checkpoint, speculative_method="mtp", num_speculative_tokens=2, **args, **engine_args)
     proposer = llm.engine._proposer
+    if prepare is not None:
+        prepare(proposer)
     seen = []
     propose = proposer.propose
 
@@ -184,12 +185,52 @@ def test_mtp_drafts_are_transformers_mtp_drafts_and_keep_greedy_output(checkpoin
         return drafts
 
     proposer.propose = spy
-    got = llm.generate(prompts, params)
+    return plain, llm.generate(prompts, params), seen, proposer
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
+@pytest.mark.parametrize("token_budget", [1024, 12], ids=["whole-prefill", "chunked-prefill"])
+def test_mtp_drafts_are_transformers_mtp_drafts_and_keep_greedy_output(
+    checkpoint, token_budget, enforce_eager
+):
+    """Every proposal, at every step, equals the drafts transformers' MtpModel makes
+    from the same tokens (so the layer's cache holds exactly what a full forward would
+    compute); and greedy output with MTP speculation equals greedy output without.
+    With graphs on, the MTP steps replay captured graphs."""
+    plain, got, seen, proposer = mtp_run(checkpoint, token_budget, enforce_eager=enforce_eager)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
     assert len(seen) > 10
+    assert (proposer.step_modes["graph"] > 0) != enforce_eager, proposer.step_modes
     main, mtp = reference_mtp(checkpoint)
     for tokens, drafts in seen:
         assert drafts == reference_drafts(main, mtp, tokens, len(drafts)), len(tokens)
+
+
+@pytest.mark.parametrize(
+    "skip", [None, "hidden_states", "block_table", "slot_mapping", "positions", "seq_lens"]
+)
+def test_an_mtp_graph_that_skips_a_refresh_leaves_another_cache(checkpoint, skip):
+    """The target's hidden states are a declared input of the MTP graphs, refreshed at
+    every replay like the block table, slots, positions and lengths. The MTP layer's
+    latent cache after a run with graphs equals the eager run's; a replay that keeps
+    any one input from an earlier step leaves other rows (or drafts other tokens)."""
+
+    def forget(proposer) -> None:
+        for graph, _ in proposer.captured.graphs.values():
+            (forgotten,) = [i for i in graph.inputs if i.name == skip]
+            # A path that forgets one refresh (StaticInput is frozen).
+            object.__setattr__(forgotten, "refresh", lambda values: None)
+
+    _, _, eager_seen, eager = mtp_run(checkpoint, 1024, enforce_eager=True)
+    prepare = None if skip is None else forget
+    _, _, seen, graphs = mtp_run(checkpoint, 1024, prepare=prepare)
+    assert graphs.step_modes["graph"] > 0
+    live = slice(0, -1)  # the spare last slot takes padded rows' writes
+    difference = (graphs.cache[live] - eager.cache[live]).abs().max().item()
+    if skip is None:
+        assert difference < 1e-4 and seen == eager_seen
+    else:
+        assert difference > 1e-3 or seen != eager_seen, f"the {skip} refresh went unnoticed"
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])

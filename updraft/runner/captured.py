@@ -44,6 +44,7 @@ class CapturedSteps:
         inputs: tuple[GraphInput, ...] = GRAPH_INPUTS,
         compile_runs: bool = False,
         full: bool | frozenset[int] = False,
+        sizes_of_dims: dict[str, int] | None = None,
     ) -> None:
         """``full``: capture attention inside the graphs (of every bucket, or of those
         whose query length is in the set), shaped by the bucket
@@ -57,8 +58,12 @@ class CapturedSteps:
         self.query_lens = tuple(sorted(set(query_lens)))
         self.specs = inputs
         self.compile_runs = compile_runs
+        self.other_sizes = sizes_of_dims or {}
         largest = sizes_for(
-            self.sizes[-1] * self.query_lens[-1], self.sizes[-1], blocks=self.max_blocks
+            self.sizes[-1] * self.query_lens[-1],
+            self.sizes[-1],
+            blocks=self.max_blocks,
+            **self.other_sizes,
         )
         dtype = next(model.parameters()).dtype
         self.buffers = {
@@ -108,7 +113,7 @@ class CapturedSteps:
         self, size: int, query_len: int
     ) -> tuple[UpdatableGraph, tuple[torch.Tensor, torch.Tensor]]:
         num_tokens = size * query_len
-        shape = sizes_for(num_tokens, size, blocks=self.max_blocks)
+        shape = sizes_for(num_tokens, size, blocks=self.max_blocks, **self.other_sizes)
         inputs = {
             spec.name: StaticInput(
                 spec.name,
@@ -141,7 +146,9 @@ class CapturedSteps:
         else:
             backend = CudaGraph(**declared, pool=self.pool)
         graph = UpdatableGraph(backend, list(inputs.values()), metadata)
-        dummy = capture_inputs(num_tokens, size, self.max_blocks)
+        dummy = capture_inputs(num_tokens, size, self.max_blocks, self.specs, **self.other_sizes)
+        standard = {spec.name for spec in GRAPH_INPUTS}
+        extra = {name: i.buffer for name, i in inputs.items() if name not in standard}
         if self.full is True or (self.full and query_len in self.full):
             dummy_metadata = AttentionMetadata.bucket(
                 block_size, **attention_inputs, num_requests=size, query_len=query_len
@@ -155,6 +162,7 @@ class CapturedSteps:
                 inputs["positions"].buffer,
                 self.kv_caches,
                 dummy_metadata,
+                **extra,
             )
             return hidden, self.model.compute_logits(hidden)
 

@@ -18,37 +18,77 @@ After every target step:
   target's last accepted row, then the layer's own output chained. Its slots are the
   target's (entry n - 2) and the lookahead slots the scheduler reserved past it.
 
-The first MTP layer serves every draft step. Steps run eagerly (the layer's own graphs
-are not captured yet).
+The first MTP layer serves every draft step. Steps whose rows are uniform (draft steps,
+and the mirrors of decode and verify steps) replay captured graphs, whose declared
+inputs are the standard ones plus the target's hidden states (``MTP_GRAPH_INPUTS``): a
+replay refreshes them from the step it is given, like everything else.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 from typing import ClassVar
 
 import torch
+from torch import nn
 
 from updraft.attention.cache_layout import cache_layout
 from updraft.attention.metadata import AttentionMetadata
 from updraft.attention.paged import allocate_kv_cache
-from updraft.models.mtp import load_mtp_layers
+from updraft.models.mtp import MTPLayer, load_mtp_layers
 from updraft.request import Request
+from updraft.runner.captured import CapturedSteps
 from updraft.runner.runner import Runner
 from updraft.speculative.proposer import draft_token_by_token
-from updraft.step.inputs import StepInputs
+from updraft.step.inputs import GRAPH_INPUTS, GraphInput, StepInputs
 from updraft.step.output import StepOutput
 from updraft.step.plan import Draft
+
+MTP_GRAPH_INPUTS = (
+    *GRAPH_INPUTS,
+    GraphInput("hidden_states", ("tokens", "hidden"), pad=0.0, dtype=None),
+)
+
+
+class MTPModel(nn.Module):
+    """The layer as a model a captured step can run: the target's embedding, rotary
+    tables and LM head (shared, not copied) around the MTP layer. ``positions`` are the
+    rotary positions, one past each entry's index."""
+
+    def __init__(self, target: nn.Module, layer: MTPLayer) -> None:
+        super().__init__()
+        self.embed_tokens = target.model.embed_tokens
+        self.rotary = target.rotary
+        self.lm_head = target.lm_head
+        self.layer = layer
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+        hidden_states: torch.Tensor,
+    ) -> torch.Tensor:
+        (cache,) = kv_caches
+        rotary = self.rotary.lookup(positions, hidden_states.dtype)
+        embeds = self.embed_tokens(input_ids)
+        return self.layer(embeds, hidden_states, rotary, cache, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
 
 
 class MTPProposer:
     wants_hidden_states: ClassVar[bool] = True
     runner: Runner | None = None  # the layer runs beside the target's model
 
-    def __init__(self, target: Runner, model_dir: str) -> None:
+    def __init__(self, target: Runner, model_dir: str, num_speculative_tokens: int) -> None:
         config = target.model_config
         self.target = target
-        self.layer = load_mtp_layers(config, model_dir, target.dtype, target.device).depths()[0]
+        layer = load_mtp_layers(config, model_dir, target.dtype, target.device).depths()[0]
+        self.model = MTPModel(target.model, layer)
         self.cache = allocate_kv_cache(
             1,
             target.num_blocks,
@@ -59,17 +99,42 @@ class MTPProposer:
         )[0]
         self.block_size = target.block_size
         self.device = target.device
+        # How each MTP step ran: "graph" or "eager", counted.
+        self.step_modes: Counter[str] = Counter()
+        self.captured = None
+        if target.captured is not None:
+            self.captured = CapturedSteps(
+                self.model,
+                [self.cache],
+                self.block_size,
+                target.captured.max_blocks,
+                target.captured.sizes,
+                self.device,
+                query_lens=(1, 1 + num_speculative_tokens),
+                inputs=MTP_GRAPH_INPUTS,
+                compile_runs=target.config.compiles_graphs,
+                full=target.captured.full,
+                sizes_of_dims={"hidden": config.hidden_size},
+            )
 
-    def _forward(
-        self, step: StepInputs, token_ids: torch.Tensor, hidden: torch.Tensor
-    ) -> torch.Tensor:
-        """The layer over ``step``'s rows: entry i of each row, fed ``token_ids`` (the
-        tokens one position on) and ``hidden`` -> the layer's hidden states."""
-        model = self.target.model
+    def _forward(self, step: StepInputs) -> torch.Tensor:
+        """The layer over ``step`` (its tokens one position on, rotary positions one
+        past each entry, and the hidden states it pairs them with) -> its hidden states,
+        by graph replay when the step fits a bucket."""
+        bucket = None if self.captured is None else self.captured.bucket_for(step)
+        if bucket is not None:
+            self.step_modes["graph"] += 1
+            hidden, _ = self.captured.run(step, bucket)
+            return hidden.clone()
+        self.step_modes["eager"] += 1
         metadata = AttentionMetadata.from_step(step, self.block_size, self.device)
-        rotary = model.rotary.lookup((step.positions + 1).to(self.device), hidden.dtype)
-        embeds = model.model.embed_tokens(token_ids.to(self.device))
-        return self.layer(embeds, hidden, rotary, self.cache, metadata)
+        return self.model(
+            step.input_ids.to(self.device),
+            step.positions.to(self.device),
+            [self.cache],
+            metadata,
+            step.hidden_states,
+        )
 
     def _mirror(self, inputs: StepInputs, output: StepOutput) -> None:
         """Write the entries of this step's rows whose next token is known."""
@@ -87,8 +152,15 @@ class MTPProposer:
                 slots[start + valid : end] = -1
             else:
                 next_ids[end - 1] = inputs.next_token_ids[row]
-        step = replace(inputs, slot_mapping=slots)
-        self._forward(step, next_ids, output.hidden_states)
+        self._forward(
+            replace(
+                inputs,
+                input_ids=next_ids,
+                positions=inputs.positions + 1,
+                slot_mapping=slots,
+                hidden_states=output.hidden_states,
+            )
+        )
 
     @torch.inference_mode()
     def propose(
@@ -119,10 +191,11 @@ class MTPProposer:
             hidden = chain["hidden"]
             if len(rows) < len(chain["rows"]):
                 hidden = hidden[[chain["rows"].index(i) for i in rows]]
-            # entry n - 2 + d is fed token n - 1 + d: the query's own token
-            hidden = self._forward(step, step.input_ids, hidden)
+            # entry n - 2 + d is fed token n - 1 + d (the query's own), RoPE at n - 1 + d
+            step = replace(step, positions=step.positions + 1, hidden_states=hidden)
+            hidden = self._forward(step)
             chain.update(rows=rows, hidden=hidden)
-            return self.target.model.compute_logits(hidden)
+            return self.model.compute_logits(hidden)
 
         return draft_token_by_token(
             chosen,

@@ -33,7 +33,9 @@ PROPOSERS: dict[str, ProposerFactory] = {
         context.target.generator,
     ),
     "ngram": lambda context: NgramProposer(context.config.num_speculative_tokens),
-    "mtp": lambda context: MTPProposer(context.target, context.config.model),
+    "mtp": lambda context: MTPProposer(
+        context.target, context.config.model, context.config.num_speculative_tokens
+    ),
 }
 
 

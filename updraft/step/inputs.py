@@ -87,6 +87,9 @@ class StepInputs:
     # prompt prefilled in chunks), else -1. What a proposer reading the target's hidden
     # states pairs with the chunk's last one (models/mtp.py).
     next_token_ids: list[int] = field(default_factory=list)
+    # [num_tokens, hidden]: the target's hidden states a proposer's model reads beside
+    # this step's tokens (a graph input of its captured steps); None for the target.
+    hidden_states: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -214,7 +217,11 @@ def long_tensor(values: array) -> torch.Tensor:
 
 
 def pad_inputs(
-    inputs: StepInputs, num_tokens: int, num_reqs: int, specs: tuple[GraphInput, ...] = GRAPH_INPUTS
+    inputs: StepInputs,
+    num_tokens: int,
+    num_reqs: int,
+    specs: tuple[GraphInput, ...] = GRAPH_INPUTS,
+    **other_sizes: int,
 ) -> StepInputs:
     """``inputs`` grown to ``num_tokens`` tokens and ``num_reqs`` requests by padding
     every graph input as its declaration says; sampling is unchanged."""
@@ -223,7 +230,7 @@ def pad_inputs(
             f"cannot pad a step of {inputs.num_tokens} tokens / {inputs.num_reqs} requests "
             f"down to {num_tokens} / {num_reqs}"
         )
-    sizes = sizes_for(num_tokens, num_reqs, blocks=inputs.block_table.shape[1])
+    sizes = sizes_for(num_tokens, num_reqs, blocks=inputs.block_table.shape[1], **other_sizes)
     grown = {
         spec.name: padded(getattr(inputs, spec.name), graph_input_shape(spec, sizes), spec.pad)
         for spec in specs
@@ -231,9 +238,18 @@ def pad_inputs(
     return replace(inputs, **grown)
 
 
-def capture_inputs(num_tokens: int, num_reqs: int, max_blocks: int) -> StepInputs:
+def capture_inputs(
+    num_tokens: int,
+    num_reqs: int,
+    max_blocks: int,
+    specs: tuple[GraphInput, ...] = GRAPH_INPUTS,
+    **sizes: int,
+) -> StepInputs:
     """A step of nothing but padding, at a bucket's shape: capturing it writes no live
-    KV, and every replay refreshes all of it."""
+    KV, and every replay refreshes all of it. ``sizes`` are those of further dims the
+    specs name (``hidden``)."""
     empty = StepInputs.from_queries([], block_size=1)
     empty = replace(empty, block_table=torch.zeros(0, max_blocks, dtype=torch.long))
-    return pad_inputs(empty, num_tokens, num_reqs)
+    if "hidden" in sizes:
+        empty = replace(empty, hidden_states=torch.zeros(0, sizes["hidden"]))
+    return pad_inputs(empty, num_tokens, num_reqs, specs, **sizes)
