@@ -33,7 +33,7 @@ run() {  # name, command...: log to $OUT/name.log, remember failures
   | tee "$OUT/summary.txt"
 run cuda_tests "$PYTHON" -m pytest -q -rs tests/test_cuda_graph.py
 run reference_tests "$PYTHON" -m pytest -q -x tests/test_reference_models.py tests/test_graph_engine.py \
-  tests/test_deepseek.py
+  tests/test_deepseek.py tests/test_mtp.py
 run doctor "$PYTHON" -m updraft doctor --device cuda --dtype float32
 run doctor_full "$PYTHON" -m updraft doctor --device cuda --dtype float32 --graph-mode full
 run bench_graphs "$PYTHON" -m benchmarks.bench_graphs --device cuda
