@@ -259,6 +259,25 @@ def test_a_mixed_batch_of_16_keeps_greedy_output_and_acceptance_with_graphs(chec
     assert metrics[True] == metrics[False]
 
 
+def test_preemption_and_prefix_caching_keep_greedy_output_with_mtp(checkpoint):
+    prompts = [list(range(10, 30)) + [i, i + 1] * (i % 3 + 1) for i in range(40, 52)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (30, 12, 22, 35) * 3
+    ]
+    plain = LLM(checkpoint, block_size=4, num_kv_blocks=512).generate(prompts, params)
+    llm = LLM(
+        checkpoint,
+        block_size=4,
+        num_kv_blocks=40,
+        max_num_batched_tokens=24,
+        speculative_method="mtp",
+    )
+    got = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    assert sum(o.metrics.num_preemptions for o in got) > 0
+    assert llm.engine.stats().kv_blocks_used == 0
+
+
 def test_mtp_on_a_model_without_mtp_layers_is_refused(tiny_llama):
     with pytest.raises(ValueError, match="no multi-token prediction layers"):
         LLM(tiny_llama, speculative_method="mtp")
