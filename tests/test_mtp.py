@@ -255,6 +255,7 @@ def test_a_mixed_batch_of_16_keeps_greedy_output_and_acceptance_with_graphs(chec
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
         stats = llm.engine.stats()
         assert stats.speculative.rounds > 0 and stats.kv_blocks_used == 0
+        assert ("graph" in stats.draft_steps) != enforce_eager, stats.draft_steps
         metrics[enforce_eager] = (stats.speculative.proposed, stats.speculative.accepted)
     assert metrics[True] == metrics[False]
 

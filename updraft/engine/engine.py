@@ -174,6 +174,13 @@ class Engine:
         scheduler = self._scheduler
         pool = scheduler.kv.pool
         draft_runner = None if self._proposer is None else self._proposer.runner
+        # A proposer's own model: a runner's step counts, or the proposer's own (a layer
+        # that runs beside the target's model, such as MTP).
+        draft_modes = (
+            draft_runner.step_modes
+            if draft_runner is not None
+            else getattr(self._proposer, "step_modes", None)
+        )
         return EngineStats(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
@@ -181,7 +188,7 @@ class Engine:
             kv_blocks_total=pool.num_blocks,
             steps=dict(self._runner.step_modes),
             threads=self._threads.threads,
-            draft_steps=None if draft_runner is None else dict(draft_runner.step_modes),
+            draft_steps=None if draft_modes is None else dict(draft_modes),
             speculative=None if self._proposer is None else scheduler.speculative.copy(),
             sanitize=snapshot_report(self._runner.sanitize_report),
             draft_sanitize=None

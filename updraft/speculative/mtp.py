@@ -123,7 +123,7 @@ class MTPProposer:
         by graph replay when the step fits a bucket."""
         bucket = None if self.captured is None else self.captured.bucket_for(step)
         if bucket is not None:
-            self.step_modes["graph"] += 1
+            self.step_modes["graph"] += 1  # "graph" / "eager", as a runner counts
             hidden, _ = self.captured.run(step, bucket)
             return hidden.clone()
         self.step_modes["eager"] += 1

@@ -32,7 +32,8 @@ class Proposer(Protocol):
     # Ask the target's runner for the hidden states of every token of each step.
     wants_hidden_states: bool
     # The proposer's own model runner, if it has one (its step modes and sanitize
-    # report show up in the engine's stats).
+    # report show up in the engine's stats). A proposer whose model runs without a
+    # runner may count its steps in a ``step_modes`` Counter of its own instead.
     runner: Runner | None
 
     def propose(
