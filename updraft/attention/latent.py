@@ -175,12 +175,8 @@ def _absorbed(
         if selected is not None:
             block_table, seq_lens = selected.token_rows(metadata.group(index))
             block_size = 1
-        elif shape.max_query == 1:
-            block_table = metadata.block_table[shape.first_req : shape.last_req]
-            seq_lens = metadata.seq_lens[shape.first_req : shape.last_req]
         else:
-            rows = metadata.token_rows(index)
-            block_table, seq_lens = rows.block_table, rows.seq_lens
+            block_table, seq_lens = metadata.in_place_rows(index)
         return torch.ops.updraft.paged_latent_attention(
             query, cache, block_table, seq_lens, block_size, scale, dims.kv_lora_rank
         )

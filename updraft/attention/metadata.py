@@ -245,32 +245,39 @@ class AttentionMetadata:
     def group(self, index: int) -> AttentionGroup:
         """The index tensors of ``shapes[index]``, built on first use and shared by the
         later layers."""
-        if self.uniform and index not in self._groups:
-            self._groups[index] = AttentionGroup.uniform(
-                self.shapes[index], self.seq_lens, self.block_table, self.block_size
-            )
         if index not in self._groups:
-            self._groups[index] = AttentionGroup.build(
-                self.shapes[index],
-                self.query_start_loc,
-                self.seq_lens,
-                self.block_table,
-                self.block_size,
+            shape = self.shapes[index]
+            self._groups[index] = (
+                AttentionGroup.uniform(shape, self.seq_lens, self.block_table, self.block_size)
+                if self.uniform
+                else AttentionGroup.build(
+                    shape, self.query_start_loc, self.seq_lens, self.block_table, self.block_size
+                )
             )
         return self._groups[index]
 
     def token_rows(self, index: int) -> TokenRows:
         """``shapes[index]``'s tokens as one-token requests, built on first use and
         shared by the later layers."""
-        if self.uniform and index not in self._token_rows:
-            self._token_rows[index] = TokenRows.uniform(
-                self.shapes[index], self.seq_lens, self.block_table
-            )
         if index not in self._token_rows:
-            self._token_rows[index] = TokenRows.build(
-                self.shapes[index], self.query_start_loc, self.seq_lens, self.block_table
+            shape = self.shapes[index]
+            self._token_rows[index] = (
+                TokenRows.uniform(shape, self.seq_lens, self.block_table)
+                if self.uniform
+                else TokenRows.build(shape, self.query_start_loc, self.seq_lens, self.block_table)
             )
         return self._token_rows[index]
+
+    def in_place_rows(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the in-place decode kernel reads for ``shapes[index]``: a block-table row
+        and context length per query token. Decodes are their requests' own rows; longer
+        queries (verify steps) are their tokens as one-token requests."""
+        shape = self.shapes[index]
+        if shape.max_query == 1:
+            first, last = shape.first_req, shape.last_req
+            return self.block_table[first:last], self.seq_lens[first:last]
+        rows = self.token_rows(index)
+        return rows.block_table, rows.seq_lens
 
 
 def group_shapes(step: StepInputs) -> list[GroupShape]:

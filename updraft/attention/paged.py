@@ -101,13 +101,7 @@ def attend(
     outputs = []
     for index, shape in enumerate(metadata.shapes):
         if shape.max_query <= IN_PLACE_MAX_QUERY and reads_cache_in_place(query):
-            if shape.max_query == 1:
-                first, last = shape.first_req, shape.last_req
-                block_table = metadata.block_table[first:last]
-                seq_lens = metadata.seq_lens[first:last]
-            else:
-                rows = metadata.token_rows(index)
-                block_table, seq_lens = rows.block_table, rows.seq_lens
+            block_table, seq_lens = metadata.in_place_rows(index)
             outputs.append(
                 torch.ops.updraft.paged_decode_attention(
                     query[shape.first_token : shape.last_token],
