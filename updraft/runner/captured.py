@@ -48,14 +48,18 @@ class CapturedSteps:
     ) -> None:
         """``full``: capture attention inside the graphs (of every bucket, or of those
         whose query length is in the set), shaped by the bucket
-        (``AttentionMetadata.bucket``), instead of as tasks between segments."""
+        (``AttentionMetadata.bucket``), instead of as tasks between segments.
+        ``sizes_of_dims``: the sizes of dims beyond tokens, requests and blocks that
+        ``inputs`` name (``hidden``); inputs beyond ``GRAPH_INPUTS`` reach the model as
+        keyword arguments."""
         self.model = model
-        self.full = full
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_blocks = max_blocks_per_request
         self.sizes = sorted(set(sizes))
         self.query_lens = tuple(sorted(set(query_lens)))
+        # The query lengths whose graphs hold attention.
+        self.full = frozenset(self.query_lens) if full is True else frozenset(full or ())
         self.specs = inputs
         self.compile_runs = compile_runs
         self.other_sizes = sizes_of_dims or {}
@@ -149,7 +153,7 @@ class CapturedSteps:
         dummy = capture_inputs(num_tokens, size, self.max_blocks, self.specs, **self.other_sizes)
         standard = {spec.name for spec in GRAPH_INPUTS}
         extra = {name: i.buffer for name, i in inputs.items() if name not in standard}
-        if self.full is True or (self.full and query_len in self.full):
+        if query_len in self.full:
             dummy_metadata = AttentionMetadata.bucket(
                 block_size, **attention_inputs, num_requests=size, query_len=query_len
             )
