@@ -248,8 +248,12 @@ def capture_inputs(
     """A step of nothing but padding, at a bucket's shape: capturing it writes no live
     KV, and every replay refreshes all of it. ``sizes`` are those of further dims the
     specs name (``hidden``)."""
-    empty = StepInputs.from_queries([], block_size=1)
-    empty = replace(empty, block_table=torch.zeros(0, max_blocks, dtype=torch.long))
-    if "hidden" in sizes:
-        empty = replace(empty, hidden_states=torch.zeros(0, sizes["hidden"]))
-    return pad_inputs(empty, num_tokens, num_reqs, specs, **sizes)
+    nothing = sizes_for(0, 0, blocks=max_blocks, **sizes)
+    empty = {
+        spec.name: torch.zeros(
+            graph_input_shape(spec, nothing), dtype=spec.dtype or torch.get_default_dtype()
+        )
+        for spec in specs
+    }
+    step = replace(StepInputs.from_queries([], block_size=1), **empty)
+    return pad_inputs(step, num_tokens, num_reqs, specs, **sizes)
