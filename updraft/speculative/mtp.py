@@ -136,20 +136,19 @@ class MTPProposer:
             step.hidden_states,
         )
 
-    def _mirror(self, inputs: StepInputs, output: StepOutput) -> None:
-        """Write the entries of this step's rows whose next token is known."""
+    def _mirror(self, inputs: StepInputs, output: StepOutput, last_rows: dict[str, int]) -> None:
+        """Write the entries of this step's rows whose next token is known: up to each
+        sampling request's last accepted row (``last_rows``), and all of a prompt
+        chunk's rows."""
         next_ids = inputs.input_ids.roll(-1).clone()
         slots = inputs.slot_mapping.clone()
-        sampled = dict(zip(output.request_ids, output.token_ids, strict=True))
-        accepted = dict(zip(output.request_ids, output.num_accepted, strict=True))
-        drafts = dict(zip(inputs.sampling_rows, inputs.num_drafts, strict=True))
+        emitted = dict(zip(output.request_ids, output.token_ids, strict=True))
         for row, request_id in enumerate(inputs.request_ids):
-            start, end = inputs.query_starts[row], inputs.query_starts[row + 1]
-            if request_id in sampled:
-                # the known rows, then those of the drafts the target accepted
-                valid = end - start - drafts[row] + accepted[request_id]
-                next_ids[start + valid - 1] = sampled[request_id][-1]
-                slots[start + valid : end] = -1
+            end = inputs.query_starts[row + 1]
+            if request_id in last_rows:
+                last = last_rows[request_id]
+                next_ids[last] = emitted[request_id][-1]  # the token sampled after it
+                slots[last + 1 : end] = -1  # rejected drafts: no entry
             else:
                 next_ids[end - 1] = inputs.next_token_ids[row]
         self._forward(
@@ -166,36 +165,28 @@ class MTPProposer:
     def propose(
         self, inputs: StepInputs, output: StepOutput, drafting: list[tuple[Request, int]]
     ) -> dict[str, Draft]:
-        self._mirror(inputs, output)
-        # Each drafting request's last accepted row: the target's hidden state there.
-        last_row = {}
-        sampled = dict(zip(inputs.sampling_rows, inputs.num_drafts, strict=True))
-        accepted = dict(zip(output.request_ids, output.num_accepted, strict=True))
-        for row, request_id in enumerate(inputs.request_ids):
-            if row in sampled and request_id in accepted:
-                end = inputs.query_starts[row + 1]
-                last_row[request_id] = end - 1 - sampled[row] + accepted[request_id]
-        chosen = [(r, limit) for r, limit in drafting if limit and r.request_id in last_row]
+        last_rows = last_accepted_rows(inputs, output)
+        self._mirror(inputs, output, last_rows)
+        chosen = [(r, limit) for r, limit in drafting if limit and r.request_id in last_rows]
         if not chosen:
             return {}
-        rows_now = [last_row[request.request_id] for request, _ in chosen]
-        chain = {
-            "rows": list(range(len(chosen))),
-            "hidden": output.hidden_states.index_select(
-                0, torch.tensor(rows_now, device=output.hidden_states.device)
+        # Each request's chained state: first the target's at its last accepted row.
+        states = output.hidden_states.index_select(
+            0,
+            torch.tensor(
+                [last_rows[r.request_id] for r, _ in chosen], device=output.hidden_states.device
             ),
-        }
+        )
+        state_rows = list(range(len(chosen)))
 
         def logits_of(step: StepInputs, rows: list[int]) -> torch.Tensor:
-            # Each request chains its own state; the batch shrinks as requests finish.
-            hidden = chain["hidden"]
-            if len(rows) < len(chain["rows"]):
-                hidden = hidden[[chain["rows"].index(i) for i in rows]]
+            nonlocal states, state_rows
+            if len(rows) < len(state_rows):  # the batch shrank: drop finished requests
+                states = states[[state_rows.index(i) for i in rows]]
             # entry n - 2 + d is fed token n - 1 + d (the query's own), RoPE at n - 1 + d
-            step = replace(step, positions=step.positions + 1, hidden_states=hidden)
-            hidden = self._forward(step)
-            chain.update(rows=rows, hidden=hidden)
-            return self.model.compute_logits(hidden)
+            step = replace(step, positions=step.positions + 1, hidden_states=states)
+            states, state_rows = self._forward(step), rows
+            return self.model.compute_logits(states)
 
         return draft_token_by_token(
             chosen,
@@ -204,3 +195,15 @@ class MTPProposer:
             self.block_size,
             self.target.generator,
         )
+
+
+def last_accepted_rows(inputs: StepInputs, output: StepOutput) -> dict[str, int]:
+    """Per request that sampled this step: the flat row of its last token that is now
+    part of its sequence (its last known token, or its last accepted draft)."""
+    accepted = dict(zip(output.request_ids, output.num_accepted, strict=True))
+    rows = {}
+    for row, num_drafts in zip(inputs.sampling_rows, inputs.num_drafts, strict=True):
+        request_id = inputs.request_ids[row]
+        end = inputs.query_starts[row + 1]
+        rows[request_id] = end - 1 - num_drafts + accepted[request_id]
+    return rows
