@@ -44,6 +44,15 @@ def token_owners(
     return tokens, torch.searchsorted(ends, tokens, right=True)
 
 
+def context_slots(
+    block_table: torch.Tensor, positions: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """The cache slot of each of ``positions`` [K] for each block-table row: [rows, K]."""
+    return block_table.index_select(1, positions // block_size) * block_size + (
+        positions % block_size
+    )
+
+
 @dataclass
 class AttentionGroup:
     """Index tensors for one padded attention call.
@@ -79,10 +88,7 @@ class AttentionGroup:
         # their output is never read.
         last_row = (query_lens - 1).clamp(min=0)
         query_index = starts[:, None] + torch.minimum(rows[None], last_row[:, None])
-        table = block_table[shape.first_req : shape.last_req]
-        kv_slots = table.index_select(1, columns // block_size) * block_size + (
-            columns % block_size
-        )
+        kv_slots = context_slots(block_table[shape.first_req : shape.last_req], columns, block_size)
         context_before = seq_lens[shape.first_req : shape.last_req] - query_lens
         mask = (rows[None, :, None] < query_lens[:, None, None]) & (
             columns[None, None, :] <= context_before[:, None, None] + rows[None, :, None]
@@ -104,10 +110,7 @@ class AttentionGroup:
         rows = torch.arange(max_query, device=device)
         columns = torch.arange(shape.max_context, device=device)
         query_index = torch.arange(batch * max_query, device=device).view(batch, max_query)
-        table = block_table[:batch]
-        kv_slots = table.index_select(1, columns // block_size) * block_size + (
-            columns % block_size
-        )
+        kv_slots = context_slots(block_table[:batch], columns, block_size)
         context_before = seq_lens[:batch] - max_query
         mask = columns[None, None, :] <= context_before[:, None, None] + rows[None, :, None]
         mask = mask | (columns == 0)  # position 0 is in every real query's context anyway
