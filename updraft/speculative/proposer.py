@@ -52,12 +52,15 @@ def draft_token_by_token(
     logits_of: Callable[[StepInputs, list[int]], torch.Tensor],
     block_size: int,
     generator: torch.Generator,
+    first_logits: torch.Tensor | None = None,
 ) -> dict[str, Draft]:
     """The draft loop of a proposer with a model: step d decodes one token per request,
     the newest known token at d = 0 and its own previous draft after, at position
     ``first_position(request) + d``, until each request has its limit (the batch shrinks
     as requests reach theirs). ``logits_of(step, rows)`` runs the model over the step,
-    whose queries are ``drafting``'s rows ``rows``, and returns their logits."""
+    whose queries are ``drafting``'s rows ``rows``, and returns their logits; a proposer
+    that already has step 0's logits (one per request of ``drafting``) passes them as
+    ``first_logits`` instead."""
     requests = [request for request, _ in drafting]
     limits = [limit for _, limit in drafting]
     drafts: list[list[int]] = [[] for _ in requests]
@@ -73,7 +76,8 @@ def draft_token_by_token(
             for i in rows
         ]
         step = StepInputs.from_queries(queries, block_size)
-        tokens, q = sample_draft(logits_of(step, rows), step.sampling, generator)
+        logits = first_logits if depth == 0 and first_logits is not None else logits_of(step, rows)
+        tokens, q = sample_draft(logits, step.sampling, generator)
         for row, (i, token) in enumerate(zip(rows, tokens.tolist(), strict=True)):
             drafts[i].append(token)
             # Greedy requests need no q: verification compares with the argmax.

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from updraft.config import EngineConfig
 from updraft.runner.runner import Runner
 from updraft.speculative.draft_model import DraftModel
-from updraft.speculative.mtp import MTPProposer
+from updraft.speculative.mtp import mtp_proposer
 from updraft.speculative.ngram import NgramProposer
 from updraft.speculative.proposer import Proposer
 
@@ -33,7 +33,7 @@ PROPOSERS: dict[str, ProposerFactory] = {
         context.target.generator,
     ),
     "ngram": lambda context: NgramProposer(context.config.num_speculative_tokens),
-    "mtp": lambda context: MTPProposer(
+    "mtp": lambda context: mtp_proposer(
         context.target, context.config.model, context.config.num_speculative_tokens
     ),
 }
