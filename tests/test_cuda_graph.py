@@ -11,6 +11,7 @@ import torch
 
 from tests.probes import LogitsProbe
 from updraft import LLM, SamplingParams
+from updraft.demo import DEMO_MODEL_DIR
 from updraft.graph.cuda import CudaGraph
 from updraft.graph.recorded import CaptureError
 from updraft.graph.tasks import register_task
@@ -92,8 +93,9 @@ def test_capture_lints_on_cuda_as_on_the_cpu():
 
 
 def engine_on_cuda_replays_like_eager(model_dir, graph_mode: str, **speculation) -> None:
-    """Greedy tokens and logits of CUDA replays equal eager's (with sanitize on), and
-    the graphs are FULL or PIECEWISE as asked."""
+    """Greedy tokens and logits of CUDA replays equal eager's (with sanitize on), so
+    does the acceptance per draft position with speculation, and the graphs are FULL or
+    PIECEWISE as asked."""
     prompts = [list(range(3, 10)), [200, 17], list(range(40, 77)), [5, 6, 7] * 8]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (16, 5, 9, 24)]
     args = dict(device="cuda", dtype="float32", block_size=4, num_kv_blocks=128, **speculation)
@@ -113,6 +115,9 @@ def engine_on_cuda_replays_like_eager(model_dir, graph_mode: str, **speculation)
     assert modes == {graph_mode.upper()}
     if speculation:
         assert stats.speculative.rounds > 0
+        eager_spec = eager_llm.engine.stats().speculative
+        assert stats.speculative.accepted == eager_spec.accepted
+        assert stats.speculative.proposed == eager_spec.proposed
 
 
 @needs_cuda
@@ -139,3 +144,17 @@ def test_mtp_speculation_on_cuda_replays_like_eager(tmp_path, graph_mode):
 
     model_dir = mtp_checkpoint(tmp_path)
     engine_on_cuda_replays_like_eager(model_dir, graph_mode, speculative_method="mtp")
+
+
+@needs_cuda
+@pytest.mark.parametrize("graph_mode", ["piecewise", "full"])
+def test_eagle_speculation_on_cuda_replays_like_eager(tmp_path, graph_mode):
+    """An EAGLE head's graphs on CUDA, reading the target's hidden states: a tiny Llama
+    target with a random head, and the demo target with its trained head."""
+    from tests.test_eagle import make_pair
+
+    target, head = make_pair("llama", tmp_path)
+    engine_on_cuda_replays_like_eager(
+        target, graph_mode, speculative_method="eagle", speculative_model=str(head)
+    )
+    engine_on_cuda_replays_like_eager(DEMO_MODEL_DIR, graph_mode, speculative_method="eagle")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 # Only leaves at import time: `updraft --help` must not wait for torch.
 from updraft.config import EngineConfig
-from updraft.demo import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
+from updraft.demo import DEMO_DRAFT_DIR, DEMO_EAGLE_DIR, DEMO_MODEL_DIR
 from updraft.sampling_params import SamplingParams
 
 
@@ -153,7 +153,8 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
 # What the help of a flag says beyond its field's help.
 HELP_SUFFIX = {
     "model": f" (default: the demo model, {DEMO_MODEL_DIR})",
-    "speculative_model": f"; the demo's draft is {DEMO_DRAFT_DIR}",
+    "speculative_model": f"; the demo's draft is {DEMO_DRAFT_DIR}, its EAGLE head "
+    f"{DEMO_EAGLE_DIR} (the default for eagle)",
 }
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from updraft.checkpoints import local_checkpoint
+from updraft.demo import DEMO_EAGLE_DIR, DEMO_MODEL_DIR
 
 if TYPE_CHECKING:
     import torch
@@ -416,10 +417,13 @@ class EngineConfig:
     speculative_method: str | None = setting(
         None,
         "draft (a draft model; implied by --speculative-model), ngram (prompt lookup), mtp "
-        "(a DeepSeek checkpoint's multi-token prediction layer), or a registered proposer",
+        "(a DeepSeek checkpoint's multi-token prediction layer), eagle (an EAGLE-1 head "
+        "reading the target's hidden states), or a registered proposer",
     )
     speculative_model: str | None = setting(
-        None, "draft model checkpoint directory, with the target's tokenizer"
+        None,
+        "draft model checkpoint directory, with the target's tokenizer; or, with "
+        "--speculative-method eagle, the EAGLE head's directory",
     )
     num_speculative_tokens: int = setting(3, "draft tokens verified per step")
     speculative_enforce_eager: bool | None = setting(
@@ -451,6 +455,13 @@ class EngineConfig:
             raise ValueError(f"capture_sizes must be sizes >= 1, got {self.capture_sizes}")
         if self.speculative_model is not None and self.speculative_method is None:
             self.speculative_method = "draft"
+        if self.speculative_method == "eagle" and self.speculative_model is None:
+            if Path(self.model).resolve() != DEMO_MODEL_DIR:
+                raise ValueError(
+                    "speculative_method 'eagle' needs speculative_model (an EAGLE head "
+                    "directory); only the demo model has a head shipped with updraft"
+                )
+            self.speculative_model = str(DEMO_EAGLE_DIR)
         if self.speculative_method == "draft" and self.speculative_model is None:
             raise ValueError(
                 "speculative_method 'draft' needs speculative_model (a draft checkpoint directory)"

@@ -106,31 +106,32 @@ class HeadProposer:
                 sizes_of_dims={"hidden": hidden_size},
             )
 
-    def _forward(self, step: StepInputs) -> torch.Tensor:
+    def _forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The head over ``step`` (entries, their next tokens and the hidden states it
-        pairs them with) -> its hidden states, by graph replay when the step fits a
-        bucket."""
+        pairs them with) -> its hidden states, and by graph replay when the step fits a
+        bucket, the logits of every row the graph computed with them (else None)."""
         bucket = None if self.captured is None else self.captured.bucket_for(step)
         if bucket is not None:
             self.step_modes["graph"] += 1  # "graph" / "eager", as a runner counts
-            hidden, _ = self.captured.run(step, bucket)
-            return hidden.clone()
+            hidden, logits = self.captured.run(step, bucket)
+            return hidden.clone(), logits.clone()
         self.step_modes["eager"] += 1
         metadata = AttentionMetadata.from_step(step, self.block_size, self.device)
-        return self.head(
+        hidden = self.head(
             step.input_ids.to(self.device),
             step.positions.to(self.device),
             self.caches,
             metadata,
             step.hidden_states,
         )
+        return hidden, None
 
     def _mirror(
         self, inputs: StepInputs, output: StepOutput, last_rows: dict[str, int]
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Write the entries of this step's rows whose next token is known: up to each
         sampling request's last accepted row (``last_rows``), and all of a prompt
-        chunk's rows. -> the head's hidden state at every row."""
+        chunk's rows. -> the head's output at every row (as ``_forward``)."""
         next_ids = inputs.input_ids.roll(-1).clone()
         slots = inputs.slot_mapping.clone()
         emitted = dict(zip(output.request_ids, output.token_ids, strict=True))
@@ -153,21 +154,26 @@ class HeadProposer:
         self, inputs: StepInputs, output: StepOutput, drafting: list[tuple[Request, int]]
     ) -> dict[str, Draft]:
         last_rows = last_accepted_rows(inputs, output)
-        mirrored = self._mirror(inputs, output, last_rows)
+        mirrored, mirrored_logits = self._mirror(inputs, output, last_rows)
         chosen = [(r, limit) for r, limit in drafting if limit and r.request_id in last_rows]
         if not chosen:
             return {}
         # Each request's chained state: first the mirror's at its newest entry.
-        newest = [last_rows[r.request_id] for r, _ in chosen]
-        states = mirrored.index_select(0, torch.tensor(newest, device=mirrored.device))
+        newest = torch.tensor([last_rows[r.request_id] for r, _ in chosen], device=self.device)
+        states = mirrored.index_select(0, newest)
+        if mirrored_logits is None:
+            first_logits = self.head.compute_logits(states)
+        else:
+            first_logits = mirrored_logits.index_select(0, newest)
         state_rows = list(range(len(chosen)))
 
         def logits_of(step: StepInputs, rows: list[int]) -> torch.Tensor:
             nonlocal states, state_rows
             if len(rows) < len(state_rows):  # the batch shrank: drop finished requests
                 states = states[[state_rows.index(i) for i in rows]]
-            states, state_rows = self._forward(replace(step, hidden_states=states)), rows
-            return self.head.compute_logits(states)
+            states, logits = self._forward(replace(step, hidden_states=states))
+            state_rows = rows
+            return self.head.compute_logits(states) if logits is None else logits
 
         return draft_token_by_token(
             chosen,
@@ -175,7 +181,7 @@ class HeadProposer:
             logits_of,
             self.block_size,
             self.target.generator,
-            first_logits=self.head.compute_logits(states),
+            first_logits=first_logits,
         )
 
 

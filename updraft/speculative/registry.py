@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from updraft.config import EngineConfig
 from updraft.runner.runner import Runner
 from updraft.speculative.draft_model import DraftModel
+from updraft.speculative.eagle import eagle_proposer
 from updraft.speculative.mtp import mtp_proposer
 from updraft.speculative.ngram import NgramProposer
 from updraft.speculative.proposer import Proposer
@@ -35,6 +36,9 @@ PROPOSERS: dict[str, ProposerFactory] = {
     "ngram": lambda context: NgramProposer(context.config.num_speculative_tokens),
     "mtp": lambda context: mtp_proposer(
         context.target, context.config.model, context.config.num_speculative_tokens
+    ),
+    "eagle": lambda context: eagle_proposer(
+        context.target, context.config.speculative_model, context.config.num_speculative_tokens
     ),
 }
 
