@@ -231,7 +231,9 @@ def test_speculative_settings_are_checked(tiny_llama):
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(speculative_method="ngram", num_speculative_tokens=0)
     with pytest.raises(ValueError, match="speculative_method"):
-        LLM(speculative_method="eagle")
+        LLM(speculative_method="medusa")
+    with pytest.raises(ValueError, match="eagle' needs speculative_model"):
+        LLM(str(tiny_llama), speculative_method="eagle")
     with pytest.raises(ValueError, match="needs speculative_model"):
         LLM(speculative_method="draft")
     with pytest.raises(ValueError, match="vocabulary"):
