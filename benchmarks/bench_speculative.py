@@ -1,6 +1,6 @@
 """Speculative decoding on the demo pair: updraft with no speculation, the demo draft
-model and n-gram prompt lookup, against transformers' assisted generation on the same
-models and prompts.
+model, n-gram prompt lookup and the demo's EAGLE head, against transformers' assisted
+generation on the same models and prompts (transformers has no EAGLE).
 
 Prompts are code: windows of about 150 tokens from the Python standard library files the
 demo models were not trained on (the held-out split of ``scripts/train_demo.py``), each
@@ -8,7 +8,8 @@ ending at a line break; every request generates 128 greedy tokens (EOS ignored).
 Batch 1 runs the first 4 prompts one after another; batch 16 runs 16 at once (updraft
 only: transformers' assisted generation takes one sequence at a time). updraft replays
 captured verify and draft steps. Each rate is the best of 3 runs, interleaved across
-setups so that the machine's drift hits them alike.
+setups so that the machine's drift hits them alike. Beside each proposer: its time per
+proposal at batch 1 (for a model, the steps that write its cache and draft k tokens).
 
     .venv/bin/python -m benchmarks.bench_speculative [--quick]
 """
@@ -34,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NEW_TOKENS = 128
 DRAFT_K = 3  # drafts per step for the draft model
 NGRAM_K = 8  # and for prompt lookup
+EAGLE_KS = (3, 4, 5)  # and for the EAGLE head
 
 
 def code_prompts(tokenizer, count: int, prompt_tokens: int = 150) -> list[list[int]]:
@@ -80,6 +82,29 @@ def transformers_run(model, prompts: list[list[int]], **assist) -> None:
         )
 
 
+class TimedProposer:
+    """The engine's proposer, with the seconds of each of its calls recorded."""
+
+    def __init__(self, proposer) -> None:
+        self.proposer = proposer
+        self.seconds: list[float] = []
+
+    def propose(self, *args):
+        start = time.perf_counter()
+        drafts = self.proposer.propose(*args)
+        self.seconds.append(time.perf_counter() - start)
+        return drafts
+
+    def __getattr__(self, name: str):
+        return getattr(self.proposer, name)
+
+
+def timed_proposals(llm: LLM) -> list[float]:
+    """Record the seconds of each of the engine's proposer calls from now on."""
+    llm.engine._proposer = TimedProposer(llm.engine._proposer)
+    return llm.engine._proposer.seconds
+
+
 def best_rates(runs: dict[str, Callable[[], None]], tokens: int, rounds: int) -> dict[str, float]:
     """Tokens/s of each run, the best of ``rounds``, the runs interleaved so that the
     machine's drift hits them alike."""
@@ -120,22 +145,37 @@ def main() -> None:
             {"speculative_method": "ngram", "num_speculative_tokens": NGRAM_K},
             {"prompt_lookup_num_tokens": NGRAM_K},
         ),
+        **{
+            f"EAGLE head, k={k}": (
+                {"speculative_method": "eagle", "num_speculative_tokens": k},
+                None,
+            )
+            for k in EAGLE_KS
+        },
     }
     engines = {
         name: LLM(enforce_eager=False, **engine_args) if engine_args else base
         for name, (engine_args, _) in setups.items()
+    }
+    proposal_seconds = {
+        name: timed_proposals(llm) for name, llm in engines.items() if llm is not base
     }
     with torch.inference_mode():
         hf_rates = best_rates(
             {
                 name: functools.partial(transformers_run, hf, single, **assist)
                 for name, (_, assist) in setups.items()
+                if assist is not None
             },
             NEW_TOKENS * len(single),
             rounds,
         )
-        rates = {
-            batch: best_rates(
+        rates = {}
+        per_proposal_ms = {}
+        for batch, batch_prompts in ((1, single), (16, batched)):
+            for seconds in proposal_seconds.values():
+                seconds.clear()
+            rates[batch] = best_rates(
                 {
                     name: functools.partial(updraft_run, llm, batch_prompts, batch)
                     for name, llm in engines.items()
@@ -143,13 +183,17 @@ def main() -> None:
                 NEW_TOKENS * len(batch_prompts),
                 rounds,
             )
-            for batch, batch_prompts in ((1, single), (16, batched))
-        }
+            if batch == 1:
+                per_proposal_ms = {
+                    name: 1e3 * sorted(seconds)[len(seconds) // 2]
+                    for name, seconds in proposal_seconds.items()
+                }
     rows = []
     for name in setups:
         metrics = engines[name].engine.stats().speculative
         for batch in (1, 16):
             rate = rates[batch][name]
+            peer = hf_rates.get(name) if batch == 1 else None
             rows.append(
                 [
                     name,
@@ -158,8 +202,12 @@ def main() -> None:
                     f"{rate / rates[batch]['no speculation']:.2f}x",
                     f"{metrics.mean_accepted_length:.2f}" if metrics else "-",
                     f"{metrics.acceptance_rate:.2f}" if metrics else "-",
-                    f"{hf_rates[name]:.1f}" if batch == 1 else "-",
-                    f"{hf_rates[name] / hf_rates['no speculation']:.2f}x" if batch == 1 else "-",
+                    "/".join(f"{a:.2f}" for a in metrics.acceptance_per_position())
+                    if metrics
+                    else "-",
+                    f"{per_proposal_ms[name]:.2f}" if name in per_proposal_ms else "-",
+                    f"{peer:.1f}" if peer else "-",
+                    f"{peer / hf_rates['no speculation']:.2f}x" if peer else "-",
                 ]
             )
     print(
@@ -172,6 +220,8 @@ def main() -> None:
                 "speedup",
                 "accepted length",
                 "acceptance",
+                "acceptance per position",
+                "ms per proposal (batch 1, median)",
                 f"transformers {transformers.__version__} tok/s",
                 "transformers speedup",
             ],
