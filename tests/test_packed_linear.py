@@ -17,10 +17,15 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("shape", [(1, 96), (2, 96), (7, 96), (2, 3, 96), (1, 1, 96)])
-def test_packed_linear_equals_f_linear(bias, shape):
+# 1-9 rows take the plain kernel (blocks of 4 rows, then single rows; 203 outputs end
+# in a partial tile of weight rows), more take oneDNN.
+@pytest.mark.parametrize(
+    "shape", [(1, 96), (2, 96), (4, 96), (7, 96), (9, 96), (12, 96), (2, 3, 96), (1, 1, 96)]
+)
+@pytest.mark.parametrize("out_features", [200, 203])
+def test_packed_linear_equals_f_linear(bias, shape, out_features):
     torch.manual_seed(0)
-    linear = nn.Linear(96, 200, bias=bias)
+    linear = nn.Linear(96, out_features, bias=bias)
     x = torch.randn(shape)
     expected = F.linear(x, linear.weight, linear.bias)
     torch.testing.assert_close(PackedLinear(linear)(x), expected, atol=1e-5, rtol=1e-5)

@@ -5,8 +5,9 @@
    else, so what counts is reading w at the memory's full speed: each thread streams
    whole rows of w, in order. With one row of x, each weight row is used as it is read.
    With more, four weight rows at a time are widened to float into a buffer that stays
-   in L1, and each row of x meets all four in one pass, so one load of x serves four
-   multiply-adds. Output rows are split over the OpenMP threads. */
+   in L1, and four rows of x at a time meet all four in one pass: sixteen accumulators,
+   so eight loads serve sixteen multiply-adds (a verify step's few rows then cost little
+   more than one). Output rows are split over the OpenMP threads. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -28,6 +29,27 @@ static void dot_tile(const float *restrict x, const float *restrict w, int64_t k
     y[1] = a1;
     y[2] = a2;
     y[3] = a3;
+}
+
+/* y[r * n + t] += x[r] . w[t] for 4 rows x (row stride k) and TILE float rows w */
+static void dot_block(const float *restrict x, const float *restrict w, int64_t k, float *y,
+                      int64_t n) {
+    float a00 = 0, a01 = 0, a02 = 0, a03 = 0, a10 = 0, a11 = 0, a12 = 0, a13 = 0;
+    float a20 = 0, a21 = 0, a22 = 0, a23 = 0, a30 = 0, a31 = 0, a32 = 0, a33 = 0;
+    const float *x0 = x, *x1 = x + k, *x2 = x + 2 * k, *x3 = x + 3 * k;
+#pragma omp simd reduction(+ : a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, \
+                               a30, a31, a32, a33)
+    for (int64_t i = 0; i < k; i++) {
+        float w0 = w[i], w1 = w[k + i], w2 = w[2 * k + i], w3 = w[3 * k + i];
+        a00 += x0[i] * w0, a01 += x0[i] * w1, a02 += x0[i] * w2, a03 += x0[i] * w3;
+        a10 += x1[i] * w0, a11 += x1[i] * w1, a12 += x1[i] * w2, a13 += x1[i] * w3;
+        a20 += x2[i] * w0, a21 += x2[i] * w1, a22 += x2[i] * w2, a23 += x2[i] * w3;
+        a30 += x3[i] * w0, a31 += x3[i] * w1, a32 += x3[i] * w2, a33 += x3[i] * w3;
+    }
+    y[0] = a00, y[1] = a01, y[2] = a02, y[3] = a03;
+    y[n] = a10, y[n + 1] = a11, y[n + 2] = a12, y[n + 3] = a13;
+    y[2 * n] = a20, y[2 * n + 1] = a21, y[2 * n + 2] = a22, y[2 * n + 3] = a23;
+    y[3 * n] = a30, y[3 * n + 1] = a31, y[3 * n + 2] = a32, y[3 * n + 3] = a33;
 }
 
 /* One kernel per weight type: its one-row dot product, and the whole linear. */
@@ -58,17 +80,23 @@ static void dot_tile(const float *restrict x, const float *restrict w, int64_t k
                     continue;                                                              \
                 }                                                                          \
                 const WEIGHT *rows = w + first * k;                                        \
-                _Pragma("omp simd") for (int64_t i = 0; i < TILE * k; i++) widened[i] =    \
-                    (float)rows[i];                                                        \
-                for (int64_t m = 0; m < m_rows; m++) {                                     \
-                    float out[TILE];                                                       \
-                    dot_tile(x + m * k, widened, k, out);                                  \
+                const float *tile_w = (const float *)rows; /* float: read in place */      \
+                if (sizeof(WEIGHT) != sizeof(float)) {                                     \
+                    _Pragma("omp simd") for (int64_t i = 0; i < TILE * k; i++) widened[i] = \
+                        (float)rows[i];                                                    \
+                    tile_w = widened;                                                      \
+                }                                                                          \
+                int64_t m = 0;                                                             \
+                for (; m + 4 <= m_rows; m += 4)                                            \
+                    dot_block(x + m * k, tile_w, k, y + m * n_rows + first, n_rows);      \
+                for (; m < m_rows; m++)                                                    \
+                    dot_tile(x + m * k, tile_w, k, y + m * n_rows + first);               \
+                for (m = 0; m < m_rows; m++)                                               \
                     for (int64_t t = 0; t < TILE; t++) {                                   \
                         int64_t n = first + t;                                             \
-                        y[m * n_rows + n] =                                                \
-                            out[t] * (scale ? scale[n] : 1.0f) + (bias ? bias[n] : 0.0f);  \
+                        y[m * n_rows + n] = y[m * n_rows + n] * (scale ? scale[n] : 1.0f) + \
+                                            (bias ? bias[n] : 0.0f);                       \
                     }                                                                      \
-                }                                                                          \
             }                                                                              \
             free(widened);                                                                 \
         }                                                                                  \

@@ -26,8 +26,11 @@ from updraft.kernels.ops import kernel_builds
 # out for a single row ran 1.2-2x slower from 4 rows up (a batched decode step), while
 # one laid out for 16 rows ran a single row as fast (benchmarks/RESULTS.md).
 PACKED_FOR_ROWS = 16
-# Up to this many rows the plain kernel beats oneDNN; from 4 rows oneDNN wins.
-FEW_ROWS = 2
+# Up to this many rows the plain kernel runs (one decode row, or a batch-1 verify step of
+# 1 + k rows, k <= 8). It is within about 10% of oneDNN there, and keeping a batch-1
+# request on one copy of the weights matters more: alternating with oneDNN's packed copy
+# keeps both in cache, and a 6-row verify step ran 1.4x slower (benchmarks/RESULTS.md).
+FEW_ROWS = 9
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
