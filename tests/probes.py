@@ -6,7 +6,7 @@ from collections import defaultdict
 
 import torch
 
-from updraft import LLM, RequestOutput
+from updraft import LLM, RequestOutput, SamplingParams
 
 
 class LogitsProbe:
@@ -45,3 +45,30 @@ def assert_idle(llm: LLM) -> None:
     stats = llm.engine.stats()
     assert stats.kv_blocks_used == 0
     assert stats.num_running == stats.num_waiting == 0
+
+
+def recorded_speculative_run(checkpoint, token_budget: int, prepare=None, **engine_args):
+    """Generate three greedy prompts with and without the speculation ``engine_args``
+    asks for, recording every proposal with the tokens it was made from;
+    ``prepare(proposer)`` runs first. -> (plain outputs, speculative outputs, proposals
+    as (tokens, drafts), proposer)."""
+    prompts = [list(range(10, 31)), [5, 6, 7] * 5, list(range(100, 137))]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (14, 9, 11)]
+    args = dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=token_budget)
+    plain = LLM(checkpoint, **args).generate(prompts, params)
+    llm = LLM(checkpoint, num_speculative_tokens=2, **args, **engine_args)
+    proposer = llm.engine._proposer
+    if prepare is not None:
+        prepare(proposer)
+    seen = []
+    propose = proposer.propose
+
+    def spy(inputs, output, drafting):
+        drafts = propose(inputs, output, drafting)
+        for request, _ in drafting:
+            if request.request_id in drafts:
+                seen.append((list(request.token_ids), drafts[request.request_id].token_ids))
+        return drafts
+
+    proposer.propose = spy
+    return plain, llm.generate(prompts, params), seen, proposer

@@ -18,6 +18,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 from benchmarks.bench_speculative import code_prompts
 from tests.conftest import make_tiny_checkpoint
+from tests.probes import recorded_speculative_run
 from updraft import LLM, SamplingParams
 from updraft.attention.metadata import AttentionMetadata, GroupShape
 from updraft.config import ModelConfig
@@ -192,36 +193,15 @@ def test_the_head_matches_transformers_over_a_prefill_and_a_decode(pair):
 
 
 def eagle_run(target_dir, head_dir, token_budget: int, prepare=None, **engine_args):
-    """Generate with EAGLE speculation, recording every proposal with the tokens it was
-    made from; ``prepare(proposer)`` runs first. -> (plain greedy outputs, outputs with
-    EAGLE, proposals, proposer)."""
-    prompts = [list(range(10, 31)), [5, 6, 7] * 5, list(range(100, 137))]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (14, 9, 11)]
-    args = dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=token_budget)
-    plain = LLM(target_dir, **args).generate(prompts, params)
-    llm = LLM(
+    """``recorded_speculative_run`` with the head in ``head_dir``."""
+    return recorded_speculative_run(
         target_dir,
+        token_budget,
+        prepare,
         speculative_method="eagle",
         speculative_model=str(head_dir),
-        num_speculative_tokens=2,
-        **args,
         **engine_args,
     )
-    proposer = llm.engine._proposer
-    if prepare is not None:
-        prepare(proposer)
-    seen = []
-    propose = proposer.propose
-
-    def spy(inputs, output, drafting):
-        drafts = propose(inputs, output, drafting)
-        for request, _ in drafting:
-            if request.request_id in drafts:
-                seen.append((list(request.token_ids), drafts[request.request_id].token_ids))
-        return drafts
-
-    proposer.propose = spy
-    return plain, llm.generate(prompts, params), seen, proposer
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])

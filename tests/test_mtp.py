@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from transformers.modeling_layers import MtpModel
 
 from tests.conftest import DEEPSEEK_TINY
+from tests.probes import recorded_speculative_run
 from updraft import LLM, SamplingParams
 from updraft.attention.cache_layout import cache_layout
 from updraft.attention.metadata import AttentionMetadata, GroupShape
@@ -163,29 +164,10 @@ def reference_drafts(main, mtp, tokens: list[int], k: int) -> list[int]:
 
 
 def mtp_run(checkpoint, token_budget: int, prepare=None, **engine_args):
-    """Generate with MTP speculation, recording every proposal with the tokens it was
-    made from; ``prepare(proposer)`` runs first. -> (plain greedy outputs, outputs with
-    MTP, proposals, proposer)."""
-    prompts = [list(range(10, 31)), [5, 6, 7] * 5, list(range(100, 137))]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (14, 9, 11)]
-    args = dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=token_budget)
-    plain = LLM(checkpoint, **args).generate(prompts, params)
-    llm = LLM(checkpoint, speculative_method="mtp", num_speculative_tokens=2, **args, **engine_args)
-    proposer = llm.engine._proposer
-    if prepare is not None:
-        prepare(proposer)
-    seen = []
-    propose = proposer.propose
-
-    def spy(inputs, output, drafting):
-        drafts = propose(inputs, output, drafting)
-        for request, _ in drafting:
-            if request.request_id in drafts:
-                seen.append((list(request.token_ids), drafts[request.request_id].token_ids))
-        return drafts
-
-    proposer.propose = spy
-    return plain, llm.generate(prompts, params), seen, proposer
+    """``recorded_speculative_run`` with the checkpoint's MTP layer."""
+    return recorded_speculative_run(
+        checkpoint, token_budget, prepare, speculative_method="mtp", **engine_args
+    )
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
