@@ -1,5 +1,5 @@
 """Linear layers for float32 on the CPU: oneDNN with prepacked weights, and updraft's
-own kernel for one or two rows.
+own kernel for up to nine rows.
 
 PyTorch's default CPU path for a matrix-vector product (a decode step's every
 projection) streams a weight at about half the machine's memory bandwidth; oneDNN with a
@@ -8,7 +8,8 @@ freezing do) is the fast path for batches. For one or two rows (batch-1 decode, 
 reads every weight once per token and does little else) oneDNN still reads at 15-21
 GB/s where the machine streams 28-32; the plain row-streaming kernel
 ``updraft::float_linear`` reads at 24-32 GB/s, 1.3-1.7x faster (benchmarks/RESULTS.md).
-So a layer keeps both: the plain weight for few rows and the packed one for more. That
+So a layer keeps both: the plain weight for few rows (up to ``FEW_ROWS``) and the
+packed one for more. That
 is twice the linear weights' memory, the price of both speeds; int8 keeps one copy.
 
 The reordered weight is an opaque oneDNN tensor: it has no storage to view or copy, and
