@@ -1,5 +1,5 @@
 """Linear layers for float32 on the CPU: oneDNN with prepacked weights, and updraft's
-own kernel for up to nine rows.
+own kernel for few rows.
 
 PyTorch's default CPU path for a matrix-vector product (a decode step's every
 projection) streams a weight at about half the machine's memory bandwidth; oneDNN with a
@@ -8,8 +8,8 @@ freezing do) is the fast path for batches. For one or two rows (batch-1 decode, 
 reads every weight once per token and does little else) oneDNN still reads at 15-21
 GB/s where the machine streams 28-32; the plain row-streaming kernel
 ``updraft::float_linear`` reads at 24-32 GB/s, 1.3-1.7x faster (benchmarks/RESULTS.md).
-So a layer keeps both: the plain weight for few rows (up to ``FEW_ROWS``) and the
-packed one for more. That
+So a layer keeps both: the plain weight for few rows (``FEW_ROWS``, more for a model
+that fits in cache) and the packed one for more. That
 is twice the linear weights' memory, the price of both speeds; int8 keeps one copy.
 
 The reordered weight is an opaque oneDNN tensor: it has no storage to view or copy, and
@@ -27,11 +27,17 @@ from updraft.kernels.ops import kernel_builds
 # out for a single row ran 1.2-2x slower from 4 rows up (a batched decode step), while
 # one laid out for 16 rows ran a single row as fast (benchmarks/RESULTS.md).
 PACKED_FOR_ROWS = 16
-# Up to this many rows the plain kernel runs (one decode row, or a batch-1 verify step of
-# 1 + k rows, k <= 8). It is within about 10% of oneDNN there, and keeping a batch-1
-# request on one copy of the weights matters more: alternating with oneDNN's packed copy
-# keeps both in cache, and a 6-row verify step ran 1.4x slower (benchmarks/RESULTS.md).
-FEW_ROWS = 9
+# Up to this many rows the plain kernel runs: one or two, where it reads weights faster
+# than oneDNN; from 3 rows oneDNN reads a weight streamed from memory 1.1-1.7x faster.
+FEW_ROWS = 2
+# A model whose linear weights fit in a server CPU's last-level cache is bound by compute,
+# not reads: there the plain kernel is within about 10% of oneDNN up to 9 rows, and what
+# matters more is that a batch-1 speculative round (1-row draft steps, a verify step of
+# 1 + k <= 9 rows) stays on one copy of the weights. Alternating with oneDNN's packed copy
+# keeps both in cache, and a 6-row verify step of the demo model ran 1.4x slower
+# (benchmarks/RESULTS.md).
+CACHED_MODEL_BYTES = 32 * 2**20
+CACHED_FEW_ROWS = 9
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -44,8 +50,9 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, few_rows: int = FEW_ROWS) -> None:
         super().__init__()
+        self.few_rows = few_rows  # up to this many rows, the plain kernel
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         weight = linear.weight.detach()
@@ -59,7 +66,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features  # a Python int: fixed within a captured step
-        if self.weight is not None and rows <= FEW_ROWS:
+        if self.weight is not None and rows <= self.few_rows:
             flat = x.reshape(rows, self.in_features)
             out = torch.ops.updraft.float_linear(flat, self.weight, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
@@ -71,8 +78,13 @@ class PackedLinear(nn.Module):
 
 def prepack_linears(model: nn.Module) -> None:
     """Replace every ``nn.Linear`` of ``model`` (after its weights are loaded) by a
-    ``PackedLinear``; a weight tied to an embedding stays for the embedding."""
+    ``PackedLinear``; a weight tied to an embedding stays for the embedding. A model
+    whose linear weights fit in ``CACHED_MODEL_BYTES`` runs up to ``CACHED_FEW_ROWS``
+    rows on the plain kernel."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    weights = {m.weight.data_ptr(): m.weight.nbytes for m in linears}
+    few_rows = CACHED_FEW_ROWS if sum(weights.values()) <= CACHED_MODEL_BYTES else FEW_ROWS
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, PackedLinear(child))
+                setattr(module, name, PackedLinear(child, few_rows))
