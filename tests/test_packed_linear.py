@@ -48,6 +48,11 @@ def test_a_model_that_fits_in_cache_keeps_more_rows_on_the_plain_kernel(monkeypa
         packed_linear.prepack_linears(model)
         return {m.few_rows for m in model.modules() if isinstance(m, PackedLinear)}
 
-    monkeypatch.setattr(packed_linear, "CACHED_MODEL_BYTES", 2 * 64 * 64 * 4)
+    monkeypatch.setattr(packed_linear, "last_level_cache_bytes", lambda: 2 * 64 * 64 * 4)
     assert prepacked(64) == {packed_linear.CACHED_FEW_ROWS}
     assert prepacked(65) == {packed_linear.FEW_ROWS}
+
+
+def test_the_cache_size_is_read_from_the_machine():
+    size = packed_linear.last_level_cache_bytes()
+    assert 2**16 <= size <= 2**32  # 64 KB .. 4 GB, whatever this machine has

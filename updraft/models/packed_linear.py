@@ -18,6 +18,9 @@ nothing but ``_linear_pointwise`` reads it.
 
 from __future__ import annotations
 
+from functools import cache
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -36,8 +39,25 @@ FEW_ROWS = 2
 # 1 + k <= 9 rows) stays on one copy of the weights. Alternating with oneDNN's packed copy
 # keeps both in cache, and a 6-row verify step of the demo model ran 1.4x slower
 # (benchmarks/RESULTS.md).
-CACHED_MODEL_BYTES = 32 * 2**20
 CACHED_FEW_ROWS = 9
+# Where the machine does not say how large its last-level cache is.
+DEFAULT_CACHE_BYTES = 32 * 2**20
+
+
+@cache
+def last_level_cache_bytes() -> int:
+    """The size of the CPU's largest-level cache, as Linux reports it."""
+    sizes = {}
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level = int((index / "level").read_text())
+            size = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        if size[-1:] in units and size[:-1].isdigit():
+            sizes[level] = int(size[:-1]) * units[size[-1]]
+    return sizes[max(sizes)] if sizes else DEFAULT_CACHE_BYTES
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -79,11 +99,11 @@ class PackedLinear(nn.Module):
 def prepack_linears(model: nn.Module) -> None:
     """Replace every ``nn.Linear`` of ``model`` (after its weights are loaded) by a
     ``PackedLinear``; a weight tied to an embedding stays for the embedding. A model
-    whose linear weights fit in ``CACHED_MODEL_BYTES`` runs up to ``CACHED_FEW_ROWS``
-    rows on the plain kernel."""
+    whose linear weights fit in the last-level cache runs up to ``CACHED_FEW_ROWS`` rows
+    on the plain kernel."""
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     weights = {m.weight.data_ptr(): m.weight.nbytes for m in linears}
-    few_rows = CACHED_FEW_ROWS if sum(weights.values()) <= CACHED_MODEL_BYTES else FEW_ROWS
+    few_rows = CACHED_FEW_ROWS if sum(weights.values()) <= last_level_cache_bytes() else FEW_ROWS
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
