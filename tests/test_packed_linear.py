@@ -53,6 +53,14 @@ def test_a_model_that_fits_in_cache_keeps_more_rows_on_the_plain_kernel(monkeypa
     assert prepacked(65) == {packed_linear.FEW_ROWS}
 
 
-def test_the_cache_size_is_read_from_the_machine():
-    size = packed_linear.last_level_cache_bytes()
-    assert 2**16 <= size <= 2**32  # 64 KB .. 4 GB, whatever this machine has
+def test_the_cache_size_is_the_largest_level_linux_reports(tmp_path):
+    for index, (level, size) in enumerate([(1, "48K"), (2, "2048K"), (3, "32M"), (1, "32K")]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "level").write_text(f"{level}\n")
+        (tmp_path / f"index{index}" / "size").write_text(f"{size}\n")
+    assert packed_linear.last_level_cache_bytes(tmp_path) == 32 * 2**20
+    (tmp_path / "index2" / "size").write_text("unknown\n")  # unreadable: the next level
+    assert packed_linear.last_level_cache_bytes.__wrapped__(tmp_path) == 2048 * 2**10
+    empty = tmp_path / "none"
+    empty.mkdir()
+    assert packed_linear.last_level_cache_bytes(empty) == packed_linear.DEFAULT_CACHE_BYTES

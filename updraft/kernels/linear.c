@@ -4,10 +4,10 @@
    y [M, N] float32. A decode step with few rows reads every weight once and does little
    else, so what counts is reading w at the memory's full speed: each thread streams
    whole rows of w, in order. With one row of x, each weight row is used as it is read.
-   With more, four weight rows at a time are widened to float into a buffer that stays
-   in L1, and four rows of x at a time meet all four in one pass: sixteen accumulators,
-   so eight loads serve sixteen multiply-adds (a verify step's few rows then cost little
-   more than one). Output rows are split over the OpenMP threads. */
+   With more, four weight rows at a time (int8 ones widened to float into a buffer that
+   stays in L1, float ones read in place) meet four rows of x at a time in one pass:
+   sixteen accumulators, so eight loads serve sixteen multiply-adds (a verify step's few
+   rows then cost little more than one). Output rows are split over the OpenMP threads. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -31,7 +31,7 @@ static void dot_tile(const float *restrict x, const float *restrict w, int64_t k
     y[3] = a3;
 }
 
-/* y[r * n + t] += x[r] . w[t] for 4 rows x (row stride k) and TILE float rows w */
+/* y[r * n + t] = x[r] . w[t] for 4 rows x (row stride k) and TILE float rows w */
 static void dot_block(const float *restrict x, const float *restrict w, int64_t k, float *y,
                       int64_t n) {
     float a00 = 0, a01 = 0, a02 = 0, a03 = 0, a10 = 0, a11 = 0, a12 = 0, a13 = 0;
@@ -65,12 +65,13 @@ static void dot_block(const float *restrict x, const float *restrict w, int64_t 
               float *y, int64_t m_rows, int64_t n_rows, int64_t k, int threads) {          \
         const int64_t tiles = (n_rows + TILE - 1) / TILE;                                  \
         _Pragma("omp parallel num_threads(threads)") {                                     \
-            float *widened = m_rows > 1 ? malloc(sizeof(float) * TILE * k) : NULL;         \
+            const int widen = sizeof(WEIGHT) != sizeof(float); /* else read in place */    \
+            float *widened = m_rows > 1 && widen ? malloc(sizeof(float) * TILE * k) : NULL; \
             _Pragma("omp for schedule(static)") for (int64_t tile = 0; tile < tiles;       \
                                                      tile++) {                             \
                 const int64_t first = tile * TILE;                                         \
                 const int64_t count = n_rows - first < TILE ? n_rows - first : TILE;       \
-                if (m_rows == 1 || widened == NULL || count < TILE) {                      \
+                if (m_rows == 1 || (widen && widened == NULL) || count < TILE) {           \
                     for (int64_t n = first; n < first + count; n++) {                      \
                         float s = scale ? scale[n] : 1.0f, offset = bias ? bias[n] : 0.0f; \
                         for (int64_t m = 0; m < m_rows; m++)                               \
@@ -80,8 +81,8 @@ static void dot_block(const float *restrict x, const float *restrict w, int64_t 
                     continue;                                                              \
                 }                                                                          \
                 const WEIGHT *rows = w + first * k;                                        \
-                const float *tile_w = (const float *)rows; /* float: read in place */      \
-                if (sizeof(WEIGHT) != sizeof(float)) {                                     \
+                const float *tile_w = (const float *)rows;                                 \
+                if (widen) {                                                               \
                     _Pragma("omp simd") for (int64_t i = 0; i < TILE * k; i++) widened[i] = \
                         (float)rows[i];                                                    \
                     tile_w = widened;                                                      \

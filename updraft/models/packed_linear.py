@@ -44,19 +44,21 @@ CACHED_FEW_ROWS = 9
 DEFAULT_CACHE_BYTES = 32 * 2**20
 
 
+SIZE_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
+
+
 @cache
-def last_level_cache_bytes() -> int:
-    """The size of the CPU's largest-level cache, as Linux reports it."""
+def last_level_cache_bytes(caches: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """The size of the CPU's largest-level cache, as Linux reports it in ``caches``."""
     sizes = {}
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+    for index in caches.glob("index*"):
         try:
             level = int((index / "level").read_text())
             size = (index / "size").read_text().strip()
         except (OSError, ValueError):
             continue
-        units = {"K": 2**10, "M": 2**20, "G": 2**30}
-        if size[-1:] in units and size[:-1].isdigit():
-            sizes[level] = int(size[:-1]) * units[size[-1]]
+        if size[-1:] in SIZE_UNITS and size[:-1].isdigit():
+            sizes[level] = int(size[:-1]) * SIZE_UNITS[size[-1]]
     return sizes[max(sizes)] if sizes else DEFAULT_CACHE_BYTES
 
 
