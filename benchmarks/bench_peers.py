@@ -25,13 +25,12 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from benchmarks.common import make_random_qwen3, markdown_table
+from benchmarks.common import make_random_qwen3, markdown_table, stream_bandwidth
 from updraft.demo import DEMO_MODEL_DIR
 
 PEERS = Path(__file__).parent / "peers"
@@ -57,17 +56,6 @@ NGRAM_OPTIONS = {
         "'prompt_lookup_max': 3, 'prompt_lookup_min': 1}"
     ],
 }
-
-
-def stream_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """Bytes per second of reading a large float32 tensor (a sum over it), best of a few."""
-    data = torch.ones(int(gib * 2**30) // 4)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - start)
-    return data.numel() * 4 / best
 
 
 def float32_weight_bytes(model_dir: Path) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import platform
 import socket
+import time
 from datetime import date
 from pathlib import Path
 
@@ -32,6 +33,17 @@ def make_random_qwen3(directory: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     transformers.Qwen3ForCausalLM(config).save_pretrained(directory)
     return directory
+
+
+def stream_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes per second of reading a large float32 tensor (a sum over it), best of a few."""
+    data = torch.ones(int(gib * 2**30) // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best
 
 
 def machine() -> str:

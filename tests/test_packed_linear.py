@@ -18,19 +18,32 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("bias", [False, True])
-# Up to few_rows rows take the plain kernel (blocks of 4 rows, then single rows; 203
-# outputs end in a partial tile of weight rows), more take oneDNN.
-@pytest.mark.parametrize(
-    "shape", [(1, 96), (2, 96), (4, 96), (7, 96), (9, 96), (12, 96), (2, 3, 96), (1, 1, 96)]
-)
-@pytest.mark.parametrize("out_features", [200, 203])
-@pytest.mark.parametrize("few_rows", [2, 9])
-def test_packed_linear_equals_f_linear(bias, shape, out_features, few_rows):
+# Up to few_rows rows take the panel kernel (up to 6 rows at a time, so 7 and 9 rows are
+# two passes; 1 and 2 rows split K in two sets, odd K leaving one over), more take oneDNN.
+@pytest.mark.parametrize("rows", [(1,), (2,), (3,), (4,), (5,), (6,), (7,), (9,), (12,), (2, 3)])
+@pytest.mark.parametrize("in_features", [96, 97])
+# 192 outputs fill 12 panels of 16; 203 end in a partial panel.
+@pytest.mark.parametrize("out_features", [192, 203])
+@pytest.mark.parametrize("few_rows", [packed_linear.FEW_ROWS, packed_linear.CACHED_FEW_ROWS])
+def test_packed_linear_equals_f_linear(bias, rows, in_features, out_features, few_rows):
     torch.manual_seed(0)
-    linear = nn.Linear(96, out_features, bias=bias)
-    x = torch.randn(shape)
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    x = torch.randn(*rows, in_features)
     expected = F.linear(x, linear.weight, linear.bias)
     torch.testing.assert_close(PackedLinear(linear, few_rows)(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_panel_kernel_serves_up_to_few_rows(monkeypatch):
+    linear = nn.Linear(32, 40)
+    calls = []
+    panel_op = torch.ops.updraft.float_linear
+    monkeypatch.setattr(
+        torch.ops.updraft, "float_linear", lambda *args: calls.append(1) or panel_op(*args)
+    )
+    packed = PackedLinear(linear, few_rows=3)
+    for rows in range(1, 6):
+        packed(torch.randn(rows, 32))
+    assert len(calls) == 3
 
 
 def test_the_cpu_model_in_float32_runs_every_projection_prepacked(tiny_llama):

@@ -1,16 +1,26 @@
-/* Matrix-vector-bound linear layers for the CPU: y = x @ (w * scale)^T + bias.
+/* Linear layers for few rows on the CPU: y = x @ (w * scale)^T + bias, x [M, K] float32.
 
-   x [M, K] float32, w [N, K] (float32, or int8 with one scale per output row),
-   y [M, N] float32. A decode step with few rows reads every weight once and does little
-   else, so what counts is reading w at the memory's full speed: each thread streams
-   whole rows of w, in order. With one row of x, each weight row is used as it is read.
-   With more, four weight rows at a time (int8 ones widened to float into a buffer that
-   stays in L1, float ones read in place) meet four rows of x at a time in one pass:
-   sixteen accumulators, so eight loads serve sixteen multiply-adds (a verify step's few
-   rows then cost little more than one). Output rows are split over the OpenMP threads. */
+   A decode step with few rows reads every weight once and does little else, so what
+   counts is reading w at the memory's full speed, and doing the few rows' multiply-adds
+   on it while it is in registers.
+
+   float_linear: w is float32 in panels (``PANEL`` output rows at a time, laid out
+   [K][PANEL], zero-padded past N), packed once at load time. A panel is one contiguous
+   run of memory, so each thread streams its panels in order; each step along K loads
+   one vector pair of weights for PANEL outputs and multiply-adds it with up to six rows
+   of x broadcast, twelve vector accumulators in all. No horizontal sums, no partial
+   tiles, and one or two rows split K over two accumulator sets to keep the
+   multiply-adds from waiting on each other.
+
+   int8_linear: w is int8 [N, K] with one scale per output row. Each thread streams
+   whole rows: with one row of x each weight row is used as it is read; with more, four
+   weight rows at a time are widened to float into a buffer that stays in L1 and meet
+   four rows of x at a time (sixteen accumulators). Output rows are split over the
+   OpenMP threads. */
 
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define TILE 4
 
@@ -104,4 +114,76 @@ static void dot_block(const float *restrict x, const float *restrict w, int64_t 
     }
 
 DEFINE_LINEAR(int8_linear, int8_t)
-DEFINE_LINEAR(float_linear, float)
+
+/* float_linear's panels: PANEL outputs, two vectors of 8 floats (gcc vector extensions,
+   lowered to whatever the machine has: AVX2 here). */
+#define PANEL 16
+#define MAX_ROWS 6 /* 6 x 2 accumulators + 2 weight vectors + 1 broadcast: 15 of 16 */
+typedef float vec8 __attribute__((vector_size(32)));
+
+static inline vec8 load8(const float *p) {
+    vec8 v;
+    memcpy(&v, p, sizeof v); /* an unaligned load */
+    return v;
+}
+
+/* y[r][0..cols) = x[r] . panel + bias for ROWS rows x (row stride k), y row stride n */
+#define DEFINE_PANEL_KERNEL(ROWS)                                                          \
+    static void panel_##ROWS(const float *restrict x, const float *restrict w, int64_t k,  \
+                             const float *bias, float *restrict y, int64_t n, int64_t cols) { \
+        vec8 lo[ROWS], hi[ROWS], lo2[ROWS], hi2[ROWS];                                     \
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) lo[r] = hi[r] = lo2[r] =    \
+            hi2[r] = (vec8){0};                                                            \
+        int64_t i = 0;                                                                     \
+        if (ROWS <= 2) /* too few chains to hide the multiply-add latency: two sets */     \
+            for (; i + 2 <= k; i += 2) {                                                   \
+                const float *p = w + i * PANEL;                                            \
+                vec8 w0 = load8(p), w1 = load8(p + 8), w2 = load8(p + 16), w3 = load8(p + 24); \
+                _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                   \
+                    float a = x[r * k + i], b = x[r * k + i + 1];                          \
+                    lo[r] += a * w0, hi[r] += a * w1, lo2[r] += b * w2, hi2[r] += b * w3;   \
+                }                                                                          \
+            }                                                                              \
+        for (; i < k; i++) {                                                               \
+            vec8 w0 = load8(w + i * PANEL), w1 = load8(w + i * PANEL + 8);                  \
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                       \
+                float a = x[r * k + i];                                                    \
+                lo[r] += a * w0, hi[r] += a * w1;                                          \
+            }                                                                              \
+        }                                                                                  \
+        for (int r = 0; r < ROWS; r++) {                                                   \
+            float out[PANEL];                                                              \
+            vec8 a = lo[r] + lo2[r], b = hi[r] + hi2[r];                                   \
+            memcpy(out, &a, sizeof a);                                                     \
+            memcpy(out + 8, &b, sizeof b);                                                 \
+            for (int64_t c = 0; c < cols; c++) y[r * n + c] = out[c] + (bias ? bias[c] : 0.0f); \
+        }                                                                                  \
+    }
+
+DEFINE_PANEL_KERNEL(1)
+DEFINE_PANEL_KERNEL(2)
+DEFINE_PANEL_KERNEL(3)
+DEFINE_PANEL_KERNEL(4)
+DEFINE_PANEL_KERNEL(5)
+DEFINE_PANEL_KERNEL(6)
+
+typedef void (*panel_kernel)(const float *, const float *, int64_t, const float *, float *,
+                             int64_t, int64_t);
+static const panel_kernel PANEL_KERNELS[MAX_ROWS + 1] = {NULL,    panel_1, panel_2, panel_3,
+                                                         panel_4, panel_5, panel_6};
+
+/* w: ceil(n_rows / PANEL) panels of [k][PANEL] floats */
+void float_linear(const float *x, const float *w, const float *bias, float *y, int64_t m_rows,
+                  int64_t n_rows, int64_t k, int threads) {
+    const int64_t panels = (n_rows + PANEL - 1) / PANEL;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        const int64_t first = p * PANEL;
+        const int64_t cols = n_rows - first < PANEL ? n_rows - first : PANEL;
+        for (int64_t m = 0; m < m_rows; m += MAX_ROWS) {
+            const int64_t rows = m_rows - m < MAX_ROWS ? m_rows - m : MAX_ROWS;
+            PANEL_KERNELS[rows](x + m * k, w + first * k, k, bias ? bias + first : NULL,
+                                y + m * n_rows + first, n_rows, cols);
+        }
+    }
+}

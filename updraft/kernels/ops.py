@@ -21,9 +21,9 @@ _INT = ctypes.c_int64
 @cache
 def _linear_library() -> ctypes.CDLL:
     lib = load("linear")
-    for function in (lib.int8_linear, lib.float_linear):
-        function.restype = None
-        function.argtypes = [_POINTER] * 5 + [_INT] * 3 + [ctypes.c_int]
+    lib.int8_linear.restype = lib.float_linear.restype = None
+    lib.int8_linear.argtypes = [_POINTER] * 5 + [_INT] * 3 + [ctypes.c_int]
+    lib.float_linear.argtypes = [_POINTER] * 4 + [_INT] * 3 + [ctypes.c_int]
     return lib
 
 
@@ -88,10 +88,48 @@ def int8_linear(
     return _linear("int8_linear", x, weight, scale, bias)
 
 
-def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T + bias, all float32, for few rows of x."""
-    _check(weight.dtype == torch.float32, "float_linear", "a float32 weight")
-    return _linear("float_linear", x, weight, None, bias)
+# Output rows per panel of a ``float_linear`` weight (``PANEL`` in linear.c).
+PANEL = 16
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] float32 -> its panels for ``float_linear``: [ceil(N / PANEL), K,
+    PANEL], each panel the transpose of PANEL weight rows, zero past row N."""
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    padded = torch.zeros(panels * PANEL, k, dtype=torch.float32)
+    padded[:n] = weight
+    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+
+
+def float_linear(
+    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T + bias, all float32, for few rows of x; the weight as
+    ``pack_panels`` lays it out, N = ``out_features``."""
+    op = "float_linear"
+    _check(x.dtype == torch.float32 and x.device.type == "cpu", op, "float32 x on the CPU")
+    _check(panels.dtype == torch.float32 and panels.is_contiguous(), op, "packed panels")
+    x = x.contiguous()
+    rows, k = x.shape
+    _check(
+        panels.shape == (-(-out_features // PANEL), k, PANEL),
+        op,
+        f"the panels of a [{out_features}, {k}] weight for x [{rows}, {k}]",
+    )
+    _check(bias is None or bias.shape == (out_features,), op, "one bias per output row")
+    out = torch.empty(rows, out_features, dtype=torch.float32)
+    _linear_library().float_linear(
+        x.data_ptr(),
+        panels.data_ptr(),
+        None if bias is None else bias.float().contiguous().data_ptr(),
+        out.data_ptr(),
+        rows,
+        out_features,
+        k,
+        torch.get_num_threads(),
+    )
+    return out
 
 
 def paged_decode_attention(
@@ -251,10 +289,12 @@ _LIBRARY.impl("int8_linear", int8_linear, "CPU")
 _LIBRARY.impl(
     "int8_linear", lambda x, weight, scale, bias: x.new_empty(x.shape[0], weight.shape[0]), "Meta"
 )
-_LIBRARY.define("float_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_LIBRARY.define("float_linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor")
 _LIBRARY.impl("float_linear", float_linear, "CPU")
 _LIBRARY.impl(
-    "float_linear", lambda x, weight, bias: x.new_empty(x.shape[0], weight.shape[0]), "Meta"
+    "float_linear",
+    lambda x, panels, bias, out_features: x.new_empty(x.shape[0], out_features),
+    "Meta",
 )
 _LIBRARY.define(
     "paged_decode_attention(Tensor query, Tensor kv_cache, Tensor block_table, "
