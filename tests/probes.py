@@ -72,3 +72,24 @@ def recorded_speculative_run(checkpoint, token_budget: int, prepare=None, **engi
 
     proposer.propose = spy
     return plain, llm.generate(prompts, params), seen, proposer
+
+
+def forget_refresh(name: str, in_draft_loop: bool = False):
+    """A ``prepare`` for ``recorded_speculative_run`` that stops one declared input of a
+    head proposer's graphs from being refreshed, as a path that forgot it would: of its
+    captured steps (the mirror and eager-loop draft steps), or of its draft loop."""
+
+    def forget(proposer) -> None:
+        graphs = proposer.draft_loop.graphs if in_draft_loop else proposer.captured.graphs
+        for graph, _ in graphs.values():
+            (forgotten,) = [i for i in graph.inputs if i.name == name]
+            object.__setattr__(forgotten, "refresh", lambda values: None)  # it is frozen
+
+    return forget
+
+
+# The draft loop's inputs, each of which a stale replay must show.
+DRAFT_LOOP_MUTATIONS = {
+    f"loop-{name}": forget_refresh(name, in_draft_loop=True)
+    for name in ("input_ids", "hidden_states", "block_table", "positions", "draft_limits")
+}

@@ -18,13 +18,12 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 from benchmarks.bench_speculative import code_prompts
 from tests.conftest import make_tiny_checkpoint
-from tests.probes import recorded_speculative_run
+from tests.probes import DRAFT_LOOP_MUTATIONS, forget_refresh, recorded_speculative_run
 from updraft import LLM, SamplingParams
 from updraft.attention.metadata import AttentionMetadata, GroupShape
 from updraft.config import ModelConfig
 from updraft.demo import DEMO_DRAFT_DIR, DEMO_EAGLE_DIR, DEMO_MODEL_DIR
 from updraft.models.loader import load_model
-from updraft.speculative import head as head_module
 from updraft.speculative.eagle import eagle_proposer
 from updraft.tokenizer import Tokenizer
 
@@ -224,16 +223,6 @@ def test_eagle_drafts_are_the_reference_drafts_and_keep_greedy_output(
         assert drafts == reference.drafts(tokens, len(drafts)), len(tokens)
 
 
-def forget_refresh(name: str):
-    def forget(proposer) -> None:
-        for graph, _ in proposer.captured.graphs.values():
-            (forgotten,) = [i for i in graph.inputs if i.name == name]
-            # A path that forgets one refresh (StaticInput is frozen).
-            object.__setattr__(forgotten, "refresh", lambda values: None)
-
-    return forget
-
-
 def first_draft_from_the_row_before(proposer) -> None:
     """The first draft step reads the head's state one row before the request's newest
     entry (as a path that took the wrong row of the verify step would)."""
@@ -249,6 +238,7 @@ MUTATIONS = {
     "slot_mapping": forget_refresh("slot_mapping"),
     "positions": forget_refresh("positions"),
     "first-draft-row": first_draft_from_the_row_before,
+    **DRAFT_LOOP_MUTATIONS,
 }
 
 
@@ -360,17 +350,12 @@ def test_bad_heads_are_refused_by_name(tmp_path, tiny_llama, llama_pair):
         LLM(speculative_method="eagle", speculative_model=str(tmp_path))
 
 
-def test_the_first_draft_costs_no_head_step_of_its_own(monkeypatch, llama_pair):
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
+def test_the_first_draft_costs_no_head_step_of_its_own(llama_pair, enforce_eager):
     """The mirror's output at each request's newest entry is what the first draft reads:
-    a proposal of d drafts runs the mirror and d - 1 draft steps, no more."""
+    a proposal of d drafts runs the mirror and d - 1 draft steps, no more (one by one, or
+    inside the captured draft loop)."""
     target_dir, head_dir = llama_pair
-    steps = []
-    forward = head_module.HeadProposer._forward
-    monkeypatch.setattr(
-        head_module.HeadProposer,
-        "_forward",
-        lambda self, step: steps.append(len(step.input_ids)) or forward(self, step),
-    )
     llm = LLM(
         target_dir,
         speculative_method="eagle",
@@ -378,16 +363,17 @@ def test_the_first_draft_costs_no_head_step_of_its_own(monkeypatch, llama_pair):
         num_speculative_tokens=3,
         block_size=4,
         num_kv_blocks=64,
+        enforce_eager=enforce_eager,
     )
     proposer = llm.engine._proposer
     propose = proposer.propose
     calls = []
 
     def spy(inputs, output, drafting):
-        before = len(steps)
+        before = proposer.step_modes.total()
         drafts = propose(inputs, output, drafting)
         depth = max((len(d.token_ids) for d in drafts.values()), default=0)
-        calls.append((len(steps) - before, depth))
+        calls.append((proposer.step_modes.total() - before, depth))
         return drafts
 
     proposer.propose = spy

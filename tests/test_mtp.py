@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from transformers.modeling_layers import MtpModel
 
 from tests.conftest import DEEPSEEK_TINY
-from tests.probes import recorded_speculative_run
+from tests.probes import DRAFT_LOOP_MUTATIONS, forget_refresh, recorded_speculative_run
 from updraft import LLM, SamplingParams
 from updraft.attention.cache_layout import cache_layout
 from updraft.attention.metadata import AttentionMetadata, GroupShape
@@ -188,23 +188,24 @@ def test_mtp_drafts_are_transformers_mtp_drafts_and_keep_greedy_output(
         assert drafts == reference_drafts(main, mtp, tokens, len(drafts)), len(tokens)
 
 
-@pytest.mark.parametrize(
-    "skip", [None, "hidden_states", "block_table", "slot_mapping", "positions", "seq_lens"]
-)
+MUTATIONS = {
+    **{
+        name: forget_refresh(name)
+        for name in ("hidden_states", "block_table", "slot_mapping", "positions", "seq_lens")
+    },
+    **DRAFT_LOOP_MUTATIONS,
+}
+
+
+@pytest.mark.parametrize("skip", [None, *MUTATIONS])
 def test_an_mtp_graph_that_skips_a_refresh_leaves_another_cache(checkpoint, skip):
     """The target's hidden states are a declared input of the MTP graphs, refreshed at
     every replay like the block table, slots, positions and lengths. The MTP layer's
     latent cache after a run with graphs equals the eager run's; a replay that keeps
-    any one input from an earlier step leaves other rows (or drafts other tokens)."""
-
-    def forget(proposer) -> None:
-        for graph, _ in proposer.captured.graphs.values():
-            (forgotten,) = [i for i in graph.inputs if i.name == skip]
-            # A path that forgets one refresh (StaticInput is frozen).
-            object.__setattr__(forgotten, "refresh", lambda values: None)
-
+    any one input from an earlier step leaves other rows (or drafts other tokens), in
+    the mirror's steps or the draft loop's."""
     _, _, eager_seen, eager = mtp_run(checkpoint, 1024, enforce_eager=True)
-    prepare = None if skip is None else forget
+    prepare = None if skip is None else MUTATIONS[skip]
     _, _, seen, graphs = mtp_run(checkpoint, 1024, prepare=prepare)
     assert graphs.step_modes["graph"] > 0
     live = slice(0, -1)  # the spare last slot takes padded rows' writes

@@ -10,6 +10,7 @@ On the CPU, ``compile_runs`` fuses each graph's runs of ops with inductor.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from operator import attrgetter
 
 import torch
@@ -69,13 +70,7 @@ class CapturedSteps:
             blocks=self.max_blocks,
             **self.other_sizes,
         )
-        dtype = next(model.parameters()).dtype
-        self.buffers = {
-            spec.name: torch.zeros(
-                graph_input_shape(spec, largest), dtype=spec.dtype or dtype, device=device
-            )
-            for spec in inputs
-        }
+        self.buffers = input_buffers(inputs, largest, next(model.parameters()).dtype, device)
         # CUDA buckets share one memory pool; the CPU records ops instead.
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.graphs: dict[Bucket, tuple[UpdatableGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -118,15 +113,7 @@ class CapturedSteps:
     ) -> tuple[UpdatableGraph, tuple[torch.Tensor, torch.Tensor]]:
         num_tokens = size * query_len
         shape = sizes_for(num_tokens, size, blocks=self.max_blocks, **self.other_sizes)
-        inputs = {
-            spec.name: StaticInput(
-                spec.name,
-                self.buffers[spec.name][tuple(slice(0, n) for n in graph_input_shape(spec, shape))],
-                attrgetter(spec.name),
-                spec.pad,
-            )
-            for spec in self.specs
-        }
+        inputs = static_inputs(self.specs, self.buffers, shape)
 
         block_size = self.block_size  # not self: the graph keeps this function
 
@@ -140,15 +127,9 @@ class CapturedSteps:
                 step, block_size, **attention_inputs, num_tokens=num_tokens
             )
 
-        declared = dict(
-            constants=[*self.model.parameters(), *self.model.buffers()],
-            persistent=[*self.kv_caches, *(i.buffer for i in inputs.values())],
-            module_names={id(m): name or "model" for name, m in self.model.named_modules()},
+        backend = graph_backend(
+            self.model, self.kv_caches, inputs.values(), self.pool, self.compile_runs
         )
-        if self.pool is None:
-            backend = RecordedGraph(**declared, compile_runs=self.compile_runs)
-        else:
-            backend = CudaGraph(**declared, pool=self.pool)
         graph = UpdatableGraph(backend, list(inputs.values()), metadata)
         dummy = capture_inputs(num_tokens, size, self.max_blocks, self.specs, **self.other_sizes)
         standard = {spec.name for spec in GRAPH_INPUTS}
@@ -171,3 +152,50 @@ class CapturedSteps:
             return hidden, self.model.compute_logits(hidden)
 
         return graph, graph.capture(forward, dummy)
+
+
+def input_buffers(
+    specs: tuple[GraphInput, ...], sizes: dict[str, int], dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """One persistent buffer per declared input, at the largest bucket's ``sizes``."""
+    return {
+        spec.name: torch.zeros(
+            graph_input_shape(spec, sizes), dtype=spec.dtype or dtype, device=device
+        )
+        for spec in specs
+    }
+
+
+def static_inputs(
+    specs: tuple[GraphInput, ...], buffers: dict[str, torch.Tensor], sizes: dict[str, int]
+) -> dict[str, StaticInput]:
+    """A bucket's static inputs: the leading part of each shared buffer, at ``sizes``,
+    filled from the step's field of the input's name."""
+    return {
+        spec.name: StaticInput(
+            spec.name,
+            buffers[spec.name][tuple(slice(0, n) for n in graph_input_shape(spec, sizes))],
+            attrgetter(spec.name),
+            spec.pad,
+        )
+        for spec in specs
+    }
+
+
+def graph_backend(
+    model: torch.nn.Module,
+    kv_caches: list[torch.Tensor],
+    inputs: Iterable[StaticInput],
+    pool: object | None,
+    compile_runs: bool,
+) -> RecordedGraph | CudaGraph:
+    """The backend that captures ``model``'s forward over ``inputs``: CUDA graphs in
+    ``pool`` on a GPU, else recorded ops (with runs compiled by inductor)."""
+    declared = dict(
+        constants=[*model.parameters(), *model.buffers()],
+        persistent=[*kv_caches, *(i.buffer for i in inputs)],
+        module_names={id(m): name or "model" for name, m in model.named_modules()},
+    )
+    if pool is None:
+        return RecordedGraph(**declared, compile_runs=compile_runs)
+    return CudaGraph(**declared, pool=pool)

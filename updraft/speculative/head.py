@@ -17,10 +17,12 @@ beside the target's newest hidden state, so the first draft comes from it. Draft
 (1..k-1) is entry n - 2 + d: the previous draft beside the head's own output there,
 chained. Its slots are the lookahead slots the scheduler reserved.
 
-Steps whose rows are uniform (draft steps, and the mirrors of decode and verify steps)
+Steps whose rows are uniform (the mirrors of decode and verify steps, and draft steps)
 replay captured graphs, whose declared inputs are the standard ones plus the target's
 hidden states (``HEAD_GRAPH_INPUTS``): a replay refreshes them from the step it is given,
-like everything else; padded rows write the spare slot and are never read.
+like everything else; padded rows write the spare slot and are never read. When every
+drafting request is greedy, draft steps 1..k-1 are one replay of the captured draft loop
+instead (``speculative/draft_loop.py``), which derives each step's inputs inside the graph.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ from updraft.attention.paged import allocate_kv_cache
 from updraft.request import Request
 from updraft.runner.captured import CapturedSteps
 from updraft.runner.runner import Runner
+from updraft.speculative.draft_loop import CapturedDraftLoop, DraftLoopInputs
 from updraft.speculative.proposer import draft_token_by_token
-from updraft.step.inputs import GRAPH_INPUTS, GraphInput, StepInputs
+from updraft.step.inputs import GRAPH_INPUTS, GraphInput, StepInputs, block_table_of
 from updraft.step.output import StepOutput
 from updraft.step.plan import Draft
 
@@ -105,6 +108,20 @@ class HeadProposer:
                 full=target.captured.full,
                 sizes_of_dims={"hidden": hidden_size},
             )
+        # Greedy drafting replays the whole draft loop as one graph.
+        self.draft_loop = None
+        if self.captured is not None and num_speculative_tokens > 1:
+            self.draft_loop = CapturedDraftLoop(
+                head,
+                self.caches,
+                self.block_size,
+                target.captured.max_blocks,
+                target.captured.sizes,
+                self.device,
+                num_speculative_tokens,
+                hidden_size,
+                compile_runs=target.config.compiles_graphs,
+            )
 
     def _forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The head over ``step`` (entries, their next tokens and the hidden states it
@@ -165,6 +182,14 @@ class HeadProposer:
             first_logits = self.head.compute_logits(states)
         else:
             first_logits = mirrored_logits.index_select(0, newest)
+        limits = [limit for _, limit in chosen]
+        if (
+            self.draft_loop is not None
+            and max(limits) > 1
+            and self.draft_loop.fits(len(chosen))
+            and all(request.sampling_params.greedy for request, _ in chosen)
+        ):
+            return self._loop_drafts(chosen, first_logits.argmax(dim=-1), states)
         state_rows = list(range(len(chosen)))
 
         def logits_of(step: StepInputs, rows: list[int]) -> torch.Tensor:
@@ -183,6 +208,29 @@ class HeadProposer:
             self.target.generator,
             first_logits=first_logits,
         )
+
+    def _loop_drafts(
+        self, chosen: list[tuple[Request, int]], first: torch.Tensor, states: torch.Tensor
+    ) -> dict[str, Draft]:
+        """Greedy drafts of ``chosen`` by one replay of the draft loop, from each
+        request's first draft and the head's state at its newest entry."""
+        requests = [request for request, _ in chosen]
+        limits = [limit for _, limit in chosen]
+        drafts = self.draft_loop.run(
+            DraftLoopInputs(
+                input_ids=first,
+                positions=torch.tensor([r.num_tokens - 1 for r in requests]),
+                block_table=block_table_of([r.block_ids for r in requests]),
+                query_start_loc=torch.arange(len(requests) + 1),
+                draft_limits=torch.tensor(limits),
+                hidden_states=states,
+            )
+        )
+        self.step_modes["graph"] += max(limits) - 1  # the head steps it ran
+        return {
+            request.request_id: Draft(tokens[:limit], None)
+            for request, limit, tokens in zip(requests, limits, drafts.tolist(), strict=True)
+        }
 
 
 def last_accepted_rows(inputs: StepInputs, output: StepOutput) -> dict[str, int]:

@@ -209,6 +209,16 @@ def zeros(count: int) -> array:
     return ZEROS[:count] if count <= len(ZEROS) else array("q", bytes(8 * count))
 
 
+def block_table_of(block_lists: list[list[int]]) -> torch.Tensor:
+    """Block tables [len(block_lists), widest], zero past each list's end."""
+    width = max(map(len, block_lists), default=1) or 1
+    table = array("q")
+    for block_ids in block_lists:
+        table.extend(block_ids)
+        table.extend(zeros(width - len(block_ids)))
+    return long_tensor(table).view(len(block_lists), width)
+
+
 def long_tensor(values: array) -> torch.Tensor:
     """An int64 tensor over ``values``'s memory, without a copy."""
     if not values:
