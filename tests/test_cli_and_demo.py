@@ -103,6 +103,7 @@ def test_every_engine_setting_is_a_flag_that_reaches_the_config():
         "--speculative-method": "ngram",
         "--speculative-model": "somewhere",
         "--num-speculative-tokens": "5",
+        "--tensor-parallel-size": "2",
     }
     switches = [
         "--no-enable-prefix-caching",
@@ -138,6 +139,7 @@ def test_every_engine_setting_is_a_flag_that_reaches_the_config():
         "compile_graphs": False,
         "sanitize": True,
         "speculative_enforce_eager": False,
+        "tensor_parallel_size": 2,
     }
     defaults = engine_kwargs(build_parser().parse_args(["doctor"]))
     config = EngineConfig(model="m")

@@ -429,6 +429,11 @@ class EngineConfig:
     speculative_enforce_eager: bool | None = setting(
         None, "run the draft model's steps eagerly (default: as the target)"
     )
+    tensor_parallel_size: int = setting(
+        1,
+        "ranks that split every layer's heads and MLP rows (worker processes this engine "
+        "starts, gloo on the CPU); the Llama family only",
+    )
 
     def __post_init__(self) -> None:
         self.model = local_checkpoint(str(self.model))
@@ -475,6 +480,18 @@ class EngineConfig:
             raise ValueError(
                 f"num_speculative_tokens must be an int >= 1, got {self.num_speculative_tokens!r}"
             )
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}"
+            )
+        if self.tensor_parallel_size > 1 and self.speculative_method in ("eagle", "mtp"):
+            raise ValueError(
+                f"speculative_method {self.speculative_method!r} reads the target's embedding "
+                "and LM head, which tensor parallelism splits: not supported with "
+                "tensor_parallel_size > 1 (the draft model and ngram are)"
+            )
+        if self.tensor_parallel_size > 1 and self.sanitize:
+            raise ValueError("sanitize is not supported with tensor_parallel_size > 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:

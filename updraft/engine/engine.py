@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from collections.abc import Sequence
 
 from updraft.config import EngineConfig, ModelConfig
 from updraft.engine.kv_blocks import BlockPool, KVCacheManager
 from updraft.engine.scheduler import Scheduler
 from updraft.engine.stats import EngineStats, StepClock, snapshot_report
+from updraft.engine.workers import TensorParallelWorkers
+from updraft.models.tensor_parallel import check_tensor_parallel
 from updraft.outputs import RequestOutput
 from updraft.request import FinishReason, Request
 from updraft.runner.runner import Runner
@@ -50,7 +53,20 @@ class Engine:
         self.context_len = config.max_model_len or trained
         k = config.num_speculative_tokens if config.speculative_method else 0
         query_lens = (1, 1 + k) if k else (1,)  # decode and verify steps, for graphs
-        self._runner = Runner(self.model_config, config, self.context_len, query_lens)
+        check_tensor_parallel(self.model_config, config.tensor_parallel_size)
+        # The other ranks of a tensor-parallel model: started first, since every rank
+        # captures its steps together (the collectives inside them pair up).
+        self._workers = None
+        tensor_rank = None
+        if config.tensor_parallel_size > 1:
+            self._workers = TensorParallelWorkers(
+                config, self.model_config, self.context_len, query_lens
+            )
+            tensor_rank = self._workers.rank
+            weakref.finalize(self, self._workers.close)
+        self._runner = Runner(
+            self.model_config, config, self.context_len, query_lens, tensor_rank=tensor_rank
+        )
         pool = BlockPool(self._runner.num_blocks, config.block_size, config.enable_prefix_caching)
         # A sequence never holds more tokens than the cache can, so one request alone
         # always fits and preemption always makes progress.
@@ -68,7 +84,9 @@ class Engine:
         self._pending_outputs: list[RequestOutput] = []
         self._clock = StepClock()
         self._threads = ThreadBudget(
-            enabled=config.adaptive_threads and self._runner.device.type == "cpu"
+            enabled=config.adaptive_threads
+            and self._runner.device.type == "cpu"
+            and self._workers is None  # each rank keeps its share of the cores
         )
         self._ids = itertools.count()
 
@@ -160,6 +178,8 @@ class Engine:
         self._threads.adjust()
         inputs = StepInputs.build(plan, self.config.block_size, self._wants_hidden_states)
         clock.lap("build")
+        if self._workers is not None:
+            self._workers.run(inputs)
         result = self._runner.execute(inputs)
         clock.lap("sample", forward_seconds=result.forward_seconds)
         outputs += self._scheduler.update(plan, result)

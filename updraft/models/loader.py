@@ -22,6 +22,7 @@ from updraft.models.layers import FusedLinear
 from updraft.models.moe import Experts
 from updraft.models.packed_linear import can_prepack, prepack_linears
 from updraft.models.registry import model_class
+from updraft.models.tensor_parallel import TensorRank, shard_model
 
 # checkpoint projection -> (fused parameter in the model, index of its slice), the first
 # of these the model has
@@ -78,7 +79,9 @@ def load_model(
     device: torch.device | str = "cpu",
     max_positions: int | None = None,
     quantization: str | None = None,
+    tensor_rank: TensorRank | None = None,
 ) -> nn.Module:
+    """``tensor_rank``: keep only that rank's shard (models/tensor_parallel.py)."""
     model_dir = Path(model_dir)
     files = weight_files(model_dir)
     default_dtype = torch.get_default_dtype()
@@ -92,6 +95,8 @@ def load_model(
     # does not run them (models/mtp.py loads them on their own).
     mtp = range(config.num_layers, config.num_layers + config.mtp_layers)
     load_weights(model, files, select=lambda name: layer_of(name) not in mtp)
+    if tensor_rank is not None and tensor_rank.size > 1:
+        shard_model(model, tensor_rank)
     if quantization == "int8":
         if not can_quantize_int8(torch.device(device), dtype):
             raise ValueError(

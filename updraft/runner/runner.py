@@ -24,6 +24,7 @@ from updraft.config import EngineConfig, ModelConfig
 from updraft.graph.sanitize import SanitizeReport, checked_replay, default_tolerance
 from updraft.kernels.ops import kernel_builds
 from updraft.models.loader import load_model
+from updraft.models.tensor_parallel import TensorRank, local_config
 from updraft.runner.captured import Bucket, CapturedSteps
 from updraft.runner.rejection_sampler import verify_step
 from updraft.runner.sampler import sample
@@ -51,10 +52,13 @@ class Runner:
         max_model_len: int,
         query_lens: tuple[int, ...] = (1,),
         num_blocks: int | None = None,
+        tensor_rank: TensorRank | None = None,
     ):
         """``query_lens``: the uniform query lengths to capture (1 for decode steps,
         1 + k for speculative verify steps). ``num_blocks``: a draft model's runner
-        takes the target's, since both page through the same block ids."""
+        takes the target's, since both page through the same block ids.
+        ``tensor_rank``: this runner's rank of a tensor-parallel model, whose every
+        other rank runs the same steps in its own process (engine/workers.py)."""
         self.model_config = model_config
         self.config = config
         self.device = torch.device(config.device)
@@ -72,8 +76,10 @@ class Runner:
             self.device,
             max_positions=max_model_len,
             quantization=config.quantization,
+            tensor_rank=tensor_rank,
         )
-        self.cache_layout = cache_layout(model_config)
+        ranks = 1 if tensor_rank is None else tensor_rank.size
+        self.cache_layout = cache_layout(local_config(model_config, ranks))
         self.num_blocks = self._num_blocks() if num_blocks is None else num_blocks
         self.kv_caches = allocate_kv_cache(
             model_config.num_layers,

@@ -1,0 +1,204 @@
+"""Tensor parallelism for the Llama family: one rank's shard of a loaded model.
+
+Every rank loads the whole checkpoint, then keeps its part (``shard_model``), before
+the linears are prepacked:
+
+* q/k/v and gate/up are column-parallel: rank r keeps its heads (and its slice of the
+  MLP's intermediate rows) of every fused part. KV heads split like the query heads;
+  where there are fewer KV heads than ranks, each rank keeps the one its query heads
+  read (replicated).
+* o_proj and down_proj are row-parallel: each rank multiplies its slice of the inputs,
+  and one all-reduce sums the partial outputs: one per attention, one per MLP.
+* The embedding and the LM head are vocabulary-parallel: each rank holds a contiguous
+  slice of rows (the last one padded with zeros); an embedding lookup is a masked
+  lookup and an all-reduce, and the logits are every rank's slice gathered in order.
+
+The residual stream is whole on every rank, so everything else (norms, RoPE, sampling,
+hidden states for a proposer) is as in one process. Collectives are the ops of
+``parallel/collectives.py``, so captured steps record and replay them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from updraft.config import ModelConfig
+from updraft.models.layers import MLP, CausalLM, FusedLinear
+from updraft.models.llama import Attention
+from updraft.parallel import collectives  # noqa: F401 (registers the collective ops)
+
+
+@dataclass(frozen=True)
+class TensorRank:
+    rank: int
+    size: int
+    group: str  # the process group's name (parallel/collectives.py)
+
+
+def check_tensor_parallel(config: ModelConfig, size: int) -> None:
+    """Refuse, by name, a model that cannot be split over ``size`` ranks."""
+    if size == 1:
+        return
+    if config.mla is not None:
+        raise ValueError(
+            "tensor_parallel_size > 1 is supported for the Llama family (Llama, Qwen2, "
+            "Qwen3), not yet for DeepSeek's latent attention"
+        )
+    kv = config.num_kv_heads
+    problems = []
+    if config.num_heads % size:
+        problems.append(f"{config.num_heads} attention heads")
+    if kv % size and size % kv:
+        problems.append(f"{kv} KV heads (neither a multiple nor a divisor of {size})")
+    if config.intermediate_size % size:
+        problems.append(f"an MLP of {config.intermediate_size} rows")
+    if problems:
+        raise ValueError(
+            f"tensor_parallel_size {size} does not divide this model's {', '.join(problems)}"
+        )
+
+
+def local_config(config: ModelConfig, size: int) -> ModelConfig:
+    """What one rank's layers hold: its query and KV heads (KV cache shape included)."""
+    return replace(
+        config, num_heads=config.num_heads // size, num_kv_heads=max(1, config.num_kv_heads // size)
+    )
+
+
+class RowParallelLinear(nn.Module):
+    """A linear over this rank's slice of the inputs, summed over the ranks."""
+
+    def __init__(self, linear: nn.Linear, group: str) -> None:
+        super().__init__()
+        self.linear = linear
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.updraft.all_reduce(self.linear(x), self.group)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [first, first + rows) of the embedding; other ids look up zeros here and
+    their rows come from the rank that holds them."""
+
+    def __init__(self, weight: torch.Tensor, first: int, group: str) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.first = first
+        self.group = group
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.first
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        rows = nn.functional.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        return torch.ops.updraft.all_reduce(rows * mine[:, None].to(rows.dtype), self.group)
+
+
+class VocabParallelHead(nn.Module):
+    """This rank's rows of the LM head; the logits are every rank's, in order."""
+
+    def __init__(self, linear: nn.Linear, vocab_size: int, rank: TensorRank) -> None:
+        super().__init__()
+        self.linear = linear
+        self.vocab_size = vocab_size
+        self.rank = rank
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = torch.ops.updraft.all_gather_last(
+            self.linear(hidden), self.rank.group, self.rank.size
+        )
+        return logits[..., : self.vocab_size]
+
+
+def _rows(weight: torch.Tensor, parts: list[int], keep: list[slice]) -> torch.Tensor:
+    """Of each part of a fused weight (stacked on dim 0), the rows ``keep`` says."""
+    return torch.cat(
+        [part[rows] for part, rows in zip(weight.split(parts), keep, strict=True)]
+    ).contiguous()
+
+
+def _shard_fused(linear: FusedLinear, keep: list[slice]) -> FusedLinear:
+    weight = _rows(linear.weight.detach(), linear.split_sizes, keep)
+    sizes = [rows.stop - rows.start for rows in keep]
+    with torch.device("meta"):  # its parameters are replaced right away
+        sharded = FusedLinear(linear.in_features, sizes, bias=linear.bias is not None)
+    sharded.weight = nn.Parameter(weight, requires_grad=False)
+    if linear.bias is not None:
+        sharded.bias = nn.Parameter(
+            _rows(linear.bias.detach(), linear.split_sizes, keep), requires_grad=False
+        )
+    return sharded
+
+
+def _row_parallel(linear: nn.Linear, columns: slice, rank: TensorRank) -> RowParallelLinear:
+    sharded = nn.Linear(
+        columns.stop - columns.start, linear.out_features, bias=False, device="meta"
+    )
+    weight = linear.weight.detach()[:, columns].contiguous()
+    sharded.weight = nn.Parameter(weight, requires_grad=False)
+    if linear.bias is not None:  # added once, by rank 0
+        bias = linear.bias.detach() if rank.rank == 0 else torch.zeros_like(linear.bias)
+        sharded.bias = nn.Parameter(bias, requires_grad=False)
+    return RowParallelLinear(sharded, rank.group)
+
+
+def _share(count: int, rank: TensorRank) -> slice:
+    per_rank = count // rank.size
+    return slice(rank.rank * per_rank, (rank.rank + 1) * per_rank)
+
+
+def _shard_attention(attention: Attention, rank: TensorRank) -> None:
+    dim = attention.head_dim
+    heads = _share(attention.num_heads, rank)
+    if attention.num_kv_heads >= rank.size:
+        kv_heads = _share(attention.num_kv_heads, rank)
+    else:  # the KV head this rank's query heads read
+        kv_head = heads.start // (attention.num_heads // attention.num_kv_heads)
+        kv_heads = slice(kv_head, kv_head + 1)
+    q_rows = slice(heads.start * dim, heads.stop * dim)
+    kv_rows = slice(kv_heads.start * dim, kv_heads.stop * dim)
+    attention.qkv_proj = _shard_fused(attention.qkv_proj, [q_rows, kv_rows, kv_rows])
+    attention.o_proj = _row_parallel(attention.o_proj, q_rows, rank)
+    attention.num_heads = heads.stop - heads.start
+    attention.num_kv_heads = kv_heads.stop - kv_heads.start
+
+
+def _shard_mlp(mlp: MLP, rank: TensorRank) -> None:
+    rows = _share(mlp.down_proj.in_features, rank)
+    mlp.gate_up_proj = _shard_fused(mlp.gate_up_proj, [rows, rows])
+    mlp.down_proj = _row_parallel(mlp.down_proj, rows, rank)
+
+
+def _vocab_rows(vocab_size: int, rank: TensorRank) -> tuple[int, int]:
+    """(first row, rows per rank): every rank holds the same count, the last padded."""
+    per_rank = -(-vocab_size // rank.size)
+    return rank.rank * per_rank, per_rank
+
+
+def _padded_rows(weight: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    rows = weight[first : first + count]
+    if rows.shape[0] == count:
+        return rows.clone()
+    return torch.cat([rows, rows.new_zeros(count - rows.shape[0], *rows.shape[1:])])
+
+
+@torch.no_grad()
+def shard_model(model: CausalLM, rank: TensorRank) -> None:
+    """Keep, in place, rank ``rank``'s shard of every layer of a loaded model."""
+    vocab_size = model.model.embed_tokens.num_embeddings
+    first, count = _vocab_rows(vocab_size, rank)
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    embedding = _padded_rows(model.model.embed_tokens.weight, first, count)
+    head = nn.Linear(model.lm_head.in_features, count, bias=False, device="meta")
+    head.weight = nn.Parameter(
+        embedding if tied else _padded_rows(model.lm_head.weight, first, count),
+        requires_grad=False,
+    )
+    model.model.embed_tokens = VocabParallelEmbedding(embedding, first, rank.group)
+    model.lm_head = VocabParallelHead(head, vocab_size, rank)
+    for layer in model.model.layers:
+        _shard_attention(layer.self_attn, rank)
+        _shard_mlp(layer.mlp, rank)
