@@ -3,6 +3,10 @@ process computes, token for token and logit for logit, eager and with graphs."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -121,3 +125,36 @@ def test_shards_hold_their_rank_s_heads(tmp_path):
     assert runner.kv_caches[0].shape[-2] == 2
     assert runner.model.model.layers[0].self_attn.num_heads == 2
     llm.engine._workers.close()
+
+
+def test_torchrun_ranks_serve_one_engine(tiny_llama_with_tokenizer):
+    """``torchrun --nproc-per-node 2 -m updraft generate ...``: rank 0 is the engine and
+    prints the text; rank 1 runs its shard's steps and exits; the text is one
+    process's."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [
+        "-m",
+        "updraft",
+        "generate",
+        "--model",
+        str(tiny_llama_with_tokenizer),
+        "--prompt",
+        "hello",
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+    ]
+    alone = subprocess.run(
+        [sys.executable, *command], capture_output=True, text=True, timeout=120, check=True
+    )
+    ranks = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", *command],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert ranks.returncode == 0, ranks.stderr[-3000:]
+    assert ranks.stdout == alone.stdout
+    assert alone.stdout.strip()

@@ -20,13 +20,20 @@ import itertools
 import time
 import weakref
 from collections.abc import Sequence
+from dataclasses import replace
 
 from updraft.config import EngineConfig, ModelConfig
 from updraft.engine.kv_blocks import BlockPool, KVCacheManager
 from updraft.engine.scheduler import Scheduler
 from updraft.engine.stats import EngineStats, StepClock, snapshot_report
-from updraft.engine.workers import TensorParallelWorkers
-from updraft.models.tensor_parallel import check_tensor_parallel
+from updraft.engine.workers import (
+    Rendezvous,
+    TensorParallelWorkers,
+    run_rank,
+    torchrun_group,
+    torchrun_rendezvous,
+)
+from updraft.models.tensor_parallel import TensorRank, check_tensor_parallel
 from updraft.outputs import RequestOutput
 from updraft.request import FinishReason, Request
 from updraft.runner.runner import Runner
@@ -53,6 +60,9 @@ class Engine:
         self.context_len = config.max_model_len or trained
         k = config.num_speculative_tokens if config.speculative_method else 0
         query_lens = (1, 1 + k) if k else (1,)  # decode and verify steps, for graphs
+        launched = torchrun_rendezvous()
+        if launched is not None:
+            config = self.config = self._join_torchrun(config, *launched, query_lens)
         check_tensor_parallel(self.model_config, config.tensor_parallel_size)
         # The other ranks of a tensor-parallel model: started first, since every rank
         # captures its steps together (the collectives inside them pair up).
@@ -60,7 +70,11 @@ class Engine:
         tensor_rank = None
         if config.tensor_parallel_size > 1:
             self._workers = TensorParallelWorkers(
-                config, self.model_config, self.context_len, query_lens
+                config,
+                self.model_config,
+                self.context_len,
+                query_lens,
+                meeting=None if launched is None else launched[2],
             )
             tensor_rank = self._workers.rank
             weakref.finalize(self, self._workers.close)
@@ -89,6 +103,30 @@ class Engine:
             and self._workers is None  # each rank keeps its share of the cores
         )
         self._ids = itertools.count()
+
+    def _join_torchrun(
+        self,
+        config: EngineConfig,
+        rank: int,
+        world: int,
+        meeting: Rendezvous,
+        query_lens: tuple[int, ...],
+    ) -> EngineConfig:
+        """Under torchrun every rank builds the engine: rank 0 goes on as the engine
+        over ``world`` ranks; any other rank runs its steps here and then exits."""
+        if config.tensor_parallel_size not in (1, world):
+            raise ValueError(
+                f"tensor_parallel_size {config.tensor_parallel_size} does not match the "
+                f"{world} processes torchrun started (WORLD_SIZE)"
+            )
+        config = replace(config, tensor_parallel_size=world)
+        if rank == 0:
+            return config
+        check_tensor_parallel(self.model_config, world)
+        group = torchrun_group(meeting)
+        rank_of = TensorRank(rank, world, group)
+        run_rank(rank_of, meeting, config, self.model_config, self.context_len, query_lens)
+        raise SystemExit(0)
 
     # -- requests ----------------------------------------------------------------------
 

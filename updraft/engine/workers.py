@@ -1,4 +1,5 @@
-"""The other ranks of a tensor-parallel engine, as worker processes it starts itself.
+"""The other ranks of a tensor-parallel engine: worker processes it starts itself, or
+the processes ``torchrun`` started beside it.
 
 Rank 0 is the engine's own process: it schedules, samples and proposes. Ranks 1..T-1
 each load their shard into a ``Runner`` of their own and then run, step after step, the
@@ -8,7 +9,10 @@ Their logits are discarded: rank 0's are the same, gathered over every rank.
 
 Workers are started with ``spawn`` (a fresh interpreter: no copy of the parent's
 threads or locks), as daemons, so they never outlive the engine; ``close`` stops them.
-Each takes an equal share of the machine's cores.
+Each takes an equal share of the machine's cores. Under ``torchrun`` (``RANK`` and
+``WORLD_SIZE`` set) every rank runs the user's program: rank 0's engine is the engine,
+and on every other rank constructing the engine runs that rank's steps until rank 0
+closes, then exits the process.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -41,19 +45,52 @@ def share_cores(ranks: int) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
 
 
-def _run_rank(
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where a group's ranks meet: a TCP store, and whether they share one machine."""
+
+    port: int
+    host: str = "127.0.0.1"
+    store_hosted: bool = False  # by a launcher (torchrun's agent), not by rank 0
+    one_machine: bool = True
+
+
+def torchrun_rendezvous() -> tuple[int, int, Rendezvous] | None:
+    """(rank, world size, rendezvous) when torchrun started this process as one of
+    several, else None."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world < 2 or "RANK" not in os.environ:
+        return None
+    meeting = Rendezvous(
+        port=int(os.environ["MASTER_PORT"]),
+        host=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        store_hosted=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+        one_machine=int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world,
+    )
+    return int(os.environ["RANK"]), world, meeting
+
+
+def run_rank(
     rank: TensorRank,
-    port: int,
+    meeting: Rendezvous,
     config: EngineConfig,
     model_config: ModelConfig,
     max_model_len: int,
     query_lens: tuple[int, ...],
 ) -> None:
+    """Rank ``rank`` (not 0): load its shard, then run every step rank 0 broadcasts
+    until it broadcasts STOP."""
     share_cores(rank.size)
-    collectives.connect(rank.group, rank.rank, rank.size, port)
+    collectives.connect(rank.group, rank.rank, rank.size, **asdict(meeting))
     runner = Runner(model_config, config, max_model_len, query_lens, tensor_rank=rank)
     while (inputs := collectives.broadcast_object(rank.group)) is not STOP:
         runner.forward(inputs)
+    collectives.forget(rank.group)
+
+
+def torchrun_group(meeting: Rendezvous) -> str:
+    """The group's name under torchrun: the same on every rank."""
+    return f"updraft-tp-{meeting.host}-{meeting.port}"
 
 
 def forward_only(inputs: StepInputs) -> StepInputs:
@@ -63,7 +100,9 @@ def forward_only(inputs: StepInputs) -> StepInputs:
 
 
 class TensorParallelWorkers:
-    """Ranks 1..size-1; ``rank`` is rank 0's place in the group, for its own Runner."""
+    """Ranks 1..size-1 as seen from rank 0; ``rank`` is rank 0's place in the group,
+    for its own Runner. ``meeting``: the ranks are torchrun's, already started;
+    without it, rank 0 spawns them here."""
 
     def __init__(
         self,
@@ -71,32 +110,37 @@ class TensorParallelWorkers:
         model_config: ModelConfig,
         max_model_len: int,
         query_lens: tuple[int, ...],
+        meeting: Rendezvous | None = None,
     ) -> None:
         size = config.tensor_parallel_size
-        port = _free_port()
-        group = f"updraft-tp-{os.getpid()}-{port}"
-        context = multiprocessing.get_context("spawn")
-        self.processes = [
-            context.Process(
-                target=_run_rank,
-                args=(
-                    TensorRank(r, size, group),
-                    port,
-                    config,
-                    model_config,
-                    max_model_len,
-                    query_lens,
-                ),
-                name=f"updraft-rank-{r}",
-                daemon=True,
-            )
-            for r in range(1, size)
-        ]
-        for process in self.processes:
-            process.start()
+        self.processes = []
+        if meeting is None:
+            meeting = Rendezvous(port=_free_port())
+            group = f"updraft-tp-{os.getpid()}-{meeting.port}"
+            context = multiprocessing.get_context("spawn")
+            self.processes = [
+                context.Process(
+                    target=run_rank,
+                    args=(
+                        TensorRank(r, size, group),
+                        meeting,
+                        config,
+                        model_config,
+                        max_model_len,
+                        query_lens,
+                    ),
+                    name=f"updraft-rank-{r}",
+                    daemon=True,
+                )
+                for r in range(1, size)
+            ]
+            for process in self.processes:
+                process.start()
+        else:
+            group = torchrun_group(meeting)
         share_cores(size)
         self.rank = TensorRank(0, size, group)
-        collectives.connect(group, 0, size, port)
+        collectives.connect(group, 0, size, **asdict(meeting))
         self.closed = False
 
     def run(self, inputs: StepInputs) -> None:

@@ -8,7 +8,9 @@ same order (the same step, the same bucket), which is what keeps them matched.
 
 Groups are plain ``ProcessGroupGloo`` objects over their own TCP store, not torch's
 default group, so that one process may hold several engines (tests do) and a rank joins
-exactly the group its engine made.
+exactly the group its engine made. gloo sets the group up; the collectives of a step
+then go through shared memory (``parallel/shared_memory.py``), since every rank of a
+group is on one machine, where gloo's loopback round trips cost a millisecond each.
 """
 
 from __future__ import annotations
@@ -20,23 +22,47 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from updraft.parallel.shared_memory import SharedMemoryGroup
+
 _GROUPS: dict[str, dist.ProcessGroup] = {}
+_SHARED: dict[str, SharedMemoryGroup] = {}
 
 
 def connect(
-    name: str, rank: int, world_size: int, port: int, timeout_seconds: float = 300.0
+    name: str,
+    rank: int,
+    world_size: int,
+    port: int,
+    host: str = "127.0.0.1",
+    store_hosted: bool = False,
+    one_machine: bool = True,
+    timeout_seconds: float = 300.0,
 ) -> dist.ProcessGroup:
-    """Join group ``name`` of ``world_size`` ranks whose rank 0 listens on ``port`` of
-    this machine (gloo on the CPU), and register it for the collective ops."""
+    """Join group ``name`` of ``world_size`` ranks through the TCP store at
+    ``host:port`` (hosted by rank 0, or already by a launcher such as torchrun: then
+    ``store_hosted``), and register it for the collective ops. Ranks all on
+    ``one_machine`` exchange through shared memory; others through gloo."""
     timeout = timedelta(seconds=timeout_seconds)
-    store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timeout)
+    is_host = rank == 0 and not store_hosted
+    store = dist.TCPStore(host, port, world_size, is_host, timeout=timeout)
     group = dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, world_size, timeout)
     _GROUPS[name] = group
+    if one_machine:
+        region = f"updraft-{port}"
+        if rank == 0:
+            _SHARED[name] = SharedMemoryGroup(region, rank, world_size, create=True)
+        group.barrier().wait()  # rank 0's region exists before the others open it
+        if rank != 0:
+            _SHARED[name] = SharedMemoryGroup(region, rank, world_size, create=False)
+        group.barrier().wait()
     return group
 
 
 def forget(name: str) -> None:
     _GROUPS.pop(name, None)
+    shared = _SHARED.pop(name, None)
+    if shared is not None:
+        shared.close()
 
 
 def _group(name: str) -> dist.ProcessGroup:
@@ -48,6 +74,8 @@ def _group(name: str) -> dist.ProcessGroup:
 
 def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     """The sum of ``x`` over the ranks of ``group``."""
+    if group in _SHARED:
+        return _SHARED[group].all_reduce(x)
     out = x.contiguous().clone()
     _group(group).allreduce([out]).wait()
     return out
@@ -55,6 +83,8 @@ def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
 
 def all_gather_last(x: torch.Tensor, group: str, world: int) -> torch.Tensor:
     """Every rank's ``x``, in rank order, concatenated along the last dim."""
+    if group in _SHARED:
+        return _SHARED[group].all_gather_last(x)
     parts = [torch.empty_like(x) for _ in range(world)]
     _group(group).allgather([parts], [x.contiguous()]).wait()
     return torch.cat(parts, dim=-1)
@@ -63,6 +93,8 @@ def all_gather_last(x: torch.Tensor, group: str, world: int) -> torch.Tensor:
 def broadcast_object(group: str, value: Any = None, root: int = 0) -> Any:
     """``value`` from rank ``root`` to every rank of ``group`` (pickled), returned on
     each: the step rank 0 planned, which every other rank then runs."""
+    if group in _SHARED:
+        return _SHARED[group].broadcast_object(value, root)
     options = dist.BroadcastOptions()
     options.rootRank = root
     is_root = _group(group).rank() == root

@@ -93,35 +93,34 @@ class HeadProposer:
         # How each head step ran: "graph" or "eager", counted.
         self.step_modes: Counter[str] = Counter()
         self.captured = None
+        self.draft_loop = None
         # Graphs as the target's (whose capture sizes they share), unless asked for eager.
         if target.captured is not None and not target.config.speculative_enforce_eager:
-            self.captured = CapturedSteps(
+            # the model, its cache and the buckets: the same for both kinds of graph
+            where = (
                 head,
                 self.caches,
                 self.block_size,
                 target.captured.max_blocks,
                 target.captured.sizes,
                 self.device,
+            )
+            self.captured = CapturedSteps(
+                *where,
                 query_lens=(1, 1 + num_speculative_tokens),
                 inputs=HEAD_GRAPH_INPUTS,
                 compile_runs=target.config.compiles_graphs,
                 full=target.captured.full,
                 sizes_of_dims={"hidden": hidden_size},
             )
-        # Greedy drafting replays the whole draft loop as one graph.
-        self.draft_loop = None
-        if self.captured is not None and num_speculative_tokens > 1:
-            self.draft_loop = CapturedDraftLoop(
-                head,
-                self.caches,
-                self.block_size,
-                target.captured.max_blocks,
-                target.captured.sizes,
-                self.device,
-                num_speculative_tokens,
-                hidden_size,
-                compile_runs=target.config.compiles_graphs,
-            )
+            # Greedy drafting replays the whole draft loop as one graph.
+            if num_speculative_tokens > 1:
+                self.draft_loop = CapturedDraftLoop(
+                    *where,
+                    num_speculative_tokens,
+                    hidden_size,
+                    compile_runs=target.config.compiles_graphs,
+                )
 
     def _forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The head over ``step`` (entries, their next tokens and the hidden states it
