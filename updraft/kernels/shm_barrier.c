@@ -12,7 +12,11 @@
 #include <stdio.h>
 #include <time.h>
 
-#define SPINS 200000
+/* Spins before the first nap: a few milliseconds here, longer than a rank waits for
+   another within a step or for rank 0's host work between steps. With 200,000 (a
+   tenth of that) a rank napped between steps and tensor-parallel decode ran 1.27x
+   slower (benchmarks/RESULTS.md). */
+#define SPINS 5000000
 
 /* Whether process pid exists and is not a zombie. */
 static int process_lives(int64_t pid) {
