@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,35 @@ def test_torchrun_ranks_serve_one_engine(tiny_llama_with_tokenizer):
     assert ranks.returncode == 0, ranks.stderr[-3000:]
     assert ranks.stdout == alone.stdout
     assert alone.stdout.strip()
+
+
+def process_lives(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def test_workers_exit_when_the_engine_process_is_killed(tiny_llama):
+    """SIGKILL gives the engine no chance to stop its workers: each notices, in its
+    wait for the next step, that rank 0's process is gone, and exits."""
+    script = f"""
+import time
+from updraft import LLM
+if __name__ == "__main__":
+    llm = LLM({str(tiny_llama)!r}, num_kv_blocks=16, tensor_parallel_size=2, enforce_eager=True)
+    print(llm.engine._workers.processes[0].pid, flush=True)
+    time.sleep(600)
+"""
+    engine = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(engine.stdout.readline())
+        assert process_lives(worker)
+    finally:
+        engine.kill()
+        engine.wait()
+    deadline = time.monotonic() + 60
+    while process_lives(worker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not process_lives(worker)
