@@ -28,8 +28,9 @@ def on_both(ranks, work):
         return list(pool.map(work, ranks))
 
 
-# float32 takes the C path (kernels/shm_barrier.c), other dtypes the Python one.
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+# float32 takes the C path (kernels/shm_barrier.c), other dtypes the Python one
+# (bfloat16 summed in float32 and rounded once, as torch adds two bfloat16 tensors).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_all_reduce_sums_in_chunks_and_every_rank_gets_the_same_bits(ranks, dtype):
     torch.manual_seed(0)
     for scale in (1, 2, 3):  # reused slots hold nothing stale

@@ -142,7 +142,8 @@ class SharedMemoryGroup:
         for start in range(0, max(flat.numel(), 1), step):
             part = flat[start : start + step]
             slots = [s.view(flat.dtype) for s in self._exchange(part)]
-            total = slots[0].clone()
+            # Half-precision parts are summed in float32, then rounded once.
+            total = slots[0].to(torch.promote_types(flat.dtype, torch.float32), copy=True)
             for other in slots[1:]:  # in rank order: every rank sums alike
                 total += other
             out[start : start + step] = total
