@@ -62,58 +62,49 @@ static void dot_block(const float *restrict x, const float *restrict w, int64_t 
     y[3 * n] = a30, y[3 * n + 1] = a31, y[3 * n + 2] = a32, y[3 * n + 3] = a33;
 }
 
-/* One kernel per weight type: its one-row dot product, and the whole linear. */
-#define DEFINE_LINEAR(NAME, WEIGHT)                                                        \
-    static float NAME##_dot(const float *restrict a, const WEIGHT *restrict b, int64_t k) { \
-        float acc = 0.0f;                                                                  \
-        _Pragma("omp simd reduction(+ : acc)") for (int64_t i = 0; i < k; i++)             \
-            acc += a[i] * (float)b[i];                                                     \
-        return acc;                                                                        \
-    }                                                                                      \
-                                                                                           \
-    void NAME(const float *x, const WEIGHT *w, const float *scale, const float *bias,       \
-              float *y, int64_t m_rows, int64_t n_rows, int64_t k, int threads) {          \
-        const int64_t tiles = (n_rows + TILE - 1) / TILE;                                  \
-        _Pragma("omp parallel num_threads(threads)") {                                     \
-            const int widen = sizeof(WEIGHT) != sizeof(float); /* else read in place */    \
-            float *widened = m_rows > 1 && widen ? malloc(sizeof(float) * TILE * k) : NULL; \
-            _Pragma("omp for schedule(static)") for (int64_t tile = 0; tile < tiles;       \
-                                                     tile++) {                             \
-                const int64_t first = tile * TILE;                                         \
-                const int64_t count = n_rows - first < TILE ? n_rows - first : TILE;       \
-                if (m_rows == 1 || (widen && widened == NULL) || count < TILE) {           \
-                    for (int64_t n = first; n < first + count; n++) {                      \
-                        float s = scale ? scale[n] : 1.0f, offset = bias ? bias[n] : 0.0f; \
-                        for (int64_t m = 0; m < m_rows; m++)                               \
-                            y[m * n_rows + n] = NAME##_dot(x + m * k, w + n * k, k) * s +   \
-                                                offset;                                    \
-                    }                                                                      \
-                    continue;                                                              \
-                }                                                                          \
-                const WEIGHT *rows = w + first * k;                                        \
-                const float *tile_w = (const float *)rows;                                 \
-                if (widen) {                                                               \
-                    _Pragma("omp simd") for (int64_t i = 0; i < TILE * k; i++) widened[i] = \
-                        (float)rows[i];                                                    \
-                    tile_w = widened;                                                      \
-                }                                                                          \
-                int64_t m = 0;                                                             \
-                for (; m + 4 <= m_rows; m += 4)                                            \
-                    dot_block(x + m * k, tile_w, k, y + m * n_rows + first, n_rows);      \
-                for (; m < m_rows; m++)                                                    \
-                    dot_tile(x + m * k, tile_w, k, y + m * n_rows + first);               \
-                for (m = 0; m < m_rows; m++)                                               \
-                    for (int64_t t = 0; t < TILE; t++) {                                   \
-                        int64_t n = first + t;                                             \
-                        y[m * n_rows + n] = y[m * n_rows + n] * (scale ? scale[n] : 1.0f) + \
-                                            (bias ? bias[n] : 0.0f);                       \
-                    }                                                                      \
-            }                                                                              \
-            free(widened);                                                                 \
-        }                                                                                  \
-    }
+/* x . b for one int8 row b, k long */
+static float int8_dot(const float *restrict a, const int8_t *restrict b, int64_t k) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < k; i++) acc += a[i] * (float)b[i];
+    return acc;
+}
 
-DEFINE_LINEAR(int8_linear, int8_t)
+void int8_linear(const float *x, const int8_t *w, const float *scale, const float *bias,
+                 float *y, int64_t m_rows, int64_t n_rows, int64_t k, int threads) {
+    const int64_t tiles = (n_rows + TILE - 1) / TILE;
+#pragma omp parallel num_threads(threads)
+    {
+        float *widened = m_rows > 1 ? malloc(sizeof(float) * TILE * k) : NULL;
+#pragma omp for schedule(static)
+        for (int64_t tile = 0; tile < tiles; tile++) {
+            const int64_t first = tile * TILE;
+            const int64_t count = n_rows - first < TILE ? n_rows - first : TILE;
+            if (m_rows == 1 || widened == NULL || count < TILE) {
+                for (int64_t n = first; n < first + count; n++) {
+                    float s = scale ? scale[n] : 1.0f, offset = bias ? bias[n] : 0.0f;
+                    for (int64_t m = 0; m < m_rows; m++)
+                        y[m * n_rows + n] = int8_dot(x + m * k, w + n * k, k) * s + offset;
+                }
+                continue;
+            }
+            const int8_t *rows = w + first * k;
+#pragma omp simd
+            for (int64_t i = 0; i < TILE * k; i++) widened[i] = (float)rows[i];
+            int64_t m = 0;
+            for (; m + 4 <= m_rows; m += 4)
+                dot_block(x + m * k, widened, k, y + m * n_rows + first, n_rows);
+            for (; m < m_rows; m++) dot_tile(x + m * k, widened, k, y + m * n_rows + first);
+            for (m = 0; m < m_rows; m++)
+                for (int64_t t = 0; t < TILE; t++) {
+                    int64_t n = first + t;
+                    y[m * n_rows + n] =
+                        y[m * n_rows + n] * (scale ? scale[n] : 1.0f) + (bias ? bias[n] : 0.0f);
+                }
+        }
+        free(widened);
+    }
+}
 
 /* float_linear's panels: PANEL outputs, two vectors of 8 floats (gcc vector extensions,
    lowered to whatever the machine has: AVX2 here). */

@@ -50,26 +50,25 @@ def _check(condition: bool, op: str, what: str) -> None:
         raise TypeError(f"updraft::{op} takes {what}")
 
 
-def _linear(
-    function: str,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor | None,
-    bias: torch.Tensor | None,
+def int8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    _check(x.dtype == torch.float32 and x.device.type == "cpu", function, "float32 x on the CPU")
-    _check(weight.is_contiguous(), function, "a contiguous weight")
+    """x [M, K] float32 @ (weight [N, K] int8 * scale [N] float32)^T + bias -> [M, N]."""
+    op = "int8_linear"
+    _check(x.dtype == torch.float32 and x.device.type == "cpu", op, "float32 x on the CPU")
+    _check(weight.dtype == torch.int8, op, "an int8 weight")
+    _check(weight.is_contiguous(), op, "a contiguous weight")
     x = x.contiguous()
     rows, k = x.shape
     n = weight.shape[0]
-    _check(weight.shape[1] == k, function, f"a weight of {k} columns for x [{rows}, {k}]")
-    _check(scale is None or scale.shape == (n,), function, "one scale per output row")
-    _check(bias is None or bias.shape == (n,), function, "one bias per output row")
+    _check(weight.shape[1] == k, op, f"a weight of {k} columns for x [{rows}, {k}]")
+    _check(scale.shape == (n,), op, "one scale per output row")
+    _check(bias is None or bias.shape == (n,), op, "one bias per output row")
     out = torch.empty(rows, n, dtype=torch.float32)
-    getattr(_linear_library(), function)(
+    _linear_library().int8_linear(
         x.data_ptr(),
         weight.data_ptr(),
-        None if scale is None else scale.contiguous().data_ptr(),
+        scale.contiguous().data_ptr(),
         None if bias is None else bias.float().contiguous().data_ptr(),
         out.data_ptr(),
         rows,
@@ -78,14 +77,6 @@ def _linear(
         torch.get_num_threads(),
     )
     return out
-
-
-def int8_linear(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """x [M, K] float32 @ (weight [N, K] int8 * scale [N] float32)^T + bias -> [M, N]."""
-    _check(weight.dtype == torch.int8, "int8_linear", "an int8 weight")
-    return _linear("int8_linear", x, weight, scale, bias)
 
 
 # Output rows per panel of a ``float_linear`` weight (``PANEL`` in linear.c).
