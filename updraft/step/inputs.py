@@ -142,8 +142,7 @@ class StepInputs:
         turned into tensors without copying beat many small array operations."""
         input_ids, positions, slot_mapping = array("q"), array("q"), array("q")
         query_start_loc, seq_lens = array("q", [0]), array("q")
-        width = max((len(q[0].block_ids) for q in queries), default=1) or 1
-        block_table, logits_indices, draft_token_ids = array("q"), array("q"), array("q")
+        logits_indices, draft_token_ids = array("q"), array("q")
         rows: list[int] = []
         next_token_ids: list[int] = []
         drafts: list[Draft | None] = []
@@ -166,8 +165,6 @@ class StepInputs:
             end_of_queries += len(tokens)
             query_start_loc.append(end_of_queries)
             seq_lens.append(end)
-            block_table.extend(block_ids)
-            block_table.extend(zeros(width - len(block_ids)))
             next_token_ids.append(-1 if samples else request.token_ids[end])
             if samples:
                 count = 0 if draft is None else len(draft.token_ids)
@@ -186,7 +183,7 @@ class StepInputs:
             input_ids=long_tensor(input_ids),
             positions=long_tensor(positions),
             slot_mapping=long_tensor(slot_mapping),
-            block_table=long_tensor(block_table).view(len(queries), width),
+            block_table=block_table_of([q[0].block_ids for q in queries]),
             seq_lens=long_tensor(seq_lens),
             query_start_loc=long_tensor(query_start_loc),
             sampling_rows=rows,
