@@ -111,10 +111,6 @@ class SharedMemoryGroup:
     def _depart(self) -> None:
         _barrier().shm_signal(self.departed + self.rank * LINE, self.sequence)
 
-    def _rows_per_exchange(self, x: torch.Tensor) -> int:
-        row_bytes = max(1, x[0].numel() * x.element_size()) if x.dim() else x.element_size()
-        return max(1, self.capacity // row_bytes)
-
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and x.device.type == "cpu":  # a decode step's case
             flat = x.contiguous()
@@ -153,7 +149,7 @@ class SharedMemoryGroup:
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.contiguous().reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(1, -1)
         parts = []
-        step = self._rows_per_exchange(rows)
+        step = max(1, self.capacity // max(1, rows.shape[1] * rows.element_size()))
         for start in range(0, max(rows.shape[0], 1), step):
             chunk = rows[start : start + step]
             slots = self._exchange(chunk)
