@@ -104,6 +104,8 @@ def test_every_engine_setting_is_a_flag_that_reaches_the_config():
         "--speculative-model": "somewhere",
         "--num-speculative-tokens": "5",
         "--tensor-parallel-size": "2",
+        "--prefill-context-parallel-size": "3",
+        "--decode-context-parallel-size": "2",
     }
     switches = [
         "--no-enable-prefix-caching",
@@ -140,6 +142,8 @@ def test_every_engine_setting_is_a_flag_that_reaches_the_config():
         "sanitize": True,
         "speculative_enforce_eager": False,
         "tensor_parallel_size": 2,
+        "prefill_context_parallel_size": 3,
+        "decode_context_parallel_size": 2,
     }
     defaults = engine_kwargs(build_parser().parse_args(["doctor"]))
     config = EngineConfig(model="m")

@@ -339,6 +339,30 @@ def _eos_token_ids(model_dir: Path, raw: dict[str, Any]) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list) else (int(value),)
 
 
+@dataclass(frozen=True)
+class ParallelSizes:
+    """How many ranks split a model, each way (parallel/topology.py)."""
+
+    tensor: int = 1
+    prefill_context: int = 1
+    decode_context: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.tensor * self.prefill_context
+
+    def check(self) -> None:
+        for name, size in vars(self).items():
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"{name}_parallel_size must be an int >= 1, got {size!r}")
+        if self.tensor % self.decode_context:
+            raise ValueError(
+                f"decode_context_parallel_size {self.decode_context} must divide "
+                f"tensor_parallel_size {self.tensor}: its ranks are tensor-parallel ranks "
+                "that keep the same KV heads and split the context"
+            )
+
+
 def setting(default: Any, help: str, **cli: Any) -> Any:
     """An ``EngineConfig`` field with its command-line help (``cli`` adds argparse
     options such as ``choices``); the CLI makes one flag per field from these."""
@@ -434,6 +458,16 @@ class EngineConfig:
         "ranks that split every layer's heads and MLP rows (worker processes this engine "
         "starts, gloo on the CPU); the Llama family only",
     )
+    prefill_context_parallel_size: int = setting(
+        1,
+        "ranks that split each long prefill's tokens, each with a whole tensor-parallel "
+        "group (ranks in all: tensor x prefill context)",
+    )
+    decode_context_parallel_size: int = setting(
+        1,
+        "tensor-parallel ranks that keep the same KV heads and split every context "
+        "between them, position by position (divides --tensor-parallel-size)",
+    )
 
     def __post_init__(self) -> None:
         self.model = local_checkpoint(str(self.model))
@@ -480,22 +514,34 @@ class EngineConfig:
             raise ValueError(
                 f"num_speculative_tokens must be an int >= 1, got {self.num_speculative_tokens!r}"
             )
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+        self.parallel_sizes.check()
+        if self.parallel_sizes.world > 1 and self.speculative_method in ("eagle", "mtp"):
             raise ValueError(
-                f"tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}"
+                f"speculative_method {self.speculative_method!r} reads the target's embedding, "
+                "LM head and hidden states, which parallelism splits: not supported with "
+                "tensor_parallel_size or prefill_context_parallel_size > 1 (the draft model "
+                "and ngram are)"
             )
-        if self.tensor_parallel_size > 1 and self.speculative_method in ("eagle", "mtp"):
-            raise ValueError(
-                f"speculative_method {self.speculative_method!r} reads the target's embedding "
-                "and LM head, which tensor parallelism splits: not supported with "
-                "tensor_parallel_size > 1 (the draft model and ngram are)"
-            )
-        if self.tensor_parallel_size > 1 and self.sanitize:
-            raise ValueError("sanitize is not supported with tensor_parallel_size > 1")
+        if self.parallel_sizes.world > 1 and self.sanitize:
+            raise ValueError("sanitize is not supported over several ranks")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    @property
+    def parallel_sizes(self) -> ParallelSizes:
+        return ParallelSizes(
+            self.tensor_parallel_size,
+            self.prefill_context_parallel_size,
+            self.decode_context_parallel_size,
+        )
+
+    @property
+    def tokens_per_block(self) -> int:
+        """Positions per KV block as the scheduler counts them: each of the C ranks of
+        a decode-context group keeps block_size of them."""
+        return self.block_size * self.decode_context_parallel_size
 
     @property
     def use_graphs(self) -> bool:

@@ -22,6 +22,17 @@ from updraft.step.inputs import StepInputs
 
 
 @dataclass(frozen=True)
+class PrefillContext:
+    """What a rank of a prefill-context group needs beyond its own step: its group, and
+    the slots of every rank's tokens of the step, in the order the K/V all-gather
+    returns them (each rank's tokens, padded to the same count with slot -1)."""
+
+    group: str
+    size: int
+    kv_slot_mapping: torch.Tensor
+
+
+@dataclass(frozen=True)
 class GroupShape:
     """Host-side shape of one group: requests [first_req, last_req), tokens
     [first_token, last_token), padded to max_query x max_context."""
@@ -76,22 +87,31 @@ class AttentionGroup:
         seq_lens: torch.Tensor,
         block_table: torch.Tensor,
         block_size: int,
+        shard: tuple[int, int] = (0, 1),
     ) -> AttentionGroup:
-        """Fixed-shape tensor ops only: no host sync, so a graph can hold them."""
+        """Fixed-shape tensor ops only: no host sync, so a graph can hold them.
+
+        ``shard`` (r, C): the context is this rank's shard of it under decode context
+        parallelism, positions r, r + C, r + 2C... at local offsets 0, 1, 2... of its
+        blocks (``block_size / C`` slots each)."""
+        rank, shards = shard
         device = block_table.device
         starts_ends = query_start_loc[shape.first_req : shape.last_req + 1]
         starts = starts_ends[:-1]
         query_lens = starts_ends[1:] - starts
         rows = torch.arange(shape.max_query, device=device)
-        columns = torch.arange(shape.max_context, device=device)
+        columns = torch.arange(-(-shape.max_context // shards), device=device)
         # Padded query rows repeat the request's last real token: any valid index will do,
         # their output is never read.
         last_row = (query_lens - 1).clamp(min=0)
         query_index = starts[:, None] + torch.minimum(rows[None], last_row[:, None])
-        kv_slots = context_slots(block_table[shape.first_req : shape.last_req], columns, block_size)
+        kv_slots = context_slots(
+            block_table[shape.first_req : shape.last_req], columns, block_size // shards
+        )
         context_before = seq_lens[shape.first_req : shape.last_req] - query_lens
+        positions = columns * shards + rank if shards > 1 else columns
         mask = (rows[None, :, None] < query_lens[:, None, None]) & (
-            columns[None, None, :] <= context_before[:, None, None] + rows[None, :, None]
+            positions[None, None, :] <= context_before[:, None, None] + rows[None, :, None]
         )
         tokens, owner = token_owners(shape, query_start_loc)
         output_index = owner * shape.max_query + tokens - starts.index_select(0, owner)
@@ -167,7 +187,13 @@ class AttentionMetadata:
     # Shapes are a whole bucket's, over its whole block table (``bucket``): attention
     # then has no host-side parameter that changes per step, and a graph holds it whole.
     uniform: bool = False
+    # Prefill context parallelism: the step is this rank's chunks of the long prefills,
+    # and every rank's K/V of this step is written here (attention/context_parallel.py).
+    prefill_context: PrefillContext | None = None
     _groups: dict[int, AttentionGroup] = field(default_factory=dict, repr=False)
+    _shard_groups: dict[tuple[int, int, int], AttentionGroup] = field(
+        default_factory=dict, repr=False
+    )
     _token_rows: dict[int, TokenRows] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -258,6 +284,22 @@ class AttentionMetadata:
                 )
             )
         return self._groups[index]
+
+    def shard_group(self, index: int, rank: int, shards: int) -> AttentionGroup:
+        """``group(index)`` over rank ``rank``'s shard of every context (decode context
+        parallelism over ``shards`` ranks), built on first use and shared by the later
+        layers."""
+        key = (index, rank, shards)
+        if key not in self._shard_groups:
+            self._shard_groups[key] = AttentionGroup.build(
+                self.shapes[index],
+                self.query_start_loc,
+                self.seq_lens,
+                self.block_table,
+                self.block_size,
+                shard=(rank, shards),
+            )
+        return self._shard_groups[key]
 
     def token_rows(self, index: int) -> TokenRows:
         """``shapes[index]``'s tokens as one-token requests, built on first use and

@@ -19,9 +19,16 @@ import torch
 import torch.nn.functional as F
 
 from updraft.attention.cache_layout import CacheLayout
+from updraft.attention.context_parallel import (
+    attend_shard,
+    gather_step_kv,
+    merge_own_heads,
+    shard_slots,
+)
 from updraft.attention.metadata import AttentionGroup, AttentionMetadata
 from updraft.graph.tasks import register_task
 from updraft.kernels.ops import kernel_builds
+from updraft.parallel.topology import GroupRank
 
 
 def allocate_kv_cache(
@@ -177,12 +184,33 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
     params: AttentionParams,
+    decode_context: GroupRank | None = None,
 ) -> torch.Tensor:
     """query [T, H, D], key/value [T, Hkv, D] -> [T, H * D]. The KV write reads only
-    tensors; the attention itself is a task, since its shapes change every step."""
-    write_kv(kv_cache, key, value, metadata.slot_mapping)
-    kwargs = {"query": query, "kv_cache": kv_cache, "metadata": metadata, "scale": scale}
-    return attention_op(attend, kwargs, params, metadata)
+    tensors; the attention itself is a task, since its shapes change every step.
+    Under context parallelism (``context_parallel.py``) the K/V written are every
+    prefill-context rank's, and with ``decode_context`` this rank keeps its positions
+    only and merges its heads' attention over every rank's."""
+    key, value, slot_mapping = gather_step_kv(key, value, metadata)
+    if decode_context is None:
+        write_kv(kv_cache, key, value, slot_mapping)
+        kwargs = {"query": query, "kv_cache": kv_cache, "metadata": metadata, "scale": scale}
+        return attention_op(attend, kwargs, params, metadata)
+    group, size = decode_context.group, decode_context.size
+    write_kv(kv_cache, key, value, shard_slots(slot_mapping, decode_context))
+    tokens, heads, dim = query.shape
+    queries = torch.ops.updraft.all_gather_last(query.flatten(1), group, size)
+    kwargs = {
+        "query": queries.view(tokens, size * heads, dim),
+        "kv_cache": kv_cache,
+        "metadata": metadata,
+        "scale": scale,
+        "rank": decode_context.rank,
+        "shards": size,
+    }
+    shard = attention_op(attend_shard, kwargs, params, metadata)
+    gathered = torch.ops.updraft.all_gather_last(shard, group, size)
+    return merge_own_heads(gathered, decode_context, heads, dim).to(query.dtype)
 
 
 def attention_op(

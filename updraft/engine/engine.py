@@ -27,14 +27,15 @@ from updraft.engine.kv_blocks import BlockPool, KVCacheManager
 from updraft.engine.scheduler import Scheduler
 from updraft.engine.stats import EngineStats, StepClock, snapshot_report
 from updraft.engine.workers import (
+    ParallelWorkers,
     Rendezvous,
-    TensorParallelWorkers,
     run_rank,
     torchrun_group,
     torchrun_rendezvous,
 )
-from updraft.models.tensor_parallel import TensorRank, check_tensor_parallel
+from updraft.models.tensor_parallel import check_parallel
 from updraft.outputs import RequestOutput
+from updraft.parallel.topology import RankPlace
 from updraft.request import FinishReason, Request
 from updraft.runner.runner import Runner
 from updraft.runner.threads import ThreadBudget
@@ -63,28 +64,28 @@ class Engine:
         launched = torchrun_rendezvous()
         if launched is not None:
             config = self.config = self._join_torchrun(config, *launched, query_lens)
-        check_tensor_parallel(self.model_config, config.tensor_parallel_size)
-        # The other ranks of a tensor-parallel model: started first, since every rank
-        # captures its steps together (the collectives inside them pair up).
+        check_parallel(self.model_config, config.parallel_sizes)
+        # The other ranks of a split model: started first, since every rank captures
+        # its steps together (the collectives inside them pair up).
         self._workers = None
-        tensor_rank = None
-        if config.tensor_parallel_size > 1:
-            self._workers = TensorParallelWorkers(
+        place = None
+        if config.parallel_sizes.world > 1:
+            self._workers = ParallelWorkers(
                 config,
                 self.model_config,
                 self.context_len,
                 query_lens,
                 meeting=None if launched is None else launched[2],
             )
-            tensor_rank = self._workers.rank
+            place = self._workers.place
             weakref.finalize(self, self._workers.close)
-        self._runner = Runner(
-            self.model_config, config, self.context_len, query_lens, tensor_rank=tensor_rank
+        self._runner = Runner(self.model_config, config, self.context_len, query_lens, place=place)
+        pool = BlockPool(
+            self._runner.num_blocks, config.tokens_per_block, config.enable_prefix_caching
         )
-        pool = BlockPool(self._runner.num_blocks, config.block_size, config.enable_prefix_caching)
         # A sequence never holds more tokens than the cache can, so one request alone
         # always fits and preemption always makes progress.
-        self.max_model_len = min(self.context_len, pool.num_blocks * config.block_size)
+        self.max_model_len = min(self.context_len, pool.num_blocks * pool.block_size)
         self._scheduler = Scheduler(
             KVCacheManager(pool),
             config.max_num_seqs,
@@ -113,19 +114,21 @@ class Engine:
         query_lens: tuple[int, ...],
     ) -> EngineConfig:
         """Under torchrun every rank builds the engine: rank 0 goes on as the engine
-        over ``world`` ranks; any other rank runs its steps here and then exits."""
-        if config.tensor_parallel_size not in (1, world):
+        over ``world`` ranks (all tensor-parallel, unless the sizes say otherwise); any
+        other rank runs its steps here and then exits."""
+        if config.parallel_sizes.world == 1:
+            config = replace(config, tensor_parallel_size=world)
+        if config.parallel_sizes.world != world:
             raise ValueError(
-                f"tensor_parallel_size {config.tensor_parallel_size} does not match the "
-                f"{world} processes torchrun started (WORLD_SIZE)"
+                f"tensor_parallel_size {config.tensor_parallel_size} x "
+                f"prefill_context_parallel_size {config.prefill_context_parallel_size} "
+                f"does not match the {world} processes torchrun started (WORLD_SIZE)"
             )
-        config = replace(config, tensor_parallel_size=world)
         if rank == 0:
             return config
-        check_tensor_parallel(self.model_config, world)
-        group = torchrun_group(meeting)
-        rank_of = TensorRank(rank, world, group)
-        run_rank(rank_of, meeting, config, self.model_config, self.context_len, query_lens)
+        check_parallel(self.model_config, config.parallel_sizes)
+        place = RankPlace(rank, config.parallel_sizes, torchrun_group(meeting))
+        run_rank(place, meeting, config, self.model_config, self.context_len, query_lens)
         raise SystemExit(0)
 
     # -- requests ----------------------------------------------------------------------
@@ -214,7 +217,7 @@ class Engine:
         if not plan.scheduled:
             return outputs
         self._threads.adjust()
-        inputs = StepInputs.build(plan, self.config.block_size, self._wants_hidden_states)
+        inputs = StepInputs.build(plan, self.config.tokens_per_block, self._wants_hidden_states)
         clock.lap("build")
         if self._workers is not None:
             self._workers.run(inputs)

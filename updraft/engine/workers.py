@@ -1,11 +1,12 @@
-"""The other ranks of a tensor-parallel engine: worker processes it starts itself, or
-the processes ``torchrun`` started beside it.
+"""The other ranks of a parallel engine: worker processes it starts itself, or the
+processes ``torchrun`` started beside it.
 
-Rank 0 is the engine's own process: it schedules, samples and proposes. Ranks 1..T-1
+Rank 0 is the engine's own process: it schedules, samples and proposes. Ranks 1..W-1
 each load their shard into a ``Runner`` of their own and then run, step after step, the
 forward of the ``StepInputs`` rank 0 broadcasts (``parallel/collectives.py``), the same
-step in the same way (graph bucket or eager), so that the collectives inside it pair up.
-Their logits are discarded: rank 0's are the same, gathered over every rank.
+step in the same way (graph bucket or eager), so that the collectives inside it pair up;
+a step that splits no prefill runs on the first prefill-context rank's tensor group
+alone (``Runner.takes_part``). Their logits are discarded: rank 0's are the same.
 
 Workers are started with ``spawn`` (a fresh interpreter: no copy of the parent's
 threads or locks), as daemons, so they never outlive the engine; ``close`` stops them.
@@ -25,8 +26,8 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from updraft.config import EngineConfig, ModelConfig
-from updraft.models.tensor_parallel import TensorRank
 from updraft.parallel import collectives
+from updraft.parallel.topology import RankPlace
 from updraft.runner.runner import Runner
 from updraft.step.inputs import StepInputs
 from updraft.step.sampling_batch import SamplingBatch
@@ -71,26 +72,27 @@ def torchrun_rendezvous() -> tuple[int, int, Rendezvous] | None:
 
 
 def run_rank(
-    rank: TensorRank,
+    place: RankPlace,
     meeting: Rendezvous,
     config: EngineConfig,
     model_config: ModelConfig,
     max_model_len: int,
     query_lens: tuple[int, ...],
 ) -> None:
-    """Rank ``rank`` (not 0): load its shard, then run every step rank 0 broadcasts
-    until it broadcasts STOP."""
-    share_cores(rank.size)
-    collectives.connect(rank.group, rank.rank, rank.size, **asdict(meeting))
-    runner = Runner(model_config, config, max_model_len, query_lens, tensor_rank=rank)
-    while (inputs := collectives.broadcast_object(rank.group)) is not STOP:
-        runner.forward(inputs)
-    collectives.forget(rank.group)
+    """The rank at ``place`` (not 0): load its shard, then run every step rank 0
+    broadcasts until it broadcasts STOP."""
+    share_cores(place.sizes.world)
+    collectives.connect(place, **asdict(meeting))
+    runner = Runner(model_config, config, max_model_len, query_lens, place=place)
+    while (inputs := collectives.broadcast_object(place.name)) is not STOP:
+        if runner.takes_part(inputs):
+            runner.forward(inputs)
+    collectives.forget(place)
 
 
 def torchrun_group(meeting: Rendezvous) -> str:
-    """The group's name under torchrun: the same on every rank."""
-    return f"updraft-tp-{meeting.host}-{meeting.port}"
+    """The world group's name under torchrun: the same on every rank."""
+    return f"updraft-{meeting.host}-{meeting.port}"
 
 
 def forward_only(inputs: StepInputs) -> StepInputs:
@@ -99,10 +101,10 @@ def forward_only(inputs: StepInputs) -> StepInputs:
     return replace(inputs, sampling=SamplingBatch([], []), draft_probs=[])
 
 
-class TensorParallelWorkers:
-    """Ranks 1..size-1 as seen from rank 0; ``rank`` is rank 0's place in the group,
-    for its own Runner. ``meeting``: the ranks are torchrun's, already started;
-    without it, rank 0 spawns them here."""
+class ParallelWorkers:
+    """Ranks 1..W-1 as seen from rank 0; ``place`` is rank 0's, for its own Runner.
+    ``meeting``: the ranks are torchrun's, already started; without it, rank 0 spawns
+    them here."""
 
     def __init__(
         self,
@@ -112,17 +114,17 @@ class TensorParallelWorkers:
         query_lens: tuple[int, ...],
         meeting: Rendezvous | None = None,
     ) -> None:
-        size = config.tensor_parallel_size
+        sizes = config.parallel_sizes
         self.processes = []
         if meeting is None:
             meeting = Rendezvous(port=_free_port())
-            group = f"updraft-tp-{os.getpid()}-{meeting.port}"
+            group = f"updraft-{os.getpid()}-{meeting.port}"
             context = multiprocessing.get_context("spawn")
             self.processes = [
                 context.Process(
                     target=run_rank,
                     args=(
-                        TensorRank(r, size, group),
+                        RankPlace(r, sizes, group),
                         meeting,
                         config,
                         model_config,
@@ -132,35 +134,35 @@ class TensorParallelWorkers:
                     name=f"updraft-rank-{r}",
                     daemon=True,
                 )
-                for r in range(1, size)
+                for r in range(1, sizes.world)
             ]
             for process in self.processes:
                 process.start()
         else:
             group = torchrun_group(meeting)
-        share_cores(size)
-        self.rank = TensorRank(0, size, group)
-        collectives.connect(group, 0, size, **asdict(meeting))
+        share_cores(sizes.world)
+        self.place = RankPlace(0, sizes, group)
+        collectives.connect(self.place, **asdict(meeting))
         self.closed = False
 
     def run(self, inputs: StepInputs) -> None:
         """Have every worker run ``inputs``' forward, as rank 0 is about to."""
         self._check_alive()
-        collectives.broadcast_object(self.rank.group, forward_only(inputs))
+        collectives.broadcast_object(self.place.name, forward_only(inputs))
 
     def _check_alive(self) -> None:
         dead = [p.name for p in self.processes if not p.is_alive()]
         if dead:
-            raise RuntimeError(f"tensor-parallel worker {', '.join(dead)} exited")
+            raise RuntimeError(f"parallel worker {', '.join(dead)} exited")
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
         if all(p.is_alive() for p in self.processes):
-            collectives.broadcast_object(self.rank.group, STOP)
+            collectives.broadcast_object(self.place.name, STOP)
         for process in self.processes:
             process.join(timeout=10)
             if process.is_alive():
                 process.kill()
-        collectives.forget(self.rank.group)
+        collectives.forget(self.place)

@@ -22,7 +22,8 @@ from updraft.models.layers import FusedLinear
 from updraft.models.moe import Experts
 from updraft.models.packed_linear import can_prepack, prepack_linears
 from updraft.models.registry import model_class
-from updraft.models.tensor_parallel import TensorRank, shard_model
+from updraft.models.tensor_parallel import shard_model
+from updraft.parallel.topology import RankPlace
 
 # checkpoint projection -> (fused parameter in the model, index of its slice), the first
 # of these the model has
@@ -79,9 +80,9 @@ def load_model(
     device: torch.device | str = "cpu",
     max_positions: int | None = None,
     quantization: str | None = None,
-    tensor_rank: TensorRank | None = None,
+    place: RankPlace | None = None,
 ) -> nn.Module:
-    """``tensor_rank``: keep only that rank's shard (models/tensor_parallel.py)."""
+    """``place``: keep only the shard that rank holds (models/tensor_parallel.py)."""
     model_dir = Path(model_dir)
     files = weight_files(model_dir)
     default_dtype = torch.get_default_dtype()
@@ -95,8 +96,8 @@ def load_model(
     # does not run them (models/mtp.py loads them on their own).
     mtp = range(config.num_layers, config.num_layers + config.mtp_layers)
     load_weights(model, files, select=lambda name: layer_of(name) not in mtp)
-    if tensor_rank is not None and tensor_rank.size > 1:
-        shard_model(model, tensor_rank)
+    if place is not None and place.sizes.tensor > 1:
+        shard_model(model, place)
     if quantization == "int8":
         if not can_quantize_int8(torch.device(device), dtype):
             raise ValueError(

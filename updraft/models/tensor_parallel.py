@@ -6,7 +6,8 @@ the linears are prepacked:
 * q/k/v and gate/up are column-parallel: rank r keeps its heads (and its slice of the
   MLP's intermediate rows) of every fused part. KV heads split like the query heads;
   where there are fewer KV heads than ranks, each rank keeps the one its query heads
-  read (replicated).
+  read (replicated). Under decode context parallelism the C ranks of a group keep the
+  same KV heads (each stores every C-th position) and the heads split T / C ways.
 * o_proj and down_proj are row-parallel: each rank multiplies its slice of the inputs,
   and one all-reduce sums the partial outputs: one per attention, one per MLP.
 * The embedding and the LM head are vocabulary-parallel: each rank holds a contiguous
@@ -20,7 +21,7 @@ hidden states for a proposer) is as in one process. Collectives are the ops of
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -29,30 +30,26 @@ from updraft.config import ModelConfig
 from updraft.models.layers import MLP, CausalLM, FusedLinear
 from updraft.models.llama import Attention
 from updraft.parallel import collectives  # noqa: F401 (registers the collective ops)
+from updraft.parallel.topology import GroupRank, ParallelSizes, RankPlace
 
 
-@dataclass(frozen=True)
-class TensorRank:
-    rank: int
-    size: int
-    group: str  # the process group's name (parallel/collectives.py)
-
-
-def check_tensor_parallel(config: ModelConfig, size: int) -> None:
-    """Refuse, by name, a model that cannot be split over ``size`` ranks."""
-    if size == 1:
+def check_parallel(config: ModelConfig, sizes: ParallelSizes) -> None:
+    """Refuse, by name, a model that cannot be split as ``sizes`` says."""
+    sizes.check()
+    if sizes.world == 1:
         return
     if config.mla is not None:
         raise ValueError(
-            "tensor_parallel_size > 1 is supported for the Llama family (Llama, Qwen2, "
-            "Qwen3), not yet for DeepSeek's latent attention"
+            "tensor and context parallelism are supported for the Llama family (Llama, "
+            "Qwen2, Qwen3), not yet for DeepSeek's latent attention"
         )
+    size, kv_ranks = sizes.tensor, sizes.tensor // sizes.decode_context
     kv = config.num_kv_heads
     problems = []
     if config.num_heads % size:
         problems.append(f"{config.num_heads} attention heads")
-    if kv % size and size % kv:
-        problems.append(f"{kv} KV heads (neither a multiple nor a divisor of {size})")
+    if kv % kv_ranks and kv_ranks % kv:
+        problems.append(f"{kv} KV heads (neither a multiple nor a divisor of {kv_ranks})")
     if config.intermediate_size % size:
         problems.append(f"an MLP of {config.intermediate_size} rows")
     if problems:
@@ -61,10 +58,13 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
         )
 
 
-def local_config(config: ModelConfig, size: int) -> ModelConfig:
+def local_config(config: ModelConfig, sizes: ParallelSizes) -> ModelConfig:
     """What one rank's layers hold: its query and KV heads (KV cache shape included)."""
+    kv_ranks = sizes.tensor // sizes.decode_context
     return replace(
-        config, num_heads=config.num_heads // size, num_kv_heads=max(1, config.num_kv_heads // size)
+        config,
+        num_heads=config.num_heads // sizes.tensor,
+        num_kv_heads=max(1, config.num_kv_heads // kv_ranks),
     )
 
 
@@ -100,7 +100,7 @@ class VocabParallelEmbedding(nn.Module):
 class VocabParallelHead(nn.Module):
     """This rank's rows of the LM head; the logits are every rank's, in order."""
 
-    def __init__(self, linear: nn.Linear, vocab_size: int, rank: TensorRank) -> None:
+    def __init__(self, linear: nn.Linear, vocab_size: int, rank: GroupRank) -> None:
         super().__init__()
         self.linear = linear
         self.vocab_size = vocab_size
@@ -133,7 +133,7 @@ def _shard_fused(linear: FusedLinear, keep: list[slice]) -> FusedLinear:
     return sharded
 
 
-def _row_parallel(linear: nn.Linear, columns: slice, rank: TensorRank) -> RowParallelLinear:
+def _row_parallel(linear: nn.Linear, columns: slice, rank: GroupRank) -> RowParallelLinear:
     sharded = nn.Linear(
         columns.stop - columns.start, linear.out_features, bias=False, device="meta"
     )
@@ -145,18 +145,19 @@ def _row_parallel(linear: nn.Linear, columns: slice, rank: TensorRank) -> RowPar
     return RowParallelLinear(sharded, rank.group)
 
 
-def _share(count: int, rank: TensorRank) -> slice:
+def _share(count: int, rank: GroupRank) -> slice:
     per_rank = count // rank.size
     return slice(rank.rank * per_rank, (rank.rank + 1) * per_rank)
 
 
-def _shard_attention(attention: Attention, rank: TensorRank) -> None:
-    dim = attention.head_dim
+def _shard_attention(attention: Attention, place: RankPlace) -> None:
+    dim, rank, kv_rank = attention.head_dim, place.tensor, place.kv_heads
     heads = _share(attention.num_heads, rank)
-    if attention.num_kv_heads >= rank.size:
-        kv_heads = _share(attention.num_kv_heads, rank)
-    else:  # the KV head this rank's query heads read
-        kv_head = heads.start // (attention.num_heads // attention.num_kv_heads)
+    if attention.num_kv_heads >= kv_rank.size:
+        kv_heads = _share(attention.num_kv_heads, kv_rank)
+    else:  # the KV head the query heads of this rank's KV group read
+        group_heads = _share(attention.num_heads, kv_rank)
+        kv_head = group_heads.start // (attention.num_heads // attention.num_kv_heads)
         kv_heads = slice(kv_head, kv_head + 1)
     q_rows = slice(heads.start * dim, heads.stop * dim)
     kv_rows = slice(kv_heads.start * dim, kv_heads.stop * dim)
@@ -164,15 +165,17 @@ def _shard_attention(attention: Attention, rank: TensorRank) -> None:
     attention.o_proj = _row_parallel(attention.o_proj, q_rows, rank)
     attention.num_heads = heads.stop - heads.start
     attention.num_kv_heads = kv_heads.stop - kv_heads.start
+    if place.sizes.decode_context > 1:
+        attention.decode_context = place.decode_context
 
 
-def _shard_mlp(mlp: MLP, rank: TensorRank) -> None:
+def _shard_mlp(mlp: MLP, rank: GroupRank) -> None:
     rows = _share(mlp.down_proj.in_features, rank)
     mlp.gate_up_proj = _shard_fused(mlp.gate_up_proj, [rows, rows])
     mlp.down_proj = _row_parallel(mlp.down_proj, rows, rank)
 
 
-def _vocab_rows(vocab_size: int, rank: TensorRank) -> tuple[int, int]:
+def _vocab_rows(vocab_size: int, rank: GroupRank) -> tuple[int, int]:
     """(first row, rows per rank): every rank holds the same count, the last padded."""
     per_rank = -(-vocab_size // rank.size)
     return rank.rank * per_rank, per_rank
@@ -186,8 +189,10 @@ def _padded_rows(weight: torch.Tensor, first: int, count: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def shard_model(model: CausalLM, rank: TensorRank) -> None:
-    """Keep, in place, rank ``rank``'s shard of every layer of a loaded model."""
+def shard_model(model: CausalLM, place: RankPlace) -> None:
+    """Keep, in place, the shard of every layer of a loaded model that the rank at
+    ``place`` holds."""
+    rank = place.tensor
     vocab_size = model.model.embed_tokens.num_embeddings
     first, count = _vocab_rows(vocab_size, rank)
     tied = model.lm_head.weight is model.model.embed_tokens.weight
@@ -200,5 +205,5 @@ def shard_model(model: CausalLM, rank: TensorRank) -> None:
     model.model.embed_tokens = VocabParallelEmbedding(embedding, first, rank.group)
     model.lm_head = VocabParallelHead(head, vocab_size, rank)
     for layer in model.model.layers:
-        _shard_attention(layer.self_attn, rank)
+        _shard_attention(layer.self_attn, place)
         _shard_mlp(layer.mlp, rank)

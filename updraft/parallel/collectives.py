@@ -1,10 +1,11 @@
 """The collectives a sharded model calls inside a step, as torch ops.
 
-``torch.ops.updraft.all_reduce(x, group)`` and ``all_gather_last(x, group, world)`` run
-on a process group registered here by name. As ops they are seen by the dispatcher: a
-captured graph records each one with its tensors and replays it like a matmul, so a
-collective is never a host value baked into a graph. Every rank runs the same ops in the
-same order (the same step, the same bucket), which is what keeps them matched.
+``torch.ops.updraft.all_reduce(x, group)``, ``all_gather(x, group, world)`` (along the
+first dim) and ``all_gather_last(x, group, world)`` run on a process group registered
+here by name. As ops they are seen by the dispatcher: a captured graph records each
+one with its tensors and replays it like a matmul, so a collective is never a host
+value baked into a graph. Every rank runs the same ops in the same order (the same
+step, the same bucket), which is what keeps them matched.
 
 Groups are plain ``ProcessGroupGloo`` objects over their own TCP store, not torch's
 default group, so that one process may hold several engines (tests do) and a rank joins
@@ -23,46 +24,56 @@ import torch
 import torch.distributed as dist
 
 from updraft.parallel.shared_memory import SharedMemoryGroup
+from updraft.parallel.topology import GroupRank, RankPlace
 
 _GROUPS: dict[str, dist.ProcessGroup] = {}
 _SHARED: dict[str, SharedMemoryGroup] = {}
 
 
 def connect(
-    name: str,
-    rank: int,
-    world_size: int,
+    place: RankPlace,
     port: int,
     host: str = "127.0.0.1",
     store_hosted: bool = False,
     one_machine: bool = True,
     timeout_seconds: float = 300.0,
-) -> dist.ProcessGroup:
-    """Join group ``name`` of ``world_size`` ranks through the TCP store at
-    ``host:port`` (hosted by rank 0, or already by a launcher such as torchrun: then
-    ``store_hosted``), and register it for the collective ops. Ranks all on
+) -> None:
+    """Join the world group of ``place`` through the TCP store at ``host:port`` (hosted
+    by rank 0, or already by a launcher such as torchrun: then ``store_hosted``), then
+    each of its subgroups, and register them all for the collective ops. Ranks all on
     ``one_machine`` exchange through shared memory; others through gloo."""
     timeout = timedelta(seconds=timeout_seconds)
-    is_host = rank == 0 and not store_hosted
-    store = dist.TCPStore(host, port, world_size, is_host, timeout=timeout)
-    group = dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, world_size, timeout)
-    _GROUPS[name] = group
+    world = place.world
+    is_host = world.rank == 0 and not store_hosted
+    store = dist.TCPStore(host, port, world.size, is_host, timeout=timeout)
+    # Every rank joins its groups in the same order (world, tensor, prefill context,
+    # decode context), and groups of one kind are disjoint, so no two ranks wait on
+    # each other in opposite orders.
+    for group in [world] + [group for group, _ in place.subgroups()]:
+        _join(store, group, one_machine, timeout)
+
+
+def _join(store: dist.Store, rank: GroupRank, one_machine: bool, timeout: timedelta) -> None:
+    group = dist.ProcessGroupGloo(
+        dist.PrefixStore(rank.group, store), rank.rank, rank.size, timeout
+    )
+    _GROUPS[rank.group] = group
     if one_machine:
-        region = f"updraft-{port}"
-        if rank == 0:
-            _SHARED[name] = SharedMemoryGroup(region, rank, world_size, create=True)
+        # The region is named after the group: unique per engine and per group.
+        if rank.rank == 0:
+            _SHARED[rank.group] = SharedMemoryGroup(rank.group, rank.rank, rank.size, True)
         group.barrier().wait()  # rank 0's region exists before the others open it
-        if rank != 0:
-            _SHARED[name] = SharedMemoryGroup(region, rank, world_size, create=False)
+        if rank.rank != 0:
+            _SHARED[rank.group] = SharedMemoryGroup(rank.group, rank.rank, rank.size, False)
         group.barrier().wait()
-    return group
 
 
-def forget(name: str) -> None:
-    _GROUPS.pop(name, None)
-    shared = _SHARED.pop(name, None)
-    if shared is not None:
-        shared.close()
+def forget(place: RankPlace) -> None:
+    for rank in [place.world] + [group for group, _ in place.subgroups()]:
+        _GROUPS.pop(rank.group, None)
+        shared = _SHARED.pop(rank.group, None)
+        if shared is not None:
+            shared.close()
 
 
 def _group(name: str) -> dist.ProcessGroup:
@@ -88,6 +99,15 @@ def all_gather_last(x: torch.Tensor, group: str, world: int) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(world)]
     _group(group).allgather([parts], [x.contiguous()]).wait()
     return torch.cat(parts, dim=-1)
+
+
+def all_gather(x: torch.Tensor, group: str, world: int) -> torch.Tensor:
+    """Every rank's ``x``, in rank order, concatenated along the first dim."""
+    if group in _SHARED:
+        return _SHARED[group].all_gather(x)
+    parts = [torch.empty_like(x) for _ in range(world)]
+    _group(group).allgather([parts], [x.contiguous()]).wait()
+    return torch.cat(parts)
 
 
 def broadcast_object(group: str, value: Any = None, root: int = 0) -> Any:
@@ -119,4 +139,9 @@ _LIBRARY.impl(
     "all_gather_last",
     lambda x, group, world: x.new_empty(*x.shape[:-1], x.shape[-1] * world),
     "Meta",
+)
+_LIBRARY.define("all_gather(Tensor x, str group, int world) -> Tensor")
+_LIBRARY.impl("all_gather", all_gather, "CompositeExplicitAutograd")
+_LIBRARY.impl(
+    "all_gather", lambda x, group, world: x.new_empty(x.shape[0] * world, *x.shape[1:]), "Meta"
 )

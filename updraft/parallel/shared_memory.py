@@ -157,6 +157,18 @@ class SharedMemoryGroup:
             self._depart()
         return torch.cat(parts).view(*x.shape[:-1], x.shape[-1] * self.world)
 
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x``, in rank order, concatenated along the first dim."""
+        flat = x.contiguous().reshape(-1)
+        out = torch.empty(self.world, flat.numel(), dtype=x.dtype)
+        step = self.capacity // flat.element_size()
+        for start in range(0, max(flat.numel(), 1), step):
+            slots = self._exchange(flat[start : start + step])
+            for rank, slot in enumerate(slots):
+                out[rank, start : start + step] = slot.view(x.dtype)
+            self._depart()
+        return out.view(self.world * x.shape[0], *x.shape[1:])
+
     def broadcast_object(self, value: Any = None, root: int = 0) -> Any:
         """``value`` from rank ``root``, pickled: its size first, then its bytes in as
         many exchanges as the slot needs (every rank runs the same count)."""

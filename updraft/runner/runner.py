@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from updraft.attention.cache_layout import cache_layout
-from updraft.attention.metadata import AttentionMetadata
+from updraft.attention.metadata import AttentionMetadata, PrefillContext
 from updraft.attention.paged import (
     IN_PLACE_MAX_QUERY,
     allocate_kv_cache,
@@ -24,12 +24,14 @@ from updraft.config import EngineConfig, ModelConfig
 from updraft.graph.sanitize import SanitizeReport, checked_replay, default_tolerance
 from updraft.kernels.ops import kernel_builds
 from updraft.models.loader import load_model
-from updraft.models.tensor_parallel import TensorRank, local_config
+from updraft.models.tensor_parallel import local_config
+from updraft.parallel.topology import ParallelSizes, RankPlace
 from updraft.runner.captured import Bucket, CapturedSteps
 from updraft.runner.rejection_sampler import verify_step
 from updraft.runner.sampler import sample
 from updraft.step.inputs import StepInputs
 from updraft.step.output import StepOutput
+from updraft.step.prefill_split import split_step, splits
 
 
 class Forward(NamedTuple):
@@ -52,13 +54,13 @@ class Runner:
         max_model_len: int,
         query_lens: tuple[int, ...] = (1,),
         num_blocks: int | None = None,
-        tensor_rank: TensorRank | None = None,
+        place: RankPlace | None = None,
     ):
         """``query_lens``: the uniform query lengths to capture (1 for decode steps,
         1 + k for speculative verify steps). ``num_blocks``: a draft model's runner
         takes the target's, since both page through the same block ids.
-        ``tensor_rank``: this runner's rank of a tensor-parallel model, whose every
-        other rank runs the same steps in its own process (engine/workers.py)."""
+        ``place``: this runner's rank of a model split over ranks, whose every other
+        rank runs the same steps in its own process (engine/workers.py)."""
         self.model_config = model_config
         self.config = config
         self.device = torch.device(config.device)
@@ -68,7 +70,12 @@ class Runner:
                 "sees no CUDA device; use --device cpu, or install a CUDA build (README)"
             )
         self.dtype = config.compute_dtype(model_config)
-        self.block_size = config.block_size
+        self.place = place
+        sizes = ParallelSizes() if place is None else place.sizes
+        # Positions per KV block as steps address them: a decode-context rank keeps
+        # block_size of each block's C * block_size positions.
+        self.block_size = config.block_size * sizes.decode_context
+        self.whole_query_len = max(query_lens)  # longer queries are split under PCP
         self.model = load_model(
             model_config,
             config.model,
@@ -76,15 +83,14 @@ class Runner:
             self.device,
             max_positions=max_model_len,
             quantization=config.quantization,
-            tensor_rank=tensor_rank,
+            place=place,
         )
-        ranks = 1 if tensor_rank is None else tensor_rank.size
-        self.cache_layout = cache_layout(local_config(model_config, ranks))
+        self.cache_layout = cache_layout(local_config(model_config, sizes))
         self.num_blocks = self._num_blocks() if num_blocks is None else num_blocks
         self.kv_caches = allocate_kv_cache(
             model_config.num_layers,
             self.num_blocks,
-            self.block_size,
+            config.block_size,
             self.cache_layout,
             self.dtype,
             self.device,
@@ -115,6 +121,8 @@ class Runner:
         (the CPU kernel in float32, for queries of up to IN_PLACE_MAX_QUERY tokens) takes
         a bucket's shapes for free, while gathering would attend over max_model_len,
         and DSA's indexer scores every position a request may have."""
+        if self.place is not None and self.place.sizes.decode_context > 1:
+            return frozenset()  # a rank's shard of a context is attended step by step
         if self.config.graph_mode != "auto":
             return frozenset(query_lens) if self.config.graph_mode == "full" else frozenset()
         in_place = (
@@ -130,7 +138,7 @@ class Runner:
             return self.config.num_kv_blocks
         per_block = kv_cache_bytes_per_block(
             self.model_config.num_layers,
-            self.block_size,
+            self.config.block_size,
             self.cache_layout,
             self.dtype,
         )
@@ -218,16 +226,40 @@ class Runner:
         )
         return hidden[0], logits
 
+    def takes_part(self, inputs: StepInputs) -> bool:
+        """Whether this rank runs ``inputs``: every rank runs a step that splits a
+        prefill over the prefill-context ranks; only the first such rank's tensor group
+        runs one that does not."""
+        return (
+            self.place is None
+            or self.place.prefill_context_index == 0
+            or splits(inputs, self.whole_query_len)
+        )
+
     def _hidden_eager(
         self, inputs: StepInputs, kv_caches: list[torch.Tensor] | None = None
     ) -> torch.Tensor:
-        metadata = AttentionMetadata.from_step(inputs, self.block_size, self.device)
-        return self.model(
-            inputs.input_ids.to(self.device),
-            inputs.positions.to(self.device),
-            self.kv_caches if kv_caches is None else kv_caches,
-            metadata,
+        kv_caches = self.kv_caches if kv_caches is None else kv_caches
+        group = None if self.place is None else self.place.prefill_context
+        if group is None or group.size == 1 or not splits(inputs, self.whole_query_len):
+            metadata = AttentionMetadata.from_step(inputs, self.block_size, self.device)
+            return self.model(
+                inputs.input_ids.to(self.device),
+                inputs.positions.to(self.device),
+                kv_caches,
+                metadata,
+            )
+        split = split_step(inputs, group.rank, group.size, self.whole_query_len)
+        local = split.local
+        metadata = AttentionMetadata.from_step(local, self.block_size, self.device)
+        metadata.prefill_context = PrefillContext(
+            group.group, group.size, split.kv_slot_mapping.to(self.device)
         )
+        hidden = self.model(
+            local.input_ids.to(self.device), local.positions.to(self.device), kv_caches, metadata
+        )
+        gathered = torch.ops.updraft.all_gather(hidden, group.group, group.size)
+        return gathered.index_select(0, split.order.to(self.device))
 
 
 def describe_steps(step_modes: dict[str, int]) -> str:

@@ -1,0 +1,112 @@
+"""Attention when the context is split over ranks.
+
+Prefill context parallelism (PCP): each rank of a group runs its own chunks of the
+step's long prefills. Before attending, every rank's K/V of the step is all-gathered
+and written at its global slots, so each rank's cache holds the whole context and its
+chunks attend to it as chunked-prefill continuations.
+
+Decode context parallelism (DCP): the C ranks of a group keep the same KV heads, and
+each stores every C-th position: the token whose global slot is s (position x, block
+b, of ``C * block_size`` positions per block) lives on rank s mod C at local slot
+s div C, which is position x div C's place in the same block of ``block_size`` local
+slots. Every rank attends with the whole group's query heads over its own positions,
+returning the log-sum-exp beside the output, and each rank then merges its own heads'
+shards exactly (``merge.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from updraft.attention.merge import merge_attention_shards
+from updraft.attention.metadata import AttentionGroup, AttentionMetadata
+from updraft.parallel import collectives  # noqa: F401 (registers the collective ops)
+from updraft.parallel.topology import GroupRank
+
+
+def gather_step_kv(
+    key: torch.Tensor, value: torch.Tensor, metadata: AttentionMetadata
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(keys, values, slots) of every rank's tokens of the step under PCP, in one
+    all-gather; else this rank's own."""
+    context = metadata.prefill_context
+    if context is None:
+        return key, value, metadata.slot_mapping
+    both = torch.ops.updraft.all_gather(torch.cat([key, value], dim=1), context.group, context.size)
+    keys, values = both.split([key.shape[1], value.shape[1]], dim=1)
+    return keys, values, context.kv_slot_mapping
+
+
+def shard_slots(slot_mapping: torch.Tensor, rank: GroupRank) -> torch.Tensor:
+    """Global slots -> this rank's local slots under DCP; -1 where another rank keeps
+    the position (and where no one does)."""
+    mine = (slot_mapping >= 0) & (slot_mapping.remainder(rank.size) == rank.rank)
+    return torch.where(mine, slot_mapping.div(rank.size, rounding_mode="floor"), -1)
+
+
+def attend_shard(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    rank: int,
+    shards: int,
+) -> torch.Tensor:
+    """query [T, H, D] over this rank's positions of each context -> [T, H * D + H]:
+    the float32 output and log-sum-exp of every token and head (-inf and 0 where the
+    shard holds none of a token's context)."""
+    outputs = []
+    for index in range(len(metadata.shapes)):
+        group = metadata.shard_group(index, rank, shards)
+        slots = group.kv_slots.flatten()
+        keys = kv_cache[0].index_select(0, slots)
+        values = kv_cache[1].index_select(0, slots)
+        out, lse = attend_with_lse(query, keys, values, group, scale)
+        outputs.append(torch.cat([out.flatten(1), lse], dim=1))
+    if metadata.num_padding_tokens:
+        heads = query.shape[1]
+        padding = query.new_zeros(metadata.num_padding_tokens, heads * query.shape[2] + heads)
+        padding[:, -heads:] = float("-inf")
+        outputs.append(padding.float())
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def attend_with_lse(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    group: AttentionGroup,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of the group's tokens, in float32, with its log-sum-exp:
+    (out [t, H, D], lse [t, H])."""
+    batch, max_query = group.query_index.shape
+    max_context = group.kv_slots.shape[1]
+    q = query.index_select(0, group.query_index.flatten()).float()
+    q = q.view(batch, max_query, *q.shape[1:]).transpose(1, 2)  # [B, H, L, D]
+    k = keys.float().view(batch, max_context, *keys.shape[1:]).transpose(1, 2)
+    v = values.float().view(batch, max_context, *values.shape[1:]).transpose(1, 2)
+    if k.shape[1] != q.shape[1]:  # grouped-query heads read their KV head
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~group.mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, H, L]
+    probs = torch.exp(scores - lse.masked_fill(lse.isneginf(), 0.0).unsqueeze(-1))
+    out = probs @ v
+    rows = group.output_index
+    return (
+        out.transpose(1, 2).flatten(0, 1).index_select(0, rows),
+        lse.transpose(1, 2).flatten(0, 1).index_select(0, rows),
+    )
+
+
+def merge_own_heads(shards: torch.Tensor, rank: GroupRank, heads: int, dim: int) -> torch.Tensor:
+    """Every rank's ``attend_shard`` output, gathered along the last dim
+    [T, C * (C * heads * dim + C * heads)] -> this rank's ``heads`` merged over the
+    shards, [T, heads * dim]."""
+    size, tokens = rank.size, shards.shape[0]
+    width = size * heads * dim
+    parts = shards.view(tokens, size, width + size * heads)
+    outs = parts[..., :width].reshape(tokens, size, size, heads, dim)[:, :, rank.rank]
+    lse = parts[..., width:].reshape(tokens, size, size, heads)[:, :, rank.rank]
+    return merge_attention_shards(outs.transpose(0, 1), lse.transpose(0, 1)).flatten(1)
