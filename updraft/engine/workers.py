@@ -4,9 +4,10 @@ processes ``torchrun`` started beside it.
 Rank 0 is the engine's own process: it schedules, samples and proposes. Ranks 1..W-1
 each load their shard into a ``Runner`` of their own and then run, step after step, the
 forward of the ``StepInputs`` rank 0 broadcasts (``parallel/collectives.py``), the same
-step in the same way (graph bucket or eager), so that the collectives inside it pair up;
-a step that splits no prefill runs on the first prefill-context rank's tensor group
-alone (``Runner.takes_part``). Their logits are discarded: rank 0's are the same.
+step in the same way (graph bucket or eager), so that the collectives inside it pair up.
+A step that splits no prefill runs whole on every prefill-context rank: each rank's
+cache then holds every position, whichever later step reads it. Their logits are
+discarded: rank 0's are the same.
 
 Workers are started with ``spawn`` (a fresh interpreter: no copy of the parent's
 threads or locks), as daemons, so they never outlive the engine; ``close`` stops them.
@@ -85,8 +86,7 @@ def run_rank(
     collectives.connect(place, **asdict(meeting))
     runner = Runner(model_config, config, max_model_len, query_lens, place=place)
     while (inputs := collectives.broadcast_object(place.name)) is not STOP:
-        if runner.takes_part(inputs):
-            runner.forward(inputs)
+        runner.forward(inputs)
     collectives.forget(place)
 
 

@@ -25,7 +25,7 @@ from updraft.graph.sanitize import SanitizeReport, checked_replay, default_toler
 from updraft.kernels.ops import kernel_builds
 from updraft.models.loader import load_model
 from updraft.models.tensor_parallel import local_config
-from updraft.parallel.topology import ParallelSizes, RankPlace
+from updraft.parallel.topology import GroupRank, ParallelSizes, RankPlace
 from updraft.runner.captured import Bucket, CapturedSteps
 from updraft.runner.rejection_sampler import verify_step
 from updraft.runner.sampler import sample
@@ -182,6 +182,9 @@ class Runner:
                 hidden = hidden.clone()
         else:
             why = "graphs off" if self.captured is None else self.captured.why_not(inputs)
+            split = self._prefill_split(inputs)
+            if split is not None:
+                why += f", split over {split.size} ranks"
             mode = f"eager ({why})"
             hidden = self._hidden_eager(inputs)
             logits = self.model.compute_logits(
@@ -226,22 +229,19 @@ class Runner:
         )
         return hidden[0], logits
 
-    def takes_part(self, inputs: StepInputs) -> bool:
-        """Whether this rank runs ``inputs``: every rank runs a step that splits a
-        prefill over the prefill-context ranks; only the first such rank's tensor group
-        runs one that does not."""
-        return (
-            self.place is None
-            or self.place.prefill_context_index == 0
-            or splits(inputs, self.whole_query_len)
-        )
+    def _prefill_split(self, inputs: StepInputs) -> GroupRank | None:
+        """The prefill-context group that splits ``inputs``, if it is split."""
+        group = None if self.place is None else self.place.prefill_context
+        if group is None or group.size == 1 or not splits(inputs, self.whole_query_len):
+            return None
+        return group
 
     def _hidden_eager(
         self, inputs: StepInputs, kv_caches: list[torch.Tensor] | None = None
     ) -> torch.Tensor:
         kv_caches = self.kv_caches if kv_caches is None else kv_caches
-        group = None if self.place is None else self.place.prefill_context
-        if group is None or group.size == 1 or not splits(inputs, self.whole_query_len):
+        group = self._prefill_split(inputs)
+        if group is None:
             metadata = AttentionMetadata.from_step(inputs, self.block_size, self.device)
             return self.model(
                 inputs.input_ids.to(self.device),
