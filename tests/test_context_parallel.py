@@ -10,13 +10,18 @@ graphs' buffers and show that each way of feeding it a rank's local view is caug
 
 from __future__ import annotations
 
+import json
+import signal
 from dataclasses import replace
+from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
 from tests.conftest import make_tiny_checkpoint
 from tests.probes import LogitsProbe, assert_idle
+from tests.serving import MODEL, running_server, start_server_process, wait_for_idle
 from tests.test_speculative import greedy, self_drafting, skip_refresh, token_ids, token_prompts
 from updraft import LLM
 from updraft.demo import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
@@ -282,3 +287,37 @@ def test_pcp_with_a_draft_model_serves_like_one_process():
             llm.engine._workers.close()
     assert results[0] == results[1]
     assert sum(results[1][3]) > 0
+
+
+def test_the_server_over_pcp_and_tp_answers_like_one_process():
+    """``updraft serve`` over 4 ranks (PCP=2 x TP=2): a long prompt's completion, plain
+    and streamed, is one process's text; SIGTERM stops the workers and removes their
+    shared memory."""
+    body = {
+        "model": MODEL,
+        "prompt": "The quick brown fox jumps over the lazy dog. " * 12,
+        "max_tokens": 16,
+        "temperature": 0,
+    }
+    with running_server() as base_url:
+        expected = httpx.post(f"{base_url}/v1/completions", json=body).json()
+    process, base_url = start_server_process(
+        "--tensor-parallel-size", "2", "--prefill-context-parallel-size", "2"
+    )
+    try:
+        plain = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60).json()
+        streamed = []
+        with httpx.stream(
+            "POST", f"{base_url}/v1/completions", json={**body, "stream": True}, timeout=60
+        ) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    streamed.append(json.loads(line.removeprefix("data: "))["choices"][0]["text"])
+        wait_for_idle(base_url)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)
+    assert plain["choices"][0]["text"] == expected["choices"][0]["text"]
+    assert "".join(streamed) == expected["choices"][0]["text"]
+    assert process.returncode == 0
+    assert not list(Path("/dev/shm").glob(f"updraft-{process.pid}-*"))
