@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 
-def make_random_qwen3(directory: Path, seed: int = 0) -> Path:
+def make_random_qwen3(directory: Path, seed: int = 0, max_positions: int = 4096) -> Path:
     """A ~100M-parameter Qwen3-style model with random weights, saved in float32."""
     import transformers
 
@@ -25,7 +25,7 @@ def make_random_qwen3(directory: Path, seed: int = 0) -> Path:
         num_attention_heads=12,
         num_key_value_heads=4,
         head_dim=64,
-        max_position_embeddings=4096,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         eos_token_id=None,
         bos_token_id=None,

@@ -89,10 +89,20 @@ def attend_with_lse(
     if k.shape[1] != q.shape[1]:  # grouped-query heads read their KV head
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~group.mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [B, H, L]
-    probs = torch.exp(scores - lse.masked_fill(lse.isneginf(), 0.0).unsqueeze(-1))
-    out = probs @ v
+    no_context = ~group.mask.any(dim=-1)  # [B, 1, L]: a token this shard holds none of
+    if q.device.type == "cpu":
+        # The fused CPU kernel returns the log-sum-exp beside the output, in blocks,
+        # without the [B, H, L, K] scores a long prefill chunk would spill to memory.
+        # (An aten op, the one SDPA itself dispatches to here; its name is underscored.)
+        bias = torch.zeros(group.mask.shape).masked_fill_(~group.mask, float("-inf"))
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # noqa: SLF001
+        out, lse = flash(q, k, v, attn_mask=bias, scale=scale)
+    else:
+        scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~group.mask, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)  # [B, H, L]
+        out = torch.exp(scores - lse.masked_fill(lse.isneginf(), 0.0).unsqueeze(-1)) @ v
+    out = out.masked_fill(no_context.unsqueeze(-1), 0.0)
+    lse = lse.masked_fill(no_context, float("-inf"))
     rows = group.output_index
     return (
         out.transpose(1, 2).flatten(0, 1).index_select(0, rows),
