@@ -321,3 +321,15 @@ def test_the_server_over_pcp_and_tp_answers_like_one_process():
     assert "".join(streamed) == expected["choices"][0]["text"]
     assert process.returncode == 0
     assert not list(Path("/dev/shm").glob(f"updraft-{process.pid}-*"))
+
+
+def test_deepseek_latent_attention_and_experts_split_like_one_process(tiny_deepseek):
+    """V2, V3 (with and without a query LoRA) and V3.2 (DSA) over PCP=2 x TP=2: heads
+    split over the tensor ranks, experts' rows too, the latent cache and the indexer
+    whole on every rank, and the latent rows of a split prefill gathered per layer."""
+    _, checkpoint = tiny_deepseek
+    ours = run(checkpoint, **LAYOUTS["tp2-pcp2"])
+    assert_same(ours, run(checkpoint))
+    ours[0].engine._workers.close()
+    with pytest.raises(ValueError, match="not yet for DeepSeek's latent attention"):
+        LLM(str(checkpoint), **LAYOUTS["tp2-dcp2"])

@@ -158,3 +158,38 @@ def test_eagle_speculation_on_cuda_replays_like_eager(tmp_path, graph_mode):
         target, graph_mode, speculative_method="eagle", speculative_model=str(head)
     )
     engine_on_cuda_replays_like_eager(DEMO_MODEL_DIR, graph_mode, speculative_method="eagle")
+
+
+@needs_cuda
+@pytest.mark.parametrize("graph_mode", ["piecewise", "full"])
+def test_a_draft_model_under_pcp_on_cuda_replays_like_eager(tiny_llama, graph_mode):
+    """PCP=2 with both ranks on one GPU (their exchanges go through host shared memory:
+    NCCL is not wired yet) and the target drafting for itself: the draft's FULL and
+    PIECEWISE graphs, refreshed from the global step, keep eager's tokens and its
+    acceptance per draft position."""
+    prompts = [list(range(3, 10)), [200, 17], list(range(40, 77)), [5, 6, 7] * 8]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (16, 5, 9, 24)]
+    args = dict(
+        device="cuda",
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=128,
+        max_num_batched_tokens=32,
+        speculative_model=str(tiny_llama),
+        num_speculative_tokens=3,
+        prefill_context_parallel_size=2,
+    )
+    runs = []
+    for eager in (True, False):
+        llm = LLM(str(tiny_llama), enforce_eager=eager, graph_mode=graph_mode, **args)
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        stats = llm.engine.stats()
+        runs.append((tokens, stats.speculative.accepted, stats.speculative.proposed))
+        assert any("split over 2 ranks" in mode for mode in stats.steps)
+        if not eager:
+            assert stats.draft_steps.get("graph", 0) > 0, stats.draft_steps
+            draft = llm.engine._proposer.runner.captured.graphs.values()
+            assert {graph.backend.mode for graph, _ in draft} == {graph_mode.upper()}
+        llm.engine._workers.close()
+    assert runs[0] == runs[1]
+    assert runs[1][1][0] > 0

@@ -24,17 +24,28 @@ from updraft.parallel import collectives  # noqa: F401 (registers the collective
 from updraft.parallel.topology import GroupRank
 
 
+def gather_step_rows(
+    rows: torch.Tensor, metadata: AttentionMetadata
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cache rows, slots) of every rank's tokens of the step under PCP; else this
+    rank's own."""
+    context = metadata.prefill_context
+    if context is None:
+        return rows, metadata.slot_mapping
+    gathered = torch.ops.updraft.all_gather(rows, context.group, context.size)
+    return gathered, context.kv_slot_mapping
+
+
 def gather_step_kv(
     key: torch.Tensor, value: torch.Tensor, metadata: AttentionMetadata
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(keys, values, slots) of every rank's tokens of the step under PCP, in one
     all-gather; else this rank's own."""
-    context = metadata.prefill_context
-    if context is None:
+    if metadata.prefill_context is None:
         return key, value, metadata.slot_mapping
-    both = torch.ops.updraft.all_gather(torch.cat([key, value], dim=1), context.group, context.size)
+    both, slots = gather_step_rows(torch.cat([key, value], dim=1), metadata)
     keys, values = both.split([key.shape[1], value.shape[1]], dim=1)
-    return keys, values, context.kv_slot_mapping
+    return keys, values, slots
 
 
 def shard_slots(slot_mapping: torch.Tensor, rank: GroupRank) -> torch.Tensor:

@@ -15,6 +15,7 @@ import math
 import torch
 from torch import nn
 
+from updraft.attention.context_parallel import gather_step_rows
 from updraft.attention.latent import LatentDims, latent_attention, write_latent
 from updraft.attention.metadata import AttentionMetadata
 from updraft.attention.paged import AttentionParams
@@ -147,7 +148,8 @@ class LatentAttention(nn.Module):
         if self.indexer is not None:
             index_key, index_query, index_weights = self.indexer(hidden, q_latent, rotary)
             rows.append(index_key)
-        write_latent(cache, torch.cat(rows, dim=-1), metadata.slot_mapping)
+        # Under prefill context parallelism, every rank's rows of the step (one gather).
+        write_latent(cache, *gather_step_rows(torch.cat(rows, dim=-1), metadata))
         out = latent_attention(
             q_nope,
             apply_rotary(q_pe, *rotary),

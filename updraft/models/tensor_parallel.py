@@ -1,4 +1,5 @@
-"""Tensor parallelism for the Llama family: one rank's shard of a loaded model.
+"""Tensor parallelism for the Llama family and DeepSeek: one rank's shard of a loaded
+model.
 
 Every rank loads the whole checkpoint, then keeps its part (``shard_model``), before
 the linears are prepacked:
@@ -13,6 +14,10 @@ the linears are prepacked:
 * The embedding and the LM head are vocabulary-parallel: each rank holds a contiguous
   slice of rows (the last one padded with zeros); an embedding lookup is a masked
   lookup and an all-reduce, and the logits are every rank's slice gathered in order.
+* DeepSeek: the query and key/value up-projections split by heads and o_proj is
+  row-parallel; the latent down-projections, the latent cache and DSA's indexer stay
+  whole on every rank. Every expert's intermediate rows split like an MLP's (the router
+  whole), and the routed and shared experts' parts are summed in one all-reduce.
 
 The residual stream is whole on every rank, so everything else (norms, RoPE, sampling,
 hidden states for a proposer) is as in one process. Collectives are the ops of
@@ -27,8 +32,10 @@ import torch
 from torch import nn
 
 from updraft.config import ModelConfig
+from updraft.models.deepseek import LatentAttention
 from updraft.models.layers import MLP, CausalLM, FusedLinear
 from updraft.models.llama import Attention
+from updraft.models.moe import DeepseekMoE
 from updraft.parallel import collectives  # noqa: F401 (registers the collective ops)
 from updraft.parallel.topology import GroupRank, ParallelSizes, RankPlace
 
@@ -38,20 +45,23 @@ def check_parallel(config: ModelConfig, sizes: ParallelSizes) -> None:
     sizes.check()
     if sizes.world == 1:
         return
-    if config.mla is not None:
+    if config.mla is not None and sizes.decode_context > 1:
         raise ValueError(
-            "tensor and context parallelism are supported for the Llama family (Llama, "
-            "Qwen2, Qwen3), not yet for DeepSeek's latent attention"
+            "decode_context_parallel_size > 1 is supported for the Llama family (Llama, "
+            "Qwen2, Qwen3), not yet for DeepSeek's latent attention (tensor and prefill "
+            "context parallelism are)"
         )
     size, kv_ranks = sizes.tensor, sizes.tensor // sizes.decode_context
     kv = config.num_kv_heads
     problems = []
     if config.num_heads % size:
         problems.append(f"{config.num_heads} attention heads")
-    if kv % kv_ranks and kv_ranks % kv:
+    if config.mla is None and kv % kv_ranks and kv_ranks % kv:
         problems.append(f"{kv} KV heads (neither a multiple nor a divisor of {kv_ranks})")
     if config.intermediate_size % size:
         problems.append(f"an MLP of {config.intermediate_size} rows")
+    if config.moe is not None and config.moe.moe_intermediate_size % size:
+        problems.append(f"experts of {config.moe.moe_intermediate_size} rows")
     if problems:
         raise ValueError(
             f"tensor_parallel_size {size} does not divide this model's {', '.join(problems)}"
@@ -169,10 +179,69 @@ def _shard_attention(attention: Attention, place: RankPlace) -> None:
         attention.decode_context = place.decode_context
 
 
-def _shard_mlp(mlp: MLP, rank: GroupRank) -> None:
+def _shard_mlp(mlp: MLP, rank: GroupRank, reduce: bool = True) -> None:
+    """``reduce``: the down projection's all-reduce; without it, the caller sums."""
     rows = _share(mlp.down_proj.in_features, rank)
     mlp.gate_up_proj = _shard_fused(mlp.gate_up_proj, [rows, rows])
-    mlp.down_proj = _row_parallel(mlp.down_proj, rows, rank)
+    down = _row_parallel(mlp.down_proj, rows, rank)
+    mlp.down_proj = down if reduce else down.linear
+
+
+def _column(linear: nn.Linear, rows: slice) -> nn.Linear:
+    """A linear keeping output rows ``rows``."""
+    sharded = nn.Linear(linear.in_features, rows.stop - rows.start, bias=False, device="meta")
+    sharded.weight = nn.Parameter(linear.weight.detach()[rows].contiguous(), requires_grad=False)
+    return sharded
+
+
+def _shard_latent_attention(attention: LatentAttention, rank: GroupRank) -> None:
+    """Heads split; the latent down-projections, the latent cache and DSA's indexer are
+    whole on every rank (each writes the same rows and selects the same context)."""
+    mla, heads = attention.mla, _share(attention.num_heads, rank)
+    qk, per_head = attention.qk_head_dim, mla.qk_nope_head_dim + mla.v_head_dim
+    q_rows = slice(heads.start * qk, heads.stop * qk)
+    if mla.q_lora_rank is not None:
+        attention.q_b_proj = _column(attention.q_b_proj, q_rows)
+    else:  # the query is the first part of the fused down-projection
+        latent = attention.down_sizes[1]
+        attention.qkv_a_proj = _shard_fused(attention.qkv_a_proj, [q_rows, slice(0, latent)])
+        attention.down_sizes = [q_rows.stop - q_rows.start, latent]
+    up = attention.kv_b_proj.weight.detach()[heads.start * per_head : heads.stop * per_head]
+    attention.kv_b_proj.weight = nn.Parameter(up.contiguous(), requires_grad=False)
+    v_rows = slice(heads.start * mla.v_head_dim, heads.stop * mla.v_head_dim)
+    attention.o_proj = _row_parallel(attention.o_proj, v_rows, rank)
+    attention.num_heads = heads.stop - heads.start
+
+
+class SummedOverRanks(nn.Module):
+    """A module whose output each rank holds a part of, summed: one all-reduce for a
+    DeepSeekMoE's routed and shared experts together."""
+
+    def __init__(self, module: nn.Module, group: str) -> None:
+        super().__init__()
+        self.module = module
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.updraft.all_reduce(self.module(x), self.group)
+
+
+def _shard_moe(moe: DeepseekMoE, rank: GroupRank) -> SummedOverRanks:
+    """Every expert's intermediate rows split (the router whole on every rank, so each
+    routes alike); each rank's partial output is summed once."""
+    experts = moe.experts
+    size = experts.down_proj.shape[2]
+    rows = _share(size, rank)
+    gate, up = experts.gate_up_proj.detach().split(size, dim=1)
+    experts.gate_up_proj = nn.Parameter(
+        torch.cat([gate[:, rows], up[:, rows]], dim=1).contiguous(), requires_grad=False
+    )
+    experts.down_proj = nn.Parameter(
+        experts.down_proj.detach()[:, :, rows].contiguous(), requires_grad=False
+    )
+    if moe.shared_experts is not None:
+        _shard_mlp(moe.shared_experts, rank, reduce=False)
+    return SummedOverRanks(moe, rank.group)
 
 
 def _vocab_rows(vocab_size: int, rank: GroupRank) -> tuple[int, int]:
@@ -205,5 +274,11 @@ def shard_model(model: CausalLM, place: RankPlace) -> None:
     model.model.embed_tokens = VocabParallelEmbedding(embedding, first, rank.group)
     model.lm_head = VocabParallelHead(head, vocab_size, rank)
     for layer in model.model.layers:
-        _shard_attention(layer.self_attn, place)
-        _shard_mlp(layer.mlp, rank)
+        if isinstance(layer.self_attn, LatentAttention):
+            _shard_latent_attention(layer.self_attn, rank)
+        else:
+            _shard_attention(layer.self_attn, place)
+        if isinstance(layer.mlp, DeepseekMoE):
+            layer.mlp = _shard_moe(layer.mlp, rank)
+        else:
+            _shard_mlp(layer.mlp, rank)

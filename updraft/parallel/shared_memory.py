@@ -155,12 +155,13 @@ class SharedMemoryGroup:
             slots = self._exchange(chunk)
             parts.append(torch.cat([s.view(x.dtype).view(chunk.shape) for s in slots], dim=-1))
             self._depart()
-        return torch.cat(parts).view(*x.shape[:-1], x.shape[-1] * self.world)
+        gathered = torch.cat(parts).view(*x.shape[:-1], x.shape[-1] * self.world)
+        return gathered.to(x.device)  # a device tensor goes through host memory
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``x``, in rank order, concatenated along the first dim."""
         flat = x.contiguous().reshape(-1)
-        out = torch.empty(self.world, flat.numel(), dtype=x.dtype)
+        out = torch.empty(self.world, flat.numel(), dtype=x.dtype, device=x.device)
         step = self.capacity // flat.element_size()
         for start in range(0, max(flat.numel(), 1), step):
             slots = self._exchange(flat[start : start + step])
