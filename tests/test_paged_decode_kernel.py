@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from updraft import LLM, SamplingParams
 from updraft.attention import paged
+from updraft.attention.in_place import IN_PLACE_MAX_QUERY
 from updraft.kernels.ops import kernel_builds
 
 pytestmark = pytest.mark.skipif(
@@ -52,6 +53,31 @@ def test_kernel_equals_attention_over_the_gathered_context(heads, kv_heads):
     want = reference(query, kv_cache, block_table, seq_lens, block_size, 0.3)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert got[2].eq(0).all()
+
+
+def test_the_log_sum_exp_variant_returns_each_head_s_normaliser():
+    """What decode context parallelism merges shards by: the same output, and per head
+    the log-sum-exp of its scaled scores; -1e30 (weight 0 in a merge) for no context."""
+    torch.manual_seed(5)
+    block_size, heads, kv_heads, head_dim = 4, 6, 2, 16
+    kv_cache = torch.randn(2, 20 * block_size + 1, kv_heads, head_dim)
+    block_table = torch.randperm(20)[:12].view(3, 4)
+    seq_lens = torch.tensor([13, 0, 16])
+    query = torch.randn(3, heads, head_dim)
+    out, lse = torch.ops.updraft.paged_decode_attention_lse(
+        query, kv_cache, block_table, seq_lens, block_size, 0.4
+    )
+    plain = torch.ops.updraft.paged_decode_attention(
+        query, kv_cache, block_table, seq_lens, block_size, 0.4
+    )
+    torch.testing.assert_close(out, plain, atol=0, rtol=0)
+    for b in (0, 2):
+        positions = torch.arange(int(seq_lens[b]))
+        slots = block_table[b, positions // block_size] * block_size + positions % block_size
+        keys = kv_cache[0, slots].repeat_interleave(heads // kv_heads, dim=1)  # [K, H, D]
+        scores = torch.einsum("hd,khd->hk", query[b], keys) * 0.4
+        torch.testing.assert_close(lse[b], scores.logsumexp(dim=-1), atol=1e-5, rtol=1e-5)
+    assert (lse[1] == -1e30).all() and out[1].eq(0).all()
 
 
 def test_latent_kernel_is_multi_query_attention_over_the_rows_it_names():
@@ -114,7 +140,7 @@ def test_engine_decodes_read_the_cache_in_place(tiny_llama, monkeypatch):
     monkeypatch.setattr(paged, "gather_and_attend", spy)
     llm = LLM(tiny_llama, num_kv_blocks=32)
     llm.generate([list(range(1, 21))], SamplingParams(max_tokens=8, ignore_eos=True))
-    assert gathered and all(longest > paged.IN_PLACE_MAX_QUERY for longest in gathered)
+    assert gathered and all(longest > IN_PLACE_MAX_QUERY for longest in gathered)
 
 
 def test_loading_the_kernels_keeps_subnormal_floats():

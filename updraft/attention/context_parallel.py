@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from updraft.attention.in_place import IN_PLACE_MAX_QUERY, reads_cache_in_place
 from updraft.attention.merge import merge_attention_shards
 from updraft.attention.metadata import AttentionGroup, AttentionMetadata
 from updraft.parallel import collectives  # noqa: F401 (registers the collective ops)
@@ -64,10 +65,27 @@ def attend_shard(
     shards: int,
 ) -> torch.Tensor:
     """query [T, H, D] over this rank's positions of each context -> [T, H * D + H]:
-    the float32 output and log-sum-exp of every token and head (-inf and 0 where the
-    shard holds none of a token's context)."""
+    the float32 output and log-sum-exp of every token and head (0 and a log-sum-exp of
+    -inf, or -1e30 from the kernel, where the shard holds none of a token's context).
+
+    Decodes and verify steps read the shard in place with the CPU kernel, each query
+    token over the positions of its causal context this rank keeps: the first
+    ceil((n - r) / C) of its local slots, for a context of n positions."""
     outputs = []
-    for index in range(len(metadata.shapes)):
+    for index, shape in enumerate(metadata.shapes):
+        if shape.max_query <= IN_PLACE_MAX_QUERY and reads_cache_in_place(query):
+            block_table, seq_lens = metadata.in_place_rows(index)
+            local = (seq_lens - rank + shards - 1).div(shards, rounding_mode="floor").clamp(min=0)
+            out, lse = torch.ops.updraft.paged_decode_attention_lse(
+                query[shape.first_token : shape.last_token],
+                kv_cache,
+                block_table,
+                local,
+                metadata.block_size // shards,
+                scale,
+            )
+            outputs.append(torch.cat([out.flatten(1), lse], dim=1))
+            continue
         group = metadata.shard_group(index, rank, shards)
         slots = group.kv_slots.flatten()
         keys = kv_cache[0].index_select(0, slots)

@@ -29,14 +29,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from updraft.attention.in_place import IN_PLACE_MAX_QUERY, reads_cache_in_place
 from updraft.attention.metadata import AttentionGroup, AttentionMetadata
-from updraft.attention.paged import (
-    IN_PLACE_MAX_QUERY,
-    AttentionParams,
-    attend_gathered,
-    attention_op,
-    reads_cache_in_place,
-)
+from updraft.attention.paged import AttentionParams, attend_gathered, attention_op
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,9 @@ from updraft.attention.context_parallel import (
     merge_own_heads,
     shard_slots,
 )
+from updraft.attention.in_place import IN_PLACE_MAX_QUERY, reads_cache_in_place
 from updraft.attention.metadata import AttentionGroup, AttentionMetadata
 from updraft.graph.tasks import register_task
-from updraft.kernels.ops import kernel_builds
 from updraft.parallel.topology import GroupRank
 
 
@@ -65,12 +65,6 @@ def kv_cache_bytes_per_block(
     num_layers: int, block_size: int, layout: CacheLayout, dtype: torch.dtype
 ) -> int:
     return num_layers * block_size * layout.values_per_slot * dtype.itemsize
-
-
-# Groups whose longest query is at most this many tokens (decodes, and verify steps of
-# up to 7 drafts) read the cache in place, one pass over the context per query token.
-# Longer queries (prefill chunks) do better as one padded matrix product per request.
-IN_PLACE_MAX_QUERY = 8
 
 
 @dataclass(frozen=True)
@@ -125,14 +119,6 @@ def attend(
         outputs.append(query.new_zeros(metadata.num_padding_tokens, *query.shape[1:]))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
     return out.flatten(1)
-
-
-def reads_cache_in_place(query: torch.Tensor) -> bool:
-    return (
-        query.dtype == torch.float32
-        and query.device.type == "cpu"
-        and kernel_builds("paged_attention")
-    )
 
 
 def gather_and_attend(

@@ -40,7 +40,7 @@ def _attention_library() -> ctypes.CDLL:
     lib = load("paged_attention")
     lib.paged_decode_attention.restype = None
     lib.paged_decode_attention.argtypes = (
-        [_POINTER] * 6 + [_INT] * 9 + [ctypes.c_float, ctypes.c_int]
+        [_POINTER] * 7 + [_INT] * 9 + [ctypes.c_float, ctypes.c_int]
     )
     return lib
 
@@ -147,6 +147,33 @@ def paged_decode_attention(
     )
 
 
+def paged_decode_attention_lse(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``paged_decode_attention``, and each head's log-sum-exp of its scaled scores
+    [B, H] (-1e30 where the context is empty)."""
+    _check(kv_cache.is_contiguous(), "paged_decode_attention_lse", "a contiguous cache")
+    _, num_slots, kv_heads, head_dim = kv_cache.shape
+    lse = query.new_empty(query.shape[:2])
+    out = _decode_attention(
+        "paged_decode_attention_lse",
+        query,
+        (kv_cache[0], kv_cache[1]),
+        (num_slots, kv_heads, head_dim, head_dim, kv_heads * head_dim),
+        block_table,
+        seq_lens,
+        block_size,
+        scale,
+        lse,
+    )
+    return out, lse
+
+
 def paged_latent_attention(
     query: torch.Tensor,
     latent_cache: torch.Tensor,
@@ -186,6 +213,7 @@ def _decode_attention(
     seq_lens: torch.Tensor,
     block_size: int,
     scale: float,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     num_slots, kv_heads, head_dim, value_dim, slot_stride = geometry
     _check(
@@ -217,6 +245,7 @@ def _decode_attention(
         block_table.data_ptr(),
         seq_lens.data_ptr(),
         out.data_ptr(),
+        None if lse is None else lse.data_ptr(),
         requests,
         heads,
         kv_heads,
@@ -293,6 +322,16 @@ _LIBRARY.define(
 )
 _LIBRARY.impl("paged_decode_attention", paged_decode_attention, "CPU")
 _LIBRARY.impl("paged_decode_attention", lambda query, *rest: torch.empty_like(query), "Meta")
+_LIBRARY.define(
+    "paged_decode_attention_lse(Tensor query, Tensor kv_cache, Tensor block_table, "
+    "Tensor seq_lens, int block_size, float scale) -> (Tensor, Tensor)"
+)
+_LIBRARY.impl("paged_decode_attention_lse", paged_decode_attention_lse, "CPU")
+_LIBRARY.impl(
+    "paged_decode_attention_lse",
+    lambda query, *rest: (torch.empty_like(query), query.new_empty(query.shape[:2])),
+    "Meta",
+)
 _LIBRARY.define(
     "paged_latent_attention(Tensor query, Tensor latent_cache, Tensor block_table, "
     "Tensor seq_lens, int block_size, float scale, int value_dim) -> Tensor"

@@ -10,6 +10,10 @@
    whole (every KV head) and in order, for all the query heads of a work item: a request,
    or a request's single KV head when there are fewer requests than threads.
 
+   With ``lse`` (not NULL), each head's log-sum-exp of its scaled scores goes there
+   [requests, heads] too, MASKED where nothing was read: what merging attention over
+   shards of a context (decode context parallelism) weighs each shard by.
+
    A request with no context (a padding row) gets zeros. A slot outside the cache (a
    block id of -1 where the context says a position exists) is skipped rather than read:
    memory stays safe even if a caller passes an inconsistent step. */
@@ -37,7 +41,8 @@ static void axpy(float *restrict y, float a, const float *restrict x, int64_t n)
 
 void paged_decode_attention(const float *query, const float *key_cache,
                             const float *value_cache, const int64_t *block_table,
-                            const int64_t *seq_lens, float *out, int64_t requests,
+                            const int64_t *seq_lens, float *out, float *lse,
+                            int64_t requests,
                             int64_t heads, int64_t kv_heads, int64_t head_dim,
                             int64_t value_dim, int64_t slot_stride, int64_t max_blocks,
                             int64_t block_size, int64_t num_slots, float scale,
@@ -61,6 +66,9 @@ void paged_decode_attention(const float *query, const float *key_cache,
             const int64_t context = seq_lens[b] > 0 ? seq_lens[b] : 0;
             float *o = out + (b * heads + first * group) * value_dim;
             memset(o, 0, sizeof(float) * item_heads * value_dim);
+            float *item_lse = lse ? lse + b * heads + first * group : NULL;
+            if (item_lse)
+                for (int64_t h = 0; h < item_heads; h++) item_lse[h] = MASKED;
             if (context == 0) continue;
             if (context > capacity) {
                 free(scores);
@@ -105,6 +113,7 @@ void paged_decode_attention(const float *query, const float *key_cache,
                     total += s[t];
                 }
                 float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+                if (item_lse && total > 0.0f) item_lse[h] = top + logf(total);
 #pragma omp simd
                 for (int64_t t = 0; t < context; t++) s[t] *= inverse;
             }

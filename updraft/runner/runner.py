@@ -14,12 +14,9 @@ from typing import NamedTuple
 import torch
 
 from updraft.attention.cache_layout import cache_layout
+from updraft.attention.in_place import IN_PLACE_MAX_QUERY
 from updraft.attention.metadata import AttentionMetadata, PrefillContext
-from updraft.attention.paged import (
-    IN_PLACE_MAX_QUERY,
-    allocate_kv_cache,
-    kv_cache_bytes_per_block,
-)
+from updraft.attention.paged import allocate_kv_cache, kv_cache_bytes_per_block
 from updraft.config import EngineConfig, ModelConfig
 from updraft.graph.sanitize import SanitizeReport, checked_replay, default_tolerance
 from updraft.kernels.ops import kernel_builds
@@ -121,8 +118,6 @@ class Runner:
         (the CPU kernel in float32, for queries of up to IN_PLACE_MAX_QUERY tokens) takes
         a bucket's shapes for free, while gathering would attend over max_model_len,
         and DSA's indexer scores every position a request may have."""
-        if self.place is not None and self.place.sizes.decode_context > 1:
-            return frozenset()  # a rank's shard of a context is attended step by step
         if self.config.graph_mode != "auto":
             return frozenset(query_lens) if self.config.graph_mode == "full" else frozenset()
         in_place = (
