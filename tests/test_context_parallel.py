@@ -223,6 +223,19 @@ def test_the_draft_model_reads_the_global_step_under_pcp(tiny_llama):
     llm.engine._workers.close()
 
 
+def test_the_draft_model_under_dcp_keeps_every_position_itself(tiny_llama):
+    """Under DCP=2 the target's blocks hold 8 positions (4 per rank); the draft model,
+    whole on rank 0, pages through the same block ids with blocks of 8: every draft
+    is still accepted."""
+    llm = self_drafting(tiny_llama, enforce_eager=False, **LAYOUTS["tp2-dcp2"])
+    outputs = token_ids(llm.generate(token_prompts(6), DRAFT_PARAMS))
+    plain = token_ids(LLM(str(tiny_llama), **ARGS).generate(token_prompts(6), DRAFT_PARAMS))
+    assert outputs == plain
+    assert llm.engine._proposer.runner.block_size == 8
+    assert llm.engine.stats().speculative.acceptance_rate == 1.0
+    llm.engine._workers.close()
+
+
 def local_mirror(propose, local):
     def propose_on(self, inputs, output, drafting):
         return propose(self, local(inputs), output, drafting)
