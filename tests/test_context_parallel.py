@@ -23,7 +23,7 @@ from tests.conftest import make_tiny_checkpoint
 from tests.probes import LogitsProbe, assert_idle
 from tests.serving import MODEL, running_server, start_server_process, wait_for_idle
 from tests.test_speculative import greedy, self_drafting, skip_refresh, token_ids, token_prompts
-from updraft import LLM
+from updraft import LLM, WorkerPool
 from updraft.demo import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
 from updraft.speculative.draft_model import DraftModel
 from updraft.step.inputs import capture_inputs
@@ -49,12 +49,23 @@ LAYOUTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def pool():
+    """The module's worker processes: each engine's other ranks run on them, one engine
+    after another, instead of on processes of its own."""
+    workers = WorkerPool()
+    yield workers
+    workers.close()
+
+
 def run(checkpoint, prompts=PROMPTS, params=PARAMS, **args):
-    """(engine, tokens, the logits each token was drawn from)."""
+    """(engine, tokens, the logits each token was drawn from); the engine's other ranks
+    are stopped (back in the pool) before it returns."""
     llm = LLM(str(checkpoint), **{**ARGS, **args})
     probe = LogitsProbe(llm)
     outputs = llm.generate(prompts, params)
     assert_idle(llm)
+    llm.engine.close()
     return llm, token_ids(outputs), [probe.of(output) for output in outputs]
 
 
@@ -75,24 +86,24 @@ def one_process(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_ranks_compute_what_one_process_computes(one_process, layout):
+def test_ranks_compute_what_one_process_computes(one_process, layout, pool):
     checkpoint, reference = one_process
-    ours = run(checkpoint, **LAYOUTS[layout])
+    ours = run(checkpoint, worker_pool=pool, **LAYOUTS[layout])
     assert_same(ours, reference)
     steps = ours[0].engine.stats().steps
     assert "graph" in steps, steps
     split = any("split over 2 ranks" in mode for mode in steps)
     assert split == ("pcp2" in layout), steps
-    ours[0].engine._workers.close()
 
 
 @pytest.mark.parametrize("layout", ["pcp2", "tp2-dcp2"])
-def test_eager_steps_compute_what_one_process_computes(tiny_llama, layout):
+def test_eager_steps_compute_what_one_process_computes(tiny_llama, layout, pool):
     reference = run(tiny_llama, enforce_eager=True)
-    assert_same(run(tiny_llama, enforce_eager=True, **LAYOUTS[layout]), reference)
+    ours = run(tiny_llama, enforce_eager=True, worker_pool=pool, **LAYOUTS[layout])
+    assert_same(ours, reference)
 
 
-def test_prefix_caching_and_preemption_under_both(tiny_llama):
+def test_prefix_caching_and_preemption_under_both(tiny_llama, pool):
     """A later prompt reuses cached blocks that hold an earlier request's generated
     tokens (computed in decode steps, which no rank splits) and then splits its own
     prefill over them; a cache of 24 blocks forces preemption."""
@@ -104,25 +115,24 @@ def test_prefix_caching_and_preemption_under_both(tiny_llama):
     tight = dict(num_kv_blocks=24, block_size=4)
     plain = run(tiny_llama, prompts, params, **tight)
     for layout in ("pcp2", "tp2-dcp2"):
-        llm, tokens, logits = run(tiny_llama, prompts, params, **tight, **LAYOUTS[layout])
-        assert_same((llm, tokens, logits), plain)
-        llm.engine._workers.close()
+        ours = run(tiny_llama, prompts, params, **tight, worker_pool=pool, **LAYOUTS[layout])
+        assert_same(ours, plain)
 
 
-def test_decode_context_ranks_keep_every_other_position(tiny_llama):
+def test_decode_context_ranks_keep_every_other_position(tiny_llama, pool):
     """Under DCP=2 a position x lives on rank x mod 2: rank 0's cache holds half the
     positions one process's does, and the pool counts twice the tokens per block."""
     prompt, steps = list(range(10, 31)), 14  # writes positions 0..33
     filled = []
     for layout in ({"tensor_parallel_size": 2}, LAYOUTS["tp2-dcp2"]):
-        llm = LLM(str(tiny_llama), **ARGS, enforce_eager=True, **layout)
+        llm = LLM(str(tiny_llama), pool, **ARGS, enforce_eager=True, **layout)
         llm.generate([prompt], [greedy(steps)])
         keys = llm.engine._runner.kv_caches[0][0][:-1]  # the spare slot takes slot -1
         filled.append(int((keys.abs().sum(dim=(1, 2)) != 0).sum()))
         assert llm.engine._scheduler.kv.block_size == 4 * layout.get(
             "decode_context_parallel_size", 1
         )
-        llm.engine._workers.close()
+        llm.engine.close()
     assert filled == [34, 17]
 
 
@@ -187,22 +197,27 @@ def check_buffers(seen: list[dict], block_size: int) -> None:
     assert crossed and padded and changed  # the run exercised what it claims to
 
 
-def draft_run(checkpoint, **args):
+def draft_run(checkpoint, pool, **args):
     """Self-drafting (every greedy draft must be accepted) at batch 6, with requests
     finishing at different steps, under PCP=2 with graphs on."""
     llm = self_drafting(
-        checkpoint, enforce_eager=False, max_num_batched_tokens=32, **LAYOUTS["pcp2"], **args
+        checkpoint,
+        enforce_eager=False,
+        max_num_batched_tokens=32,
+        worker_pool=pool,
+        **LAYOUTS["pcp2"],
+        **args,
     )
     seen = draft_graph_watch(llm)
     outputs = token_ids(llm.generate(token_prompts(6), DRAFT_PARAMS))
     return llm, outputs, seen
 
 
-def test_the_draft_model_reads_the_global_step_under_pcp(tiny_llama):
+def test_the_draft_model_reads_the_global_step_under_pcp(tiny_llama, pool):
     plain = token_ids(LLM(str(tiny_llama), **ARGS).generate(token_prompts(6), DRAFT_PARAMS))
     single = self_drafting(tiny_llama, enforce_eager=False, max_num_batched_tokens=32)
     single.generate(token_prompts(6), DRAFT_PARAMS)
-    llm, outputs, seen = draft_run(tiny_llama)
+    llm, outputs, seen = draft_run(tiny_llama, pool)
     assert outputs == plain
     metrics = llm.engine.stats().speculative
     assert metrics.acceptance_rate == 1.0, metrics.summary()
@@ -220,20 +235,20 @@ def test_the_draft_model_reads_the_global_step_under_pcp(tiny_llama):
     again = token_ids(llm.generate(token_prompts(6), DRAFT_PARAMS))
     assert again == plain
     assert llm.engine.stats().speculative.acceptance_rate == 1.0
-    llm.engine._workers.close()
+    llm.engine.close()
 
 
-def test_the_draft_model_under_dcp_keeps_every_position_itself(tiny_llama):
+def test_the_draft_model_under_dcp_keeps_every_position_itself(tiny_llama, pool):
     """Under DCP=2 the target's blocks hold 8 positions (4 per rank); the draft model,
     whole on rank 0, pages through the same block ids with blocks of 8: every draft
     is still accepted."""
-    llm = self_drafting(tiny_llama, enforce_eager=False, **LAYOUTS["tp2-dcp2"])
+    llm = self_drafting(tiny_llama, enforce_eager=False, worker_pool=pool, **LAYOUTS["tp2-dcp2"])
     outputs = token_ids(llm.generate(token_prompts(6), DRAFT_PARAMS))
     plain = token_ids(LLM(str(tiny_llama), **ARGS).generate(token_prompts(6), DRAFT_PARAMS))
     assert outputs == plain
     assert llm.engine._proposer.runner.block_size == 8
     assert llm.engine.stats().speculative.acceptance_rate == 1.0
-    llm.engine._workers.close()
+    llm.engine.close()
 
 
 def local_mirror(propose, local):
@@ -257,7 +272,9 @@ def local_seq_lens(inputs):
     "mutation",
     ["refresh-block_table", "refresh-slot_mapping", "refresh-seq_lens", "local-step", "local-seq"],
 )
-def test_each_way_of_feeding_the_draft_a_local_view_is_caught(tiny_llama, monkeypatch, mutation):
+def test_each_way_of_feeding_the_draft_a_local_view_is_caught(
+    tiny_llama, monkeypatch, mutation, pool
+):
     """The checks of the test above fail when a draft graph stops refreshing its block
     table, slots or seq_lens, or when the draft's mirror step runs on rank 0's chunks
     (local slots and seq_lens) or on per-rank context lengths."""
@@ -266,16 +283,16 @@ def test_each_way_of_feeding_the_draft_a_local_view_is_caught(tiny_llama, monkey
     else:
         local = rank0_chunks if mutation == "local-step" else local_seq_lens
         monkeypatch.setattr(DraftModel, "propose", local_mirror(DraftModel.propose, local))
-    llm, _, seen = draft_run(tiny_llama)
+    llm, _, seen = draft_run(tiny_llama, pool)
     caught = llm.engine.stats().speculative.acceptance_rate < 0.9
     if mutation.startswith("refresh-"):
         with pytest.raises(AssertionError):
             check_buffers(seen, block_size=4)
     assert caught, llm.engine.stats().speculative.summary()
-    llm.engine._workers.close()
+    llm.engine.close()
 
 
-def test_pcp_with_a_draft_model_serves_like_one_process():
+def test_pcp_with_a_draft_model_serves_like_one_process(pool):
     """The demo model and its draft model, graphs on: requests one at a time, 16 at
     once, and a prompt longer than max_num_batched_tokens, as one process serves them."""
     args = dict(
@@ -288,7 +305,7 @@ def test_pcp_with_a_draft_model_serves_like_one_process():
     long = list(range(1, 200))
     results = []
     for layout in ({}, LAYOUTS["pcp2"]):
-        llm = LLM(str(DEMO_MODEL_DIR), **args, **layout)
+        llm = LLM(str(DEMO_MODEL_DIR), pool, **args, **layout)
         alone = [token_ids(llm.generate([p], [greedy(10)]))[0] for p in prompts[:3]]
         together = token_ids(llm.generate(prompts, [greedy(12)] * 16))
         longest = token_ids(llm.generate([long], [greedy(16)]))
@@ -297,7 +314,7 @@ def test_pcp_with_a_draft_model_serves_like_one_process():
         assert_idle(llm)
         if layout:
             assert any("split over 2 ranks" in mode for mode in stats.steps)
-            llm.engine._workers.close()
+            llm.engine.close()
     assert results[0] == results[1]
     assert sum(results[1][3]) > 0
 
@@ -336,13 +353,34 @@ def test_the_server_over_pcp_and_tp_answers_like_one_process():
     assert not list(Path("/dev/shm").glob(f"updraft-{process.pid}-*"))
 
 
-def test_deepseek_latent_attention_and_experts_split_like_one_process(tiny_deepseek):
+def test_deepseek_latent_attention_and_experts_split_like_one_process(tiny_deepseek, pool):
     """V2, V3 (with and without a query LoRA) and V3.2 (DSA) over PCP=2 x TP=2: heads
     split over the tensor ranks, experts' rows too, the latent cache and the indexer
     whole on every rank, and the latent rows of a split prefill gathered per layer."""
     _, checkpoint = tiny_deepseek
-    ours = run(checkpoint, **LAYOUTS["tp2-pcp2"])
+    ours = run(checkpoint, worker_pool=pool, **LAYOUTS["tp2-pcp2"])
     assert_same(ours, run(checkpoint))
-    ours[0].engine._workers.close()
     with pytest.raises(ValueError, match="not yet for DeepSeek's latent attention"):
         LLM(str(checkpoint), **LAYOUTS["tp2-dcp2"])
+
+
+def test_a_worker_pool_serves_engine_after_engine(tiny_llama):
+    """A pool's worker runs the next engine's rank once the previous engine closed; an
+    engine made while another still holds the workers gets a new one."""
+    pool = WorkerPool()
+    args = dict(**ARGS, tensor_parallel_size=2, enforce_eager=True)
+    expected = token_ids(LLM(str(tiny_llama), **ARGS).generate(PROMPTS, PARAMS))
+    try:
+        first = LLM(str(tiny_llama), pool, **args)
+        second = LLM(str(tiny_llama), pool, **args)  # the first still holds its worker
+        assert len(pool.workers) == 2
+        first.engine.close()
+        third = LLM(str(tiny_llama), pool, **args)
+        assert len(pool.workers) == 2  # the first's worker, reused
+        for llm in (second, third):
+            assert token_ids(llm.generate(PROMPTS, PARAMS)) == expected
+            llm.engine.close()
+    finally:
+        processes = [worker.process for worker in pool.workers]
+        pool.close()
+    assert processes and not any(process.is_alive() for process in processes)

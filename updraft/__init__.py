@@ -6,10 +6,11 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from updraft.engine.llm import LLM
+    from updraft.engine.workers import WorkerPool
     from updraft.outputs import CompletionOutput, RequestOutput
     from updraft.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "WorkerPool"]
 __version__ = "0.1.0"
 
 # Loaded on first use, so that importing a leaf module (``updraft.request``, say) does
@@ -19,6 +20,7 @@ _EXPORTS = {
     "CompletionOutput": "updraft.outputs",
     "RequestOutput": "updraft.outputs",
     "SamplingParams": "updraft.sampling_params",
+    "WorkerPool": "updraft.engine.workers",
 }
 
 

@@ -29,6 +29,7 @@ from updraft.engine.stats import EngineStats, StepClock, snapshot_report
 from updraft.engine.workers import (
     ParallelWorkers,
     Rendezvous,
+    WorkerPool,
     run_rank,
     torchrun_group,
     torchrun_rendezvous,
@@ -47,7 +48,9 @@ from updraft.tokenizer import Detokenizer, Tokenizer
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, worker_pool: WorkerPool | None = None) -> None:
+        """``worker_pool``: where the other ranks of a split model run, instead of
+        worker processes of this engine's own (engine/workers.py)."""
         check_method(config.speculative_method)  # before anything slow is loaded
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
@@ -76,6 +79,7 @@ class Engine:
                 self.context_len,
                 query_lens,
                 meeting=None if launched is None else launched[2],
+                pool=worker_pool,
             )
             place = self._workers.place
             weakref.finalize(self, self._workers.close)
@@ -130,6 +134,12 @@ class Engine:
         place = RankPlace(rank, config.parallel_sizes, torchrun_group(meeting))
         run_rank(place, meeting, config, self.model_config, self.context_len, query_lens)
         raise SystemExit(0)
+
+    def close(self) -> None:
+        """Stop the other ranks (a pool's workers go back to the pool). Also done when
+        the engine is collected; calling it first frees them at a known point."""
+        if self._workers is not None:
+            self._workers.close()
 
     # -- requests ----------------------------------------------------------------------
 

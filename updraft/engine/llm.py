@@ -11,6 +11,7 @@ from updraft.chat_template import ChatTemplate
 from updraft.config import EngineConfig
 from updraft.demo import DEMO_MODEL_DIR
 from updraft.engine.engine import Engine
+from updraft.engine.workers import WorkerPool
 from updraft.outputs import RequestOutput
 from updraft.sampling_params import SamplingParams
 
@@ -22,15 +23,22 @@ class LLM:
 
     Keyword arguments are ``EngineConfig`` fields, e.g. ``dtype="float32"``,
     ``max_num_seqs=32``, ``kv_cache_memory_gib=2``. Without a model, the shipped demo
-    model is used.
+    model is used. ``worker_pool``: a ``WorkerPool`` whose processes run the other ranks
+    of a split model, reused by engine after engine.
     """
 
-    def __init__(self, model: str | Path | None = None, **engine_args: Any) -> None:
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        worker_pool: WorkerPool | None = None,
+        **engine_args: Any,
+    ) -> None:
         known = {f.name for f in fields(EngineConfig)} - {"model"}
         unknown = set(engine_args) - known
         if unknown:
             raise TypeError(f"unknown engine arguments {sorted(unknown)}; known: {sorted(known)}")
-        self.engine = Engine(EngineConfig(model=str(model or DEMO_MODEL_DIR), **engine_args))
+        config = EngineConfig(model=str(model or DEMO_MODEL_DIR), **engine_args)
+        self.engine = Engine(config, worker_pool)
         self._chat_template: ChatTemplate | None = None
 
     @property

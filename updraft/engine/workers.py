@@ -20,9 +20,11 @@ closes, then exits the process.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.process
 import os
 import socket
 from dataclasses import asdict, dataclass, replace
+from multiprocessing.connection import Connection
 
 import torch
 
@@ -101,10 +103,69 @@ def forward_only(inputs: StepInputs) -> StepInputs:
     return replace(inputs, sampling=SamplingBatch([], []), draft_probs=[])
 
 
+def serve_ranks(connection: Connection) -> None:
+    """A pool worker: run each rank it is sent (``run_rank``'s arguments) to its end,
+    report back, and wait for the next, until it is sent None."""
+    while (job := connection.recv()) is not None:
+        try:
+            run_rank(*job)
+        finally:
+            connection.send("done")
+
+
+@dataclass
+class PoolWorker:
+    process: multiprocessing.process.BaseProcess
+    connection: Connection
+    busy: bool = False
+
+
+class WorkerPool:
+    """Worker processes that serve one engine's ranks after another's: engines made
+    one after another in a program (a test module) skip starting interpreters and
+    importing torch for each. A worker is free again once its engine has closed;
+    ``take`` starts more when too few are. Pass it as ``LLM(..., worker_pool=pool)``."""
+
+    def __init__(self) -> None:
+        self.workers: list[PoolWorker] = []
+
+    def take(self, count: int) -> list[PoolWorker]:
+        for worker in self.workers:
+            while worker.busy and worker.connection.poll():
+                worker.connection.recv()
+                worker.busy = False
+        free = [w for w in self.workers if not w.busy and w.process.is_alive()]
+        context = multiprocessing.get_context("spawn")
+        while len(free) < count:
+            ours, theirs = context.Pipe()
+            process = context.Process(
+                target=serve_ranks,
+                args=(theirs,),
+                name=f"updraft-pool-worker-{len(self.workers)}",
+                daemon=True,
+            )
+            process.start()
+            free.append(PoolWorker(process, ours))
+            self.workers.append(free[-1])
+        for worker in free[:count]:
+            worker.busy = True
+        return free[:count]
+
+    def close(self) -> None:
+        for worker in self.workers:
+            if worker.process.is_alive():
+                worker.connection.send(None)
+        for worker in self.workers:
+            worker.process.join(timeout=10)
+            if worker.process.is_alive():
+                worker.process.kill()
+        self.workers = []
+
+
 class ParallelWorkers:
     """Ranks 1..W-1 as seen from rank 0; ``place`` is rank 0's, for its own Runner.
-    ``meeting``: the ranks are torchrun's, already started; without it, rank 0 spawns
-    them here."""
+    ``meeting``: the ranks are torchrun's, already started; without it, rank 0 starts
+    them here, or has ``pool``'s workers run them."""
 
     def __init__(
         self,
@@ -113,31 +174,28 @@ class ParallelWorkers:
         max_model_len: int,
         query_lens: tuple[int, ...],
         meeting: Rendezvous | None = None,
+        pool: WorkerPool | None = None,
     ) -> None:
         sizes = config.parallel_sizes
         self.processes = []
+        self.pooled = pool is not None
         if meeting is None:
             meeting = Rendezvous(port=_free_port())
             group = f"updraft-{os.getpid()}-{meeting.port}"
-            context = multiprocessing.get_context("spawn")
-            self.processes = [
-                context.Process(
-                    target=run_rank,
-                    args=(
-                        RankPlace(r, sizes, group),
-                        meeting,
-                        config,
-                        model_config,
-                        max_model_len,
-                        query_lens,
-                    ),
-                    name=f"updraft-rank-{r}",
-                    daemon=True,
-                )
-                for r in range(1, sizes.world)
-            ]
-            for process in self.processes:
-                process.start()
+            rest = (meeting, config, model_config, max_model_len, query_lens)
+            jobs = [(RankPlace(r, sizes, group), *rest) for r in range(1, sizes.world)]
+            if pool is not None:
+                for worker, job in zip(pool.take(len(jobs)), jobs, strict=True):
+                    worker.connection.send(job)
+                    self.processes.append(worker.process)
+            else:
+                context = multiprocessing.get_context("spawn")
+                for job in jobs:
+                    process = context.Process(
+                        target=run_rank, args=job, name=f"updraft-rank-{job[0].rank}", daemon=True
+                    )
+                    process.start()
+                    self.processes.append(process)
         else:
             group = torchrun_group(meeting)
         share_cores(sizes.world)
@@ -161,6 +219,9 @@ class ParallelWorkers:
         self.closed = True
         if all(p.is_alive() for p in self.processes):
             collectives.broadcast_object(self.place.name, STOP)
+        if self.pooled:  # the pool's workers go back to waiting for the next engine
+            collectives.forget(self.place)
+            return
         for process in self.processes:
             process.join(timeout=10)
             if process.is_alive():
