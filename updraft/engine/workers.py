@@ -131,9 +131,7 @@ class WorkerPool:
 
     def take(self, count: int) -> list[PoolWorker]:
         for worker in self.workers:
-            while worker.busy and worker.connection.poll():
-                worker.connection.recv()
-                worker.busy = False
+            self.release(worker, wait_seconds=0)
         free = [w for w in self.workers if not w.busy and w.process.is_alive()]
         context = multiprocessing.get_context("spawn")
         while len(free) < count:
@@ -150,6 +148,14 @@ class WorkerPool:
         for worker in free[:count]:
             worker.busy = True
         return free[:count]
+
+    @staticmethod
+    def release(worker: PoolWorker, wait_seconds: float) -> None:
+        """Mark ``worker`` free once it reports its rank done (waiting up to
+        ``wait_seconds`` for that)."""
+        if worker.busy and worker.connection.poll(wait_seconds):
+            worker.connection.recv()
+            worker.busy = False
 
     def close(self) -> None:
         for worker in self.workers:
@@ -178,14 +184,15 @@ class ParallelWorkers:
     ) -> None:
         sizes = config.parallel_sizes
         self.processes = []
-        self.pooled = pool is not None
+        self.pool_workers: list[PoolWorker] = []
         if meeting is None:
             meeting = Rendezvous(port=_free_port())
             group = f"updraft-{os.getpid()}-{meeting.port}"
             rest = (meeting, config, model_config, max_model_len, query_lens)
             jobs = [(RankPlace(r, sizes, group), *rest) for r in range(1, sizes.world)]
             if pool is not None:
-                for worker, job in zip(pool.take(len(jobs)), jobs, strict=True):
+                self.pool_workers = pool.take(len(jobs))
+                for worker, job in zip(self.pool_workers, jobs, strict=True):
                     worker.connection.send(job)
                     self.processes.append(worker.process)
             else:
@@ -219,7 +226,9 @@ class ParallelWorkers:
         self.closed = True
         if all(p.is_alive() for p in self.processes):
             collectives.broadcast_object(self.place.name, STOP)
-        if self.pooled:  # the pool's workers go back to waiting for the next engine
+        if self.pool_workers:  # they go back to the pool once their ranks have ended
+            for worker in self.pool_workers:
+                WorkerPool.release(worker, wait_seconds=10)
             collectives.forget(self.place)
             return
         for process in self.processes:
