@@ -133,18 +133,8 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """query [B, H, D] (one token per request), kv_cache [2, slots, Hkv, D], block_table
     [B, max_blocks] and seq_lens [B] int64 -> [B, H, D]."""
-    _check(kv_cache.is_contiguous(), "paged_decode_attention", "a contiguous cache")
-    _, num_slots, kv_heads, head_dim = kv_cache.shape
-    return _decode_attention(
-        "paged_decode_attention",
-        query,
-        (kv_cache[0], kv_cache[1]),
-        (num_slots, kv_heads, head_dim, head_dim, kv_heads * head_dim),
-        block_table,
-        seq_lens,
-        block_size,
-        scale,
-    )
+    op = "paged_decode_attention"
+    return _gqa_decode(op, query, kv_cache, block_table, seq_lens, block_size, scale)
 
 
 def paged_decode_attention_lse(
@@ -157,11 +147,26 @@ def paged_decode_attention_lse(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``paged_decode_attention``, and each head's log-sum-exp of its scaled scores
     [B, H] (-1e30 where the context is empty)."""
-    _check(kv_cache.is_contiguous(), "paged_decode_attention_lse", "a contiguous cache")
-    _, num_slots, kv_heads, head_dim = kv_cache.shape
     lse = query.new_empty(query.shape[:2])
-    out = _decode_attention(
-        "paged_decode_attention_lse",
+    op = "paged_decode_attention_lse"
+    out = _gqa_decode(op, query, kv_cache, block_table, seq_lens, block_size, scale, lse)
+    return out, lse
+
+
+def _gqa_decode(
+    op: str,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    lse: torch.Tensor | None = None,
+) -> torch.Tensor:
+    _check(kv_cache.is_contiguous(), op, "a contiguous cache")
+    _, num_slots, kv_heads, head_dim = kv_cache.shape
+    return _decode_attention(
+        op,
         query,
         (kv_cache[0], kv_cache[1]),
         (num_slots, kv_heads, head_dim, head_dim, kv_heads * head_dim),
@@ -171,7 +176,6 @@ def paged_decode_attention_lse(
         scale,
         lse,
     )
-    return out, lse
 
 
 def paged_latent_attention(

@@ -78,16 +78,18 @@ def local_config(config: ModelConfig, sizes: ParallelSizes) -> ModelConfig:
     )
 
 
-class RowParallelLinear(nn.Module):
-    """A linear over this rank's slice of the inputs, summed over the ranks."""
+class SummedOverRanks(nn.Module):
+    """A module whose output each rank holds a part of, summed over the ranks: a
+    row-parallel linear (its slice of the inputs), or a DeepSeekMoE (its slice of every
+    expert's rows: the routed and shared experts summed in one all-reduce)."""
 
-    def __init__(self, linear: nn.Linear, group: str) -> None:
+    def __init__(self, module: nn.Module, group: str) -> None:
         super().__init__()
-        self.linear = linear
+        self.module = module
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.updraft.all_reduce(self.linear(x), self.group)
+        return torch.ops.updraft.all_reduce(self.module(x), self.group)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -143,7 +145,8 @@ def _shard_fused(linear: FusedLinear, keep: list[slice]) -> FusedLinear:
     return sharded
 
 
-def _row_parallel(linear: nn.Linear, columns: slice, rank: GroupRank) -> RowParallelLinear:
+def _row_slice(linear: nn.Linear, columns: slice, rank: GroupRank) -> nn.Linear:
+    """This rank's input columns of ``linear``; the caller sums the outputs."""
     sharded = nn.Linear(
         columns.stop - columns.start, linear.out_features, bias=False, device="meta"
     )
@@ -152,7 +155,11 @@ def _row_parallel(linear: nn.Linear, columns: slice, rank: GroupRank) -> RowPara
     if linear.bias is not None:  # added once, by rank 0
         bias = linear.bias.detach() if rank.rank == 0 else torch.zeros_like(linear.bias)
         sharded.bias = nn.Parameter(bias, requires_grad=False)
-    return RowParallelLinear(sharded, rank.group)
+    return sharded
+
+
+def _row_parallel(linear: nn.Linear, columns: slice, rank: GroupRank) -> SummedOverRanks:
+    return SummedOverRanks(_row_slice(linear, columns, rank), rank.group)
 
 
 def _share(count: int, rank: GroupRank) -> slice:
@@ -183,8 +190,8 @@ def _shard_mlp(mlp: MLP, rank: GroupRank, reduce: bool = True) -> None:
     """``reduce``: the down projection's all-reduce; without it, the caller sums."""
     rows = _share(mlp.down_proj.in_features, rank)
     mlp.gate_up_proj = _shard_fused(mlp.gate_up_proj, [rows, rows])
-    down = _row_parallel(mlp.down_proj, rows, rank)
-    mlp.down_proj = down if reduce else down.linear
+    down = _row_slice(mlp.down_proj, rows, rank)
+    mlp.down_proj = SummedOverRanks(down, rank.group) if reduce else down
 
 
 def _column(linear: nn.Linear, rows: slice) -> nn.Linear:
@@ -211,19 +218,6 @@ def _shard_latent_attention(attention: LatentAttention, rank: GroupRank) -> None
     v_rows = slice(heads.start * mla.v_head_dim, heads.stop * mla.v_head_dim)
     attention.o_proj = _row_parallel(attention.o_proj, v_rows, rank)
     attention.num_heads = heads.stop - heads.start
-
-
-class SummedOverRanks(nn.Module):
-    """A module whose output each rank holds a part of, summed: one all-reduce for a
-    DeepSeekMoE's routed and shared experts together."""
-
-    def __init__(self, module: nn.Module, group: str) -> None:
-        super().__init__()
-        self.module = module
-        self.group = group
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.updraft.all_reduce(self.module(x), self.group)
 
 
 def _shard_moe(moe: DeepseekMoE, rank: GroupRank) -> SummedOverRanks:
