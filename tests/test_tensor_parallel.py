@@ -14,7 +14,7 @@ import transformers
 
 from tests.conftest import TINY, make_tiny_checkpoint
 from tests.probes import LogitsProbe, assert_idle
-from updraft import LLM, SamplingParams
+from updraft import LLM, SamplingParams, WorkerPool
 from updraft.demo import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
 
 # Prompts that end mid-block and cross block boundaries (block size 4), a repetitive
@@ -28,14 +28,24 @@ def tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def run(checkpoint, **args):
-    """Outputs and the logits each token was drawn from."""
-    llm = LLM(str(checkpoint), **ARGS, **args)
+def run(checkpoint, pool=None, **args):
+    """Outputs and the logits each token was drawn from; the other ranks are back in
+    ``pool`` when it returns."""
+    llm = LLM(str(checkpoint), pool, **ARGS, **args)
     probe = LogitsProbe(llm)
     outputs = llm.generate(PROMPTS, PARAMS)
     logits = [probe.of(output) for output in outputs]
     assert_idle(llm)
+    llm.engine.close()
     return llm, outputs, logits
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """Worker processes the module's engines share, one engine after another."""
+    workers = WorkerPool()
+    yield workers
+    workers.close()
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +59,15 @@ def odd_vocabulary(tmp_path_factory):
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
-def test_two_ranks_compute_what_one_process_computes(tiny_checkpoint, enforce_eager):
+def test_two_ranks_compute_what_one_process_computes(tiny_checkpoint, enforce_eager, pool):
     """Llama (GQA, 2 KV heads: one per rank), Qwen2 (one KV head, kept by both ranks,
     tied embeddings, q/k/v bias) and Qwen3 (q/k norms): greedy tokens identical, logits
     within 1e-4, with chunked prefill over block boundaries."""
     _, checkpoint = tiny_checkpoint
     _, plain, plain_logits = run(checkpoint, enforce_eager=enforce_eager)
-    llm, split, split_logits = run(checkpoint, enforce_eager=enforce_eager, tensor_parallel_size=2)
+    llm, split, split_logits = run(
+        checkpoint, pool, enforce_eager=enforce_eager, tensor_parallel_size=2
+    )
     assert tokens(split) == tokens(plain)
     for ours, reference in zip(split_logits, plain_logits, strict=True):
         torch.testing.assert_close(ours, reference, atol=1e-4, rtol=0)
@@ -63,9 +75,9 @@ def test_two_ranks_compute_what_one_process_computes(tiny_checkpoint, enforce_ea
     assert ("graph" in steps) != enforce_eager, steps
 
 
-def test_a_vocabulary_that_does_not_split_evenly(odd_vocabulary):
+def test_a_vocabulary_that_does_not_split_evenly(odd_vocabulary, pool):
     _, plain, plain_logits = run(odd_vocabulary)
-    _, split, split_logits = run(odd_vocabulary, tensor_parallel_size=2)
+    _, split, split_logits = run(odd_vocabulary, pool, tensor_parallel_size=2)
     assert tokens(split) == tokens(plain)
     for ours, reference in zip(split_logits, plain_logits, strict=True):
         assert ours.shape[-1] == 257
@@ -73,7 +85,7 @@ def test_a_vocabulary_that_does_not_split_evenly(odd_vocabulary):
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_speculation_keeps_greedy_output_and_acceptance(method):
+def test_speculation_keeps_greedy_output_and_acceptance(method, pool):
     """The proposer runs on rank 0 only (the draft model unsplit); verify steps replay
     on every rank."""
     args = dict(speculative_method=method, num_speculative_tokens=3)
@@ -83,11 +95,12 @@ def test_speculation_keeps_greedy_output_and_acceptance(method):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     results = []
     for size in (1, 2):
-        llm = LLM(str(DEMO_MODEL_DIR), tensor_parallel_size=size, **args)
+        llm = LLM(str(DEMO_MODEL_DIR), pool, tensor_parallel_size=size, **args)
         outputs = llm.generate(prompts, params)
         stats = llm.engine.stats()
         results.append((tokens(outputs), stats.speculative.accepted, stats.speculative.proposed))
         assert_idle(llm)
+        llm.engine.close()
     assert results[0] == results[1]
     assert sum(results[1][1]) > 0
 
@@ -118,14 +131,14 @@ def test_models_and_settings_tensor_parallelism_cannot_split_are_refused(tiny_ll
         LLM(str(tiny_llama), tensor_parallel_size=0)
 
 
-def test_shards_hold_their_rank_s_heads(tmp_path):
+def test_shards_hold_their_rank_s_heads(tmp_path, pool):
     """Each rank's KV cache holds its own KV heads: 4 over 2 ranks is 2 per rank."""
     checkpoint = make_tiny_checkpoint("qwen3", tmp_path / "qwen3")
-    llm = LLM(str(checkpoint), **ARGS, tensor_parallel_size=2)
+    llm = LLM(str(checkpoint), pool, **ARGS, tensor_parallel_size=2)
     runner = llm.engine._runner
     assert runner.kv_caches[0].shape[-2] == 2
     assert runner.model.model.layers[0].self_attn.num_heads == 2
-    llm.engine._workers.close()
+    llm.engine.close()
 
 
 def test_torchrun_ranks_serve_one_engine(tiny_llama_with_tokenizer):
