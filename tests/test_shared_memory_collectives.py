@@ -65,7 +65,7 @@ def test_a_rank_that_exited_is_named_instead_of_waited_for_forever():
         peer = multiprocessing.get_context("spawn").Process(target=_attach_and_exit, args=(name,))
         peer.start()
         peer.join()  # exited before ever arriving
-        with pytest.raises(RuntimeError, match="rank 1 of the tensor-parallel group exited"):
+        with pytest.raises(RuntimeError, match="rank 1 of the parallel group exited"):
             group.all_reduce(torch.ones(4))
     finally:
         group.close()
@@ -77,3 +77,14 @@ def test_a_region_left_by_a_killed_process_is_replaced():
     stale.memory.close()  # never unlinked, as after a kill
     fresh = SharedMemoryGroup(name, 0, 2, create=True, capacity=256)
     fresh.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_rank_alive_but_stuck_is_named_after_the_step_timeout(ranks, dtype):
+    """Rank 1's process lives (it is this one) but never arrives: rank 0's in-step
+    collective gives up after its limit and names it, through the C and Python waits;
+    the group is broken from then on."""
+    ranks[0].step_timeout_ms = 300
+    stuck = r"rank 1 of the parallel group has not arrived within 0\.3 s"
+    with pytest.raises(RuntimeError, match=stuck):
+        ranks[0].all_reduce(torch.ones(4, dtype=dtype))

@@ -18,6 +18,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from functools import cache
 from pathlib import Path
 
@@ -61,7 +62,8 @@ def load(name: str) -> ctypes.CDLL:
     library = folder / f"{name}-{key.hexdigest()[:16]}.so"
     if not library.is_file():
         folder.mkdir(mode=0o700, exist_ok=True)
-        partial = library.with_suffix(f".{os.getpid()}.tmp")
+        # Per process and thread: two threads' first calls may build at once.
+        partial = library.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp")
         objects = partial.with_suffix(".o")
         for command in (
             [compiler, *COMPILE, str(source), "-o", str(objects)],

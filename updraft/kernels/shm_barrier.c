@@ -6,7 +6,9 @@
    a millisecond, many times the collective itself. A wait that lasts (an idle engine's
    workers wait for the next step) then sleeps in growing naps up to a millisecond, and
    checks that the ranks it waits for still exist: a rank that exited makes the wait
-   return -(rank + 1) instead of spinning forever. */
+   return -(rank + 1) instead of spinning forever. A wait with a time limit (any wait
+   inside a step: its ranks run the same work) returns -(count + rank + 1) once rank
+   has not arrived within it, alive but stuck. */
 
 #include <stdint.h>
 #include <stdio.h>
@@ -32,15 +34,28 @@ static int process_lives(int64_t pid) {
 /* flag = value, after every write this rank made before it (release) */
 void shm_signal(uint64_t *flag, uint64_t value) { __atomic_store_n(flag, value, __ATOMIC_RELEASE); }
 
+static int64_t now_ms(void) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (int64_t)now.tv_sec * 1000 + now.tv_nsec / 1000000;
+}
+
 /* 0 once count flags, stride uint64s apart, are each >= value (acquire); -(r + 1) if
-   rank r's process is gone first (its pid sits one uint64 after its flag). */
-int64_t shm_wait(const uint64_t *flags, int64_t count, int64_t stride, uint64_t value) {
+   rank r's process is gone first (its pid sits one uint64 after its flag);
+   -(count + r + 1) if rank r has not arrived within timeout_ms (0: no limit). */
+int64_t shm_wait(const uint64_t *flags, int64_t count, int64_t stride, uint64_t value,
+                 int64_t timeout_ms) {
+    int64_t deadline = -1; /* set at the first nap: spinning is the fast path */
     for (int64_t r = 0; r < count; r++) {
         const uint64_t *flag = flags + r * stride;
         long spins = 0, nap_ns = 20000;
         while (__atomic_load_n(flag, __ATOMIC_ACQUIRE) < value) {
             if (++spins < SPINS) continue;
             if (!process_lives((int64_t)flag[1])) return -(r + 1);
+            if (timeout_ms > 0) {
+                if (deadline < 0) deadline = now_ms() + timeout_ms;
+                else if (now_ms() > deadline) return -(count + r + 1);
+            }
             struct timespec nap = {0, nap_ns};
             nanosleep(&nap, NULL);
             if (nap_ns < 1000000) nap_ns *= 2;
@@ -55,22 +70,22 @@ int64_t shm_wait(const uint64_t *flags, int64_t count, int64_t stride, uint64_t 
    exchange, write this rank's part, arrive, wait for all, sum the slots in rank order
    (the same bits on every rank), leave. The same protocol, header included, as the
    exchanges of shared_memory.py. Returns the last exchange's sequence number, or
-   -(r + 1) if rank r exited. */
+   shm_wait's negative code. */
 int64_t shm_all_reduce(uint64_t *arrived, uint64_t *departed, char *slots, int64_t slot_bytes,
                        int64_t line, int64_t capacity, int rank, int world, const float *x,
-                       float *out, int64_t n, int64_t sequence) {
+                       float *out, int64_t n, int64_t sequence, int64_t timeout_ms) {
     const int64_t stride = line / (int64_t)sizeof(uint64_t);
     const int64_t per_chunk = capacity / (int64_t)sizeof(float);
     for (int64_t start = 0; start < n; start += per_chunk) {
         const int64_t count = n - start < per_chunk ? n - start : per_chunk;
         int64_t gone;
         sequence++;
-        if ((gone = shm_wait(departed, world, stride, sequence - 1)) < 0) return gone;
+        if ((gone = shm_wait(departed, world, stride, sequence - 1, timeout_ms)) < 0) return gone;
         *(int64_t *)(slots + rank * slot_bytes) = count * (int64_t)sizeof(float); /* header */
         float *mine = (float *)(slots + rank * slot_bytes + line);
         for (int64_t i = 0; i < count; i++) mine[i] = x[start + i];
         shm_signal(arrived + rank * stride, sequence);
-        if ((gone = shm_wait(arrived, world, stride, sequence)) < 0) return gone;
+        if ((gone = shm_wait(arrived, world, stride, sequence, timeout_ms)) < 0) return gone;
         for (int64_t i = 0; i < count; i++) out[start + i] = ((float *)(slots + line))[i];
         for (int r = 1; r < world; r++) {
             const float *theirs = (const float *)(slots + r * slot_bytes + line);

@@ -32,6 +32,11 @@ from updraft.kernels.build import load
 LINE = 64  # bytes: one flag per cache line, and the slot header
 FLAG_STRIDE = LINE // 8
 DEFAULT_CAPACITY = 16 * 2**20  # bytes per rank per exchange; larger tensors go in chunks
+# How long a collective inside a step waits for a rank that is alive but has not
+# arrived. Every rank runs the same step, so they arrive close together; the limit is
+# generous for ranks that load a large model at different speeds before their first
+# collective (graph capture). Workers waiting for the next step wait without limit.
+STEP_TIMEOUT_MS = 600_000
 
 
 @cache
@@ -41,21 +46,29 @@ def _barrier() -> ctypes.CDLL:
     lib.shm_signal.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
     lib.shm_wait.restype = ctypes.c_int64
     lib.shm_wait.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint64]
+    lib.shm_wait.argtypes.append(ctypes.c_int64)
     lib.shm_all_reduce.restype = ctypes.c_int64
     lib.shm_all_reduce.argtypes = (
         [ctypes.c_void_p] * 3
         + [ctypes.c_int64] * 3
         + [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-        + [ctypes.c_int64]
+        + [ctypes.c_int64] * 2
     )
     return lib
 
 
-def _check_ranks(result: int) -> int:
-    """A wait's result, unless it says rank r exited (-(r + 1)): then the group is
-    broken, and every collective on it would wait forever."""
+def _check_ranks(result: int, world: int, timeout_ms: int) -> int:
+    """A wait's result, unless it says rank r exited (-(r + 1)) or did not arrive in
+    time (-(world + r + 1)): then the group is broken, and every collective on it would
+    wait forever."""
+    if -world <= result < 0:
+        raise RuntimeError(f"rank {-result - 1} of the parallel group exited")
     if result < 0:
-        raise RuntimeError(f"rank {-result - 1} of the tensor-parallel group exited")
+        rank = -result - world - 1
+        raise RuntimeError(
+            f"rank {rank} of the parallel group has not arrived within "
+            f"{timeout_ms / 1000:g} s: it is alive but stuck"
+        )
     return result
 
 
@@ -88,25 +101,28 @@ class SharedMemoryGroup:
         ]
         self.sequence = 0
         self.owner = create
+        self.step_timeout_ms = STEP_TIMEOUT_MS
 
-    def _exchange(self, payload: torch.Tensor) -> list[torch.Tensor]:
+    def _exchange(self, payload: torch.Tensor, timeout_ms: int | None = None) -> list[torch.Tensor]:
         """Every rank's ``payload`` (bytes, as uint8 views into the region), once every
         rank has written its own; call ``_depart`` when done reading them."""
         nbytes = payload.numel() * payload.element_size()
         if nbytes > self.capacity:
             raise ValueError(f"{nbytes} bytes exceed the {self.capacity}-byte exchange slot")
+        timeout_ms = self.step_timeout_ms if timeout_ms is None else timeout_ms
         self.sequence += 1
-        self._wait(self.departed, self.sequence - 1)
+        self._wait(self.departed, self.sequence - 1, timeout_ms)
         slot = self.slots[self.rank]
         slot[:8].view(torch.int64)[0] = nbytes
         if nbytes:
             slot[LINE : LINE + nbytes].copy_(payload.reshape(-1).view(torch.uint8))
         _barrier().shm_signal(self.arrived + self.rank * LINE, self.sequence)
-        self._wait(self.arrived, self.sequence)
+        self._wait(self.arrived, self.sequence, timeout_ms)
         return [s[LINE : LINE + int(s[:8].view(torch.int64)[0])] for s in self.slots]
 
-    def _wait(self, flags: int, value: int) -> None:
-        _check_ranks(_barrier().shm_wait(flags, self.world, FLAG_STRIDE, value))
+    def _wait(self, flags: int, value: int, timeout_ms: int) -> None:
+        result = _barrier().shm_wait(flags, self.world, FLAG_STRIDE, value, timeout_ms)
+        _check_ranks(result, self.world, timeout_ms)
 
     def _depart(self) -> None:
         _barrier().shm_signal(self.departed + self.rank * LINE, self.sequence)
@@ -129,7 +145,10 @@ class SharedMemoryGroup:
                     out.data_ptr(),
                     flat.numel(),
                     self.sequence,
-                )
+                    self.step_timeout_ms,
+                ),
+                self.world,
+                self.step_timeout_ms,
             )
             return out
         flat = x.contiguous().reshape(-1)
@@ -174,7 +193,11 @@ class SharedMemoryGroup:
         """``value`` from rank ``root``, pickled: its size first, then its bytes in as
         many exchanges as the slot needs (every rank runs the same count)."""
         data = pickle.dumps(value) if self.rank == root else b""
-        size = self._exchange(torch.tensor([len(data)]))[root].view(torch.int64).item()
+        # The root waits for ranks that are waiting for it; they wait as long as it
+        # has no step for them (an idle engine).
+        timeout_ms = self.step_timeout_ms if self.rank == root else 0
+        size = self._exchange(torch.tensor([len(data)]), timeout_ms)[root]
+        size = size.view(torch.int64).item()
         self._depart()
         received = bytearray()
         for start in range(0, size, self.capacity):
@@ -183,7 +206,7 @@ class SharedMemoryGroup:
                 if data
                 else torch.empty(0, dtype=torch.uint8)
             )
-            received += self._exchange(chunk)[root].numpy().tobytes()
+            received += self._exchange(chunk, timeout_ms)[root].numpy().tobytes()
             self._depart()
         return value if self.rank == root else pickle.loads(received)
 
