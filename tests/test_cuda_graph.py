@@ -164,7 +164,7 @@ def test_eagle_speculation_on_cuda_replays_like_eager(tmp_path, graph_mode):
 @pytest.mark.parametrize("graph_mode", ["piecewise", "full"])
 def test_a_draft_model_under_pcp_on_cuda_replays_like_eager(tiny_llama, graph_mode):
     """PCP=2 with both ranks on one GPU (their exchanges go through host shared memory:
-    NCCL is not wired yet) and the target drafting for itself: the draft's FULL and
+    NCCL wants a GPU per rank) and the target drafting for itself: the draft's FULL and
     PIECEWISE graphs, refreshed from the global step, keep eager's tokens and its
     acceptance per draft position."""
     prompts = [list(range(3, 10)), [200, 17], list(range(40, 77)), [5, 6, 7] * 8]
@@ -190,6 +190,42 @@ def test_a_draft_model_under_pcp_on_cuda_replays_like_eager(tiny_llama, graph_mo
             assert stats.draft_steps.get("graph", 0) > 0, stats.draft_steps
             draft = llm.engine._proposer.runner.captured.graphs.values()
             assert {graph.backend.mode for graph, _ in draft} == {graph_mode.upper()}
-        llm.engine._workers.close()
+        llm.engine.close()
     assert runs[0] == runs[1]
     assert runs[1][1][0] > 0
+
+
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two CUDA devices (NCCL: one GPU per rank)"
+)
+@pytest.mark.parametrize("graph_mode", ["piecewise", "full"])
+@pytest.mark.parametrize(
+    "layout",
+    [{"tensor_parallel_size": 2}, {"prefill_context_parallel_size": 2}],
+    ids=["tp2", "pcp2"],
+)
+def test_ranks_over_nccl_replay_like_one_process(tiny_llama, graph_mode, layout):
+    """Two ranks on two GPUs, the in-step collectives over NCCL inside the captured
+    steps, with the draft model on rank 0: one process's tokens and acceptance."""
+    prompts = [list(range(3, 10)), [200, 17], list(range(40, 77)), [5, 6, 7] * 8]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (16, 5, 9, 24)]
+    args = dict(
+        device="cuda",
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=128,
+        max_num_batched_tokens=32,
+        graph_mode=graph_mode,
+        capture_sizes=(1, 2, 4),
+        speculative_model=str(tiny_llama),
+        num_speculative_tokens=3,
+    )
+    runs = []
+    for split in ({}, layout):
+        llm = LLM(str(tiny_llama), **args, **split)
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        stats = llm.engine.stats()
+        assert stats.steps.get("graph", 0) > 0, stats.steps
+        runs.append((tokens, stats.speculative.accepted, stats.speculative.proposed))
+        llm.engine.close()
+    assert runs[0] == runs[1]

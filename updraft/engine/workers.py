@@ -30,7 +30,7 @@ import torch
 
 from updraft.config import EngineConfig, ModelConfig
 from updraft.parallel import collectives
-from updraft.parallel.topology import RankPlace
+from updraft.parallel.topology import RankPlace, rank_device, uses_nccl
 from updraft.runner.runner import Runner
 from updraft.step.inputs import StepInputs
 from updraft.step.sampling_batch import SamplingBatch
@@ -85,11 +85,21 @@ def run_rank(
     """The rank at ``place`` (not 0): load its shard, then run every step rank 0
     broadcasts until it broadcasts STOP."""
     share_cores(place.sizes.world)
-    collectives.connect(place, **asdict(meeting))
+    connect(place, meeting, config)
     runner = Runner(model_config, config, max_model_len, query_lens, place=place)
     while (inputs := collectives.broadcast_object(place.name)) is not STOP:
         runner.forward(inputs)
     collectives.forget(place)
+
+
+def connect(place: RankPlace, meeting: Rendezvous, config: EngineConfig) -> None:
+    """Join the rank's groups; on CUDA, first make its own GPU the current device."""
+    device = rank_device(config.device, place.rank)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    ranks_here = place.sizes.world if meeting.one_machine else torch.cuda.device_count()
+    nccl = uses_nccl(config.device, ranks_here)
+    collectives.connect(place, **asdict(meeting), nccl=nccl)
 
 
 def torchrun_group(meeting: Rendezvous) -> str:
@@ -207,7 +217,7 @@ class ParallelWorkers:
             group = torchrun_group(meeting)
         share_cores(sizes.world)
         self.place = RankPlace(0, sizes, group)
-        collectives.connect(self.place, **asdict(meeting))
+        connect(self.place, meeting, config)
         self.closed = False
 
     def run(self, inputs: StepInputs) -> None:

@@ -37,11 +37,14 @@ def connect(
     store_hosted: bool = False,
     one_machine: bool = True,
     timeout_seconds: float = 300.0,
+    nccl: bool = False,
 ) -> None:
     """Join the world group of ``place`` through the TCP store at ``host:port`` (hosted
     by rank 0, or already by a launcher such as torchrun: then ``store_hosted``), then
     each of its subgroups, and register them all for the collective ops. Ranks all on
-    ``one_machine`` exchange through shared memory; others through gloo."""
+    ``one_machine`` exchange through shared memory; others through gloo. With ``nccl``
+    the subgroups, which carry the collectives inside a step, are NCCL groups over
+    each rank's own GPU; the world group, which carries the step, stays on the host."""
     timeout = timedelta(seconds=timeout_seconds)
     world = place.world
     is_host = world.rank == 0 and not store_hosted
@@ -49,8 +52,13 @@ def connect(
     # Every rank joins its groups in the same order (world, tensor, prefill context,
     # decode context), and groups of one kind are disjoint, so no two ranks wait on
     # each other in opposite orders.
-    for group in [world] + [group for group, _ in place.subgroups()]:
-        _join(store, group, one_machine, timeout)
+    _join(store, world, one_machine, timeout)
+    for group, _ in place.subgroups():
+        if nccl:
+            prefixed = dist.PrefixStore(group.group, store)
+            _GROUPS[group.group] = dist.ProcessGroupNCCL(prefixed, group.rank, group.size)
+        else:
+            _join(store, group, one_machine, timeout)
 
 
 def _join(store: dist.Store, rank: GroupRank, one_machine: bool, timeout: timedelta) -> None:

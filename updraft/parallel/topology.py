@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from updraft.config import ParallelSizes
 
 
@@ -93,3 +95,21 @@ class RankPlace:
         base = first + self.tensor_index - dcp.rank
         groups.append((dcp, [base + c for c in range(dcp.size)]))
         return [(group, members) for group, members in groups if group.size > 1]
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Where rank ``rank`` computes: a bare ``cuda`` means one GPU per rank (rank r on
+    GPU r mod this machine's count), as NCCL wants; anything else as given."""
+    if device != "cuda" or not torch.cuda.is_available():
+        return device
+    return f"cuda:{rank % torch.cuda.device_count()}"
+
+
+def uses_nccl(device: str, ranks_per_machine: int) -> bool:
+    """Whether the in-step groups run over NCCL: on CUDA, when each rank of a machine
+    has a GPU of its own (ranks sharing one GPU exchange through host memory)."""
+    return (
+        device.startswith("cuda")
+        and torch.cuda.is_available()
+        and torch.cuda.device_count() >= ranks_per_machine
+    )

@@ -22,7 +22,7 @@ from updraft.graph.sanitize import SanitizeReport, checked_replay, default_toler
 from updraft.kernels.ops import kernel_builds
 from updraft.models.loader import load_model
 from updraft.models.tensor_parallel import local_config
-from updraft.parallel.topology import GroupRank, ParallelSizes, RankPlace
+from updraft.parallel.topology import GroupRank, ParallelSizes, RankPlace, rank_device
 from updraft.runner.captured import Bucket, CapturedSteps
 from updraft.runner.rejection_sampler import verify_step
 from updraft.runner.sampler import sample
@@ -60,7 +60,9 @@ class Runner:
         rank runs the same steps in its own process (engine/workers.py)."""
         self.model_config = model_config
         self.config = config
-        self.device = torch.device(config.device)
+        self.device = torch.device(
+            config.device if place is None else rank_device(config.device, place.rank)
+        )
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(
                 f"device {config.device!r} was asked for, but this PyTorch ({torch.__version__}) "
