@@ -92,19 +92,21 @@ def test_capture_lints_on_cuda_as_on_the_cpu():
         graph.capture(lambda: model.inputs.sum().item())
 
 
+PROMPTS = [list(range(3, 10)), [200, 17], list(range(40, 77)), [5, 6, 7] * 8]
+PARAMS = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (16, 5, 9, 24)]
+
+
 def engine_on_cuda_replays_like_eager(model_dir, graph_mode: str, **speculation) -> None:
     """Greedy tokens and logits of CUDA replays equal eager's (with sanitize on), so
     does the acceptance per draft position with speculation, and the graphs are FULL or
     PIECEWISE as asked."""
-    prompts = [list(range(3, 10)), [200, 17], list(range(40, 77)), [5, 6, 7] * 8]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (16, 5, 9, 24)]
     args = dict(device="cuda", dtype="float32", block_size=4, num_kv_blocks=128, **speculation)
     eager_llm = LLM(model_dir, enforce_eager=True, **args)
     eager_probe = LogitsProbe(eager_llm)
-    eager = eager_llm.generate(prompts, params)
+    eager = eager_llm.generate(PROMPTS, PARAMS)
     llm = LLM(model_dir, graph_mode=graph_mode, capture_sizes=(1, 2, 4), sanitize=True, **args)
     probe = LogitsProbe(llm)
-    graph = llm.generate(prompts, params)
+    graph = llm.generate(PROMPTS, PARAMS)
     for e, g in zip(eager, graph, strict=True):
         assert g.outputs[0].token_ids == e.outputs[0].token_ids, model_dir
         torch.testing.assert_close(probe.of(g), eager_probe.of(e), atol=1e-4, rtol=0)
@@ -160,6 +162,20 @@ def test_eagle_speculation_on_cuda_replays_like_eager(tmp_path, graph_mode):
     engine_on_cuda_replays_like_eager(DEMO_MODEL_DIR, graph_mode, speculative_method="eagle")
 
 
+def self_drafting_on_cuda(model_dir) -> dict:
+    """Engine arguments: float32 on CUDA, the model drafting for itself, a small
+    chunked-prefill budget (so prompts split under PCP)."""
+    return dict(
+        device="cuda",
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=128,
+        max_num_batched_tokens=32,
+        speculative_model=str(model_dir),
+        num_speculative_tokens=3,
+    )
+
+
 @needs_cuda
 @pytest.mark.parametrize("graph_mode", ["piecewise", "full"])
 def test_a_draft_model_under_pcp_on_cuda_replays_like_eager(tiny_llama, graph_mode):
@@ -167,22 +183,11 @@ def test_a_draft_model_under_pcp_on_cuda_replays_like_eager(tiny_llama, graph_mo
     NCCL wants a GPU per rank) and the target drafting for itself: the draft's FULL and
     PIECEWISE graphs, refreshed from the global step, keep eager's tokens and its
     acceptance per draft position."""
-    prompts = [list(range(3, 10)), [200, 17], list(range(40, 77)), [5, 6, 7] * 8]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (16, 5, 9, 24)]
-    args = dict(
-        device="cuda",
-        dtype="float32",
-        block_size=4,
-        num_kv_blocks=128,
-        max_num_batched_tokens=32,
-        speculative_model=str(tiny_llama),
-        num_speculative_tokens=3,
-        prefill_context_parallel_size=2,
-    )
+    args = dict(**self_drafting_on_cuda(tiny_llama), prefill_context_parallel_size=2)
     runs = []
     for eager in (True, False):
         llm = LLM(str(tiny_llama), enforce_eager=eager, graph_mode=graph_mode, **args)
-        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
         stats = llm.engine.stats()
         runs.append((tokens, stats.speculative.accepted, stats.speculative.proposed))
         assert any("split over 2 ranks" in mode for mode in stats.steps)
@@ -207,23 +212,11 @@ def test_a_draft_model_under_pcp_on_cuda_replays_like_eager(tiny_llama, graph_mo
 def test_ranks_over_nccl_replay_like_one_process(tiny_llama, graph_mode, layout):
     """Two ranks on two GPUs, the in-step collectives over NCCL inside the captured
     steps, with the draft model on rank 0: one process's tokens and acceptance."""
-    prompts = [list(range(3, 10)), [200, 17], list(range(40, 77)), [5, 6, 7] * 8]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (16, 5, 9, 24)]
-    args = dict(
-        device="cuda",
-        dtype="float32",
-        block_size=4,
-        num_kv_blocks=128,
-        max_num_batched_tokens=32,
-        graph_mode=graph_mode,
-        capture_sizes=(1, 2, 4),
-        speculative_model=str(tiny_llama),
-        num_speculative_tokens=3,
-    )
+    args = dict(**self_drafting_on_cuda(tiny_llama), graph_mode=graph_mode, capture_sizes=(1, 2, 4))
     runs = []
     for split in ({}, layout):
         llm = LLM(str(tiny_llama), **args, **split)
-        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
         stats = llm.engine.stats()
         assert stats.steps.get("graph", 0) > 0, stats.steps
         runs.append((tokens, stats.speculative.accepted, stats.speculative.proposed))
