@@ -100,6 +100,16 @@ def test_latent_kernel_is_multi_query_attention_over_the_rows_it_names():
     want = reference(query, as_gqa, block_table, seq_lens, block_size, 0.2)[..., :latent]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert got.shape == (3, heads, latent) and got[2].eq(0).all()
+    # The log-sum-exp variant (decode context parallelism over a latent cache).
+    out, lse = torch.ops.updraft.paged_latent_attention_lse(
+        query, cache, block_table, seq_lens, block_size, 0.2, latent
+    )
+    torch.testing.assert_close(out, got, atol=0, rtol=0)
+    positions = torch.arange(21)
+    slots = block_table[0, positions // block_size] * block_size + positions % block_size
+    scores = query[0] @ cache[slots, :width].T * 0.2  # [heads, 21]
+    torch.testing.assert_close(lse[0], scores.logsumexp(dim=-1), atol=1e-5, rtol=1e-5)
+    assert (lse[2] == -1e30).all()
 
 
 def test_a_missing_block_is_skipped_not_read():

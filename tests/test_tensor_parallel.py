@@ -120,11 +120,9 @@ def test_a_closed_engine_stops_its_workers_and_a_dead_worker_is_named(tiny_llama
     assert not any(p.is_alive() for p in processes)
 
 
-def test_models_and_settings_tensor_parallelism_cannot_split_are_refused(tiny_llama, tiny_deepseek):
+def test_models_and_settings_tensor_parallelism_cannot_split_are_refused(tiny_llama):
     with pytest.raises(ValueError, match="does not divide this model's 4 attention heads"):
         LLM(str(tiny_llama), tensor_parallel_size=3)
-    with pytest.raises(ValueError, match="not yet for DeepSeek"):
-        LLM(str(tiny_deepseek[1]), tensor_parallel_size=2, decode_context_parallel_size=2)
     with pytest.raises(ValueError, match="'eagle' reads the target's embedding"):
         LLM(speculative_method="eagle", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1"):

@@ -17,6 +17,7 @@ shards exactly (``merge.py``).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from updraft.attention.in_place import IN_PLACE_MAX_QUERY, reads_cache_in_place
 from updraft.attention.merge import merge_attention_shards
@@ -63,38 +64,49 @@ def attend_shard(
     scale: float,
     rank: int,
     shards: int,
+    latent: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """query [T, H, D] over this rank's positions of each context -> [T, H * D + H]:
+    """query [T, H, D] over this rank's positions of each context -> [T, H * Dv + H]:
     the float32 output and log-sum-exp of every token and head (0 and a log-sum-exp of
     -inf, or -1e30 from the kernel, where the shard holds none of a token's context).
+    ``latent`` (key width, value width): the cache is MLA's latent rows [slots, C],
+    read as one KV head whose key and value are a row's first columns.
 
     Decodes and verify steps read the shard in place with the CPU kernel, each query
     token over the positions of its causal context this rank keeps: the first
     ceil((n - r) / C) of its local slots, for a context of n positions."""
+    value_dim = query.shape[2] if latent is None else latent[1]
     outputs = []
     for index, shape in enumerate(metadata.shapes):
         if shape.max_query <= IN_PLACE_MAX_QUERY and reads_cache_in_place(query):
             block_table, seq_lens = metadata.in_place_rows(index)
             local = (seq_lens - rank + shards - 1).div(shards, rounding_mode="floor").clamp(min=0)
-            out, lse = torch.ops.updraft.paged_decode_attention_lse(
-                query[shape.first_token : shape.last_token],
-                kv_cache,
-                block_table,
-                local,
-                metadata.block_size // shards,
-                scale,
-            )
+            tokens, block_size = query[shape.first_token : shape.last_token], metadata.block_size
+            if latent is None:
+                out, lse = torch.ops.updraft.paged_decode_attention_lse(
+                    tokens, kv_cache, block_table, local, block_size // shards, scale
+                )
+            else:
+                out, lse = torch.ops.updraft.paged_latent_attention_lse(
+                    tokens, kv_cache, block_table, local, block_size // shards, scale, value_dim
+                )
             outputs.append(torch.cat([out.flatten(1), lse], dim=1))
             continue
         group = metadata.shard_group(index, rank, shards)
         slots = group.kv_slots.flatten()
-        keys = kv_cache[0].index_select(0, slots)
-        values = kv_cache[1].index_select(0, slots)
+        if latent is None:
+            keys = kv_cache[0].index_select(0, slots)
+            values = kv_cache[1].index_select(0, slots)
+        else:
+            rows = kv_cache.index_select(0, slots)[:, None]
+            keys = rows[..., : latent[0]]
+            # the fused kernel wants one head size: values padded to the keys' width
+            values = F.pad(rows[..., :value_dim], (0, latent[0] - value_dim))
         out, lse = attend_with_lse(query, keys, values, group, scale)
-        outputs.append(torch.cat([out.flatten(1), lse], dim=1))
+        outputs.append(torch.cat([out[..., :value_dim].flatten(1), lse], dim=1))
     if metadata.num_padding_tokens:
         heads = query.shape[1]
-        padding = query.new_zeros(metadata.num_padding_tokens, heads * query.shape[2] + heads)
+        padding = query.new_zeros(metadata.num_padding_tokens, heads * value_dim + heads)
         padding[:, -heads:] = float("-inf")
         outputs.append(padding.float())
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)

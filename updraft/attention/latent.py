@@ -29,9 +29,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from updraft.attention.context_parallel import attend_shard, merge_own_heads
 from updraft.attention.in_place import IN_PLACE_MAX_QUERY, reads_cache_in_place
 from updraft.attention.metadata import AttentionGroup, AttentionMetadata
 from updraft.attention.paged import AttentionParams, attend_gathered, attention_op
+from updraft.parallel.topology import GroupRank
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,44 @@ def latent_attention(
         "index_weights": index_weights,
     }
     return attention_op(attend_latent, kwargs, params, metadata)
+
+
+def sharded_latent_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    kv_b_weight: torch.Tensor,
+    dims: LatentDims,
+    scale: float,
+    params: AttentionParams,
+    rank: GroupRank,
+) -> torch.Tensor:
+    """Latent attention when this rank's cache keeps every C-th position (decode context
+    parallelism), absorbed for every query: the group's queries in latent space are
+    all-gathered, each rank attends over its rows returning the log-sum-exp, and each
+    merges its own heads over every rank's shard before the value up-projection.
+    (DSA, whose top-k would need every shard's index scores, is refused with DCP.)"""
+    heads = q_nope.shape[1]
+    up = kv_b_weight.view(heads, dims.qk_nope_head_dim + dims.v_head_dim, dims.kv_lora_rank)
+    w_uk, w_uv = up.split([dims.qk_nope_head_dim, dims.v_head_dim], dim=1)
+    query = torch.cat([torch.einsum("thn,hnl->thl", q_nope, w_uk), q_pe], dim=-1)
+    tokens, width = query.shape[0], query.shape[-1]
+    queries = torch.ops.updraft.all_gather_last(query.flatten(1), rank.group, rank.size)
+    kwargs = {
+        "query": queries.view(tokens, rank.size * heads, width),
+        "kv_cache": cache,
+        "metadata": metadata,
+        "scale": scale,
+        "rank": rank.rank,
+        "shards": rank.size,
+        "latent": (dims.key_width, dims.kv_lora_rank),
+    }
+    shard = attention_op(attend_shard, kwargs, params, metadata)
+    gathered = torch.ops.updraft.all_gather_last(shard, rank.group, rank.size)
+    latent = merge_own_heads(gathered, rank, heads, dims.kv_lora_rank)
+    latent = latent.view(tokens, heads, dims.kv_lora_rank).to(query.dtype)
+    return torch.einsum("thl,hvl->thv", latent, w_uv).flatten(1)
 
 
 def attend_latent(

@@ -190,14 +190,50 @@ def paged_latent_attention(
     """Multi-query attention over a latent cache [slots, C]: query [B, H, W] scores the
     first W columns of each context row, and the first ``value_dim`` columns are the
     values -> [B, H, value_dim]."""
+    op = "paged_latent_attention"
+    return _latent_decode(
+        op, query, latent_cache, block_table, seq_lens, block_size, scale, value_dim
+    )
+
+
+def paged_latent_attention_lse(
+    query: torch.Tensor,
+    latent_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    value_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``paged_latent_attention``, and each head's log-sum-exp of its scaled scores
+    [B, H] (-1e30 where the context is empty)."""
+    lse = query.new_empty(query.shape[:2])
+    op = "paged_latent_attention_lse"
+    out = _latent_decode(
+        op, query, latent_cache, block_table, seq_lens, block_size, scale, value_dim, lse
+    )
+    return out, lse
+
+
+def _latent_decode(
+    op: str,
+    query: torch.Tensor,
+    latent_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    value_dim: int,
+    lse: torch.Tensor | None = None,
+) -> torch.Tensor:
     num_slots, width = latent_cache.shape
     _check(
         latent_cache.is_contiguous() and query.shape[-1] <= width and value_dim <= width,
-        "paged_latent_attention",
+        op,
         "a contiguous [slots, C] cache at least as wide as the query and the values",
     )
     return _decode_attention(
-        "paged_latent_attention",
+        op,
         query,
         (latent_cache, latent_cache),
         (num_slots, 1, query.shape[-1], value_dim, width),
@@ -205,6 +241,7 @@ def paged_latent_attention(
         seq_lens,
         block_size,
         scale,
+        lse,
     )
 
 
@@ -344,6 +381,19 @@ _LIBRARY.impl("paged_latent_attention", paged_latent_attention, "CPU")
 _LIBRARY.impl(
     "paged_latent_attention",
     lambda query, *rest: query.new_empty(*query.shape[:-1], rest[-1]),
+    "Meta",
+)
+_LIBRARY.define(
+    "paged_latent_attention_lse(Tensor query, Tensor latent_cache, Tensor block_table, "
+    "Tensor seq_lens, int block_size, float scale, int value_dim) -> (Tensor, Tensor)"
+)
+_LIBRARY.impl("paged_latent_attention_lse", paged_latent_attention_lse, "CPU")
+_LIBRARY.impl(
+    "paged_latent_attention_lse",
+    lambda query, cache, table, lens, block_size, scale, value_dim: (
+        query.new_empty(*query.shape[:2], value_dim),
+        query.new_empty(query.shape[:2]),
+    ),
     "Meta",
 )
 _LIBRARY.define("grouped_mlp(Tensor x, Tensor offsets, Tensor gate_up, Tensor down) -> Tensor")

@@ -15,14 +15,20 @@ import math
 import torch
 from torch import nn
 
-from updraft.attention.context_parallel import gather_step_rows
-from updraft.attention.latent import LatentDims, latent_attention, write_latent
+from updraft.attention.context_parallel import gather_step_rows, shard_slots
+from updraft.attention.latent import (
+    LatentDims,
+    latent_attention,
+    sharded_latent_attention,
+    write_latent,
+)
 from updraft.attention.metadata import AttentionMetadata
 from updraft.attention.paged import AttentionParams
 from updraft.config import MLAConfig, ModelConfig, RopeConfig
 from updraft.models.layers import MLP, CausalLM, DecoderLayer, FusedLinear, RMSNorm
 from updraft.models.moe import DeepseekMoE
 from updraft.models.rope import apply_rotary
+from updraft.parallel.topology import GroupRank
 
 # The latent norms' epsilon: the reference builds them with its default, not the
 # config's rms_norm_eps.
@@ -122,6 +128,8 @@ class LatentAttention(nn.Module):
         )
         self.o_proj = nn.Linear(config.num_heads * mla.v_head_dim, config.hidden_size, bias=False)
         self.indexer = Indexer(config) if config.indexer is not None else None
+        # The decode-context group this rank's latent shard belongs to, once sharded.
+        self.decode_context: GroupRank | None = None
 
     def forward(
         self,
@@ -148,8 +156,24 @@ class LatentAttention(nn.Module):
         if self.indexer is not None:
             index_key, index_query, index_weights = self.indexer(hidden, q_latent, rotary)
             rows.append(index_key)
-        # Under prefill context parallelism, every rank's rows of the step (one gather).
-        write_latent(cache, *gather_step_rows(torch.cat(rows, dim=-1), metadata))
+        # Under prefill context parallelism, every rank's rows of the step (one gather);
+        # under decode context parallelism, this rank keeps its positions only.
+        rows, slots = gather_step_rows(torch.cat(rows, dim=-1), metadata)
+        if self.decode_context is not None:
+            write_latent(cache, rows, shard_slots(slots, self.decode_context))
+            out = sharded_latent_attention(
+                q_nope,
+                apply_rotary(q_pe, *rotary),
+                cache,
+                metadata,
+                self.kv_b_proj.weight,
+                self.dims,
+                self.scale,
+                self.params,
+                self.decode_context,
+            )
+            return self.o_proj(out)
+        write_latent(cache, rows, slots)
         out = latent_attention(
             q_nope,
             apply_rotary(q_pe, *rotary),

@@ -45,11 +45,11 @@ def check_parallel(config: ModelConfig, sizes: ParallelSizes) -> None:
     sizes.check()
     if sizes.world == 1:
         return
-    if config.mla is not None and sizes.decode_context > 1:
+    if config.indexer is not None and sizes.decode_context > 1:
         raise ValueError(
-            "decode_context_parallel_size > 1 is supported for the Llama family (Llama, "
-            "Qwen2, Qwen3), not yet for DeepSeek's latent attention (tensor and prefill "
-            "context parallelism are)"
+            "decode_context_parallel_size > 1 is not yet supported for DeepSeek V3.2's "
+            "sparse attention (its top-k would need every rank's index scores); tensor "
+            "and prefill context parallelism are"
         )
     size, kv_ranks = sizes.tensor, sizes.tensor // sizes.decode_context
     kv = config.num_kv_heads
@@ -201,9 +201,11 @@ def _column(linear: nn.Linear, rows: slice) -> nn.Linear:
     return sharded
 
 
-def _shard_latent_attention(attention: LatentAttention, rank: GroupRank) -> None:
+def _shard_latent_attention(attention: LatentAttention, place: RankPlace) -> None:
     """Heads split; the latent down-projections, the latent cache and DSA's indexer are
-    whole on every rank (each writes the same rows and selects the same context)."""
+    whole on every rank (each writes the same rows and selects the same context), or,
+    under decode context parallelism, the cache keeps the rank's positions."""
+    rank = place.tensor
     mla, heads = attention.mla, _share(attention.num_heads, rank)
     qk, per_head = attention.qk_head_dim, mla.qk_nope_head_dim + mla.v_head_dim
     q_rows = slice(heads.start * qk, heads.stop * qk)
@@ -218,6 +220,8 @@ def _shard_latent_attention(attention: LatentAttention, rank: GroupRank) -> None
     v_rows = slice(heads.start * mla.v_head_dim, heads.stop * mla.v_head_dim)
     attention.o_proj = _row_parallel(attention.o_proj, v_rows, rank)
     attention.num_heads = heads.stop - heads.start
+    if place.sizes.decode_context > 1:
+        attention.decode_context = place.decode_context
 
 
 def _shard_moe(moe: DeepseekMoE, rank: GroupRank) -> SummedOverRanks:
@@ -269,7 +273,7 @@ def shard_model(model: CausalLM, place: RankPlace) -> None:
     model.lm_head = VocabParallelHead(head, vocab_size, rank)
     for layer in model.model.layers:
         if isinstance(layer.self_attn, LatentAttention):
-            _shard_latent_attention(layer.self_attn, rank)
+            _shard_latent_attention(layer.self_attn, place)
         else:
             _shard_attention(layer.self_attn, place)
         if isinstance(layer.mlp, DeepseekMoE):
