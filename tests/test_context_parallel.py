@@ -355,16 +355,12 @@ def test_the_server_over_pcp_and_tp_answers_like_one_process():
 
 @pytest.mark.parametrize("layout", ["tp2-pcp2", "tp2-dcp2"])
 def test_deepseek_latent_attention_and_experts_split_like_one_process(tiny_deepseek, layout, pool):
-    """V2, V3 (with and without a query LoRA) and V3.2 (DSA): heads split over the
-    tensor ranks, experts' rows too, the router and indexer whole on every rank. With
-    PCP the latent rows of a split prefill are gathered per layer; with DCP each rank's
-    latent cache keeps every other position (V3.2 refused: its top-k would need every
-    rank's index scores)."""
-    kind, checkpoint = tiny_deepseek
-    if layout == "tp2-dcp2" and kind == "deepseek-v3.2":
-        with pytest.raises(ValueError, match=r"not yet supported for DeepSeek V3\.2"):
-            LLM(str(checkpoint), **LAYOUTS[layout])
-        return
+    """V2, V3 (with and without a query LoRA) and V3.2 (DSA, top 6 of each context):
+    heads split over the tensor ranks, experts' rows too, the router and indexer whole
+    on every rank. With PCP the latent rows of a split prefill are gathered per layer;
+    with DCP each rank's latent cache keeps every other position, and V3.2's top-k is
+    taken over every rank's index scores."""
+    _, checkpoint = tiny_deepseek
     ours = run(checkpoint, worker_pool=pool, **LAYOUTS[layout])
     assert_same(ours, run(checkpoint))
     if layout == "tp2-dcp2":

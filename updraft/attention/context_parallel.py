@@ -98,17 +98,32 @@ def attend_shard(
             keys = kv_cache[0].index_select(0, slots)
             values = kv_cache[1].index_select(0, slots)
         else:
-            rows = kv_cache.index_select(0, slots)[:, None]
-            keys = rows[..., : latent[0]]
-            # the fused kernel wants one head size: values padded to the keys' width
-            values = F.pad(rows[..., :value_dim], (0, latent[0] - value_dim))
+            keys, values = latent_context(kv_cache, slots, *latent)
         out, lse = attend_with_lse(query, keys, values, group, scale)
         outputs.append(torch.cat([out[..., :value_dim].flatten(1), lse], dim=1))
-    if metadata.num_padding_tokens:
+    return with_padding(outputs, query, metadata.num_padding_tokens, value_dim)
+
+
+def latent_context(
+    cache: torch.Tensor, slots: torch.Tensor, key_width: int, value_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Latent rows at ``slots`` as one KV head: keys [N, 1, key_width] and values, the
+    rows' first ``value_dim`` columns, padded to the keys' width (the fused kernel
+    wants one head size; the caller keeps the first ``value_dim`` of the output)."""
+    rows = cache.index_select(0, slots)[:, None]
+    return rows[..., :key_width], F.pad(rows[..., :value_dim], (0, key_width - value_dim))
+
+
+def with_padding(
+    outputs: list[torch.Tensor], query: torch.Tensor, count: int, value_dim: int
+) -> torch.Tensor:
+    """The groups' shard results, then ``count`` padding tokens that saw nothing:
+    output 0, log-sum-exp -inf."""
+    if count:
         heads = query.shape[1]
-        padding = query.new_zeros(metadata.num_padding_tokens, heads * value_dim + heads)
+        padding = query.new_zeros(count, heads * value_dim + heads, dtype=torch.float32)
         padding[:, -heads:] = float("-inf")
-        outputs.append(padding.float())
+        outputs = [*outputs, padding]
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
@@ -118,9 +133,11 @@ def attend_with_lse(
     values: torch.Tensor,
     group: AttentionGroup,
     scale: float,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of the group's tokens, in float32, with its log-sum-exp:
-    (out [t, H, D], lse [t, H])."""
+    (out [t, H, D], lse [t, H]). ``mask`` [B, 1, Qmax, Kmax] replaces the group's."""
+    mask = group.mask if mask is None else mask
     batch, max_query = group.query_index.shape
     max_context = group.kv_slots.shape[1]
     q = query.index_select(0, group.query_index.flatten()).float()
@@ -130,16 +147,16 @@ def attend_with_lse(
     if k.shape[1] != q.shape[1]:  # grouped-query heads read their KV head
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    no_context = ~group.mask.any(dim=-1)  # [B, 1, L]: a token this shard holds none of
+    no_context = ~mask.any(dim=-1)  # [B, 1, L]: a token this shard holds none of
     if q.device.type == "cpu":
         # The fused CPU kernel returns the log-sum-exp beside the output, in blocks,
         # without the [B, H, L, K] scores a long prefill chunk would spill to memory.
         # (An aten op, the one SDPA itself dispatches to here; its name is underscored.)
-        bias = torch.zeros(group.mask.shape).masked_fill_(~group.mask, float("-inf"))
+        bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # noqa: SLF001
         out, lse = flash(q, k, v, attn_mask=bias, scale=scale)
     else:
-        scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~group.mask, float("-inf"))
+        scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)  # [B, H, L]
         out = torch.exp(scores - lse.masked_fill(lse.isneginf(), 0.0).unsqueeze(-1)) @ v
     out = out.masked_fill(no_context.unsqueeze(-1), 0.0)

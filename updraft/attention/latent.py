@@ -29,7 +29,13 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from updraft.attention.context_parallel import attend_shard, merge_own_heads
+from updraft.attention.context_parallel import (
+    attend_shard,
+    attend_with_lse,
+    latent_context,
+    merge_own_heads,
+    with_padding,
+)
 from updraft.attention.in_place import IN_PLACE_MAX_QUERY, reads_cache_in_place
 from updraft.attention.metadata import AttentionGroup, AttentionMetadata
 from updraft.attention.paged import AttentionParams, attend_gathered, attention_op
@@ -123,12 +129,16 @@ def sharded_latent_attention(
     scale: float,
     params: AttentionParams,
     rank: GroupRank,
+    index_query: torch.Tensor | None = None,
+    index_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Latent attention when this rank's cache keeps every C-th position (decode context
     parallelism), absorbed for every query: the group's queries in latent space are
     all-gathered, each rank attends over its rows returning the log-sum-exp, and each
-    merges its own heads over every rank's shard before the value up-projection.
-    (DSA, whose top-k would need every shard's index scores, is refused with DCP.)"""
+    merges its own heads over every rank's shard before the value up-projection. With
+    DSA, each rank scores its own positions with the indexer and the scores are
+    all-gathered, so that every rank takes the same top-k of the whole context and
+    attends over the chosen positions it keeps (``attend_sparse_shard``)."""
     heads = q_nope.shape[1]
     up = kv_b_weight.view(heads, dims.qk_nope_head_dim + dims.v_head_dim, dims.kv_lora_rank)
     w_uk, w_uv = up.split([dims.qk_nope_head_dim, dims.v_head_dim], dim=1)
@@ -144,11 +154,55 @@ def sharded_latent_attention(
         "shards": rank.size,
         "latent": (dims.key_width, dims.kv_lora_rank),
     }
-    shard = attention_op(attend_shard, kwargs, params, metadata)
+    if index_query is None:
+        shard = attention_op(attend_shard, kwargs, params, metadata)
+    else:
+        del kwargs["latent"]
+        kwargs.update(
+            index_query=index_query, index_weights=index_weights, dims=dims, group=rank.group
+        )
+        shard = attention_op(attend_sparse_shard, kwargs, params, metadata)
     gathered = torch.ops.updraft.all_gather_last(shard, rank.group, rank.size)
     latent = merge_own_heads(gathered, rank, heads, dims.kv_lora_rank)
     latent = latent.view(tokens, heads, dims.kv_lora_rank).to(query.dtype)
     return torch.einsum("thl,hvl->thv", latent, w_uv).flatten(1)
+
+
+def attend_sparse_shard(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    rank: int,
+    shards: int,
+    index_query: torch.Tensor,
+    index_weights: torch.Tensor,
+    dims: LatentDims,
+    group: str,
+) -> torch.Tensor:
+    """DSA over this rank's shard: ``attend_shard``'s result for a latent cache, each
+    query token attending only to the positions of the global top-k that this rank
+    keeps. Local position j is global position j * C + rank."""
+    outputs = []
+    for index in range(len(metadata.shapes)):
+        local = metadata.shard_group(index, rank, shards)
+        scores = index_scores(index_query, index_weights, kv_cache, local, dims)  # [B, Q, K]
+        every = torch.ops.updraft.all_gather(scores[None], group, shards)  # [C, B, Q, K]
+        batch, max_query, columns = scores.shape
+        totals = every.permute(1, 2, 3, 0).reshape(batch, max_query, columns * shards)
+        allowed = totals.isfinite()
+        k = min(dims.index_topk, columns * shards)
+        chosen = totals.topk(k, dim=-1).indices  # outside the context sorts last
+        count = allowed.sum(dim=-1).clamp(max=k)
+        keep = torch.arange(k, device=chosen.device) < count[..., None]
+        picked = torch.zeros_like(allowed).scatter(-1, chosen, keep)
+        mine = picked.view(batch, max_query, columns, shards)[..., rank]
+        slots = local.kv_slots.flatten()
+        keys, values = latent_context(kv_cache, slots, dims.key_width, dims.kv_lora_rank)
+        mask = local.mask & mine[:, None]
+        out, lse = attend_with_lse(query, keys, values, local, scale, mask)
+        outputs.append(torch.cat([out[..., : dims.kv_lora_rank].flatten(1), lse], dim=1))
+    return with_padding(outputs, query, metadata.num_padding_tokens, dims.kv_lora_rank)
 
 
 def attend_latent(
@@ -254,6 +308,28 @@ def _expanded(
     return attend_gathered(query, keys, values, group, scale, mask)
 
 
+def index_scores(
+    index_query: torch.Tensor,
+    index_weights: torch.Tensor,
+    cache: torch.Tensor,
+    group: AttentionGroup,
+    dims: LatentDims,
+) -> torch.Tensor:
+    """DSA's score of each context position of the group for each query row [B, Q, K]:
+    a weighted sum over the indexer's heads of ReLU'd dot products; -inf outside the
+    causal context."""
+    batch, max_query = group.query_index.shape
+    max_context = group.kv_slots.shape[1]
+    keys = cache.index_select(0, group.kv_slots.flatten())[:, dims.key_width :]
+    keys = keys.reshape(batch, max_context, dims.index_head_dim).float()
+    rows = group.query_index.flatten()
+    query = index_query.index_select(0, rows).view(batch, max_query, -1, dims.index_head_dim)
+    weights = index_weights.index_select(0, rows).view(batch, max_query, -1)
+    scores = F.relu(torch.einsum("bqhi,bki->bqhk", query.float(), keys) * dims.index_head_dim**-0.5)
+    totals = torch.einsum("bqh,bqhk->bqk", weights.float(), scores)
+    return totals.masked_fill(~group.mask[:, 0], float("-inf"))
+
+
 def index_selection(
     index_query: torch.Tensor,
     index_weights: torch.Tensor,
@@ -264,17 +340,9 @@ def index_selection(
     """DSA: the context tokens each query of the group attends to: its causal context
     where that is at most ``index_topk`` tokens, else the ``index_topk`` tokens of it
     the indexer scores highest."""
-    batch, max_query = group.query_index.shape
     max_context = group.kv_slots.shape[1]
-    keys = cache.index_select(0, group.kv_slots.flatten())[:, dims.key_width :]
-    keys = keys.reshape(batch, max_context, dims.index_head_dim).float()
-    rows = group.query_index.flatten()
-    query = index_query.index_select(0, rows).view(batch, max_query, -1, dims.index_head_dim)
-    weights = index_weights.index_select(0, rows).view(batch, max_query, -1)
-    scores = F.relu(torch.einsum("bqhi,bki->bqhk", query.float(), keys) * dims.index_head_dim**-0.5)
-    totals = torch.einsum("bqh,bqhk->bqk", weights.float(), scores)
+    totals = index_scores(index_query, index_weights, cache, group, dims)
     allowed = group.mask[:, 0]
-    totals = totals.masked_fill(~allowed, float("-inf"))
     k = min(dims.index_topk, max_context)
     chosen = totals.topk(k, dim=-1).indices  # sorted: outside the context comes last
     return Selection(chosen, allowed.sum(dim=-1).clamp(max=k))

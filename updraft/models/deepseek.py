@@ -159,22 +159,9 @@ class LatentAttention(nn.Module):
         # Under prefill context parallelism, every rank's rows of the step (one gather);
         # under decode context parallelism, this rank keeps its positions only.
         rows, slots = gather_step_rows(torch.cat(rows, dim=-1), metadata)
-        if self.decode_context is not None:
-            write_latent(cache, rows, shard_slots(slots, self.decode_context))
-            out = sharded_latent_attention(
-                q_nope,
-                apply_rotary(q_pe, *rotary),
-                cache,
-                metadata,
-                self.kv_b_proj.weight,
-                self.dims,
-                self.scale,
-                self.params,
-                self.decode_context,
-            )
-            return self.o_proj(out)
-        write_latent(cache, rows, slots)
-        out = latent_attention(
+        sharded = self.decode_context
+        write_latent(cache, rows, slots if sharded is None else shard_slots(slots, sharded))
+        args = (
             q_nope,
             apply_rotary(q_pe, *rotary),
             cache,
@@ -183,9 +170,11 @@ class LatentAttention(nn.Module):
             self.dims,
             self.scale,
             self.params,
-            index_query,
-            index_weights,
         )
+        if sharded is None:
+            out = latent_attention(*args, index_query, index_weights)
+        else:
+            out = sharded_latent_attention(*args, sharded, index_query, index_weights)
         return self.o_proj(out)
 
 

@@ -45,12 +45,6 @@ def check_parallel(config: ModelConfig, sizes: ParallelSizes) -> None:
     sizes.check()
     if sizes.world == 1:
         return
-    if config.indexer is not None and sizes.decode_context > 1:
-        raise ValueError(
-            "decode_context_parallel_size > 1 is not yet supported for DeepSeek V3.2's "
-            "sparse attention (its top-k would need every rank's index scores); tensor "
-            "and prefill context parallelism are"
-        )
     size, kv_ranks = sizes.tensor, sizes.tensor // sizes.decode_context
     kv = config.num_kv_heads
     problems = []
