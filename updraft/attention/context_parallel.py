@@ -138,12 +138,7 @@ def attend_with_lse(
     """Softmax attention of the group's tokens, in float32, with its log-sum-exp:
     (out [t, H, D], lse [t, H]). ``mask`` [B, 1, Qmax, Kmax] replaces the group's."""
     mask = group.mask if mask is None else mask
-    batch, max_query = group.query_index.shape
-    max_context = group.kv_slots.shape[1]
-    q = query.index_select(0, group.query_index.flatten()).float()
-    q = q.view(batch, max_query, *q.shape[1:]).transpose(1, 2)  # [B, H, L, D]
-    k = keys.float().view(batch, max_context, *keys.shape[1:]).transpose(1, 2)
-    v = values.float().view(batch, max_context, *values.shape[1:]).transpose(1, 2)
+    q, k, v = (x.float() for x in group.batched(query, keys, values))
     if k.shape[1] != q.shape[1]:  # grouped-query heads read their KV head
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)

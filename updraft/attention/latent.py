@@ -33,12 +33,16 @@ from updraft.attention.context_parallel import (
     attend_shard,
     attend_with_lse,
     latent_context,
-    merge_own_heads,
     with_padding,
 )
 from updraft.attention.in_place import IN_PLACE_MAX_QUERY, reads_cache_in_place
 from updraft.attention.metadata import AttentionGroup, AttentionMetadata
-from updraft.attention.paged import AttentionParams, attend_gathered, attention_op
+from updraft.attention.paged import (
+    AttentionParams,
+    attend_gathered,
+    attend_over_shards,
+    attention_op,
+)
 from updraft.parallel.topology import GroupRank
 
 
@@ -50,6 +54,15 @@ class LatentDims:
     v_head_dim: int
     index_head_dim: int = 0  # 0: no indexer (dense attention)
     index_topk: int = 0
+
+    def up_projections(
+        self, kv_b_weight: torch.Tensor, heads: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj's rows, per head the key's nope part then the value, as W_UK
+        [H, nope, L] and W_UV [H, v, L]."""
+        up = kv_b_weight.view(heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        w_uk, w_uv = up.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
+        return w_uk, w_uv
 
     @property
     def key_width(self) -> int:
@@ -140,31 +153,19 @@ def sharded_latent_attention(
     all-gathered, so that every rank takes the same top-k of the whole context and
     attends over the chosen positions it keeps (``attend_sparse_shard``)."""
     heads = q_nope.shape[1]
-    up = kv_b_weight.view(heads, dims.qk_nope_head_dim + dims.v_head_dim, dims.kv_lora_rank)
-    w_uk, w_uv = up.split([dims.qk_nope_head_dim, dims.v_head_dim], dim=1)
+    w_uk, w_uv = dims.up_projections(kv_b_weight, heads)
     query = torch.cat([torch.einsum("thn,hnl->thl", q_nope, w_uk), q_pe], dim=-1)
-    tokens, width = query.shape[0], query.shape[-1]
-    queries = torch.ops.updraft.all_gather_last(query.flatten(1), rank.group, rank.size)
-    kwargs = {
-        "query": queries.view(tokens, rank.size * heads, width),
-        "kv_cache": cache,
-        "metadata": metadata,
-        "scale": scale,
-        "rank": rank.rank,
-        "shards": rank.size,
-        "latent": (dims.key_width, dims.kv_lora_rank),
-    }
     if index_query is None:
-        shard = attention_op(attend_shard, kwargs, params, metadata)
+        op, op_args = attend_shard, {"latent": (dims.key_width, dims.kv_lora_rank)}
     else:
-        del kwargs["latent"]
-        kwargs.update(
+        op = attend_sparse_shard
+        op_args = dict(
             index_query=index_query, index_weights=index_weights, dims=dims, group=rank.group
         )
-        shard = attention_op(attend_sparse_shard, kwargs, params, metadata)
-    gathered = torch.ops.updraft.all_gather_last(shard, rank.group, rank.size)
-    latent = merge_own_heads(gathered, rank, heads, dims.kv_lora_rank)
-    latent = latent.view(tokens, heads, dims.kv_lora_rank).to(query.dtype)
+    latent = attend_over_shards(
+        query, cache, metadata, scale, params, rank, dims.kv_lora_rank, op, **op_args
+    )
+    latent = latent.view(query.shape[0], heads, dims.kv_lora_rank).to(query.dtype)
     return torch.einsum("thl,hvl->thv", latent, w_uv).flatten(1)
 
 
@@ -217,9 +218,7 @@ def attend_latent(
     index_weights: torch.Tensor | None,
 ) -> torch.Tensor:
     heads = q_nope.shape[1]
-    # kv_b_proj's rows are, per head, the key's nope part then the value.
-    up = kv_b_weight.view(heads, dims.qk_nope_head_dim + dims.v_head_dim, dims.kv_lora_rank)
-    w_uk, w_uv = up.split([dims.qk_nope_head_dim, dims.v_head_dim], dim=1)
+    w_uk, w_uv = dims.up_projections(kv_b_weight, heads)
     outputs = []
     for index, shape in enumerate(metadata.shapes):
         tokens = slice(shape.first_token, shape.last_token)

@@ -117,6 +117,21 @@ class AttentionGroup:
         output_index = owner * shape.max_query + tokens - starts.index_select(0, owner)
         return cls(query_index, kv_slots, mask[:, None], output_index)
 
+    def batched(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_token: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The group's query tokens (of the flat batch from ``first_token`` on) and its
+        context's keys and values [B * Kmax, Hkv, D] as padded batches for one
+        attention call: [B, H, Qmax, D], [B, Hkv, Kmax, D], [B, Hkv, Kmax, Dv]."""
+        batch, max_query = self.query_index.shape
+        max_context = self.kv_slots.shape[1]
+        index = self.query_index.flatten()
+        q = query.index_select(0, index - first_token if first_token else index)
+        q = q.view(batch, max_query, *q.shape[1:]).transpose(1, 2)
+        k = keys.view(batch, max_context, *keys.shape[1:]).transpose(1, 2)
+        v = values.view(batch, max_context, *values.shape[1:]).transpose(1, 2)
+        return q, k, v
+
     @classmethod
     def uniform(
         cls, shape: GroupShape, seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int

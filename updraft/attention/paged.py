@@ -143,14 +143,7 @@ def attend_gathered(
     """query [tokens, H, D] (the flat batch from ``first_token`` on), the group's context
     keys [B * Kmax, Hkv, D] and values [B * Kmax, Hkv, Dv] -> the group's tokens
     [t, H, Dv]. ``mask`` [B, 1, Qmax, Kmax] replaces the group's causal mask."""
-    batch, max_query = group.query_index.shape
-    max_context = group.kv_slots.shape[1]
-    index = group.query_index.flatten()
-    q = query.index_select(0, index - first_token if first_token else index)
-    # [B * L, heads, D] -> [B, heads, L, D]
-    q = q.view(batch, max_query, *q.shape[1:]).transpose(1, 2)
-    k = keys.view(batch, max_context, *keys.shape[1:]).transpose(1, 2)
-    v = values.view(batch, max_context, *values.shape[1:]).transpose(1, 2)
+    q, k, v = group.batched(query, keys, values, first_token)
     out = F.scaled_dot_product_attention(
         q,
         k,
@@ -182,21 +175,43 @@ def paged_attention(
         write_kv(kv_cache, key, value, slot_mapping)
         kwargs = {"query": query, "kv_cache": kv_cache, "metadata": metadata, "scale": scale}
         return attention_op(attend, kwargs, params, metadata)
-    group, size = decode_context.group, decode_context.size
     write_kv(kv_cache, key, value, shard_slots(slot_mapping, decode_context))
-    tokens, heads, dim = query.shape
-    queries = torch.ops.updraft.all_gather_last(query.flatten(1), group, size)
+    out = attend_over_shards(
+        query, kv_cache, metadata, scale, params, decode_context, query.shape[-1]
+    )
+    return out.to(query.dtype)
+
+
+def attend_over_shards(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    params: AttentionParams,
+    rank: GroupRank,
+    value_dim: int,
+    op: Callable[..., torch.Tensor] = attend_shard,
+    **op_args: Any,
+) -> torch.Tensor:
+    """Attention of this rank's heads of query [T, H, D] over a context whose positions
+    its decode-context group splits: the group's query heads are all-gathered, ``op``
+    (a task) attends with them over this rank's positions returning the log-sum-exp,
+    and every rank's results are all-gathered for each rank to merge its own heads
+    -> [T, H * value_dim], float32."""
+    tokens, heads, width = query.shape
+    queries = torch.ops.updraft.all_gather_last(query.flatten(1), rank.group, rank.size)
     kwargs = {
-        "query": queries.view(tokens, size * heads, dim),
+        "query": queries.view(tokens, rank.size * heads, width),
         "kv_cache": kv_cache,
         "metadata": metadata,
         "scale": scale,
-        "rank": decode_context.rank,
-        "shards": size,
+        "rank": rank.rank,
+        "shards": rank.size,
+        **op_args,
     }
-    shard = attention_op(attend_shard, kwargs, params, metadata)
-    gathered = torch.ops.updraft.all_gather_last(shard, group, size)
-    return merge_own_heads(gathered, decode_context, heads, dim).to(query.dtype)
+    shard = attention_op(op, kwargs, params, metadata)
+    gathered = torch.ops.updraft.all_gather_last(shard, rank.group, rank.size)
+    return merge_own_heads(gathered, rank, heads, value_dim)
 
 
 def attention_op(

@@ -33,7 +33,7 @@ class PrefillSplit:
 
 
 def splits(inputs: StepInputs, whole_query_len: int) -> bool:
-    """Whether any request of the step is cut (else the step runs whole on rank 0)."""
+    """Whether any request of the step is cut (else every rank runs the whole step)."""
     return any(n > whole_query_len for n in inputs.query_lens)
 
 
