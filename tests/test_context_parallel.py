@@ -246,7 +246,7 @@ def test_the_draft_model_under_dcp_keeps_every_position_itself(tiny_llama, pool)
     outputs = token_ids(llm.generate(token_prompts(6), DRAFT_PARAMS))
     plain = token_ids(LLM(str(tiny_llama), **ARGS).generate(token_prompts(6), DRAFT_PARAMS))
     assert outputs == plain
-    assert llm.engine._proposer.runner.block_size == 8
+    assert llm.engine._proposer.runner.positions_per_block == 8
     assert llm.engine.stats().speculative.acceptance_rate == 1.0
     llm.engine.close()
 

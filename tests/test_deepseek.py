@@ -15,7 +15,7 @@ from tests.probes import assert_idle
 from tests.serving import running_server
 from tests.test_reference_models import PROMPTS, assert_logits_match
 from updraft import LLM, SamplingParams
-from updraft.attention import latent
+from updraft.attention import latent, loop
 from updraft.cli import main
 from updraft.config import EngineConfig
 from updraft.engine.engine import Engine
@@ -38,7 +38,7 @@ def test_logits_match_transformers_over_prefill_and_decode(tiny_deepseek, token_
 def test_attention_gathered_instead_of_read_in_place_matches_too(tiny_deepseek, monkeypatch):
     """Where the CPU kernel does not run (GPUs, other dtypes), decodes attend over the
     gathered context, and with DSA under the selection's mask."""
-    monkeypatch.setattr(latent, "reads_cache_in_place", lambda query: False)
+    monkeypatch.setattr(loop, "reads_cache_in_place", lambda query: False)
     assert_logits_match(tiny_deepseek[1], token_budget=10)
 
 

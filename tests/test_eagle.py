@@ -163,7 +163,7 @@ def test_the_head_matches_transformers_over_a_prefill_and_a_decode(pair):
         dtype=torch.float32,
         device="cpu",
         num_blocks=8,
-        block_size=4,
+        positions_per_block=4,
         captured=None,
     )
     proposer = eagle_proposer(runner, str(head_dir), 3)
@@ -178,7 +178,7 @@ def test_the_head_matches_transformers_over_a_prefill_and_a_decode(pair):
             seq_lens=torch.tensor([last]),
             query_start_loc=torch.tensor([0, rows]),
             shapes=[GroupShape(0, 1, 0, rows, rows, last)],
-            block_size=4,
+            positions_per_block=4,
         )
         out = proposer.head(
             torch.tensor(tokens[first + 1 : last + 1]),

@@ -117,14 +117,14 @@ def test_a_stale_seq_lens_changes_the_sparse_attention_selection(tmp_path, monke
     and the stale-input tests above cover it through the output.)"""
     model_dir = make_deepseek_checkpoint("deepseek-v3.2", tmp_path)
     chosen = []
-    select = latent.index_selection
+    choose = latent.IndexerScores.choose
 
-    def spy(*args):
-        selected = select(*args)
-        chosen.append(selected.mask(64)[:, 0, 0])  # each decode's row; contexts < 64
+    def spy(self, group):
+        selected = choose(self, group)
+        chosen.append(selected.columns(64)[:, 0])  # each decode's row; contexts < 64
         return selected
 
-    monkeypatch.setattr(latent, "index_selection", spy)
+    monkeypatch.setattr(latent.IndexerScores, "choose", spy)
     for skip in (None, "seq_lens"):
         chosen.clear()
         eager, _ = run(model_dir, skip=skip)

@@ -107,7 +107,7 @@ def test_the_mtp_layer_matches_transformers_over_a_prefill_and_a_decode(checkpoi
             seq_lens=torch.tensor([last]),
             query_start_loc=torch.tensor([0, rows]),
             shapes=[GroupShape(0, 1, 0, rows, rows, last)],
-            block_size=block_size,
+            positions_per_block=block_size,
         )
         rotary = main.rotary.lookup(torch.arange(first + 1, last + 1), torch.float32)
         out = depth(embeds[first:last], hidden[first:last], rotary, cache, metadata)

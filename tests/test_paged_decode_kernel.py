@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from updraft import LLM, SamplingParams
-from updraft.attention import paged
+from updraft.attention.gqa import PagedKV
 from updraft.attention.in_place import IN_PLACE_MAX_QUERY
+from updraft.attention.loop import attend
 from updraft.kernels.ops import kernel_builds
 
 pytestmark = pytest.mark.skipif(
@@ -47,15 +48,16 @@ def test_kernel_equals_attention_over_the_gathered_context(heads, kv_heads):
         block_table[b, :count] = order[used : used + count]
         used += count
     query = torch.randn(5, heads, head_dim)
-    got = torch.ops.updraft.paged_decode_attention(
+    got, lse = torch.ops.updraft.paged_decode_attention(
         query, kv_cache, block_table, seq_lens, block_size, 0.3
     )
+    assert lse.numel() == 0  # not asked for
     want = reference(query, kv_cache, block_table, seq_lens, block_size, 0.3)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert got[2].eq(0).all()
 
 
-def test_the_log_sum_exp_variant_returns_each_head_s_normaliser():
+def test_asked_for_it_returns_each_head_s_log_sum_exp():
     """What decode context parallelism merges shards by: the same output, and per head
     the log-sum-exp of its scaled scores; -1e30 (weight 0 in a merge) for no context."""
     torch.manual_seed(5)
@@ -64,10 +66,10 @@ def test_the_log_sum_exp_variant_returns_each_head_s_normaliser():
     block_table = torch.randperm(20)[:12].view(3, 4)
     seq_lens = torch.tensor([13, 0, 16])
     query = torch.randn(3, heads, head_dim)
-    out, lse = torch.ops.updraft.paged_decode_attention_lse(
-        query, kv_cache, block_table, seq_lens, block_size, 0.4
+    out, lse = torch.ops.updraft.paged_decode_attention(
+        query, kv_cache, block_table, seq_lens, block_size, 0.4, True
     )
-    plain = torch.ops.updraft.paged_decode_attention(
+    plain, _ = torch.ops.updraft.paged_decode_attention(
         query, kv_cache, block_table, seq_lens, block_size, 0.4
     )
     torch.testing.assert_close(out, plain, atol=0, rtol=0)
@@ -90,7 +92,7 @@ def test_latent_kernel_is_multi_query_attention_over_the_rows_it_names():
     block_table = torch.randperm(30)[:18].view(3, 6)
     seq_lens = torch.tensor([21, 1, 0])
     query = torch.randn(3, heads, latent + rope)
-    got = torch.ops.updraft.paged_latent_attention(
+    got, _ = torch.ops.updraft.paged_latent_attention(
         query, cache, block_table, seq_lens, block_size, 0.2, latent
     )
     width = latent + rope
@@ -100,9 +102,9 @@ def test_latent_kernel_is_multi_query_attention_over_the_rows_it_names():
     want = reference(query, as_gqa, block_table, seq_lens, block_size, 0.2)[..., :latent]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert got.shape == (3, heads, latent) and got[2].eq(0).all()
-    # The log-sum-exp variant (decode context parallelism over a latent cache).
-    out, lse = torch.ops.updraft.paged_latent_attention_lse(
-        query, cache, block_table, seq_lens, block_size, 0.2, latent
+    # With the log-sum-exp (decode context parallelism over a latent cache).
+    out, lse = torch.ops.updraft.paged_latent_attention(
+        query, cache, block_table, seq_lens, block_size, 0.2, latent, True
     )
     torch.testing.assert_close(out, got, atol=0, rtol=0)
     positions = torch.arange(21)
@@ -118,7 +120,7 @@ def test_a_missing_block_is_skipped_not_read():
     kv_cache = torch.randn(2, 8 * 4 + 1, 1, 8)
     block_table = torch.tensor([[2, -1, 10**9]])
     query = torch.randn(1, 1, 8)
-    got = torch.ops.updraft.paged_decode_attention(
+    got, _ = torch.ops.updraft.paged_decode_attention(
         query, kv_cache, block_table, torch.tensor([12]), 4, 1.0
     )
     want = reference(query, kv_cache, block_table[:, :1], torch.tensor([4]), 4, 1.0)
@@ -141,13 +143,13 @@ def test_bad_arguments_are_named():
 def test_engine_decodes_read_the_cache_in_place(tiny_llama, monkeypatch):
     """Decode groups never gather their context; prefill groups of long queries do."""
     gathered = []
-    original = paged.gather_and_attend
+    original = PagedKV.gathered
 
-    def spy(query, kv_cache, group, scale):
+    def spy(self, group, *args):
         gathered.append(group.query_index.shape[1])  # the group's longest query
-        return original(query, kv_cache, group, scale)
+        return original(self, group, *args)
 
-    monkeypatch.setattr(paged, "gather_and_attend", spy)
+    monkeypatch.setattr(PagedKV, "gathered", spy)
     llm = LLM(tiny_llama, num_kv_blocks=32)
     llm.generate([list(range(1, 21))], SamplingParams(max_tokens=8, ignore_eos=True))
     assert gathered and all(longest > IN_PLACE_MAX_QUERY for longest in gathered)
@@ -192,15 +194,17 @@ def test_short_queries_read_the_cache_in_place_and_equal_the_gathered_path(monke
         block_table=block_table,
         seq_lens=torch.tensor(seq_lens),
         query_start_loc=torch.tensor([0, 4, 6, 9]),
-        shapes=[GroupShape(0, 3, 0, 9, max_query=max(query_lens), max_context=max(seq_lens))],
-        block_size=block_size,
+        shapes=(GroupShape(0, 3, 0, 9, max_query=max(query_lens), max_context=max(seq_lens)),),
+        positions_per_block=block_size,
     )
     query = torch.randn(9, heads, head_dim)
-    want = paged.gather_and_attend(query, kv_cache, metadata.group(0), 0.25).flatten(1)
+    group = metadata.group(0)
+    reader = PagedKV(query, kv_cache)
+    want, _ = reader.gathered(group, slice(0, 9), max(query_lens), group.mask, 0.25, False)
 
     def gathering(*args, **kwargs):
         raise AssertionError("a short-query group gathered its context")
 
-    monkeypatch.setattr(paged, "gather_and_attend", gathering)
-    got = paged.attend(query, kv_cache, metadata, 0.25)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(PagedKV, "gathered", gathering)
+    got = attend(reader, metadata, 0.25)
+    torch.testing.assert_close(got, want.flatten(1), atol=1e-5, rtol=1e-5)

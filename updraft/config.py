@@ -538,9 +538,10 @@ class EngineConfig:
         )
 
     @property
-    def tokens_per_block(self) -> int:
-        """Positions per KV block as the scheduler counts them: each of the C ranks of
-        a decode-context group keeps block_size of them."""
+    def positions_per_block(self) -> int:
+        """Positions of a sequence per KV block, as the scheduler counts them: each of
+        the C ranks of a decode-context group keeps ``block_size`` of them, so a block
+        is ``block_size`` slots of each rank's cache."""
         return self.block_size * self.decode_context_parallel_size
 
     @property

@@ -1,4 +1,4 @@
-"""What one layer's KV cache holds per slot, by attention kind.
+"""What one layer's KV cache holds per slot, by attention kind, and its allocation.
 
 A slot is one token position of one block (``block * block_size + offset``); every
 layer's cache has ``num_blocks * block_size + 1`` of them, the last a spare that takes
@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+import numpy as np
+import torch
 
 from updraft.config import ModelConfig
 
@@ -44,3 +47,39 @@ def cache_layout(config: ModelConfig) -> CacheLayout:
             width += config.indexer.head_dim
         return CacheLayout(before_slots=(), per_slot=(width,))
     return CacheLayout(before_slots=(2,), per_slot=(config.num_kv_heads, config.head_dim))
+
+
+def allocate_kv_cache(
+    num_layers: int,
+    num_blocks: int,
+    slots_per_block: int,
+    layout: CacheLayout,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[torch.Tensor]:
+    shape = layout.shape(num_blocks * slots_per_block + 1)
+    try:
+        if torch.device(device).type == "cpu":
+            return [zeros_on_first_write(shape, dtype) for _ in range(num_layers)]
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    except (MemoryError, torch.OutOfMemoryError) as error:
+        size = num_layers * math.prod(shape) * dtype.itemsize / 2**30
+        raise ValueError(
+            f"cannot allocate a KV cache of {num_blocks} blocks ({size:.1f} GiB) on {device}: "
+            f"{error}; lower kv_cache_memory_gib or num_kv_blocks"
+        ) from error
+
+
+def zeros_on_first_write(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor from calloc'd memory: the OS maps each page on its first write, so
+    a large KV budget costs memory only as blocks fill (``torch.zeros`` would write,
+    and so map, every byte up front)."""
+    numel = math.prod(shape)
+    memory = np.zeros(numel * dtype.itemsize, dtype=np.uint8)
+    return torch.from_numpy(memory).view(dtype).view(shape)
+
+
+def kv_cache_bytes_per_block(
+    num_layers: int, slots_per_block: int, layout: CacheLayout, dtype: torch.dtype
+) -> int:
+    return num_layers * slots_per_block * layout.values_per_slot * dtype.itemsize

@@ -7,18 +7,23 @@ the indexer's key (``attention/cache_layout.py``). Keys and values are never cac
 expanded. Two ways to attend over it, chosen per group of requests like GQA's:
 
 * **Absorbed** (decodes and verify steps, query groups of up to ``IN_PLACE_MAX_QUERY``
-  tokens): the key up-projection W_UK folds into the query (q_nope W_UK, per head), so
-  each head attends as multi-query attention over ``[c_kv | k_pe]`` with values
-  ``c_kv``, and the value up-projection W_UV applies to the result. Per step this reads
-  each cached row once, ``kv_lora_rank + qk_rope_head_dim`` values, whatever the heads.
-* **Expanded** (prefill chunks): the group's context goes through ``kv_b_proj`` once
-  into per-head keys and values, which is cheaper when many query tokens share them.
+  tokens; ``LatentRows``): the key up-projection W_UK folds into the query (q_nope W_UK,
+  per head), so each head attends as multi-query attention over ``[c_kv | k_pe]`` with
+  values ``c_kv``, and the value up-projection W_UV applies to the result. Per step this
+  reads each cached row once, ``kv_lora_rank + qk_rope_head_dim`` values, whatever the
+  heads. Under decode context parallelism every group is absorbed: the shards merge in
+  latent space, before each rank's own heads' W_UV.
+* **Expanded** (prefill chunks; ``LatentCache``): the group's context goes through
+  ``kv_b_proj`` once into per-head keys and values, which is cheaper when many query
+  tokens share them.
+
+Both are cache readers of the one attention loop (``loop.py``).
 
 With DSA, the indexer scores every context token for every query token (a weighted sum
 over its heads of ReLU'd dot products with the cached indexer keys), and each query
-attends only to the ``index_topk`` best of its causal context: the selection is a mask
-derived inside the step from the cache and the step's own seq_lens and block table, so
-a replay selects afresh like everything else.
+attends only to the ``index_topk`` best of its causal context (``IndexerScores``, the
+loop's selector): the selection is derived inside the step from the cache and the
+step's own seq_lens and block table, so a replay selects afresh like everything else.
 """
 
 from __future__ import annotations
@@ -29,21 +34,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from updraft.attention.context_parallel import (
-    attend_shard,
-    attend_with_lse,
-    latent_context,
-    with_padding,
-)
-from updraft.attention.in_place import IN_PLACE_MAX_QUERY, reads_cache_in_place
+from updraft.attention.context_parallel import attention, step_rows
+from updraft.attention.in_place import IN_PLACE_MAX_QUERY
+from updraft.attention.loop import Attended, AttentionParams, Selection, attend_padded
 from updraft.attention.metadata import AttentionGroup, AttentionMetadata
-from updraft.attention.paged import (
-    AttentionParams,
-    attend_gathered,
-    attend_over_shards,
-    attention_op,
-)
-from updraft.parallel.topology import GroupRank
 
 
 @dataclass(frozen=True)
@@ -70,210 +64,118 @@ class LatentDims:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
 
-class Selection(NamedTuple):
-    """DSA's choice for one group: per query row of the padded group [B, Qmax], context
-    indices best first [B, Qmax, k], of which the first ``count`` are chosen (the rest
-    are positions outside the causal context, which sort last)."""
+class LatentRows(NamedTuple):
+    """The latent cache read in latent space: queries [t, H, L + rope] (q_nope W_UK
+    beside q_pe) of the step's tokens from ``first_token`` on, as multi-query attention
+    over the rows' first L + rope columns with values their first L -> [t, H, L]."""
 
-    chosen: torch.Tensor
-    count: torch.Tensor
+    query: torch.Tensor
+    cache: torch.Tensor
+    dims: LatentDims
+    first_token: int = 0
 
-    def mask(self, max_context: int) -> torch.Tensor:
-        """[B, 1, Qmax, Kmax]: True where a query attends."""
-        ranks = torch.arange(self.chosen.shape[-1], device=self.chosen.device)
-        keep = ranks < self.count[..., None]
-        empty = torch.zeros(
-            *self.chosen.shape[:-1], max_context, dtype=torch.bool, device=keep.device
-        )
-        return empty.scatter(-1, self.chosen, keep)[:, None]
+    @property
+    def value_dim(self) -> int:
+        return self.dims.kv_lora_rank
 
-    def token_rows(self, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per query token of the group, in order: the slots of its chosen context as a
-        block table of one-slot blocks [t, k], and how many there are [t]."""
-        batch, max_query, k = self.chosen.shape
-        slots = group.kv_slots.gather(1, self.chosen.view(batch, max_query * k))
-        table = slots.view(batch * max_query, k).index_select(0, group.output_index)
-        return table, self.count.flatten().index_select(0, group.output_index)
-
-
-def write_latent(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """rows [T, width] into their slots; slot -1 lands in the spare last slot."""
-    cache.index_copy_(0, slot_mapping.remainder(cache.shape[0]), rows)
-
-
-def latent_attention(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    cache: torch.Tensor,
-    metadata: AttentionMetadata,
-    kv_b_weight: torch.Tensor,
-    dims: LatentDims,
-    scale: float,
-    params: AttentionParams,
-    index_query: torch.Tensor | None = None,
-    index_weights: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """q_nope [T, H, nope], q_pe [T, H, rope] (rotated) -> [T, H * v_head_dim]; with
-    DSA, the indexer's queries [T, index_heads, index_head_dim] and head weights
-    [T, index_heads]. The attention is a task: its group shapes change every step. Its
-    tensors are direct arguments, where capture sees them (a tensor inside some other
-    object would not be tracked as one the task reads)."""
-    kwargs = {
-        "q_nope": q_nope,
-        "q_pe": q_pe,
-        "cache": cache,
-        "metadata": metadata,
-        "kv_b_weight": kv_b_weight,
-        "dims": dims,
-        "scale": scale,
-        "index_query": index_query,
-        "index_weights": index_weights,
-    }
-    return attention_op(attend_latent, kwargs, params, metadata)
-
-
-def sharded_latent_attention(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    cache: torch.Tensor,
-    metadata: AttentionMetadata,
-    kv_b_weight: torch.Tensor,
-    dims: LatentDims,
-    scale: float,
-    params: AttentionParams,
-    rank: GroupRank,
-    index_query: torch.Tensor | None = None,
-    index_weights: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Latent attention when this rank's cache keeps every C-th position (decode context
-    parallelism), absorbed for every query: the group's queries in latent space are
-    all-gathered, each rank attends over its rows returning the log-sum-exp, and each
-    merges its own heads over every rank's shard before the value up-projection. With
-    DSA, each rank scores its own positions with the indexer and the scores are
-    all-gathered, so that every rank takes the same top-k of the whole context and
-    attends over the chosen positions it keeps (``attend_sparse_shard``)."""
-    heads = q_nope.shape[1]
-    w_uk, w_uv = dims.up_projections(kv_b_weight, heads)
-    query = torch.cat([torch.einsum("thn,hnl->thl", q_nope, w_uk), q_pe], dim=-1)
-    if index_query is None:
-        op, op_args = attend_shard, {"latent": (dims.key_width, dims.kv_lora_rank)}
-    else:
-        op = attend_sparse_shard
-        op_args = dict(
-            index_query=index_query, index_weights=index_weights, dims=dims, group=rank.group
-        )
-    latent = attend_over_shards(
-        query, cache, metadata, scale, params, rank, dims.kv_lora_rank, op, **op_args
-    )
-    latent = latent.view(query.shape[0], heads, dims.kv_lora_rank).to(query.dtype)
-    return torch.einsum("thl,hvl->thv", latent, w_uv).flatten(1)
-
-
-def attend_sparse_shard(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    metadata: AttentionMetadata,
-    scale: float,
-    rank: int,
-    shards: int,
-    index_query: torch.Tensor,
-    index_weights: torch.Tensor,
-    dims: LatentDims,
-    group: str,
-) -> torch.Tensor:
-    """DSA over this rank's shard: ``attend_shard``'s result for a latent cache, each
-    query token attending only to the positions of the global top-k that this rank
-    keeps. Local position j is global position j * C + rank."""
-    outputs = []
-    for index in range(len(metadata.shapes)):
-        local = metadata.shard_group(index, rank, shards)
-        scores = index_scores(index_query, index_weights, kv_cache, local, dims)  # [B, Q, K]
-        every = torch.ops.updraft.all_gather(scores[None], group, shards)  # [C, B, Q, K]
-        batch, max_query, columns = scores.shape
-        totals = every.permute(1, 2, 3, 0).reshape(batch, max_query, columns * shards)
-        allowed = totals.isfinite()
-        k = min(dims.index_topk, columns * shards)
-        chosen = totals.topk(k, dim=-1).indices  # outside the context sorts last
-        count = allowed.sum(dim=-1).clamp(max=k)
-        keep = torch.arange(k, device=chosen.device) < count[..., None]
-        picked = torch.zeros_like(allowed).scatter(-1, chosen, keep)
-        mine = picked.view(batch, max_query, columns, shards)[..., rank]
-        slots = local.kv_slots.flatten()
-        keys, values = latent_context(kv_cache, slots, dims.key_width, dims.kv_lora_rank)
-        mask = local.mask & mine[:, None]
-        out, lse = attend_with_lse(query, keys, values, local, scale, mask)
-        outputs.append(torch.cat([out[..., : dims.kv_lora_rank].flatten(1), lse], dim=1))
-    return with_padding(outputs, query, metadata.num_padding_tokens, dims.kv_lora_rank)
-
-
-def attend_latent(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    cache: torch.Tensor,
-    metadata: AttentionMetadata,
-    kv_b_weight: torch.Tensor,
-    dims: LatentDims,
-    scale: float,
-    index_query: torch.Tensor | None,
-    index_weights: torch.Tensor | None,
-) -> torch.Tensor:
-    heads = q_nope.shape[1]
-    w_uk, w_uv = dims.up_projections(kv_b_weight, heads)
-    outputs = []
-    for index, shape in enumerate(metadata.shapes):
-        tokens = slice(shape.first_token, shape.last_token)
-        selected = None
-        if index_query is not None:
-            group = metadata.group(index)
-            selected = index_selection(index_query, index_weights, cache, group, dims)
-        if shape.max_query <= IN_PLACE_MAX_QUERY:
-            # [t, H, nope] x [H, nope, L] -> [t, H, L]: the query in latent space
-            q_latent = torch.einsum("thn,hnl->thl", q_nope[tokens], w_uk)
-            query = torch.cat([q_latent, q_pe[tokens]], dim=-1)
-            latent = _absorbed(query, cache, metadata, index, dims, scale, selected)
-            outputs.append(torch.einsum("thl,hvl->thv", latent, w_uv))
-        else:
-            outputs.append(
-                _expanded(
-                    q_nope, q_pe, cache, metadata.group(index), kv_b_weight, dims, scale, selected
-                )
-            )
-    if metadata.num_padding_tokens:
-        outputs.append(q_nope.new_zeros(metadata.num_padding_tokens, heads, dims.v_head_dim))
-    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-    return out.flatten(1)
-
-
-def _absorbed(
-    query: torch.Tensor,
-    cache: torch.Tensor,
-    metadata: AttentionMetadata,
-    index: int,
-    dims: LatentDims,
-    scale: float,
-    selected: Selection | None,
-) -> torch.Tensor:
-    """query [t, H, L + rope] in latent space -> [t, H, L]: multi-query attention whose
-    keys are the cached rows' first L + rope columns and whose values are their first L.
-    Where the kernel runs it reads the rows in place: each request's context through its
-    block table, or with DSA only each query token's chosen slots."""
-    shape = metadata.shapes[index]
-    if reads_cache_in_place(query):
-        block_size = metadata.block_size
-        if selected is not None:
-            block_table, seq_lens = selected.token_rows(metadata.group(index))
-            block_size = 1
-        else:
-            block_table, seq_lens = metadata.in_place_rows(index)
+    def in_place(
+        self,
+        tokens: slice,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        slots_per_block: int,
+        scale: float,
+        with_lse: bool,
+    ) -> Attended:
+        query = self.query[tokens.start - self.first_token : tokens.stop - self.first_token]
         return torch.ops.updraft.paged_latent_attention(
-            query, cache, block_table, seq_lens, block_size, scale, dims.kv_lora_rank
+            query,
+            self.cache,
+            block_table,
+            seq_lens,
+            slots_per_block,
+            scale,
+            self.dims.kv_lora_rank,
+            with_lse,
         )
-    group = metadata.group(index)
-    rows = cache.index_select(0, group.kv_slots.flatten())
-    keys = rows[:, None, : dims.key_width]
-    values = rows[:, None, : dims.kv_lora_rank]
-    mask = None if selected is None else selected.mask(group.kv_slots.shape[1])
-    return attend_gathered(query, keys, values, group, scale, mask, shape.first_token)
+
+    def gathered(
+        self,
+        group: AttentionGroup,
+        tokens: slice,
+        max_query: int,
+        mask: torch.Tensor,
+        scale: float,
+        with_lse: bool,
+    ) -> Attended:
+        rows = self.cache.index_select(0, group.kv_slots.flatten())[:, None]
+        keys, values = rows[..., : self.dims.key_width], rows[..., : self.dims.kv_lora_rank]
+        return attend_padded(
+            self.query, keys, values, group, mask, scale, with_lse, self.first_token
+        )
+
+
+class LatentCache(NamedTuple):
+    """A layer's queries over its latent cache, in the form each group suits: absorbed
+    (``LatentRows`` over the group's q_nope W_UK, then W_UV) for decodes and verify
+    steps, expanded through ``kv_b_proj`` for prefill chunks -> [T, H, v_head_dim]."""
+
+    query: torch.Tensor  # q_nope [T, H, nope]
+    q_pe: torch.Tensor  # [T, H, rope], rotated
+    cache: torch.Tensor
+    kv_b_weight: torch.Tensor
+    dims: LatentDims
+
+    @property
+    def value_dim(self) -> int:
+        return self.dims.v_head_dim
+
+    def absorbed(self, tokens: slice) -> LatentRows:
+        """The group ``tokens``' queries in latent space."""
+        w_uk, _ = self.dims.up_projections(self.kv_b_weight, self.query.shape[1])
+        q_latent = torch.einsum("thn,hnl->thl", self.query[tokens], w_uk)
+        query = torch.cat([q_latent, self.q_pe[tokens]], dim=-1)
+        return LatentRows(query, self.cache, self.dims, tokens.start)
+
+    def up_projected(self, latent: torch.Tensor) -> torch.Tensor:
+        """[t, H, L] -> [t, H, v_head_dim] through W_UV."""
+        _, w_uv = self.dims.up_projections(self.kv_b_weight, self.query.shape[1])
+        return torch.einsum("thl,hvl->thv", latent, w_uv)
+
+    def in_place(
+        self,
+        tokens: slice,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        slots_per_block: int,
+        scale: float,
+        with_lse: bool,
+    ) -> Attended:
+        latent, lse = self.absorbed(tokens).in_place(
+            tokens, block_table, seq_lens, slots_per_block, scale, with_lse
+        )
+        return self.up_projected(latent), lse
+
+    def gathered(
+        self,
+        group: AttentionGroup,
+        tokens: slice,
+        max_query: int,
+        mask: torch.Tensor,
+        scale: float,
+        with_lse: bool,
+    ) -> Attended:
+        if max_query <= IN_PLACE_MAX_QUERY:  # short queries where the kernel does not run
+            rows = self.absorbed(tokens)
+            latent, lse = rows.gathered(group, tokens, max_query, mask, scale, with_lse)
+            return self.up_projected(latent), lse
+        dims = self.dims
+        rows = self.cache.index_select(0, group.kv_slots.flatten())
+        k_nope, values = expand_latent(rows[:, : dims.kv_lora_rank], self.kv_b_weight, dims)
+        k_pe = rows[:, None, dims.kv_lora_rank : dims.key_width].expand(-1, k_nope.shape[1], -1)
+        keys = torch.cat([k_nope, k_pe], dim=-1)
+        query = torch.cat([self.query, self.q_pe], dim=-1)
+        return attend_padded(query, keys, values, group, mask, scale, with_lse)
 
 
 def expand_latent(
@@ -288,60 +190,76 @@ def expand_latent(
     return k_nope, values
 
 
-def _expanded(
+class IndexerScores(NamedTuple):
+    """DSA's selector: each query's ``index_topk`` context positions that the indexer
+    scores highest (its whole causal context while that is shorter)."""
+
+    index_query: torch.Tensor  # [T, index_heads, index_head_dim]
+    index_weights: torch.Tensor  # [T, index_heads]
+    cache: torch.Tensor
+    dims: LatentDims
+
+    @property
+    def topk(self) -> int:
+        return self.dims.index_topk
+
+    def scores(self, group: AttentionGroup) -> torch.Tensor:
+        """The score of each context position of the group for each query row
+        [B, Q, K]: a weighted sum over the indexer's heads of ReLU'd dot products with
+        the cached indexer keys; -inf outside the causal context."""
+        dims = self.dims
+        batch, max_query = group.query_index.shape
+        max_context = group.kv_slots.shape[1]
+        keys = self.cache.index_select(0, group.kv_slots.flatten())[:, dims.key_width :]
+        keys = keys.reshape(batch, max_context, dims.index_head_dim).float()
+        rows = group.query_index.flatten()
+        query = self.index_query.index_select(0, rows)
+        query = query.view(batch, max_query, -1, dims.index_head_dim).float()
+        weights = self.index_weights.index_select(0, rows).view(batch, max_query, -1)
+        scale = dims.index_head_dim**-0.5
+        scores = F.relu(torch.einsum("bqhi,bki->bqhk", query, keys) * scale)
+        totals = torch.einsum("bqh,bqhk->bqk", weights.float(), scores)
+        return totals.masked_fill(~group.mask[:, 0], float("-inf"))
+
+    def choose(self, group: AttentionGroup) -> Selection:
+        return Selection.best(self.scores(group), self.topk)
+
+
+def write_latent(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """rows [T, width] into their slots; slot -1 lands in the spare last slot."""
+    cache.index_copy_(0, slot_mapping.remainder(cache.shape[0]), rows)
+
+
+def latent_attention(
+    rows: torch.Tensor,
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
     cache: torch.Tensor,
-    group: AttentionGroup,
+    metadata: AttentionMetadata,
     kv_b_weight: torch.Tensor,
     dims: LatentDims,
     scale: float,
-    selected: Selection | None,
+    params: AttentionParams,
+    index_query: torch.Tensor | None = None,
+    index_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    rows = cache.index_select(0, group.kv_slots.flatten())
-    k_nope, values = expand_latent(rows[:, : dims.kv_lora_rank], kv_b_weight, dims)
-    k_pe = rows[:, None, dims.kv_lora_rank : dims.key_width].expand(-1, k_nope.shape[1], -1)
-    keys = torch.cat([k_nope, k_pe], dim=-1)
-    query = torch.cat([q_nope, q_pe], dim=-1)
-    mask = None if selected is None else selected.mask(group.kv_slots.shape[1])
-    return attend_gathered(query, keys, values, group, scale, mask)
-
-
-def index_scores(
-    index_query: torch.Tensor,
-    index_weights: torch.Tensor,
-    cache: torch.Tensor,
-    group: AttentionGroup,
-    dims: LatentDims,
-) -> torch.Tensor:
-    """DSA's score of each context position of the group for each query row [B, Q, K]:
-    a weighted sum over the indexer's heads of ReLU'd dot products; -inf outside the
-    causal context."""
-    batch, max_query = group.query_index.shape
-    max_context = group.kv_slots.shape[1]
-    keys = cache.index_select(0, group.kv_slots.flatten())[:, dims.key_width :]
-    keys = keys.reshape(batch, max_context, dims.index_head_dim).float()
-    rows = group.query_index.flatten()
-    query = index_query.index_select(0, rows).view(batch, max_query, -1, dims.index_head_dim)
-    weights = index_weights.index_select(0, rows).view(batch, max_query, -1)
-    scores = F.relu(torch.einsum("bqhi,bki->bqhk", query.float(), keys) * dims.index_head_dim**-0.5)
-    totals = torch.einsum("bqh,bqhk->bqk", weights.float(), scores)
-    return totals.masked_fill(~group.mask[:, 0], float("-inf"))
-
-
-def index_selection(
-    index_query: torch.Tensor,
-    index_weights: torch.Tensor,
-    cache: torch.Tensor,
-    group: AttentionGroup,
-    dims: LatentDims,
-) -> Selection:
-    """DSA: the context tokens each query of the group attends to: its causal context
-    where that is at most ``index_topk`` tokens, else the ``index_topk`` tokens of it
-    the indexer scores highest."""
-    max_context = group.kv_slots.shape[1]
-    totals = index_scores(index_query, index_weights, cache, group, dims)
-    allowed = group.mask[:, 0]
-    k = min(dims.index_topk, max_context)
-    chosen = totals.topk(k, dim=-1).indices  # sorted: outside the context comes last
-    return Selection(chosen, allowed.sum(dim=-1).clamp(max=k))
+    """rows [T, width] (this step's cache rows: ``c_kv``, ``k_pe``, the indexer's key),
+    q_nope [T, H, nope], q_pe [T, H, rope] (rotated) -> [T, H * v_head_dim]; with DSA
+    the indexer's queries [T, index_heads, index_head_dim] and head weights
+    [T, index_heads]. The rows are written as the metadata's context split says, then
+    the attention loop reads the cache: absorbed for every group under decode context
+    parallelism (the query gathered and the shards merged in latent space), else in the
+    form each group suits."""
+    slots, rows = step_rows(metadata, rows)
+    write_latent(cache, rows, slots)
+    selector = (
+        None if index_query is None else IndexerScores(index_query, index_weights, cache, dims)
+    )
+    reader = LatentCache(q_nope, q_pe, cache, kv_b_weight, dims)
+    if metadata.context.decode is None:
+        return attention(reader, metadata, scale, params, selector)
+    heads = q_nope.shape[1]
+    every = slice(0, q_nope.shape[0])
+    absorbed = reader.absorbed(every)
+    latent = attention(absorbed, metadata, scale, params, selector)
+    return reader.up_projected(latent.view(-1, heads, dims.kv_lora_rank)).flatten(1)

@@ -1,15 +1,22 @@
 """Attention metadata: what every attention layer of one forward shares.
 
-Two parts. Tensors (slot mapping, block table, seq_lens, query_start_loc) that a
-captured graph holds as declared static inputs; and host-side shape facts (how many
-decodes, the longest query and context of each group) that change every step and so are
-resolved per step by the attention task's provider. The gather indices and masks are
-derived from the tensors, once per step, on the first layer's call: eager and captured
-forwards run the same code, and a stale tensor shows up in the output.
+Three parts. Tensors (slot mapping, block table, seq_lens, query_start_loc) that a
+captured graph holds as declared static inputs; host-side shape facts (how many decodes,
+the longest query and context of each group) that change every step and so are resolved
+per step by the attention task's provider; and how this rank's context is split over
+ranks (``ContextSplit``: not at all, a prefill split, a decode split), which the runner
+builds from the rank's place and, for a prefill split, from the step. The gather indices
+and masks are derived from the tensors, once per step, on the first layer's call: eager
+and captured forwards run the same code, and a stale tensor shows up in the output.
 
 Requests are split into groups of one shape class (all decodes; the rest) so that one
 padded attention call serves each group without padding every decode up to the longest
 prefill.
+
+Two sizes of a block: ``positions_per_block`` is how many positions of a sequence one
+block-table entry covers, as the scheduler counts them; ``slots_per_block`` is how many
+cache slots of this rank's cache one block has. They differ under decode context
+parallelism over C ranks, where each rank keeps every C-th position of a block.
 """
 
 from __future__ import annotations
@@ -18,18 +25,39 @@ from dataclasses import dataclass, field
 
 import torch
 
+from updraft.parallel.topology import GroupRank
 from updraft.step.inputs import StepInputs
 
 
 @dataclass(frozen=True)
-class PrefillContext:
-    """What a rank of a prefill-context group needs beyond its own step: its group, and
-    the slots of every rank's tokens of the step, in the order the K/V all-gather
-    returns them (each rank's tokens, padded to the same count with slot -1)."""
+class PrefillGather:
+    """A prefill split's part of the context split: this rank runs its chunks of the
+    step's long prefills, and every rank's K/V of the step is written here, at the slots
+    of every rank's tokens in the order the K/V all-gather returns them (each rank's
+    tokens, padded to the same count with slot -1)."""
 
     group: str
     size: int
     kv_slot_mapping: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ContextSplit:
+    """How this rank's forward splits context over ranks: with ``prefill``, the step is
+    this rank's chunks of a prefill split (``step/prefill_split.py``); with ``decode``,
+    this rank's cache keeps every C-th position of each block (decode context
+    parallelism over that group). Neither: the rank holds every position."""
+
+    prefill: PrefillGather | None = None
+    decode: GroupRank | None = None
+
+    @property
+    def shards(self) -> int:
+        """How many ranks share each block's positions."""
+        return 1 if self.decode is None else self.decode.size
+
+
+NO_SPLIT = ContextSplit()
 
 
 @dataclass(frozen=True)
@@ -190,51 +218,61 @@ class TokenRows:
         return cls(block_table[:batch].index_select(0, owner), lens)
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens]; -1 writes into the spare slot
+    """Frozen once built. The one exception is its lazy caches (``_groups``,
+    ``_token_rows``): index tensors derived from the fields on the first layer's call
+    and shared by the later layers of the same forward."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] global slots; -1 writes into the spare slot
     block_table: torch.Tensor  # [num_reqs, max_blocks]
     seq_lens: torch.Tensor  # [num_reqs]
     query_start_loc: torch.Tensor  # [num_reqs + 1]
-    shapes: list[GroupShape]
-    block_size: int
+    shapes: tuple[GroupShape, ...]
+    positions_per_block: int
     num_padding_tokens: int = 0  # trailing tokens of no request (a graph bucket's padding)
     # Shapes are a whole bucket's, over its whole block table (``bucket``): attention
     # then has no host-side parameter that changes per step, and a graph holds it whole.
     uniform: bool = False
-    # Prefill context parallelism: the step is this rank's chunks of the long prefills,
-    # and every rank's K/V of this step is written here (attention/context_parallel.py).
-    prefill_context: PrefillContext | None = None
+    context: ContextSplit = NO_SPLIT
     _groups: dict[int, AttentionGroup] = field(default_factory=dict, repr=False)
-    _shard_groups: dict[tuple[int, int, int], AttentionGroup] = field(
-        default_factory=dict, repr=False
-    )
     _token_rows: dict[int, TokenRows] = field(default_factory=dict, repr=False)
+
+    @property
+    def slots_per_block(self) -> int:
+        """Cache slots of one block on this rank."""
+        return self.positions_per_block // self.context.shards
 
     @classmethod
     def from_step(
-        cls, step: StepInputs, block_size: int, device: torch.device | str
+        cls,
+        step: StepInputs,
+        positions_per_block: int,
+        device: torch.device | str,
+        context: ContextSplit = NO_SPLIT,
     ) -> AttentionMetadata:
         """Metadata over ``step``'s own tensors (eager forwards)."""
         return cls.bind(
             step,
-            block_size,
+            positions_per_block,
             slot_mapping=step.slot_mapping.to(device),
             block_table=step.block_table.to(device),
             seq_lens=step.seq_lens.to(device),
             query_start_loc=step.query_start_loc.to(device),
+            context=context,
         )
 
     @classmethod
     def bind(
         cls,
         step: StepInputs,
-        block_size: int,
+        positions_per_block: int,
         slot_mapping: torch.Tensor,
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         query_start_loc: torch.Tensor,
         num_tokens: int | None = None,
+        context: ContextSplit = NO_SPLIT,
     ) -> AttentionMetadata:
         """Metadata over the given tensors holding ``step``'s values (a captured graph
         passes its static input buffers, ``num_tokens`` long), with ``step``'s
@@ -250,20 +288,22 @@ class AttentionMetadata:
             seq_lens=seq_lens,
             query_start_loc=query_start_loc,
             shapes=shapes,
-            block_size=block_size,
+            positions_per_block=positions_per_block,
             num_padding_tokens=(step.num_tokens if num_tokens is None else num_tokens) - num_real,
+            context=context,
         )
 
     @classmethod
     def bucket(
         cls,
-        block_size: int,
+        positions_per_block: int,
         slot_mapping: torch.Tensor,
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         query_start_loc: torch.Tensor,
         num_requests: int,
         query_len: int,
+        context: ContextSplit = NO_SPLIT,
     ) -> AttentionMetadata:
         """Metadata of a bucket of ``num_requests`` requests of ``query_len`` tokens,
         whatever step fills it: one group, every request (padding ones see no context),
@@ -274,47 +314,40 @@ class AttentionMetadata:
             first_token=0,
             last_token=num_requests * query_len,
             max_query=query_len,
-            max_context=block_table.shape[1] * block_size,
+            max_context=block_table.shape[1] * positions_per_block,
         )
         return cls(
             slot_mapping=slot_mapping,
             block_table=block_table,
             seq_lens=seq_lens,
             query_start_loc=query_start_loc,
-            shapes=[shape],
-            block_size=block_size,
+            shapes=(shape,),
+            positions_per_block=positions_per_block,
             uniform=True,
+            context=context,
         )
 
     def group(self, index: int) -> AttentionGroup:
-        """The index tensors of ``shapes[index]``, built on first use and shared by the
-        later layers."""
+        """The index tensors of ``shapes[index]`` (over this rank's shard of every
+        context under decode context parallelism), built on first use and shared by
+        the later layers."""
         if index not in self._groups:
-            shape = self.shapes[index]
-            self._groups[index] = (
-                AttentionGroup.uniform(shape, self.seq_lens, self.block_table, self.block_size)
-                if self.uniform
-                else AttentionGroup.build(
-                    shape, self.query_start_loc, self.seq_lens, self.block_table, self.block_size
+            shape, shard = self.shapes[index], self.context.decode
+            if self.uniform and shard is None:
+                group = AttentionGroup.uniform(
+                    shape, self.seq_lens, self.block_table, self.positions_per_block
                 )
-            )
+            else:
+                group = AttentionGroup.build(
+                    shape,
+                    self.query_start_loc,
+                    self.seq_lens,
+                    self.block_table,
+                    self.positions_per_block,
+                    shard=(0, 1) if shard is None else (shard.rank, shard.size),
+                )
+            self._groups[index] = group
         return self._groups[index]
-
-    def shard_group(self, index: int, rank: int, shards: int) -> AttentionGroup:
-        """``group(index)`` over rank ``rank``'s shard of every context (decode context
-        parallelism over ``shards`` ranks), built on first use and shared by the later
-        layers."""
-        key = (index, rank, shards)
-        if key not in self._shard_groups:
-            self._shard_groups[key] = AttentionGroup.build(
-                self.shapes[index],
-                self.query_start_loc,
-                self.seq_lens,
-                self.block_table,
-                self.block_size,
-                shard=(rank, shards),
-            )
-        return self._shard_groups[key]
 
     def token_rows(self, index: int) -> TokenRows:
         """``shapes[index]``'s tokens as one-token requests, built on first use and
@@ -329,18 +362,29 @@ class AttentionMetadata:
         return self._token_rows[index]
 
     def in_place_rows(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """What the in-place decode kernel reads for ``shapes[index]``: a block-table row
-        and context length per query token. Decodes are their requests' own rows; longer
-        queries (verify steps) are their tokens as one-token requests."""
+        """What the in-place kernel reads for ``shapes[index]``: a block-table row and a
+        context length per query token. Decodes are their requests' own rows; longer
+        queries (verify steps) are their tokens as one-token requests. Under decode
+        context parallelism the lengths are this rank's: of a context of n positions it
+        keeps the first ceil((n - r) / C) slots of its blocks."""
         shape = self.shapes[index]
         if shape.max_query == 1:
             first, last = shape.first_req, shape.last_req
-            return self.block_table[first:last], self.seq_lens[first:last]
-        rows = self.token_rows(index)
-        return rows.block_table, rows.seq_lens
+            block_table, seq_lens = self.block_table[first:last], self.seq_lens[first:last]
+        else:
+            rows = self.token_rows(index)
+            block_table, seq_lens = rows.block_table, rows.seq_lens
+        shard = self.context.decode
+        if shard is not None:
+            seq_lens = (
+                (seq_lens - shard.rank + shard.size - 1)
+                .div(shard.size, rounding_mode="floor")
+                .clamp(min=0)
+            )
+        return block_table, seq_lens
 
 
-def group_shapes(step: StepInputs) -> list[GroupShape]:
+def group_shapes(step: StepInputs) -> tuple[GroupShape, ...]:
     query_lens = step.query_lens
     query_start_loc = step.query_starts
     seq_lens = step.seq_lens.tolist()
@@ -358,4 +402,4 @@ def group_shapes(step: StepInputs) -> list[GroupShape]:
                     max_context=max(seq_lens[first:last]),
                 )
             )
-    return shapes
+    return tuple(shapes)

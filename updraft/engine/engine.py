@@ -85,7 +85,7 @@ class Engine:
             weakref.finalize(self, self._workers.close)
         self._runner = Runner(self.model_config, config, self.context_len, query_lens, place=place)
         pool = BlockPool(
-            self._runner.num_blocks, config.tokens_per_block, config.enable_prefix_caching
+            self._runner.num_blocks, config.positions_per_block, config.enable_prefix_caching
         )
         # A sequence never holds more tokens than the cache can, so one request alone
         # always fits and preemption always makes progress.
@@ -227,7 +227,7 @@ class Engine:
         if not plan.scheduled:
             return outputs
         self._threads.adjust()
-        inputs = StepInputs.build(plan, self.config.tokens_per_block, self._wants_hidden_states)
+        inputs = StepInputs.build(plan, self.config.positions_per_block, self._wants_hidden_states)
         clock.lap("build")
         if self._workers is not None:
             self._workers.run(inputs)

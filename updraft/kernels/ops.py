@@ -130,39 +130,13 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     block_size: int,
     scale: float,
-) -> torch.Tensor:
-    """query [B, H, D] (one token per request), kv_cache [2, slots, Hkv, D], block_table
-    [B, max_blocks] and seq_lens [B] int64 -> [B, H, D]."""
-    op = "paged_decode_attention"
-    return _gqa_decode(op, query, kv_cache, block_table, seq_lens, block_size, scale)
-
-
-def paged_decode_attention_lse(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_size: int,
-    scale: float,
+    with_lse: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``paged_decode_attention``, and each head's log-sum-exp of its scaled scores
-    [B, H] (-1e30 where the context is empty)."""
-    lse = query.new_empty(query.shape[:2])
-    op = "paged_decode_attention_lse"
-    out = _gqa_decode(op, query, kv_cache, block_table, seq_lens, block_size, scale, lse)
-    return out, lse
-
-
-def _gqa_decode(
-    op: str,
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_size: int,
-    scale: float,
-    lse: torch.Tensor | None = None,
-) -> torch.Tensor:
+    """query [B, H, D] (one token per request), kv_cache [2, slots, Hkv, D], block_table
+    [B, max_blocks] and seq_lens [B] int64 -> (out [B, H, D], lse). With ``with_lse``,
+    lse [B, H] is each head's log-sum-exp of its scaled scores (-1e30 where the context
+    is empty), what decode context parallelism merges shards by; else it is empty."""
+    op = "paged_decode_attention"
     _check(kv_cache.is_contiguous(), op, "a contiguous cache")
     _, num_slots, kv_heads, head_dim = kv_cache.shape
     return _decode_attention(
@@ -174,7 +148,7 @@ def _gqa_decode(
         seq_lens,
         block_size,
         scale,
-        lse,
+        with_lse,
     )
 
 
@@ -186,46 +160,12 @@ def paged_latent_attention(
     block_size: int,
     scale: float,
     value_dim: int,
-) -> torch.Tensor:
+    with_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Multi-query attention over a latent cache [slots, C]: query [B, H, W] scores the
     first W columns of each context row, and the first ``value_dim`` columns are the
-    values -> [B, H, value_dim]."""
+    values -> (out [B, H, value_dim], lse as ``paged_decode_attention``'s)."""
     op = "paged_latent_attention"
-    return _latent_decode(
-        op, query, latent_cache, block_table, seq_lens, block_size, scale, value_dim
-    )
-
-
-def paged_latent_attention_lse(
-    query: torch.Tensor,
-    latent_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_size: int,
-    scale: float,
-    value_dim: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``paged_latent_attention``, and each head's log-sum-exp of its scaled scores
-    [B, H] (-1e30 where the context is empty)."""
-    lse = query.new_empty(query.shape[:2])
-    op = "paged_latent_attention_lse"
-    out = _latent_decode(
-        op, query, latent_cache, block_table, seq_lens, block_size, scale, value_dim, lse
-    )
-    return out, lse
-
-
-def _latent_decode(
-    op: str,
-    query: torch.Tensor,
-    latent_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_size: int,
-    scale: float,
-    value_dim: int,
-    lse: torch.Tensor | None = None,
-) -> torch.Tensor:
     num_slots, width = latent_cache.shape
     _check(
         latent_cache.is_contiguous() and query.shape[-1] <= width and value_dim <= width,
@@ -241,7 +181,7 @@ def _latent_decode(
         seq_lens,
         block_size,
         scale,
-        lse,
+        with_lse,
     )
 
 
@@ -254,8 +194,8 @@ def _decode_attention(
     seq_lens: torch.Tensor,
     block_size: int,
     scale: float,
-    lse: torch.Tensor | None = None,
-) -> torch.Tensor:
+    with_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     num_slots, kv_heads, head_dim, value_dim, slot_stride = geometry
     _check(
         query.dtype == caches[0].dtype == torch.float32 and query.device.type == "cpu",
@@ -279,6 +219,7 @@ def _decode_attention(
     block_table = block_table.contiguous()
     seq_lens = seq_lens.contiguous()
     out = query.new_empty(requests, heads, value_dim)
+    lse = query.new_empty((requests, heads) if with_lse else (0,))
     _attention_library().paged_decode_attention(
         query.data_ptr(),
         caches[0].data_ptr(),
@@ -286,7 +227,7 @@ def _decode_attention(
         block_table.data_ptr(),
         seq_lens.data_ptr(),
         out.data_ptr(),
-        None if lse is None else lse.data_ptr(),
+        lse.data_ptr() if with_lse else None,
         requests,
         heads,
         kv_heads,
@@ -299,7 +240,7 @@ def _decode_attention(
         scale,
         torch.get_num_threads(),
     )
-    return out
+    return out, lse
 
 
 def grouped_mlp(
@@ -359,40 +300,35 @@ _LIBRARY.impl(
 )
 _LIBRARY.define(
     "paged_decode_attention(Tensor query, Tensor kv_cache, Tensor block_table, "
-    "Tensor seq_lens, int block_size, float scale) -> Tensor"
+    "Tensor seq_lens, int block_size, float scale, bool with_lse=False) -> (Tensor, Tensor)"
 )
 _LIBRARY.impl("paged_decode_attention", paged_decode_attention, "CPU")
-_LIBRARY.impl("paged_decode_attention", lambda query, *rest: torch.empty_like(query), "Meta")
-_LIBRARY.define(
-    "paged_decode_attention_lse(Tensor query, Tensor kv_cache, Tensor block_table, "
-    "Tensor seq_lens, int block_size, float scale) -> (Tensor, Tensor)"
-)
-_LIBRARY.impl("paged_decode_attention_lse", paged_decode_attention_lse, "CPU")
-_LIBRARY.impl(
-    "paged_decode_attention_lse",
-    lambda query, *rest: (torch.empty_like(query), query.new_empty(query.shape[:2])),
-    "Meta",
-)
 _LIBRARY.define(
     "paged_latent_attention(Tensor query, Tensor latent_cache, Tensor block_table, "
-    "Tensor seq_lens, int block_size, float scale, int value_dim) -> Tensor"
+    "Tensor seq_lens, int block_size, float scale, int value_dim, bool with_lse=False) "
+    "-> (Tensor, Tensor)"
 )
 _LIBRARY.impl("paged_latent_attention", paged_latent_attention, "CPU")
+
+
+def _decode_attention_meta(
+    query: torch.Tensor, value_dim: int, with_lse: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    lse = query.new_empty((*query.shape[:2],) if with_lse else (0,))
+    return query.new_empty(*query.shape[:2], value_dim), lse
+
+
 _LIBRARY.impl(
-    "paged_latent_attention",
-    lambda query, *rest: query.new_empty(*query.shape[:-1], rest[-1]),
+    "paged_decode_attention",
+    lambda query, cache, table, lens, block_size, scale, with_lse=False: (
+        _decode_attention_meta(query, query.shape[-1], with_lse)
+    ),
     "Meta",
 )
-_LIBRARY.define(
-    "paged_latent_attention_lse(Tensor query, Tensor latent_cache, Tensor block_table, "
-    "Tensor seq_lens, int block_size, float scale, int value_dim) -> (Tensor, Tensor)"
-)
-_LIBRARY.impl("paged_latent_attention_lse", paged_latent_attention_lse, "CPU")
 _LIBRARY.impl(
-    "paged_latent_attention_lse",
-    lambda query, cache, table, lens, block_size, scale, value_dim: (
-        query.new_empty(*query.shape[:2], value_dim),
-        query.new_empty(query.shape[:2]),
+    "paged_latent_attention",
+    lambda query, cache, table, lens, block_size, scale, value_dim, with_lse=False: (
+        _decode_attention_meta(query, value_dim, with_lse)
     ),
     "Meta",
 )

@@ -15,20 +15,13 @@ import math
 import torch
 from torch import nn
 
-from updraft.attention.context_parallel import gather_step_rows, shard_slots
-from updraft.attention.latent import (
-    LatentDims,
-    latent_attention,
-    sharded_latent_attention,
-    write_latent,
-)
+from updraft.attention.latent import LatentDims, latent_attention
+from updraft.attention.loop import AttentionParams
 from updraft.attention.metadata import AttentionMetadata
-from updraft.attention.paged import AttentionParams
 from updraft.config import MLAConfig, ModelConfig, RopeConfig
 from updraft.models.layers import MLP, CausalLM, DecoderLayer, FusedLinear, RMSNorm
 from updraft.models.moe import DeepseekMoE
 from updraft.models.rope import apply_rotary
-from updraft.parallel.topology import GroupRank
 
 # The latent norms' epsilon: the reference builds them with its default, not the
 # config's rms_norm_eps.
@@ -128,8 +121,6 @@ class LatentAttention(nn.Module):
         )
         self.o_proj = nn.Linear(config.num_heads * mla.v_head_dim, config.hidden_size, bias=False)
         self.indexer = Indexer(config) if config.indexer is not None else None
-        # The decode-context group this rank's latent shard belongs to, once sharded.
-        self.decode_context: GroupRank | None = None
 
     def forward(
         self,
@@ -156,12 +147,8 @@ class LatentAttention(nn.Module):
         if self.indexer is not None:
             index_key, index_query, index_weights = self.indexer(hidden, q_latent, rotary)
             rows.append(index_key)
-        # Under prefill context parallelism, every rank's rows of the step (one gather);
-        # under decode context parallelism, this rank keeps its positions only.
-        rows, slots = gather_step_rows(torch.cat(rows, dim=-1), metadata)
-        sharded = self.decode_context
-        write_latent(cache, rows, slots if sharded is None else shard_slots(slots, sharded))
-        args = (
+        out = latent_attention(
+            torch.cat(rows, dim=-1),
             q_nope,
             apply_rotary(q_pe, *rotary),
             cache,
@@ -170,11 +157,9 @@ class LatentAttention(nn.Module):
             self.dims,
             self.scale,
             self.params,
+            index_query,
+            index_weights,
         )
-        if sharded is None:
-            out = latent_attention(*args, index_query, index_weights)
-        else:
-            out = sharded_latent_attention(*args, sharded, index_query, index_weights)
         return self.o_proj(out)
 
 

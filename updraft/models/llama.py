@@ -8,12 +8,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from updraft.attention.gqa import paged_attention
+from updraft.attention.loop import AttentionParams
 from updraft.attention.metadata import AttentionMetadata
-from updraft.attention.paged import AttentionParams, paged_attention
 from updraft.config import ModelConfig
 from updraft.models.layers import MLP, CausalLM, DecoderLayer, FusedLinear, RMSNorm
 from updraft.models.rope import apply_rotary
-from updraft.parallel.topology import GroupRank
 
 
 class Attention(nn.Module):
@@ -24,8 +24,6 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
-        # The decode-context group this rank's KV shard belongs to, once sharded.
-        self.decode_context: GroupRank | None = None
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
         self.qkv_proj = FusedLinear(
@@ -56,9 +54,7 @@ class Attention(nn.Module):
             qk = apply_rotary(torch.cat([q, k], dim=1), *rotary)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, num_qk_heads:]
-        attention = paged_attention(
-            q, k, v, kv_cache, metadata, self.scale, self.params, self.decode_context
-        )
+        attention = paged_attention(q, k, v, kv_cache, metadata, self.scale, self.params)
         return self.o_proj(attention)
 
 

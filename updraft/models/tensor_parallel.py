@@ -176,8 +176,6 @@ def _shard_attention(attention: Attention, place: RankPlace) -> None:
     attention.o_proj = _row_parallel(attention.o_proj, q_rows, rank)
     attention.num_heads = heads.stop - heads.start
     attention.num_kv_heads = kv_heads.stop - kv_heads.start
-    if place.sizes.decode_context > 1:
-        attention.decode_context = place.decode_context
 
 
 def _shard_mlp(mlp: MLP, rank: GroupRank, reduce: bool = True) -> None:
@@ -214,8 +212,6 @@ def _shard_latent_attention(attention: LatentAttention, place: RankPlace) -> Non
     v_rows = slice(heads.start * mla.v_head_dim, heads.stop * mla.v_head_dim)
     attention.o_proj = _row_parallel(attention.o_proj, v_rows, rank)
     attention.num_heads = heads.stop - heads.start
-    if place.sizes.decode_context > 1:
-        attention.decode_context = place.decode_context
 
 
 def _shard_moe(moe: DeepseekMoE, rank: GroupRank) -> SummedOverRanks:

@@ -15,7 +15,7 @@ from operator import attrgetter
 
 import torch
 
-from updraft.attention.metadata import AttentionMetadata
+from updraft.attention.metadata import NO_SPLIT, AttentionMetadata, ContextSplit
 from updraft.graph.cuda import CudaGraph
 from updraft.graph.recorded import RecordedGraph
 from updraft.graph.static_input import StaticInput
@@ -37,7 +37,7 @@ class CapturedSteps:
         self,
         model: torch.nn.Module,
         kv_caches: list[torch.Tensor],
-        block_size: int,
+        positions_per_block: int,
         max_blocks_per_request: int,
         sizes: list[int],
         device: torch.device,
@@ -46,6 +46,7 @@ class CapturedSteps:
         compile_runs: bool = False,
         full: bool | frozenset[int] = False,
         sizes_of_dims: dict[str, int] | None = None,
+        context: ContextSplit = NO_SPLIT,
     ) -> None:
         """``full``: capture attention inside the graphs (of every bucket, or of those
         whose query length is in the set), shaped by the bucket
@@ -55,7 +56,8 @@ class CapturedSteps:
         keyword arguments."""
         self.model = model
         self.kv_caches = kv_caches
-        self.block_size = block_size
+        self.positions_per_block = positions_per_block
+        self.context = context
         self.max_blocks = max_blocks_per_request
         self.sizes = sorted(set(sizes))
         self.query_lens = tuple(sorted(set(query_lens)))
@@ -115,7 +117,8 @@ class CapturedSteps:
         shape = sizes_for(num_tokens, size, blocks=self.max_blocks, **self.other_sizes)
         inputs = static_inputs(self.specs, self.buffers, shape)
 
-        block_size = self.block_size  # not self: the graph keeps this function
+        # Not self: the graph keeps this function.
+        positions_per_block, context = self.positions_per_block, self.context
 
         attention_inputs = {
             name: inputs[name].buffer
@@ -124,7 +127,11 @@ class CapturedSteps:
 
         def metadata(step: StepInputs) -> AttentionMetadata:
             return AttentionMetadata.bind(
-                step, block_size, **attention_inputs, num_tokens=num_tokens
+                step,
+                positions_per_block,
+                **attention_inputs,
+                num_tokens=num_tokens,
+                context=context,
             )
 
         backend = graph_backend(
@@ -136,7 +143,11 @@ class CapturedSteps:
         extra = {name: i.buffer for name, i in inputs.items() if name not in standard}
         if query_len in self.full:
             dummy_metadata = AttentionMetadata.bucket(
-                block_size, **attention_inputs, num_requests=size, query_len=query_len
+                positions_per_block,
+                **attention_inputs,
+                num_requests=size,
+                query_len=query_len,
+                context=context,
             )
         else:
             dummy_metadata = metadata(dummy)  # host-side shapes: worked out before capture

@@ -13,10 +13,13 @@ from typing import NamedTuple
 
 import torch
 
-from updraft.attention.cache_layout import cache_layout
+from updraft.attention.cache_layout import (
+    allocate_kv_cache,
+    cache_layout,
+    kv_cache_bytes_per_block,
+)
 from updraft.attention.in_place import IN_PLACE_MAX_QUERY
-from updraft.attention.metadata import AttentionMetadata, PrefillContext
-from updraft.attention.paged import allocate_kv_cache, kv_cache_bytes_per_block
+from updraft.attention.metadata import NO_SPLIT, AttentionMetadata, ContextSplit, PrefillGather
 from updraft.config import EngineConfig, ModelConfig
 from updraft.graph.sanitize import SanitizeReport, checked_replay, default_tolerance
 from updraft.kernels.ops import kernel_builds
@@ -73,7 +76,12 @@ class Runner:
         sizes = ParallelSizes() if place is None else place.sizes
         # Positions per KV block as steps address them: a decode-context rank keeps
         # block_size of each block's C * block_size positions.
-        self.block_size = config.block_size * sizes.decode_context
+        self.positions_per_block = config.positions_per_block
+        self.context = (
+            NO_SPLIT
+            if sizes.decode_context == 1
+            else ContextSplit(decode=place.decode_context)
+        )
         self.whole_query_len = max(query_lens)  # longer queries are split under PCP
         self.model = load_model(
             model_config,
@@ -100,13 +108,14 @@ class Runner:
             self.captured = CapturedSteps(
                 self.model,
                 self.kv_caches,
-                self.block_size,
-                -(-max_model_len // self.block_size),
+                self.positions_per_block,
+                -(-max_model_len // self.positions_per_block),
                 list(config.capture_sizes),
                 self.device,
                 query_lens,
                 compile_runs=config.compiles_graphs,
                 full=self._full_graphs(query_lens),
+                context=self.context,
             )
         # How each step ran: "graph" or "eager (<why>)", counted.
         self.step_modes: Counter[str] = Counter()
@@ -239,7 +248,9 @@ class Runner:
         kv_caches = self.kv_caches if kv_caches is None else kv_caches
         group = self._prefill_split(inputs)
         if group is None:
-            metadata = AttentionMetadata.from_step(inputs, self.block_size, self.device)
+            metadata = AttentionMetadata.from_step(
+                inputs, self.positions_per_block, self.device, self.context
+            )
             return self.model(
                 inputs.input_ids.to(self.device),
                 inputs.positions.to(self.device),
@@ -248,9 +259,10 @@ class Runner:
             )
         split = split_step(inputs, group.rank, group.size, self.whole_query_len)
         local = split.local
-        metadata = AttentionMetadata.from_step(local, self.block_size, self.device)
-        metadata.prefill_context = PrefillContext(
-            group.group, group.size, split.kv_slot_mapping.to(self.device)
+        gather = PrefillGather(group.group, group.size, split.kv_slot_mapping.to(self.device))
+        context = ContextSplit(prefill=gather, decode=self.context.decode)
+        metadata = AttentionMetadata.from_step(
+            local, self.positions_per_block, self.device, context
         )
         hidden = self.model(
             local.input_ids.to(self.device), local.positions.to(self.device), kv_caches, metadata

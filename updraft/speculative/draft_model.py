@@ -52,11 +52,12 @@ class DraftModel:
             )
         k = config.num_speculative_tokens
         # The draft runs whole on rank 0, over the global step: its cache keeps every
-        # position of a block, however the target's ranks split them.
+        # position of a block, however the target's ranks split them, so its slots per
+        # block are the target's positions per block.
         draft_config = replace(
             config,
             model=config.speculative_model,
-            block_size=config.tokens_per_block,
+            block_size=config.positions_per_block,
             tensor_parallel_size=1,
             prefill_context_parallel_size=1,
             decode_context_parallel_size=1,
@@ -69,7 +70,7 @@ class DraftModel:
         self.runner = Runner(
             model_config, draft_config, max_model_len, query_lens=(1, 1 + k), num_blocks=num_blocks
         )
-        self.block_size = config.tokens_per_block
+        self.block_size = config.positions_per_block
         self.generator = generator
 
     @torch.inference_mode()

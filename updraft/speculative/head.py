@@ -33,9 +33,8 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from updraft.attention.cache_layout import CacheLayout
+from updraft.attention.cache_layout import CacheLayout, allocate_kv_cache
 from updraft.attention.metadata import AttentionMetadata
-from updraft.attention.paged import allocate_kv_cache
 from updraft.request import Request
 from updraft.runner.captured import CapturedSteps
 from updraft.runner.runner import Runner
@@ -86,9 +85,14 @@ class HeadProposer:
         self.target = target
         self.head = head
         self.caches = allocate_kv_cache(
-            num_layers, target.num_blocks, target.block_size, layout, target.dtype, target.device
+            num_layers,
+            target.num_blocks,
+            target.positions_per_block,
+            layout,
+            target.dtype,
+            target.device,
         )
-        self.block_size = target.block_size
+        self.block_size = target.positions_per_block
         self.device = target.device
         # How each head step ran: "graph" or "eager", counted.
         self.step_modes: Counter[str] = Counter()

@@ -1,0 +1,83 @@
+"""Grouped-query attention (GQA, and MHA and MQA) over a paged cache of keys and values.
+
+A GQA layer's cache is one tensor [2, num_slots + 1, num_kv_heads, head_dim]: slot
+``block * slots_per_block + offset`` holds one position, keys then values. The extra
+last slot absorbs writes to slot -1, which is how padded tokens write nothing without a
+branch. The attention loop (``loop.py``) reads it through ``PagedKV``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from updraft.attention.context_parallel import attention, step_rows
+from updraft.attention.loop import Attended, AttentionParams, attend_padded
+from updraft.attention.metadata import AttentionGroup, AttentionMetadata
+
+
+class PagedKV(NamedTuple):
+    """A layer's queries [T, H, D] and its cache of keys and values."""
+
+    query: torch.Tensor
+    cache: torch.Tensor
+
+    @property
+    def value_dim(self) -> int:
+        return self.query.shape[-1]
+
+    def in_place(
+        self,
+        tokens: slice,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        slots_per_block: int,
+        scale: float,
+        with_lse: bool,
+    ) -> Attended:
+        return torch.ops.updraft.paged_decode_attention(
+            self.query[tokens], self.cache, block_table, seq_lens, slots_per_block, scale, with_lse
+        )
+
+    def gathered(
+        self,
+        group: AttentionGroup,
+        tokens: slice,
+        max_query: int,
+        mask: torch.Tensor,
+        scale: float,
+        with_lse: bool,
+    ) -> Attended:
+        slots = group.kv_slots.flatten()
+        keys = self.cache[0].index_select(0, slots)
+        values = self.cache[1].index_select(0, slots)
+        return attend_padded(self.query, keys, values, group, mask, scale, with_lse)
+
+
+def write_kv(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    # index_copy_ rather than index_put_: the latter takes a slow parallel path on the
+    # CPU. remainder() sends slot -1 to the spare last slot.
+    write_slots = slot_mapping.remainder(key_cache.shape[0])
+    key_cache.index_copy_(0, write_slots, key)
+    value_cache.index_copy_(0, write_slots, value)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    params: AttentionParams,
+) -> torch.Tensor:
+    """query [T, H, D], key/value [T, Hkv, D] -> [T, H * D]: the step's keys and values
+    written (every prefill-context rank's, or this rank's positions only, as the
+    metadata's context split says), then the attention loop over the cache."""
+    slots, key, value = step_rows(metadata, key, value)
+    write_kv(kv_cache, key, value, slots)
+    return attention(PagedKV(query, kv_cache), metadata, scale, params)
