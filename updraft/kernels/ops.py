@@ -320,8 +320,8 @@ def _decode_attention_meta(
 
 _LIBRARY.impl(
     "paged_decode_attention",
-    lambda query, cache, table, lens, block_size, scale, with_lse=False: (
-        _decode_attention_meta(query, query.shape[-1], with_lse)
+    lambda query, cache, table, lens, block_size, scale, with_lse=False: _decode_attention_meta(
+        query, query.shape[-1], with_lse
     ),
     "Meta",
 )

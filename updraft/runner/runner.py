@@ -78,9 +78,7 @@ class Runner:
         # block_size of each block's C * block_size positions.
         self.positions_per_block = config.positions_per_block
         self.context = (
-            NO_SPLIT
-            if sizes.decode_context == 1
-            else ContextSplit(decode=place.decode_context)
+            NO_SPLIT if sizes.decode_context == 1 else ContextSplit(decode=place.decode_context)
         )
         self.whole_query_len = max(query_lens)  # longer queries are split under PCP
         self.model = load_model(
