@@ -4,10 +4,11 @@ batches of 1, 8 and 32. Replay in the engine's
 default mode (compiled runs, FULL graphs on the CPU), compiled PIECEWISE graphs (the
 attention a task between compiled runs), and PIECEWISE op by op.
 
-For each model and batch, requests with prompts of 64-160 tokens are prefilled, then
-one decode step is timed over and over through ``Runner.execute`` (forward, sampling
-and the KV write at the same slots), alternating the three modes so that the machine's
-drift affects all alike. The table shows the median of each.
+For each model and batch, one runner per mode over the same weights prefills the same
+requests (prompts of 64-160 tokens) into its own KV cache; then each runner's decode
+step is timed over and over through ``Runner.execute`` (forward, sampling and the KV
+write at the same slots), alternating the modes so that the machine's drift affects
+all alike. The table shows the median of each.
 
     .venv/bin/python -m benchmarks.bench_graphs [--quick] [--device cuda]
         [--model-dir DIR] [--deepseek-dir DIR]
@@ -20,66 +21,84 @@ import random
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from benchmarks.bench_deepseek import make_random_deepseek_v3
 from benchmarks.common import make_random_qwen3, markdown_table
-from updraft import LLM, SamplingParams
+from updraft.config import EngineConfig, ModelConfig
 from updraft.demo import DEMO_MODEL_DIR
-from updraft.runner.captured import CapturedSteps
+from updraft.engine.kv_blocks import BlockPool, KVCacheManager
+from updraft.engine.scheduler import Scheduler
+from updraft.request import Request
+from updraft.runner.runner import Runner, load_runner
+from updraft.sampling_params import SamplingParams
 from updraft.step.inputs import StepInputs
 
 BATCHES = (1, 8, 32)
+MAX_MODEL_LEN = 1024
 
 
-def decode_step(llm: LLM, batch: int, vocab: int, rng: random.Random) -> StepInputs:
-    """Prefill ``batch`` requests and return the next step, in which all of them decode."""
-    engine = llm.engine
-    for _ in range(batch):
+def mode_runners(model_dir: Path, batch: int, device: str, dtype: str) -> dict[str, Runner]:
+    """One runner per mode over the same loaded weights: the engine's default
+    (compiled runs, FULL graphs on the CPU), compiled PIECEWISE replay, op-by-op
+    PIECEWISE replay, and eager."""
+    model_config = ModelConfig.from_dir(model_dir)
+    config = EngineConfig(
+        model=str(model_dir),
+        device=device,
+        dtype=dtype,
+        compile_graphs=device == "cpu",
+        capture_sizes=(batch,),
+        kv_cache_memory_gib=0.5,
+    )
+    default = load_runner(model_config, config, MAX_MODEL_LEN)
+    variants = {
+        "compiled piecewise": replace(config, graph_mode="piecewise"),
+        "op by op": replace(config, graph_mode="piecewise", compile_graphs=False),
+        "eager": replace(config, enforce_eager=True),
+    }
+    runners = {"compiled": default}
+    for mode, variant in variants.items():
+        runners[mode] = Runner(
+            default.model, model_config, variant, MAX_MODEL_LEN, dtype=default.dtype
+        )
+    return runners
+
+
+def decode_step(runner: Runner, batch: int, vocab: int, seed: int) -> StepInputs:
+    """Prefill ``batch`` requests into the runner's cache and return the next step, in
+    which all of them decode (the same step for every runner given the same seed)."""
+    rng = random.Random(seed)
+    pool = BlockPool(runner.num_blocks, runner.positions_per_block, False)
+    scheduler = Scheduler(KVCacheManager(pool), batch, 4096, MAX_MODEL_LEN)
+    for index in range(batch):
         prompt = [rng.randrange(1, vocab) for _ in range(rng.randint(64, 160))]
-        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1000))
-    while any(r.num_output_tokens == 0 for r in engine._scheduler.requests.values()):
-        engine.step()
-    step = StepInputs.build(engine._scheduler.schedule(), engine.config.block_size)
-    assert step.num_decodes == step.num_reqs == batch
+        scheduler.add(Request(str(index), None, prompt, SamplingParams(temperature=0)))
+    while any(r.num_output_tokens == 0 for r in scheduler.requests.values()):
+        plan = scheduler.schedule()
+        scheduler.update(plan, runner.execute(StepInputs.build(plan, pool.block_size)))
+    step = StepInputs.build(scheduler.schedule(), pool.block_size)
+    assert step.forward.num_decodes == step.num_reqs == batch
     return step
 
 
-def time_modes(llm: LLM, step: StepInputs, repeats: int) -> dict[str, float]:
-    """Median seconds per step for the engine's own replay (compiled, FULL on the CPU),
-    compiled PIECEWISE replay, op-by-op PIECEWISE replay and eager, measured in turn."""
-    runner = llm.engine._runner
-    compiled = runner.captured
-
-    def piecewise(compile_runs: bool) -> CapturedSteps:
-        return CapturedSteps(
-            runner.model,
-            runner.kv_caches,
-            runner.block_size,
-            compiled.max_blocks,
-            compiled.sizes,
-            runner.device,
-            compile_runs=compile_runs,
-        )
-
-    modes = {
-        "compiled": compiled,
-        "compiled piecewise": piecewise(compile_runs=runner.device.type == "cpu"),
-        "op by op": piecewise(compile_runs=False),
-        "eager": None,
-    }
-    times: dict[str, list[float]] = {mode: [] for mode in modes}
+def time_modes(
+    runners: dict[str, Runner], steps: dict[str, StepInputs], repeats: int
+) -> dict[str, float]:
+    """Median seconds per step of each mode's runner, measured in turn."""
+    times: dict[str, list[float]] = {mode: [] for mode in runners}
     for i in range(repeats + 2):
-        for mode, captured in modes.items():
-            runner.captured = captured
+        for mode, runner in runners.items():
             start = time.perf_counter()
-            runner.execute(step)
+            runner.execute(steps[mode])
             if i >= 2:  # two warm-up rounds
                 times[mode].append(time.perf_counter() - start)
-    runner.captured = compiled
-    assert runner.step_modes["graph"] == 3 * (repeats + 2), "the graph steps did not replay"
+    for mode, runner in runners.items():
+        replayed = runner.step_modes["graph"] >= repeats + 2
+        assert replayed == (mode != "eager"), (mode, runner.step_modes)
     return {mode: statistics.median(seconds) for mode, seconds in times.items()}
 
 
@@ -105,18 +124,10 @@ def main() -> None:
     )
     for name, model_dir, vocab in models:
         for batch in BATCHES:
-            llm = LLM(
-                model_dir,
-                device=args.device,
-                dtype=dtype,
-                enforce_eager=False,
-                compile_graphs=args.device == "cpu",
-                capture_sizes=(batch,),
-                kv_cache_memory_gib=0.5,
-            )
-            step = decode_step(llm, batch, vocab, random.Random(batch))
+            runners = mode_runners(model_dir, batch, args.device, dtype)
+            steps = {mode: decode_step(r, batch, vocab, batch) for mode, r in runners.items()}
             repeats = 5 if args.quick else (40 if name.startswith("demo") else 12)
-            ms = time_modes(llm, step, repeats)
+            ms = time_modes(runners, steps, repeats)
             rows.append(
                 [
                     name,
@@ -129,7 +140,7 @@ def main() -> None:
                     f"{ms['eager'] / ms['compiled']:.2f}x",
                 ]
             )
-            del llm
+            del runners, steps
     print(
         markdown_table(
             f"decode step time, graph replay vs eager, {args.device}, {dtype}",

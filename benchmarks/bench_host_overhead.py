@@ -5,9 +5,9 @@ model, eager, float32.
 1. Decode steps at batch 1 and 32 (token-id prompts of 16-48 tokens, greedy, 128 new
    tokens each), and at batch 32 with every request carrying the most stop strings a
    request may (32 of 256 characters, none matching): per step, total wall time of
-   ``Engine.step()`` and the time spent in the model (``forward`` and
-   ``compute_logits``, timed by wrapping them); host time is the difference. Medians
-   over every decode step of the run, best of ``--rounds``.
+   ``Engine.step()`` and the time spent in the model's forward and logits (the
+   ``forward`` phase of ``Engine.stats().phase_seconds``); host time is the difference.
+   Medians over every decode step of the run, best of ``--rounds``.
 2. One request generating 4,096 tokens: output tokens/s and host time per step over the
    first and the last 512 tokens. A cost that grows with the output (copying the token
    list or the text at every step) shows up as more host time in the last window; the
@@ -49,37 +49,17 @@ def long_context_demo() -> Path:
     return directory
 
 
-class ForwardTimer:
-    """Adds up the time spent in the model's forward and logits computation."""
-
-    def __init__(self, model) -> None:
-        self.seconds = 0.0
-        for name in ("forward", "compute_logits"):
-            setattr(model, name, self._timed(getattr(model, name)))
-
-    def _timed(self, fn):
-        def run(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - start
-
-        return run
-
-
-def timed_steps(llm: LLM, timer: ForwardTimer) -> list[tuple[float, float, int]]:
+def timed_steps(llm: LLM) -> list[tuple[float, float, int]]:
     """(total seconds, forward seconds, new tokens) of every step until all finish."""
     engine = llm.engine
     steps = []
     while engine.has_unfinished:
-        timer.seconds = 0.0
+        forward = engine.stats().phase_seconds.get("forward", 0.0)
         start = time.perf_counter()
         outputs = engine.step()
         total = time.perf_counter() - start
-        steps.append(
-            (total, timer.seconds, sum(len(o.outputs[0].delta_token_ids) for o in outputs))
-        )
+        forward = engine.stats().phase_seconds["forward"] - forward
+        steps.append((total, forward, sum(len(o.outputs[0].delta_token_ids) for o in outputs)))
     return steps
 
 
@@ -88,7 +68,7 @@ MOST_STOPS = [chr(0x4E00 + i) * MAX_STOP_STRING_LENGTH for i in range(MAX_STOP_S
 
 
 def decode_host_time(
-    llm: LLM, timer: ForwardTimer, batch: int, seed: int, stop: list[str] | None = None
+    llm: LLM, batch: int, seed: int, stop: list[str] | None = None
 ) -> tuple[float, float]:
     """Median (total, host) milliseconds of the decode steps of one batch."""
     rng = random.Random(seed)
@@ -96,7 +76,7 @@ def decode_host_time(
     for _ in range(batch):
         prompt = [rng.randrange(1, 4096) for _ in range(rng.randint(16, 48))]
         llm.engine.add_request(prompt, params)
-    steps = timed_steps(llm, timer)
+    steps = timed_steps(llm)
     # The first step prefills every prompt; the rest decode.
     decode = steps[1:]
     total = statistics.median(t for t, _, _ in decode)
@@ -104,11 +84,11 @@ def decode_host_time(
     return total * 1e3, host * 1e3
 
 
-def long_output(llm: LLM, timer: ForwardTimer) -> list[tuple[float, float, float]]:
+def long_output(llm: LLM) -> list[tuple[float, float, float]]:
     """(tokens/s, median step ms, median host ms) over the first and last windows."""
     params = SamplingParams(temperature=0, max_tokens=LONG_OUTPUT, ignore_eos=True)
     llm.engine.add_request(list(range(1, 33)), params)
-    steps = timed_steps(llm, timer)[1:]  # one token per decode step
+    steps = timed_steps(llm)[1:]  # one token per decode step
     return [
         (
             len(window) / sum(t for t, _, _ in window),
@@ -126,19 +106,18 @@ def main() -> None:
     args = parser.parse_args()
     rounds = 1 if args.quick else args.rounds
     llm = LLM(long_context_demo(), dtype="float32", enable_prefix_caching=False)
-    timer = ForwardTimer(llm.engine._runner.model)
     rows = []
     for batch in BATCHES:
-        runs = [decode_host_time(llm, timer, batch, seed) for seed in range(rounds)]
+        runs = [decode_host_time(llm, batch, seed) for seed in range(rounds)]
         best = min(runs, key=lambda r: r[1])
         spread = f"{min(h for _, h in runs):.2f}-{max(h for _, h in runs):.2f}"
         rows.append([f"decode, batch {batch}", f"{best[0]:.2f}", f"{best[1]:.2f}", spread, ""])
-    runs = [decode_host_time(llm, timer, 32, seed, MOST_STOPS) for seed in range(rounds)]
+    runs = [decode_host_time(llm, 32, seed, MOST_STOPS) for seed in range(rounds)]
     best = min(runs, key=lambda r: r[1])
     spread = f"{min(h for _, h in runs):.2f}-{max(h for _, h in runs):.2f}"
     label = f"decode, batch 32, each with {len(MOST_STOPS)} stop strings"
     rows.append([label, f"{best[0]:.2f}", f"{best[1]:.2f}", spread, ""])
-    runs = [long_output(llm, timer) for _ in range(rounds)]
+    runs = [long_output(llm) for _ in range(rounds)]
     best = max(runs, key=lambda windows: windows[1][0])
     for label, (rate, step, host) in zip(("first", "last"), best, strict=True):
         rows.append(

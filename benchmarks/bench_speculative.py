@@ -82,27 +82,10 @@ def transformers_run(model, prompts: list[list[int]], **assist) -> None:
         )
 
 
-class TimedProposer:
-    """The engine's proposer, with the seconds of each of its calls recorded."""
-
-    def __init__(self, proposer) -> None:
-        self.proposer = proposer
-        self.seconds: list[float] = []
-
-    def propose(self, *args):
-        start = time.perf_counter()
-        drafts = self.proposer.propose(*args)
-        self.seconds.append(time.perf_counter() - start)
-        return drafts
-
-    def __getattr__(self, name: str):
-        return getattr(self.proposer, name)
-
-
-def timed_proposals(llm: LLM) -> list[float]:
-    """Record the seconds of each of the engine's proposer calls from now on."""
-    llm.engine._proposer = TimedProposer(llm.engine._proposer)
-    return llm.engine._proposer.seconds
+def proposal_clock(llm: LLM) -> tuple[float, int]:
+    """(seconds spent proposing, steps) of the engine so far: each step proposes once."""
+    stats = llm.engine.stats()
+    return stats.phase_seconds.get("propose", 0.0), stats.num_steps
 
 
 def best_rates(runs: dict[str, Callable[[], None]], tokens: int, rounds: int) -> dict[str, float]:
@@ -157,9 +140,7 @@ def main() -> None:
         name: LLM(enforce_eager=False, **engine_args) if engine_args else base
         for name, (engine_args, _) in setups.items()
     }
-    proposal_seconds = {
-        name: timed_proposals(llm) for name, llm in engines.items() if llm is not base
-    }
+    drafting = {name: llm for name, llm in engines.items() if llm is not base}
     with torch.inference_mode():
         hf_rates = best_rates(
             {
@@ -173,8 +154,7 @@ def main() -> None:
         rates = {}
         per_proposal_ms = {}
         for batch, batch_prompts in ((1, single), (16, batched)):
-            for seconds in proposal_seconds.values():
-                seconds.clear()
+            clocks = {name: proposal_clock(llm) for name, llm in drafting.items()}
             rates[batch] = best_rates(
                 {
                     name: functools.partial(updraft_run, llm, batch_prompts, batch)
@@ -184,10 +164,13 @@ def main() -> None:
                 rounds,
             )
             if batch == 1:
-                per_proposal_ms = {
-                    name: 1e3 * sorted(seconds)[len(seconds) // 2]
-                    for name, seconds in proposal_seconds.items()
-                }
+                per_proposal_ms = {}
+                for name, llm in drafting.items():
+                    seconds, steps = proposal_clock(llm)
+                    before_seconds, before_steps = clocks[name]
+                    per_proposal_ms[name] = (
+                        1e3 * (seconds - before_seconds) / (steps - before_steps)
+                    )
     rows = []
     for name in setups:
         metrics = engines[name].engine.stats().speculative
@@ -221,7 +204,7 @@ def main() -> None:
                 "accepted length",
                 "acceptance",
                 "acceptance per position",
-                "ms per proposal (batch 1, median)",
+                "ms per proposal (batch 1, mean)",
                 f"transformers {transformers.__version__} tok/s",
                 "transformers speedup",
             ],

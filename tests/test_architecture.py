@@ -1,22 +1,34 @@
 """The engine's shape is checked, not hoped for: package layers (import-linter), no
-module reading another's private state, no draft state on a request, and the scheduler
-as the only caller of the KV block manager."""
+module reading another's private state, no draft state on a request, the scheduler as
+the only caller of the KV block manager, one attention loop, the context split on the
+metadata alone, the graph contract as a type, and one step driver."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
 import os
 import shutil
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
 
-from updraft import LLM, SamplingParams
+from tests.helpers import greedy
+from updraft import LLM
+from updraft.attention.metadata import AttentionMetadata, ContextSplit
 from updraft.engine.kv_blocks import KVCacheManager
 from updraft.request import Request
+from updraft.step.inputs import (
+    GRAPH_INPUTS,
+    HEAD_GRAPH_INPUTS,
+    ForwardInputs,
+    SamplingInputs,
+    StepInputs,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -87,7 +99,7 @@ def test_only_the_scheduler_allocates_and_frees_kv_blocks(tiny_llama, monkeypatc
         num_kv_blocks=24,
         max_num_batched_tokens=32,
     )
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (30, 9, 21, 14)]
+    params = [greedy(n) for n in (30, 9, 21, 14)]
     prompts = [[(7 * i + j) % 250 + 1 for j in range(5 + 3 * i)] for i in range(4)]
     engine = llm.engine
     ids = [engine.add_request(p, s) for p, s in zip(prompts, params, strict=True)]
@@ -114,3 +126,83 @@ def test_leaf_modules_import_no_engine_code(module):
     ).stdout
     for layer in ("engine", "runner", "speculative", "serve", "models"):
         assert f"'updraft.{layer}" not in loaded, loaded
+
+
+# -- the shape of attention, the graph contract and the step driver ---------------------
+
+
+def nodes(folder: str) -> list[tuple[str, ast.AST]]:
+    """(file, node) of every AST node of the package's modules under ``folder``."""
+    root = ROOT / "updraft" / folder
+    return [
+        (str(path.relative_to(root)), node)
+        for path in sorted(root.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+    ]
+
+
+def test_one_loop_walks_a_steps_attention_groups():
+    """Every attention kind reads its cache through one loop over ``metadata.shapes``
+    (``attention/loop.py``): a new kind is a cache reader, not a new loop."""
+    loops = [
+        f"{name}:{node.iter.lineno}"
+        for name, node in nodes("attention")
+        if isinstance(node, ast.For | ast.comprehension)
+        and any(getattr(part, "attr", None) == "shapes" for part in ast.walk(node.iter))
+    ]
+    assert len(loops) == 1 and loops[0].startswith("loop.py"), loops
+    text = (ROOT / "updraft" / "attention" / "context_parallel.py").read_text().lower()
+    assert not [word for word in ("latent", "kv_lora_rank", "index_") if word in text]
+
+
+def test_no_model_module_sets_a_context_split_and_the_metadata_is_frozen():
+    """How context is split over ranks reaches attention on the metadata alone: no
+    module under ``models/`` assigns (or ``setattr``s) such an attribute, and no field
+    of the metadata can be assigned once it is built."""
+    found = []
+    for name, node in nodes("models"):
+        targets = [getattr(node, "target", None), *getattr(node, "targets", [])]
+        names = [t.attr for t in targets if isinstance(t, ast.Attribute)]
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr":
+            names += [a.value for a in node.args[1:2] if isinstance(a, ast.Constant)]
+        found += [f"{name}: {n}" for n in names if "context" in str(n)]
+    assert not found, found
+    step = StepInputs.from_queries([], positions_per_block=4).forward
+    metadata = AttentionMetadata.from_step(step, 4, "cpu")
+    for field, value in (("slot_mapping", None), ("context", ContextSplit())):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(metadata, field, value)
+
+
+def test_the_graph_contract_is_a_type():
+    """What a forward reads is ``ForwardInputs``: exactly the declared graph inputs and
+    a draft head's hidden states; attention metadata is built from it alone."""
+    fields = {field.name for field in dataclasses.fields(ForwardInputs)}
+    assert fields == {spec.name for spec in HEAD_GRAPH_INPUTS}
+    assert {spec.name for spec in GRAPH_INPUTS} | {"hidden_states"} == fields
+    for build in (AttentionMetadata.from_step, AttentionMetadata.bind):
+        assert typing.get_type_hints(build)["step"] is ForwardInputs
+    assert not {field.name for field in dataclasses.fields(SamplingInputs)} & fields
+
+
+def test_one_step_driver_and_an_engine_that_asks_no_proposer_by_getattr():
+    """Every model that runs a step (target, draft model, draft head, the greedy draft
+    loop) captures and replays through the one runner type; the engine reads what it
+    shows of a proposer through the proposer's interface alone."""
+    graphs = ("updraft.graph.updatable", "updraft.graph.recorded", "updraft.graph.cuda")
+    users = {
+        name
+        for name, node in nodes(".")
+        if not name.startswith("graph/")
+        and (
+            (isinstance(node, ast.ImportFrom) and node.module in graphs)
+            or (isinstance(node, ast.Name) and node.id == "CapturedSteps")
+        )
+    }
+    assert users == {"runner/captured.py", "runner/runner.py"}, users
+    reflective = [
+        f"{name}:{node.lineno}"
+        for name, node in nodes("engine")
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr")
+    ]
+    assert not reflective, reflective

@@ -10,10 +10,11 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import make_tiny_checkpoint
+from tests.helpers import greedy
 from tests.probes import assert_idle
 from updraft import LLM, SamplingParams
 
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+GREEDY = greedy(8)
 
 
 @pytest.fixture

@@ -9,7 +9,8 @@ import sys
 import pytest
 from safetensors import safe_open
 
-from updraft import LLM, SamplingParams
+from tests.helpers import greedy
+from updraft import LLM
 from updraft.cli import main
 from updraft.demo import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
 
@@ -36,7 +37,7 @@ def test_demo_assets_are_small_float16_llama_checkpoints():
 @pytest.mark.parametrize("model_dir", [DEMO_MODEL_DIR, DEMO_DRAFT_DIR])
 def test_demo_models_write_python(model_dir):
     llm = LLM(model_dir)
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    params = greedy(40)
     text = llm.generate("def fibonacci(n):", params)[0].outputs[0].text
     # Trained on the standard library, they continue a def with an indented body.
     assert "\n    " in text and text.isascii()
@@ -45,9 +46,7 @@ def test_demo_models_write_python(model_dir):
 def test_generate_command_streams_text_and_a_summary(capsys):
     assert main(["generate", "--prompt", "class ", "--max-tokens", "12", "--ignore-eos"]) == 0
     captured = capsys.readouterr()
-    reference = LLM().generate(
-        "class ", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    )
+    reference = LLM().generate("class ", greedy(12))
     assert captured.out == reference[0].outputs[0].text + "\n"
     assert "[updraft] 12 tokens in" in captured.err
     assert "tokens/s" in captured.err and "time to first token" in captured.err
@@ -106,6 +105,7 @@ def test_every_engine_setting_is_a_flag_that_reaches_the_config():
         "--tensor-parallel-size": "2",
         "--prefill-context-parallel-size": "3",
         "--decode-context-parallel-size": "2",
+        "--probe": "records",
     }
     switches = [
         "--no-enable-prefix-caching",
@@ -144,6 +144,7 @@ def test_every_engine_setting_is_a_flag_that_reaches_the_config():
         "tensor_parallel_size": 2,
         "prefill_context_parallel_size": 3,
         "decode_context_parallel_size": 2,
+        "probe": "records",
     }
     defaults = engine_kwargs(build_parser().parse_args(["doctor"]))
     config = EngineConfig(model="m")

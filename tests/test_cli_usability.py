@@ -13,7 +13,8 @@ import time
 import pytest
 import torch
 
-from updraft import LLM, SamplingParams
+from tests.helpers import greedy
+from updraft import LLM
 from updraft.chat_template import ChatTemplate
 from updraft.cli import main
 from updraft.demo import DEMO_MODEL_DIR
@@ -34,7 +35,7 @@ def test_help_is_quick_because_it_loads_no_torch():
 
 def test_a_stop_string_typed_as_backslash_n_means_a_newline(capsys):
     prompt = "def add(a, b):\n"
-    reference = LLM().generate(prompt, SamplingParams(temperature=0, max_tokens=40, stop=["\n"]))
+    reference = LLM().generate(prompt, greedy(40, ignore_eos=False, stop=["\n"]))
     assert main(["generate", "--prompt", prompt, "--max-tokens", "40", "--stop", "\\n"]) == 0
     out = capsys.readouterr().out
     assert out == reference[0].outputs[0].text + "\n" and "\n" not in out[:-1]
@@ -129,7 +130,7 @@ def test_a_hub_id_resolves_to_a_snapshot_in_the_local_cache(tmp_path, monkeypatc
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("abc123")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    params = SamplingParams(temperature=0, max_tokens=6)
+    params = greedy(6, ignore_eos=False)
     got = LLM("acme/tiny").generate("import os", params)[0].outputs[0].token_ids
     assert got == LLM().generate("import os", params)[0].outputs[0].token_ids
     with pytest.raises(FileNotFoundError, match=r"never downloads.*hf download acme/other"):
@@ -142,7 +143,7 @@ def test_chat_renders_the_template_then_generates():
         {"role": "system", "content": "You write Python."},
         {"role": "user", "content": "Sort."},
     ]
-    params = SamplingParams(temperature=0, max_tokens=12)
+    params = greedy(12, ignore_eos=False)
     prompt = ChatTemplate.from_dir(DEMO_MODEL_DIR).render(messages)
     (reply,) = llm.chat(messages, params)
     assert reply.outputs[0].text == llm.generate(prompt, params)[0].outputs[0].text

@@ -13,8 +13,10 @@ from updraft.graph.tasks import register_task
 
 
 class Layer(torch.nn.Module):
-    """Elementwise runs around an in-place cache write that reads a view of a run's
-    intermediate, and a task whose input is another."""
+    """Elementwise runs around in-place cache writes, one reading a view of a run's
+    intermediate, the other a run's result that nothing but the write reads (a compiled
+    run that dropped it as unused would write stale values), and a task whose input is
+    another."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
@@ -27,12 +29,15 @@ class Layer(torch.nn.Module):
         hidden = torch.tanh(self.inputs * self.weight) + 1
         # The write reads the first two columns of the run's result, through a view.
         self.cache[:, :2].index_copy_(0, self.slots, hidden[:, :2])
+        # Only this write reads the run's sigmoid: it is the run's last consumer.
+        self.cache[:, 2:4].index_copy_(0, self.slots, torch.sigmoid(hidden[:, 2:4] * 3))
         hidden = register_task(scaled, {"x": hidden, "factor": 2.0}, Scale())
         return (torch.relu(hidden) * self.weight).sum(-1)
 
     def reference(self, factor: float) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = torch.tanh(self.inputs * self.weight) + 1
-        return (torch.relu(hidden * factor) * self.weight).sum(-1), hidden[:, :2]
+        written = torch.cat([hidden[:, :2], torch.sigmoid(hidden[:, 2:4] * 3)], dim=1)
+        return (torch.relu(hidden * factor) * self.weight).sum(-1), written
 
 
 class DispatchedOps(TorchDispatchMode):
@@ -65,7 +70,7 @@ def test_compiled_replay_equals_rerunning_the_function():
         graph.replay([{"factor": factor}])
         expected, written = model.reference(factor)
         torch.testing.assert_close(out, expected)
-        torch.testing.assert_close(model.cache[model.slots, :2], written)
+        torch.testing.assert_close(model.cache[model.slots, :4], written)
 
 
 @torch.inference_mode()
@@ -104,5 +109,6 @@ def test_layers_of_the_same_shape_share_one_compiled_run(monkeypatch):
     for seed in (0, 1):
         torch.manual_seed(seed)
         capture(Layer(width=4))
-    # One run before the task, one after; the second layer compiles nothing new.
-    assert len(compiled_runs._compiled) == 2
+    # One run before each cache write, one after the task; the second layer compiles
+    # nothing new.
+    assert len(compiled_runs._compiled) == 3

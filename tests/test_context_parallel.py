@@ -6,13 +6,13 @@ within 1e-4, eager and with graphs.
 
 The draft model runs whole on rank 0, over the step rank 0 built for the whole batch
 (global block tables, slots, seq_lens, positions): the tests below watch its captured
-graphs' buffers and show that each way of feeding it a rank's local view is caught."""
+graphs' buffers, and the target's on rank 1, through the runner probe, and show that
+each way of feeding the draft a rank's local view is caught."""
 
 from __future__ import annotations
 
 import json
 import signal
-from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -20,14 +20,13 @@ import pytest
 import torch
 
 from tests.conftest import make_tiny_checkpoint
-from tests.probes import LogitsProbe, assert_idle
+from tests.helpers import greedy, token_ids, token_prompts
+from tests.mutations import draft_mirror_on, forget_refresh, local_seq_lens, rank0_chunks
+from tests.probes import assert_idle, logits_of, probe_dir, probed, records
 from tests.serving import MODEL, running_server, start_server_process, wait_for_idle
-from tests.test_speculative import greedy, self_drafting, skip_refresh, token_ids, token_prompts
+from tests.test_speculative import self_drafting
 from updraft import LLM, WorkerPool
 from updraft.demo import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
-from updraft.speculative.draft_model import DraftModel
-from updraft.step.inputs import capture_inputs
-from updraft.step.prefill_split import split_step, splits
 
 # Prompts shorter than 2P chunks (1 and 3 tokens), ending mid-block and crossing block
 # boundaries (block size 4), and longer than the chunked-prefill budget below.
@@ -59,19 +58,18 @@ def pool():
 
 
 def run(checkpoint, prompts=PROMPTS, params=PARAMS, **args):
-    """(engine, tokens, the logits each token was drawn from); the engine's other ranks
-    are stopped (back in the pool) before it returns."""
-    llm = LLM(str(checkpoint), **{**ARGS, **args})
-    probe = LogitsProbe(llm)
+    """(engine, tokens, the logits each token was drawn from, the probe's records); the
+    engine's other ranks are stopped (back in the pool) before it returns."""
+    llm = probed(str(checkpoint), **{**ARGS, **args})
     outputs = llm.generate(prompts, params)
     assert_idle(llm)
-    llm.engine.close()
-    return llm, token_ids(outputs), [probe.of(output) for output in outputs]
+    seen = records(llm)
+    return llm, token_ids(outputs), [logits_of(seen, output) for output in outputs], seen
 
 
 def assert_same(ours, reference) -> None:
-    _, tokens, logits = ours
-    _, expected_tokens, expected_logits = reference
+    _, tokens, logits, _ = ours
+    _, expected_tokens, expected_logits, _ = reference
     assert tokens == expected_tokens
     for mine, theirs in zip(logits, expected_logits, strict=True):
         torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=0)
@@ -115,25 +113,34 @@ def test_prefix_caching_and_preemption_under_both(tiny_llama, pool):
     tight = dict(num_kv_blocks=24, block_size=4)
     plain = run(tiny_llama, prompts, params, **tight)
     for layout in ("pcp2", "tp2-dcp2"):
-        ours = run(tiny_llama, prompts, params, **tight, worker_pool=pool, **LAYOUTS[layout])
+        ours = run(
+            tiny_llama,
+            prompts,
+            params,
+            **tight,
+            worker_pool=pool,
+            **LAYOUTS[layout],
+        )
         assert_same(ours, plain)
 
 
 def test_decode_context_ranks_keep_every_other_position(tiny_llama, pool):
-    """Under DCP=2 a position x lives on rank x mod 2: rank 0's cache holds half the
-    positions one process's does, and the pool counts twice the tokens per block."""
+    """Under DCP=2 a position x lives on rank x mod 2: each rank's cache holds half the
+    positions one process's does (rank 0 the even ones, rank 1 the odd ones), and the
+    pool counts twice the tokens per block."""
     prompt, steps = list(range(10, 31)), 14  # writes positions 0..33
-    filled = []
-    for layout in ({"tensor_parallel_size": 2}, LAYOUTS["tp2-dcp2"]):
-        llm = LLM(str(tiny_llama), pool, **ARGS, enforce_eager=True, **layout)
+    filled = {}
+    for name, layout in (("tp2", {"tensor_parallel_size": 2}), ("tp2-dcp2", LAYOUTS["tp2-dcp2"])):
+        llm = probed(str(tiny_llama), worker_pool=pool, **ARGS, enforce_eager=True, **layout)
         llm.generate([prompt], [greedy(steps)])
-        keys = llm.engine._runner.kv_caches[0][0][:-1]  # the spare slot takes slot -1
-        filled.append(int((keys.abs().sum(dim=(1, 2)) != 0).sum()))
-        assert llm.engine._scheduler.kv.block_size == 4 * layout.get(
+        assert llm.engine.stats().positions_per_block == 4 * layout.get(
             "decode_context_parallel_size", 1
         )
-        llm.engine.close()
-    assert filled == [34, 17]
+        seen = records(llm)
+        for rank in (0, 1):
+            keys = seen.kv_caches(rank=rank)[0][0][:-1]  # the spare slot takes slot -1
+            filled[name, rank] = int((keys.abs().sum(dim=(1, 2)) != 0).sum())
+    assert filled == {("tp2", 0): 34, ("tp2", 1): 34, ("tp2-dcp2", 0): 17, ("tp2-dcp2", 1): 17}
 
 
 def test_sizes_that_cannot_split_are_refused(tiny_llama):
@@ -150,38 +157,17 @@ def test_sizes_that_cannot_split_are_refused(tiny_llama):
 DRAFT_PARAMS = [greedy(n) for n in (20, 9, 14, 3, 17, 12)]
 
 
-def draft_graph_watch(llm: LLM) -> list[dict]:
-    """Record, after every replay of the draft model's graphs, its static input buffers:
-    their addresses and contents, and the step that filled them."""
-    seen: list[dict] = []
-    for graph, _ in llm.engine._proposer.runner.captured.graphs.values():
-        replay = graph.replay
-
-        def watch(step, graph=graph, replay=replay):
-            out = replay(step)
-            buffers = {i.name: i.buffer for i in graph.inputs}
-            seen.append(
-                {
-                    "pointers": {name: b.data_ptr() for name, b in buffers.items()},
-                    "buffers": {name: b.clone() for name, b in buffers.items()},
-                    "request_ids": list(step.request_ids),
-                    "num_reqs": step.num_reqs,
-                    "num_tokens": step.num_tokens,
-                }
-            )
-            return out
-
-        graph.replay = watch
-    return seen
-
-
-def check_buffers(seen: list[dict], block_size: int) -> None:
-    """Addresses never change; each token's slot is its position's in its request's
-    block-table row; padded slots are -1 and padded rows are reset."""
-    assert len({tuple(sorted(s["pointers"].items())) for s in seen}) == 1
+def check_buffers(replays: list, block_size: int, exercised: bool = True) -> None:
+    """Over a runner's replays (the probe's records): addresses never change; each
+    token's slot is its position's in its request's block-table row (of ``block_size``
+    positions per block); padded slots are -1 and padded rows are reset. With
+    ``exercised``, the replays must also have crossed block boundaries, changed batches
+    and replayed a bucket larger than its batch."""
+    assert replays
+    assert len({tuple(sorted(r.pointers.items())) for r in replays}) == 1
     crossed = padded = changed = False
-    for before, record in zip([None, *seen], seen, strict=False):
-        b, tokens, reqs = record["buffers"], record["num_tokens"], record["num_reqs"]
+    for before, record in zip([None, *replays], replays, strict=False):
+        b, tokens, reqs = record.buffers, record.num_tokens, record.num_reqs
         starts = b["query_start_loc"][: reqs + 1]
         owner = torch.searchsorted(starts[1:], torch.arange(tokens), right=True)
         positions = b["positions"][:tokens]
@@ -193,27 +179,30 @@ def check_buffers(seen: list[dict], block_size: int) -> None:
         assert torch.equal(b["seq_lens"][:reqs], ends + 1)
         crossed |= bool(((positions % block_size == 0) & (positions > 0)).any())
         padded |= reqs < b["seq_lens"].numel()
-        changed |= before is not None and before["request_ids"] != record["request_ids"]
-    assert crossed and padded and changed  # the run exercised what it claims to
+        changed |= before is not None and before.request_ids != record.request_ids
+    assert (crossed and padded and changed) or not exercised  # what the run exercised
 
 
-def draft_run(checkpoint, pool, **args):
+def draft_run(checkpoint, pool, layout="pcp2", **args):
     """Self-drafting (every greedy draft must be accepted) at batch 6, with requests
-    finishing at different steps, under PCP=2 with graphs on."""
+    finishing at different steps, with graphs on, every rank's steps probed. -> (the
+    engine, its tokens, the probe's records)."""
     llm = self_drafting(
         checkpoint,
+        probe=probe_dir(),
         enforce_eager=False,
         max_num_batched_tokens=32,
         worker_pool=pool,
-        **LAYOUTS["pcp2"],
+        **LAYOUTS[layout],
         **args,
     )
-    seen = draft_graph_watch(llm)
     outputs = token_ids(llm.generate(token_prompts(6), DRAFT_PARAMS))
-    return llm, outputs, seen
+    return llm, outputs, records(llm)
 
 
 def test_the_draft_model_reads_the_global_step_under_pcp(tiny_llama, pool):
+    """Rank 0's draft graphs and rank 1's target graphs alike read the global step: its
+    block tables, slots, lengths and positions, refreshed at every replay."""
     plain = token_ids(LLM(str(tiny_llama), **ARGS).generate(token_prompts(6), DRAFT_PARAMS))
     single = self_drafting(tiny_llama, enforce_eager=False, max_num_batched_tokens=32)
     single.generate(token_prompts(6), DRAFT_PARAMS)
@@ -223,49 +212,32 @@ def test_the_draft_model_reads_the_global_step_under_pcp(tiny_llama, pool):
     assert metrics.acceptance_rate == 1.0, metrics.summary()
     assert metrics.accepted == single.engine.stats().speculative.accepted
     assert any("split over 2 ranks" in mode for mode in llm.engine.stats().steps)
-    check_buffers(seen, block_size=4)
-    # A padded-only run leaves nothing of the last batch behind, and the engine goes on.
-    runner = llm.engine._proposer.runner
-    (size, query_len), (graph, _) = next(iter(runner.captured.graphs.items()))
-    with torch.inference_mode():
-        graph.replay(capture_inputs(size * query_len, size, runner.captured.max_blocks))
-    buffers = {i.name: i.buffer for i in graph.inputs}
-    assert (buffers["slot_mapping"] == -1).all() and (buffers["block_table"] == 0).all()
-    assert (buffers["seq_lens"] == 0).all()
-    again = token_ids(llm.generate(token_prompts(6), DRAFT_PARAMS))
-    assert again == plain
-    assert llm.engine.stats().speculative.acceptance_rate == 1.0
-    llm.engine.close()
+    check_buffers(seen.replays("draft", rank=0), block_size=4)
+    # Rank 1 runs every step rank 0 runs, the same way; where it replays, its buffers
+    # hold the same global step as rank 0's.
+    ours, theirs = seen.steps_of("target", rank=0), seen.steps_of("target", rank=1)
+    assert [(s.mode, s.buffers.keys()) for s in theirs] == [
+        (s.mode, s.buffers.keys()) for s in ours
+    ]
+    assert any("split over 2 ranks" in step.mode for step in theirs)
+    for mine, other in zip(ours, theirs, strict=True):
+        assert all(torch.equal(other.buffers[n], b) for n, b in mine.buffers.items())
+    check_buffers(seen.replays("target", rank=1), block_size=4, exercised=False)
+    assert not seen.steps_of("draft", rank=1)  # the draft runs on rank 0 alone
 
 
 def test_the_draft_model_under_dcp_keeps_every_position_itself(tiny_llama, pool):
     """Under DCP=2 the target's blocks hold 8 positions (4 per rank); the draft model,
     whole on rank 0, pages through the same block ids with blocks of 8: every draft
     is still accepted."""
-    llm = self_drafting(tiny_llama, enforce_eager=False, worker_pool=pool, **LAYOUTS["tp2-dcp2"])
-    outputs = token_ids(llm.generate(token_prompts(6), DRAFT_PARAMS))
+    llm, outputs, seen = draft_run(tiny_llama, pool, layout="tp2-dcp2")
     plain = token_ids(LLM(str(tiny_llama), **ARGS).generate(token_prompts(6), DRAFT_PARAMS))
     assert outputs == plain
-    assert llm.engine._proposer.runner.positions_per_block == 8
+    check_buffers(seen.replays("draft"), block_size=8)
     assert llm.engine.stats().speculative.acceptance_rate == 1.0
-    llm.engine.close()
 
 
-def local_mirror(propose, local):
-    def propose_on(self, inputs, output, drafting):
-        return propose(self, local(inputs), output, drafting)
-
-    return propose_on
-
-
-def rank0_chunks(inputs):
-    """What rank 0 alone runs of a split step: its own chunks, local slots."""
-    return split_step(inputs, 0, 2, 4).local if splits(inputs, 4) else inputs
-
-
-def local_seq_lens(inputs):
-    """Context lengths as one decode-context rank of two counts them."""
-    return replace(inputs, seq_lens=(inputs.seq_lens + 1) // 2)
+MIRROR_VIEWS = {"local-step": rank0_chunks, "local-seq": local_seq_lens}
 
 
 @pytest.mark.parametrize(
@@ -279,17 +251,15 @@ def test_each_way_of_feeding_the_draft_a_local_view_is_caught(
     table, slots or seq_lens, or when the draft's mirror step runs on rank 0's chunks
     (local slots and seq_lens) or on per-rank context lengths."""
     if mutation.startswith("refresh-"):
-        skip_refresh(monkeypatch, mutation.removeprefix("refresh-"))
+        forget_refresh(monkeypatch, mutation.removeprefix("refresh-"), "draft")
     else:
-        local = rank0_chunks if mutation == "local-step" else local_seq_lens
-        monkeypatch.setattr(DraftModel, "propose", local_mirror(DraftModel.propose, local))
+        draft_mirror_on(monkeypatch, MIRROR_VIEWS[mutation])
     llm, _, seen = draft_run(tiny_llama, pool)
     caught = llm.engine.stats().speculative.acceptance_rate < 0.9
     if mutation.startswith("refresh-"):
         with pytest.raises(AssertionError):
-            check_buffers(seen, block_size=4)
+            check_buffers(seen.replays("draft"), block_size=4)
     assert caught, llm.engine.stats().speculative.summary()
-    llm.engine.close()
 
 
 def test_pcp_with_a_draft_model_serves_like_one_process(pool):
@@ -364,7 +334,8 @@ def test_deepseek_latent_attention_and_experts_split_like_one_process(tiny_deeps
     ours = run(checkpoint, worker_pool=pool, **LAYOUTS[layout])
     assert_same(ours, run(checkpoint))
     if layout == "tp2-dcp2":
-        latent = ours[0].engine._runner.kv_caches[0][:-1]  # the spare slot takes slot -1
+        # the spare slot takes slot -1
+        latent = ours[3].kv_caches(rank=0)[0][:-1]
         written = int((latent.abs().sum(dim=1) != 0).sum())
         # Each request wrote positions 0..n-2 of its n tokens; rank 0 keeps the even ones.
         lengths = [len(p) + len(t) for p, t in zip(PROMPTS, ours[1], strict=True)]

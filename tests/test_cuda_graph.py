@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.probes import LogitsProbe
-from updraft import LLM, SamplingParams
+from tests.helpers import greedy, token_ids
+from tests.probes import logits_of, probed, records
+from updraft import LLM
 from updraft.demo import DEMO_MODEL_DIR
 from updraft.graph.cuda import CudaGraph
 from updraft.graph.recorded import CaptureError
@@ -93,7 +94,7 @@ def test_capture_lints_on_cuda_as_on_the_cpu():
 
 
 PROMPTS = [list(range(3, 10)), [200, 17], list(range(40, 77)), [5, 6, 7] * 8]
-PARAMS = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (16, 5, 9, 24)]
+PARAMS = [greedy(n) for n in (16, 5, 9, 24)]
 
 
 def engine_on_cuda_replays_like_eager(model_dir, graph_mode: str, **speculation) -> None:
@@ -101,25 +102,23 @@ def engine_on_cuda_replays_like_eager(model_dir, graph_mode: str, **speculation)
     does the acceptance per draft position with speculation, and the graphs are FULL or
     PIECEWISE as asked."""
     args = dict(device="cuda", dtype="float32", block_size=4, num_kv_blocks=128, **speculation)
-    eager_llm = LLM(model_dir, enforce_eager=True, **args)
-    eager_probe = LogitsProbe(eager_llm)
+    eager_llm = probed(model_dir, enforce_eager=True, **args)
     eager = eager_llm.generate(PROMPTS, PARAMS)
-    llm = LLM(model_dir, graph_mode=graph_mode, capture_sizes=(1, 2, 4), sanitize=True, **args)
-    probe = LogitsProbe(llm)
+    llm = probed(model_dir, graph_mode=graph_mode, capture_sizes=(1, 2, 4), sanitize=True, **args)
     graph = llm.generate(PROMPTS, PARAMS)
-    for e, g in zip(eager, graph, strict=True):
-        assert g.outputs[0].token_ids == e.outputs[0].token_ids, model_dir
-        torch.testing.assert_close(probe.of(g), eager_probe.of(e), atol=1e-4, rtol=0)
     stats = llm.engine.stats()
     assert stats.steps["graph"] > 0
     assert stats.sanitize.healthy, stats.sanitize.mismatches
-    modes = {graph.backend.mode for graph, _ in llm.engine._runner.captured.graphs.values()}
-    assert modes == {graph_mode.upper()}
     if speculation:
         assert stats.speculative.rounds > 0
         eager_spec = eager_llm.engine.stats().speculative
         assert stats.speculative.accepted == eager_spec.accepted
         assert stats.speculative.proposed == eager_spec.proposed
+    eager_seen, seen = records(eager_llm), records(llm)
+    for e, g in zip(eager, graph, strict=True):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids, model_dir
+        torch.testing.assert_close(logits_of(seen, g), logits_of(eager_seen, e), atol=1e-4, rtol=0)
+    assert {r.graph_mode for r in seen.replays()} == {graph_mode.upper()}
 
 
 @needs_cuda
@@ -142,7 +141,7 @@ def test_latent_and_sparse_attention_on_cuda_replay_like_eager(tiny_deepseek, gr
 def test_mtp_speculation_on_cuda_replays_like_eager(tmp_path, graph_mode):
     """DeepSeek MTP drafts on CUDA: the target's graphs as above, the MTP layer's own
     graphs reading the target's hidden states."""
-    from tests.test_mtp import mtp_checkpoint
+    from tests.heads import mtp_checkpoint
 
     model_dir = mtp_checkpoint(tmp_path)
     engine_on_cuda_replays_like_eager(model_dir, graph_mode, speculative_method="mtp")
@@ -153,7 +152,7 @@ def test_mtp_speculation_on_cuda_replays_like_eager(tmp_path, graph_mode):
 def test_eagle_speculation_on_cuda_replays_like_eager(tmp_path, graph_mode):
     """An EAGLE head's graphs on CUDA, reading the target's hidden states: a tiny Llama
     target with a random head, and the demo target with its trained head."""
-    from tests.test_eagle import make_pair
+    from tests.heads import make_pair
 
     target, head = make_pair("llama", tmp_path)
     engine_on_cuda_replays_like_eager(
@@ -186,16 +185,15 @@ def test_a_draft_model_under_pcp_on_cuda_replays_like_eager(tiny_llama, graph_mo
     args = dict(**self_drafting_on_cuda(tiny_llama), prefill_context_parallel_size=2)
     runs = []
     for eager in (True, False):
-        llm = LLM(str(tiny_llama), enforce_eager=eager, graph_mode=graph_mode, **args)
-        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        llm = probed(str(tiny_llama), enforce_eager=eager, graph_mode=graph_mode, **args)
+        tokens = token_ids(llm.generate(PROMPTS, PARAMS))
         stats = llm.engine.stats()
         runs.append((tokens, stats.speculative.accepted, stats.speculative.proposed))
         assert any("split over 2 ranks" in mode for mode in stats.steps)
+        seen = records(llm)
         if not eager:
             assert stats.draft_steps.get("graph", 0) > 0, stats.draft_steps
-            draft = llm.engine._proposer.runner.captured.graphs.values()
-            assert {graph.backend.mode for graph, _ in draft} == {graph_mode.upper()}
-        llm.engine.close()
+            assert {r.graph_mode for r in seen.replays("draft")} == {graph_mode.upper()}
     assert runs[0] == runs[1]
     assert runs[1][1][0] > 0
 
@@ -216,7 +214,7 @@ def test_ranks_over_nccl_replay_like_one_process(tiny_llama, graph_mode, layout)
     runs = []
     for split in ({}, layout):
         llm = LLM(str(tiny_llama), **args, **split)
-        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        tokens = token_ids(llm.generate(PROMPTS, PARAMS))
         stats = llm.engine.stats()
         assert stats.steps.get("graph", 0) > 0, stats.steps
         runs.append((tokens, stats.speculative.accepted, stats.speculative.proposed))

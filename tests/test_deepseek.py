@@ -11,23 +11,17 @@ import torch
 import transformers
 
 from tests.conftest import add_byte_tokenizer, make_deepseek_checkpoint
-from tests.probes import assert_idle
+from tests.helpers import greedy, token_ids
+from tests.probes import assert_idle, logits_of, probed, records
 from tests.serving import running_server
 from tests.test_reference_models import PROMPTS, assert_logits_match
-from updraft import LLM, SamplingParams
+from updraft import LLM
 from updraft.attention import latent, loop
 from updraft.cli import main
-from updraft.config import EngineConfig
+from updraft.config import EngineConfig, ModelConfig
 from updraft.engine.engine import Engine
+from updraft.models.loader import load_model
 from updraft.serve.serving import ServeSettings
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def token_ids(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 @pytest.mark.parametrize("token_budget", [1024, 10], ids=["whole-prefill", "chunked-prefill"])
@@ -99,17 +93,17 @@ def test_greedy_equals_transformers_generate(tiny_deepseek):
 def test_the_cache_holds_the_normed_latent_then_the_rotated_key(tmp_path, kind):
     """kv_lora_rank + qk_rope_head_dim values per token per layer (+ the indexer's key
     for V3.2), with the latent and key equal to what transformers computes for them."""
-    model_dir = make_deepseek_checkpoint(kind, tmp_path)
-    llm = LLM(model_dir, block_size=4, num_kv_blocks=16, enforce_eager=True)
+    model_dir = make_deepseek_checkpoint(kind, tmp_path / "model")
+    llm = probed(model_dir, block_size=4, num_kv_blocks=16, enforce_eager=True)
     prompt = list(range(30, 41))
     llm.generate([prompt], greedy(1))
-    runner = llm.engine._runner
-    config = runner.model_config
+    kv_caches = records(llm).kv_caches()
+    config = ModelConfig.from_dir(model_dir)
     width = config.mla.kv_lora_rank + config.mla.qk_rope_head_dim
     if config.indexer is not None:
         width += config.indexer.head_dim
-    assert [tuple(c.shape) for c in runner.kv_caches] == [(16 * 4 + 1, width)] * 3
-    per_token = runner.kv_caches[0][:-1].numel() // (16 * 4)
+    assert [tuple(c.shape) for c in kv_caches] == [(16 * 4 + 1, width)] * 3
+    per_token = kv_caches[0][:-1].numel() // (16 * 4)
     assert per_token == width  # what KV planning charges per token per layer
 
     reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -123,26 +117,22 @@ def test_the_cache_holds_the_normed_latent_then_the_rotated_key(tmp_path, kind):
         k_rot[:, None], k_rot[:, None], cos, sin
     )
     # The prompt's first block is block 0 of a fresh pool: slots 0.. in order.
-    rows = runner.kv_caches[0][: len(prompt)]
+    rows = kv_caches[0][: len(prompt)]
     torch.testing.assert_close(rows[:, :24], attention.kv_a_layernorm(c_kv)[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(rows[:, 24:32], k_rot[0, 0], atol=1e-5, rtol=0)
 
 
 def test_prefix_caching_reuses_latent_blocks(tiny_deepseek):
     _, model_dir = tiny_deepseek
-    llm = LLM(model_dir, block_size=4, num_kv_blocks=64)
+    llm = probed(model_dir, block_size=4, num_kv_blocks=64)
     prompt = list(range(10, 33))
     first = llm.generate([prompt], greedy(6))[0]
-    computed = []
-    execute = llm.engine._runner.execute
-
-    def spy(step):
-        computed.append(step.num_tokens)
-        return execute(step)
-
-    llm.engine._runner.execute = spy
     again = llm.generate([prompt], greedy(6))[0]
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    steps = records(llm).steps_of("target")
+    first_steps = [s for s in steps if s.request_ids == [first.request_id]]
+    computed = [s.num_tokens for s in steps if s.request_ids == [again.request_id]]
+    assert first_steps[0].num_tokens == len(prompt)
     assert computed[0] == len(prompt) - (len(prompt) - 1) // 4 * 4  # only the last block's tail
 
 
@@ -169,8 +159,8 @@ def test_decode_attends_in_latent_space_and_never_expands_the_cache(monkeypatch)
 
 
 def test_experts_see_tokens_times_top_k_rows_in_every_step(monkeypatch, tmp_path):
-    model_dir = make_deepseek_checkpoint("deepseek-v3", tmp_path)
-    llm = LLM(model_dir, block_size=4, num_kv_blocks=64, enforce_eager=True)
+    model_dir = make_deepseek_checkpoint("deepseek-v3", tmp_path / "model")
+    llm = probed(model_dir, block_size=4, num_kv_blocks=64, enforce_eager=True)
     rows_per_call = []
     ops = torch.ops.updraft
 
@@ -182,16 +172,10 @@ def test_experts_see_tokens_times_top_k_rows_in_every_step(monkeypatch, tmp_path
             rows_per_call.append((rows.shape[0], gate_up.shape[0]))
             return ops.grouped_mlp(rows, offsets, gate_up, down)
 
-    steps = []
-    execute = llm.engine._runner.execute
-
-    def count(step):
-        steps.append(step.num_tokens)
-        return execute(step)
-
-    llm.engine._runner.execute = count
     monkeypatch.setattr(torch.ops, "updraft", Spy())
     llm.generate(PROMPTS, greedy(5))
+    monkeypatch.undo()
+    steps = [step.num_tokens for step in records(llm).steps_of("target")]
     # two MoE layers per step (layer 0 is dense), top-2 of 8 experts
     expected = [(tokens * 2, 8) for tokens in steps for _ in range(2)]
     assert rows_per_call == expected
@@ -282,15 +266,16 @@ def test_a_missing_expert_tensor_is_named(tmp_path):
 
 
 def test_bfloat16_compute_stays_close_and_routes_in_float32(tiny_deepseek):
-    from tests.probes import LogitsProbe
-
     _, model_dir = tiny_deepseek
-    full_llm, half_llm = LLM(model_dir), LLM(model_dir, dtype="bfloat16")
-    full_probe, half_probe = LogitsProbe(full_llm), LogitsProbe(half_llm)
-    full = full_probe.of(full_llm.generate([PROMPTS[2]], greedy(1))[0])[0]
-    half = half_probe.of(half_llm.generate([PROMPTS[2]], greedy(1))[0])[0]
+    logits = []
+    for dtype in ("float32", "bfloat16"):
+        llm = probed(model_dir, dtype=dtype)
+        (output,) = llm.generate([PROMPTS[2]], greedy(1))
+        logits.append(logits_of(records(llm), output)[0])
+    full, half = logits
     assert (full - half).abs().max().item() < 0.1 * full.abs().max().item()
-    router = half_llm.engine._runner.model.model.layers[1].mlp.gate
+    model = load_model(ModelConfig.from_dir(model_dir), model_dir, torch.bfloat16)
+    router = model.model.layers[1].mlp.gate
     assert router.weight.dtype == torch.float32
     bias = router.e_score_correction_bias  # V3's; V2's router has none
     assert bias is None or bias.dtype == torch.float32

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from tests.helpers import greedy
 from tests.probes import assert_idle
-from updraft import LLM, SamplingParams
+from updraft import LLM
 
 PROMPT = "def main():"
 
@@ -17,35 +18,31 @@ def llm(tiny_llama_with_tokenizer):
     return LLM(tiny_llama_with_tokenizer, num_kv_blocks=64, block_size=4)
 
 
-def greedy(**kwargs) -> SamplingParams:
-    return SamplingParams(temperature=0, **{"max_tokens": 24, "ignore_eos": True, **kwargs})
-
-
 def test_max_tokens_finishes_with_length(llm):
-    completion = llm.generate(PROMPT, greedy())[0].outputs[0]
+    completion = llm.generate(PROMPT, greedy(24))[0].outputs[0]
     assert len(completion.token_ids) == 24 and completion.finish_reason == "length"
     assert completion.text == llm.tokenizer.decode(completion.token_ids)
 
 
 def test_stop_token_id_finishes_with_stop(llm):
-    reference = llm.generate(PROMPT, greedy())[0].outputs[0].token_ids
+    reference = llm.generate(PROMPT, greedy(24))[0].outputs[0].token_ids
     stop_token = reference[5]
     first = reference.index(stop_token)
-    completion = llm.generate(PROMPT, greedy(stop_token_ids=[stop_token]))[0].outputs[0]
+    completion = llm.generate(PROMPT, greedy(24, stop_token_ids=[stop_token]))[0].outputs[0]
     assert completion.token_ids == reference[: first + 1]
     assert completion.finish_reason == "stop" and completion.stop_reason == stop_token
 
 
 def test_stop_string_cuts_the_text_before_it(llm):
-    reference = llm.generate(PROMPT, greedy())[0].outputs[0].text
+    reference = llm.generate(PROMPT, greedy(24))[0].outputs[0].text
     stop = reference[6:9]
-    completion = llm.generate(PROMPT, greedy(stop=[stop]))[0].outputs[0]
+    completion = llm.generate(PROMPT, greedy(24, stop=[stop]))[0].outputs[0]
     assert completion.finish_reason == "stop" and completion.stop_reason == stop
     assert completion.text == reference[: reference.index(stop)]
 
 
 def test_eos_finishes_unless_ignored(tmp_path, tiny_llama_with_tokenizer):
-    reference = LLM(tiny_llama_with_tokenizer).generate(PROMPT, greedy())[0].outputs[0]
+    reference = LLM(tiny_llama_with_tokenizer).generate(PROMPT, greedy(24))[0].outputs[0]
     eos = reference.token_ids[3]
     model_dir = tmp_path / "with_eos"
     model_dir.mkdir()
@@ -53,17 +50,17 @@ def test_eos_finishes_unless_ignored(tmp_path, tiny_llama_with_tokenizer):
         (model_dir / path.name).write_bytes(path.read_bytes())
     (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos]}))
     llm = LLM(model_dir)
-    stopped = llm.generate(PROMPT, greedy(ignore_eos=False))[0].outputs[0]
+    stopped = llm.generate(PROMPT, greedy(24, ignore_eos=False))[0].outputs[0]
     first = reference.token_ids.index(eos)
     assert stopped.token_ids == reference.token_ids[: first + 1]
     assert stopped.finish_reason == "stop" and stopped.stop_reason is None
-    assert llm.generate(PROMPT, greedy())[0].outputs[0].token_ids == reference.token_ids
+    assert llm.generate(PROMPT, greedy(24))[0].outputs[0].token_ids == reference.token_ids
 
 
 def test_stream_deltas_add_up_to_the_final_output(llm):
-    final = llm.generate([PROMPT, "x = 1"], greedy(stop=["\n\n"]))
+    final = llm.generate([PROMPT, "x = 1"], greedy(24, stop=["\n\n"]))
     texts, tokens, finished = {}, {}, {}
-    for output in llm.generate_stream([PROMPT, "x = 1"], greedy(stop=["\n\n"])):
+    for output in llm.generate_stream([PROMPT, "x = 1"], greedy(24, stop=["\n\n"])):
         texts[output.request_id] = texts.get(output.request_id, "") + output.outputs[0].delta_text
         tokens.setdefault(output.request_id, []).extend(output.outputs[0].delta_token_ids)
         assert output.request_id not in finished, "output after the request finished"

@@ -6,8 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.probes import LogitsProbe
-from updraft import LLM, SamplingParams
+from tests.helpers import greedy
+from tests.probes import logits_of, probed, records
+from updraft import LLM
+from updraft.runner.captured import CapturedSteps
+from updraft.runner.runner import Runner
 
 PROMPTS = [list(range(3, 10)), [200, 17], list(range(40, 77)), [5] * 9]
 
@@ -15,35 +18,42 @@ PROMPTS = [list(range(3, 10)), [200, 17], list(range(40, 77)), [5] * 9]
 @pytest.mark.parametrize("compile_graphs", [False, True], ids=["op by op", "compiled"])
 def test_graph_replay_matches_eager_through_the_engine(tiny_checkpoint, compile_graphs):
     kind, model_dir = tiny_checkpoint
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    params = greedy(20)
     args = dict(block_size=4, num_kv_blocks=128, capture_sizes=(1, 2, 4))
-    eager = LLM(model_dir, enforce_eager=True, **args)
-    graph = LLM(model_dir, enforce_eager=False, compile_graphs=compile_graphs, **args)
-    eager_probe, graph_probe = LogitsProbe(eager), LogitsProbe(graph)
+    eager = probed(model_dir, enforce_eager=True, **args)
+    graph = probed(model_dir, enforce_eager=False, compile_graphs=compile_graphs, **args)
     # Requests join and leave: different lengths finish at different steps.
-    many = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 5, 12, 1)]
+    many = [greedy(n) for n in (20, 5, 12, 1)]
+    runs = []
     for prompts, sampling in ((PROMPTS, params), (PROMPTS, many), (PROMPTS[:1], params)):
-        expected = eager.generate(prompts, sampling)
-        got = graph.generate(prompts, sampling)
-        for e, g in zip(expected, got, strict=True):
-            assert g.outputs[0].token_ids == e.outputs[0].token_ids, kind
-            torch.testing.assert_close(graph_probe.of(g), eager_probe.of(e), atol=1e-5, rtol=0)
+        runs.append((eager.generate(prompts, sampling), graph.generate(prompts, sampling)))
     modes = graph.engine.stats().steps
     assert modes["graph"] > 0 and modes["eager (prefill)"] > 0
     assert set(eager.engine.stats().steps) == {"eager (graphs off)"}
+    eager_seen, graph_seen = records(eager), records(graph)
+    for expected, got in runs:
+        for e, g in zip(expected, got, strict=True):
+            assert g.outputs[0].token_ids == e.outputs[0].token_ids, kind
+            torch.testing.assert_close(
+                logits_of(graph_seen, g), logits_of(eager_seen, e), atol=1e-5, rtol=0
+            )
 
 
 def test_buffers_keep_their_address_and_padded_rows_their_pad_values(tiny_llama):
-    llm = LLM(tiny_llama, enforce_eager=False, block_size=4, num_kv_blocks=128, capture_sizes=(4,))
-    graph, _ = llm.engine._runner.captured.graphs[4, 1]
-    addresses = {i.name: i.buffer.data_ptr() for i in graph.inputs}
+    llm = probed(
+        tiny_llama,
+        enforce_eager=False,
+        block_size=4,
+        num_kv_blocks=128,
+        capture_sizes=(4,),
+    )
     # Four requests decode together; three leave after 2 tokens, so the last steps
     # replay bucket 4 with a single live row.
     lengths = (12, 2, 2, 2)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
-    llm.generate(PROMPTS, params)
-    assert {i.name: i.buffer.data_ptr() for i in graph.inputs} == addresses
-    buffers = {i.name: i.buffer for i in graph.inputs}
+    llm.generate(PROMPTS, [greedy(n) for n in lengths])
+    replays = records(llm).replays()
+    assert len({tuple(sorted(r.pointers.items())) for r in replays}) == 1  # never moved
+    buffers = replays[-1].buffers
     assert (buffers["slot_mapping"][1:] == -1).all()
     assert (buffers["positions"][1:] == 0).all()
     assert (buffers["input_ids"][1:] == 0).all()
@@ -71,17 +81,19 @@ def test_an_engine_with_captured_steps_is_freed_without_the_cycle_collector(tiny
     """Graphs hold buffers and KV caches: a reference cycle through them would keep every
     finished engine's memory until Python's cycle collector happens to run."""
     import gc
-    import weakref
+
+    def alive() -> int:  # runners (which hold the KV caches) and their captured steps
+        return sum(type(o) in (Runner, CapturedSteps) for o in gc.get_objects())
 
     gc.collect()
     gc.disable()
     try:
+        before = alive()
         llm = LLM(tiny_llama, num_kv_blocks=16, capture_sizes=(1, 2))
-        llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-        captured = weakref.ref(llm.engine._runner.captured)
-        kv_cache = weakref.ref(llm.engine._runner.kv_caches[0])
+        llm.generate([[1, 2, 3]], greedy(3))
+        assert alive() == before + 2
         del llm
-        assert captured() is None and kv_cache() is None
+        assert alive() == before
     finally:
         gc.enable()
 
@@ -95,21 +107,21 @@ def test_full_graphs_hold_attention_and_match_eager_in_decode_and_verify_steps(t
     make = make_deepseek_checkpoint if kind in DEEPSEEK else make_tiny_checkpoint
     model_dir = make(kind, tmp_path / kind)
     prompts = [*PROMPTS, [5, 6, 7] * 8]
-    params = [
-        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (24, 5, 12, 9, 30)
-    ]
+    params = [greedy(n) for n in (24, 5, 12, 9, 30)]
     args = dict(block_size=4, num_kv_blocks=256, capture_sizes=(1, 2, 4))
     for speculation in ({}, {"speculative_method": "ngram"}, {"speculative_model": str(model_dir)}):
-        eager = LLM(model_dir, enforce_eager=True, **args, **speculation)
-        full = LLM(model_dir, graph_mode="full", sanitize=True, **args, **speculation)
-        eager_probe, full_probe = LogitsProbe(eager), LogitsProbe(full)
+        eager = probed(model_dir, enforce_eager=True, **args, **speculation)
+        full = probed(model_dir, graph_mode="full", sanitize=True, **args, **speculation)
         expected, got = eager.generate(prompts, params), full.generate(prompts, params)
-        for e, g in zip(expected, got, strict=True):
-            assert g.outputs[0].token_ids == e.outputs[0].token_ids, (kind, speculation)
-            torch.testing.assert_close(full_probe.of(g), eager_probe.of(e), atol=1e-4, rtol=0)
         stats = full.engine.stats()
         assert stats.steps["graph"] > 0 and stats.sanitize.healthy, stats.sanitize.mismatches
-        runner = full.engine._runner
-        assert all(not graph.backend.tasks for graph, _ in runner.captured.graphs.values())
         if speculation:
             assert stats.speculative.rounds > 0
+        eager_seen, full_seen = records(eager), records(full)
+        for e, g in zip(expected, got, strict=True):
+            assert g.outputs[0].token_ids == e.outputs[0].token_ids, (kind, speculation)
+            torch.testing.assert_close(
+                logits_of(full_seen, g), logits_of(eager_seen, e), atol=1e-4, rtol=0
+            )
+        # Every replay was one graph with attention inside: no task ran between segments.
+        assert {r.graph_mode for r in full_seen.replays()} == {"FULL"}

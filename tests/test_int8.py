@@ -13,11 +13,14 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from updraft import LLM, SamplingParams
+from tests.helpers import greedy
+from updraft import LLM
+from updraft.config import ModelConfig
 from updraft.models.int8_linear import Int8Linear, quantize_weight
+from updraft.models.loader import load_model
 
 from .conftest import make_tiny_checkpoint
-from .probes import LogitsProbe
+from .probes import logits_of, probed, records
 
 
 def dequantized(weight: torch.Tensor) -> torch.Tensor:
@@ -75,16 +78,19 @@ def test_int8_engine_equals_float32_on_the_dequantized_weights(kind, tmp_path):
     source = make(kind, tmp_path / "source")
     reference_dir = dequantized_checkpoint(source, tmp_path / "dequantized")
     prompts = [[1, 2, 3, 4, 5], list(range(40, 80)), [7] * 19]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    params = greedy(16)
     logits = {}
     tokens = {}
     for name, llm in [
-        ("reference", LLM(reference_dir, num_kv_blocks=32, enforce_eager=True)),
-        ("int8", LLM(source, num_kv_blocks=32, quantization="int8", enforce_eager=True)),
-        ("int8 graphs", LLM(source, num_kv_blocks=32, quantization="int8", compile_graphs=False)),
+        ("reference", probed(reference_dir, num_kv_blocks=32, enforce_eager=True)),
+        ("int8", probed(source, num_kv_blocks=32, quantization="int8", enforce_eager=True)),
+        (
+            "int8 graphs",
+            probed(source, num_kv_blocks=32, quantization="int8", compile_graphs=False),
+        ),
         (
             "int8 compiled",
-            LLM(
+            probed(
                 source,
                 num_kv_blocks=32,
                 quantization="int8",
@@ -93,10 +99,10 @@ def test_int8_engine_equals_float32_on_the_dequantized_weights(kind, tmp_path):
             ),
         ),
     ]:
-        probe = LogitsProbe(llm)
         outputs = llm.generate(prompts, params)
+        seen = records(llm)
         tokens[name] = [output.outputs[0].token_ids for output in outputs]
-        logits[name] = [probe.of(output) for output in outputs]
+        logits[name] = [logits_of(seen, output) for output in outputs]
     assert tokens["int8"] == tokens["reference"] == tokens["int8 graphs"]
     for got, want in zip(logits["int8"], logits["reference"], strict=True):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -109,7 +115,8 @@ def test_int8_engine_equals_float32_on_the_dequantized_weights(kind, tmp_path):
 
 
 def test_int8_replaces_every_linear_and_keeps_the_embedding(tiny_llama):
-    model = LLM(tiny_llama, num_kv_blocks=16, quantization="int8").engine._runner.model
+    config = ModelConfig.from_dir(tiny_llama)
+    model = load_model(config, tiny_llama, torch.float32, quantization="int8")
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 2 * 4 + 1
     assert model.model.embed_tokens.weight.dtype == torch.float32

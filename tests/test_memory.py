@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from updraft import LLM, SamplingParams
+from tests.helpers import greedy
+from updraft import LLM
 
 pytestmark = pytest.mark.skipif(
     not Path("/proc/self/statm").exists(), reason="reads resident memory from /proc"
@@ -23,7 +24,7 @@ def test_a_large_kv_budget_costs_memory_only_as_blocks_fill(tiny_llama):
     before = resident_bytes()
     llm = LLM(tiny_llama, kv_cache_memory_gib=2.0)
     assert llm.engine.stats().kv_blocks_total * 16 > 1_000_000  # a cache of 2 GiB
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    params = greedy(8)
     first = llm.generate([[1, 2, 3]], params)[0].outputs[0].token_ids
     assert resident_bytes() - before < 256 * 2**20
     # Unwritten slots read as zeros: the same prompt in a fresh, small cache agrees.

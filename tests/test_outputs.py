@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import random
 
-from updraft import LLM, SamplingParams
+from tests.helpers import greedy
+from updraft import LLM
 from updraft.demo import DEMO_MODEL_DIR
 from updraft.tokenizer import MAX_PENDING_IDS, Detokenizer, Tokenizer
 
 
 def test_deltas_add_up_and_every_output_stays_as_it_was_made():
     llm = LLM()
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=True)
+    params = greedy(40, logprobs=True)
     seen = []
     for output in llm.generate_stream("def fibonacci(n):", params):
         completion = output.outputs[0]

@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from updraft import LLM
+from updraft.config import ModelConfig
 from updraft.models import packed_linear
+from updraft.models.loader import load_model
 from updraft.models.packed_linear import PackedLinear, can_prepack
 
 pytestmark = pytest.mark.skipif(
@@ -47,11 +48,12 @@ def test_the_panel_kernel_serves_up_to_few_rows(monkeypatch):
 
 
 def test_the_cpu_model_in_float32_runs_every_projection_prepacked(tiny_llama):
-    model = LLM(tiny_llama, num_kv_blocks=16).engine._runner.model
+    config = ModelConfig.from_dir(tiny_llama)
+    model = load_model(config, tiny_llama, torch.float32)
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     # qkv, o, gate_up and down in each of 2 layers, and the LM head
     assert sum(isinstance(m, PackedLinear) for m in model.modules()) == 2 * 4 + 1
-    half = LLM(tiny_llama, num_kv_blocks=16, dtype="bfloat16").engine._runner.model
+    half = load_model(config, tiny_llama, torch.bfloat16)
     assert not any(isinstance(m, PackedLinear) for m in half.modules())
 
 

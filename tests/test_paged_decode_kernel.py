@@ -145,9 +145,9 @@ def test_engine_decodes_read_the_cache_in_place(tiny_llama, monkeypatch):
     gathered = []
     original = PagedKV.gathered
 
-    def spy(self, group, *args):
+    def spy(self, tokens, group, *args):
         gathered.append(group.query_index.shape[1])  # the group's longest query
-        return original(self, group, *args)
+        return original(self, tokens, group, *args)
 
     monkeypatch.setattr(PagedKV, "gathered", spy)
     llm = LLM(tiny_llama, num_kv_blocks=32)
@@ -199,12 +199,12 @@ def test_short_queries_read_the_cache_in_place_and_equal_the_gathered_path(monke
     )
     query = torch.randn(9, heads, head_dim)
     group = metadata.group(0)
-    reader = PagedKV(query, kv_cache)
-    want, _ = reader.gathered(group, slice(0, 9), max(query_lens), group.mask, 0.25, False)
+    reader = PagedKV(query, kv_cache, 0.25)
+    want, _ = reader.gathered(slice(0, 9), group, group.mask, False)
 
     def gathering(*args, **kwargs):
         raise AssertionError("a short-query group gathered its context")
 
     monkeypatch.setattr(PagedKV, "gathered", gathering)
-    got = attend(reader, metadata, 0.25)
+    got = attend(reader, metadata)
     torch.testing.assert_close(got, want.flatten(1), atol=1e-5, rtol=1e-5)

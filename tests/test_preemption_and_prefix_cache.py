@@ -3,8 +3,9 @@ outputs are identical to an unconstrained run, and no block is left behind."""
 
 from __future__ import annotations
 
-from tests.probes import assert_idle
-from updraft import LLM, SamplingParams
+from tests.helpers import greedy
+from tests.probes import assert_idle, probed, records
+from updraft import LLM
 
 # Shared heads exercise the prefix cache; lengths cross block boundaries.
 HEAD = list(range(10, 42))
@@ -13,7 +14,7 @@ PROMPTS = [HEAD + [i, i + 1, i + 2] * (i % 4 + 1) for i in range(50, 62)] + [[7,
 
 def run(model_dir, **engine_args):
     llm = LLM(model_dir, block_size=4, **engine_args)
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    params = greedy(40)
     outputs = llm.generate(PROMPTS, params)
     return llm, outputs
 
@@ -29,18 +30,12 @@ def test_preemption_and_prefix_caching_keep_greedy_outputs(tiny_llama):
 
 
 def test_prefix_cache_hits_skip_prefill_work(tiny_llama):
-    llm = LLM(tiny_llama, block_size=4, num_kv_blocks=256)
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    first = llm.generate(PROMPTS[0], params)[0]
-    computed = []
-    original = llm.engine._runner.execute
-
-    def spy(step):
-        computed.append(step.num_tokens)
-        return original(step)
-
-    llm.engine._runner.execute = spy
-    again = llm.generate(PROMPTS[0], params)[0]
+    llm = probed(tiny_llama, block_size=4, num_kv_blocks=256)
+    first = llm.generate(PROMPTS[0], greedy(4))[0]
+    again = llm.generate(PROMPTS[0], greedy(4))[0]
+    computed = [
+        s.num_tokens for s in records(llm).steps_of("target") if s.request_ids == [again.request_id]
+    ]
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     # The prompt's full blocks come from the cache (all but the last token's block, whose
     # logits are needed): only the tail is prefilled.

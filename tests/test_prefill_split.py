@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 from tests.test_step_inputs import BLOCK_SIZE, plans
 from updraft.request import Request
 from updraft.sampling_params import SamplingParams
-from updraft.step.inputs import StepInputs
+from updraft.step.inputs import ForwardInputs, StepInputs
 from updraft.step.plan import ScheduledRequest, StepPlan
 from updraft.step.prefill_split import split_step, splits
 
 
-def step_of(*queries: tuple[int, int]) -> StepInputs:
+def step_of(*queries: tuple[int, int]) -> ForwardInputs:
     """A step of requests that each compute ``count`` tokens from ``start``."""
     plan = StepPlan()
     for index, (start, count) in enumerate(queries):
@@ -28,10 +28,10 @@ def step_of(*queries: tuple[int, int]) -> StepInputs:
         blocks = -(-(start + count) // BLOCK_SIZE)
         request.block_ids = [100 * (index + 1) + b for b in range(blocks)]
         plan.scheduled.append(ScheduledRequest(request, count))
-    return StepInputs.build(plan, BLOCK_SIZE)
+    return StepInputs.build(plan, BLOCK_SIZE).forward
 
 
-def local_positions(inputs: StepInputs, rank: int, size: int, whole: int = 1) -> list[list[int]]:
+def local_positions(inputs: ForwardInputs, rank: int, size: int, whole: int = 1) -> list[list[int]]:
     """Each sub-query's positions on ``rank``."""
     local = split_step(inputs, rank, size, whole).local
     starts = local.query_starts
@@ -70,7 +70,7 @@ def test_a_prompt_shorter_than_2p_chunks_and_decodes():
 @settings(max_examples=150, deadline=None)
 @given(plans(), st.integers(2, 4), st.integers(1, 5))
 def test_every_token_runs_once_and_the_gather_restores_the_step(plan, size, whole):
-    inputs = StepInputs.build(plan, BLOCK_SIZE)
+    inputs = StepInputs.build(plan, BLOCK_SIZE).forward
     parts = [split_step(inputs, rank, size, whole) for rank in range(size)]
     order = parts[0].order
     for part in parts[1:]:  # every rank derives the same exchange
@@ -87,7 +87,7 @@ def test_every_token_runs_once_and_the_gather_restores_the_step(plan, size, whol
         local = part.local
         for row, (a, b) in enumerate(pairwise(local.query_starts)):
             positions = local.positions[a:b]
-            request = inputs.request_ids.index(local.request_ids[row])
+            request = part.request_rows[row]
             # A continuation: its context ends at its last token, through its own blocks.
             assert local.seq_lens[row] == positions[-1] + 1
             assert torch.equal(positions, torch.arange(positions[0], positions[-1] + 1))

@@ -10,7 +10,8 @@ import pytest
 import torch
 import transformers
 
-from updraft import LLM, SamplingParams
+from tests.helpers import greedy
+from updraft import LLM
 from updraft.speculative.registry import PROPOSERS, register_proposer
 from updraft.step.plan import Draft
 
@@ -33,13 +34,13 @@ class HiddenStateRecorder:
         assert output.hidden_states.shape[0] == inputs.num_tokens
         self.modes.append(output.mode)
         accepted = dict(zip(output.request_ids, output.num_accepted, strict=True))
-        drafts = dict(zip(inputs.sampling_rows, inputs.num_drafts, strict=True))
-        bounds = inputs.query_start_loc.tolist()
+        drafts = dict(zip(inputs.sampling.rows, inputs.sampling.num_drafts, strict=True))
+        bounds = inputs.forward.query_starts
         for row, request_id in enumerate(inputs.request_ids):
             first, end = bounds[row], bounds[row + 1]
             valid = end - first - drafts.get(row, 0) + accepted.get(request_id, 0)
             for token in range(first, first + valid):
-                position = int(inputs.positions[token])
+                position = int(inputs.forward.positions[token])
                 self.states[request_id][position] = output.hidden_states[token].clone()
         return {
             request.request_id: Draft([request.token_ids[-1]] * limit)
@@ -71,7 +72,7 @@ def test_a_hidden_state_proposer_receives_the_targets_states(tiny_llama, recorde
         capture_sizes=(1, 2, 4),
     )
     prompts = [list(range(3, 10)), [200, 17], [5] * 9 + [6, 7]]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (14, 9, 12)]
+    params = [greedy(n) for n in (14, 9, 12)]
     outputs = llm.generate(prompts, params)
     (proposer,) = recorder
     assert "graph" in proposer.modes, "no verify step replayed a graph"

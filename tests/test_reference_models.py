@@ -13,8 +13,9 @@ import torch
 import transformers
 
 from tests.conftest import make_tiny_checkpoint
-from tests.probes import LogitsProbe
-from updraft import LLM, SamplingParams
+from tests.helpers import greedy
+from tests.probes import logits_of, probed, records
+from updraft import LLM
 
 PROMPTS = [list(range(3, 10)), [200, 17], list(range(40, 77)), [5] * 20 + [6, 7, 8]]
 DECODE_STEPS = 24
@@ -29,15 +30,9 @@ def reference_logits(model_dir, token_ids: list[int]) -> torch.Tensor:
 def assert_logits_match(model_dir, token_budget: int = 1024) -> None:
     """Prefill PROMPTS together (in chunks when ``token_budget`` is small), decode
     DECODE_STEPS, and compare every emitted token's logits with transformers' forward."""
-    llm = LLM(
-        model_dir,
-        block_size=4,
-        num_kv_blocks=128,
-        max_num_batched_tokens=token_budget,
-    )
-    params = SamplingParams(temperature=0, max_tokens=DECODE_STEPS + 1, ignore_eos=True)
-    probe = LogitsProbe(llm)
-    outputs = llm.generate(PROMPTS, params)
+    llm = probed(model_dir, block_size=4, num_kv_blocks=128, max_num_batched_tokens=token_budget)
+    outputs = llm.generate(PROMPTS, greedy(DECODE_STEPS + 1))
+    seen = records(llm)
     reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     for prompt, output in zip(PROMPTS, outputs, strict=True):
         completion = output.outputs[0]
@@ -47,7 +42,7 @@ def assert_logits_match(model_dir, token_budget: int = 1024) -> None:
             expected = reference.eval()(torch.tensor([sequence])).logits[0]
         # Row i is the distribution of output token i: position len(prompt) - 1 + i.
         expected = expected[len(prompt) - 1 : len(sequence) - 1]
-        got = probe.of(output)
+        got = logits_of(seen, output)
         assert got.shape == expected.shape
         assert (got - expected).abs().max().item() < 1e-4, model_dir
 
@@ -93,7 +88,7 @@ def test_yarn_rope_matches_transformers(tmp_path, rope):
 def test_greedy_equals_transformers_generate(tiny_checkpoint):
     kind, model_dir = tiny_checkpoint
     llm = LLM(model_dir, block_size=8, num_kv_blocks=64)
-    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    outputs = llm.generate(PROMPTS, greedy(30))
     reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     for prompt, output in zip(PROMPTS, outputs, strict=True):
         expected = reference.generate(
@@ -109,22 +104,21 @@ def test_greedy_equals_transformers_generate(tiny_checkpoint):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_checkpoints_load_and_compute_in_float32(tmp_path, dtype):
     model_dir = make_tiny_checkpoint("qwen3", tmp_path, dtype=dtype)
-    llm = LLM(model_dir, dtype="float32", num_kv_blocks=32)
-    probe = LogitsProbe(llm)
-    output = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4))[0]
+    llm = probed(model_dir, dtype="float32", num_kv_blocks=32)
+    output = llm.generate(PROMPTS[0], greedy(4, ignore_eos=False))[0]
     sequence = PROMPTS[0] + output.outputs[0].token_ids
     expected = reference_logits(model_dir, sequence)[len(PROMPTS[0]) - 1 : -1]
-    assert (probe.of(output) - expected).abs().max().item() < 1e-4
+    assert (logits_of(records(llm), output) - expected).abs().max().item() < 1e-4
 
 
 def test_bfloat16_compute_stays_close_to_float32(tiny_llama):
     prompt = PROMPTS[2]
-    params = SamplingParams(temperature=0, max_tokens=1)
-    full_llm, half_llm = LLM(tiny_llama), LLM(tiny_llama, dtype="bfloat16")
-    full_probe, half_probe = LogitsProbe(full_llm), LogitsProbe(half_llm)
+    params = greedy(1, ignore_eos=False)
+    full_llm, half_llm = probed(tiny_llama), probed(tiny_llama, dtype="bfloat16")
     full = full_llm.generate(prompt, params)[0]
     half = half_llm.generate(prompt, params)[0]
-    full_logits, half_logits = full_probe.of(full)[0], half_probe.of(half)[0]
+    full_logits = logits_of(records(full_llm), full)[0]
+    half_logits = logits_of(records(half_llm), half)[0]
     assert half_logits.dtype == torch.float32
     assert (full_logits - half_logits).abs().max().item() < 0.1 * full_logits.abs().max().item()
 
@@ -134,7 +128,7 @@ def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(single)
     model.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    params = greedy(8)
     a = LLM(single).generate(PROMPTS, params)
     b = LLM(tmp_path / "sharded").generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]

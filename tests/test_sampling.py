@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.probes import LogitsProbe
+from tests.helpers import greedy
+from tests.probes import logits_of, probed, records
 from updraft import LLM, SamplingParams
 from updraft.runner.sampler import filtered_probs, sample
 from updraft.step.sampling_batch import SamplingBatch
@@ -148,18 +149,17 @@ def test_seeded_request_gives_the_same_text_whatever_the_batch(tiny_llama):
 
 
 def test_logprobs_are_those_of_the_sampled_tokens(tiny_llama):
-    llm = LLM(tiny_llama, num_kv_blocks=64)
-    probe = LogitsProbe(llm)
+    llm = probed(tiny_llama, num_kv_blocks=64)
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=6, logprobs=True, ignore_eos=True)
     output = llm.generate([[5, 6, 7]], params)[0]
+    plain = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].outputs[0]
+    assert plain.logprobs is None
     completion = output.outputs[0]
     assert len(completion.logprobs) == 6
     for token, logprob, logits in zip(
-        completion.token_ids, completion.logprobs, probe.of(output), strict=True
+        completion.token_ids, completion.logprobs, logits_of(records(llm), output), strict=True
     ):
         assert logprob == pytest.approx(logits.log_softmax(-1)[token].item(), abs=1e-5)
-    plain = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].outputs[0]
-    assert plain.logprobs is None
 
 
 def test_a_seeded_request_gives_the_same_text_however_its_prompt_is_chunked(tiny_llama):
@@ -193,7 +193,7 @@ def test_extreme_sampling_values_behave_as_their_limit(tiny_llama, extreme):
     """Each of these is greedy in the limit, and must give greedy's tokens rather than
     a silent wrong answer (token 0 from NaN probabilities, say)."""
     llm = LLM(tiny_llama, num_kv_blocks=64)
-    greedy_ids = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=10))
+    greedy_ids = llm.generate([[5, 6, 7]], greedy(10, ignore_eos=False))
     params = SamplingParams(max_tokens=10, seed=0, **extreme)
     assert llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids == (
         greedy_ids[0].outputs[0].token_ids

@@ -8,7 +8,8 @@ import httpx
 import openai
 import pytest
 
-from updraft import LLM, SamplingParams
+from tests.helpers import greedy
+from updraft import LLM
 from updraft.chat_template import SIMPLE_CHAT_TEMPLATE, ChatTemplate
 from updraft.serve.serving import ServeSettings
 
@@ -34,14 +35,13 @@ def llm():
     return LLM()
 
 
-def greedy(llm: LLM, prompt: str, max_tokens: int, **params):
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, **params)
-    return llm.generate(prompt, params)[0]
+def complete_greedily(llm: LLM, prompt: str, max_tokens: int, **params):
+    return llm.generate(prompt, greedy(max_tokens, ignore_eos=False, **params))[0]
 
 
 def test_greedy_completion_over_http_equals_llm_generate(client, llm):
     response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
-    reference = greedy(llm, PROMPT, 24)
+    reference = complete_greedily(llm, PROMPT, 24)
     choice = response.choices[0]
     assert choice.text == reference.outputs[0].text
     assert choice.finish_reason == "length"
@@ -61,7 +61,7 @@ def test_streamed_completion_adds_up_to_the_same_text_and_usage(client, llm):
     )
     chunks = list(stream)
     text = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
-    assert text == greedy(llm, PROMPT, 24).outputs[0].text
+    assert text == complete_greedily(llm, PROMPT, 24).outputs[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
 
@@ -71,7 +71,7 @@ def test_return_token_ids_streams_every_token_of_a_token_id_prompt(base_url, llm
     ids, so a client sees every token arrive even where no text is printable; without
     it, responses carry no token_ids field."""
     prompt = llm.tokenizer.encode(PROMPT)
-    reference = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    reference = llm.generate(prompt, greedy(12, ignore_eos=False))[0].outputs[0]
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0}
     plain = httpx.post(f"{base_url}/v1/completions", json=body).json()
     assert "token_ids" not in plain["choices"][0]
@@ -112,7 +112,7 @@ def test_chat_uses_the_demo_template_and_matches_llm_generate(client, llm):
     )
     prompt = "<|system|>\nYou write Python.\n<|user|>\nSort a list.\n<|assistant|>\n"
     assert ChatTemplate(SIMPLE_CHAT_TEMPLATE).render(messages) == prompt
-    reference = greedy(llm, prompt, 16)
+    reference = complete_greedily(llm, prompt, 16)
     assert response.choices[0].message.role == "assistant"
     assert response.choices[0].message.content == reference.outputs[0].text
     assert response.usage.prompt_tokens == len(reference.prompt_token_ids)
@@ -160,7 +160,7 @@ def test_sampling_parameters_and_logprobs(client, llm):
     logprobs = with_logprobs.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 6
     assert all(lp <= 0 for lp in logprobs.token_logprobs)
-    reference = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=6, logprobs=True))
+    reference = llm.generate(PROMPT, greedy(6, ignore_eos=False, logprobs=True))
     assert logprobs.token_logprobs == pytest.approx(reference[0].outputs[0].logprobs, abs=1e-4)
 
 

@@ -14,6 +14,7 @@ import pytest
 from updraft.config import EngineConfig
 from updraft.demo import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
 from updraft.engine.engine import Engine
+from updraft.runner.runner import Runner
 from updraft.serve.serving import ServeSettings
 
 from .serving import MODEL, metric, running_server, start_server_process, wait_for_idle
@@ -116,13 +117,13 @@ def test_a_full_queue_answers_503_with_retry_after_and_recovers():
         assert ok.status_code == 200
 
 
-def test_an_engine_failure_is_a_503_for_everyone_and_an_unhealthy_server():
+def test_an_engine_failure_is_a_503_for_everyone_and_an_unhealthy_server(monkeypatch):
     engine = Engine(EngineConfig(model=str(DEMO_MODEL_DIR)))
 
-    def broken_forward(step):
+    def broken_forward(self, step):
         raise RuntimeError("simulated device failure")
 
-    engine._runner.execute = broken_forward
+    monkeypatch.setattr(Runner, "execute", broken_forward)
     with running_server(engine=engine) as base_url:
         body = {"model": MODEL, "prompt": "x", "max_tokens": 4}
         for stream in (False, True):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import openai
 
-from updraft import LLM, SamplingParams
+from tests.helpers import greedy
+from updraft import LLM
 from updraft.demo import DEMO_DRAFT_DIR
 
 from .serving import MODEL, metric, running_server, wait_for_idle
@@ -13,7 +14,7 @@ from .serving import MODEL, metric, running_server, wait_for_idle
 
 def test_speculative_server_matches_plain_greedy_and_reports_acceptance():
     prompt = "def fibonacci(n):"
-    (expected,) = LLM().generate(prompt, SamplingParams(temperature=0, max_tokens=40))
+    (expected,) = LLM().generate(prompt, greedy(40, ignore_eos=False))
     with running_server(speculative_model=str(DEMO_DRAFT_DIR), num_speculative_tokens=3) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
         response = client.completions.create(

@@ -9,11 +9,11 @@ import random
 import pytest
 import torch
 
-from tests.probes import LogitsProbe
+from tests.helpers import greedy, token_ids, token_prompts
+from tests.mutations import draft_mirror_on, forget_refresh, previous_batch
+from tests.probes import logits_of, probe_dir, probed, records
 from updraft import LLM, SamplingParams
 from updraft.demo import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
-from updraft.graph.static_input import StaticInput
-from updraft.speculative.draft_model import DraftModel
 
 CODE_PROMPTS = [
     "def fibonacci(n):",
@@ -21,19 +21,6 @@ CODE_PROMPTS = [
     "class Stack:\n    def __init__(self):",
     "for i in range(10):",
 ]
-
-
-def token_prompts(count: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1, 256) for _ in range(rng.randint(3, 40))] for _ in range(count)]
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def token_ids(outputs) -> list[list[int]]:
-    return [output.outputs[0].token_ids for output in outputs]
 
 
 def speculative_args(method: str, draft_dir) -> dict:
@@ -80,20 +67,25 @@ def test_greedy_with_speculation_equals_greedy_without_on_tiny_models(tmp_path, 
     prompts = token_prompts(16)
     params = [greedy(n) for n in (24, 5, 17, 11) * 4]
     args = dict(block_size=4, num_kv_blocks=512)
-    plain_llm = LLM(target, **args)
-    plain_probe = LogitsProbe(plain_llm)
+    plain_llm = probed(target, **args)
     plain = plain_llm.generate(prompts, params)
+    plain_seen = records(plain_llm)
     for method in ("draft", "ngram"):
         for k in (1, 3, 5):
-            llm = LLM(target, num_speculative_tokens=k, **args, **speculative_args(method, draft))
-            probe = LogitsProbe(llm)
+            llm = probed(
+                target,
+                num_speculative_tokens=k,
+                **args,
+                **speculative_args(method, draft),
+            )
             outputs = llm.generate(prompts, params)
             assert token_ids(outputs) == token_ids(plain), (method, k)
             assert llm.engine.stats().kv_blocks_used == 0
+            seen = records(llm)
             # Each emitted token's logits, from a verify position, are the decode step's.
             for got, expected in zip(outputs, plain, strict=True):
                 torch.testing.assert_close(
-                    probe.of(got), plain_probe.of(expected), atol=1e-4, rtol=0
+                    logits_of(seen, got), logits_of(plain_seen, expected), atol=1e-4, rtol=0
                 )
 
 
@@ -150,45 +142,18 @@ def test_draft_steps_replay_graphs_and_verify_never_falls_back_silently():
     assert set(draft_modes) == {"graph", "eager (prefill)"}
 
 
-def skip_refresh(monkeypatch, name: str) -> None:
-    """Draft graphs stop refreshing one input (the target's are left alone)."""
-    refresh = StaticInput.refresh
-    draft_buffers: set[int] = set()
-    make = DraftModel.__init__
-
-    def init(self, *args, **kwargs):
-        make(self, *args, **kwargs)
-        for graph, _ in self.runner.captured.graphs.values():
-            draft_buffers.update(id(i.buffer) for i in graph.inputs if i.name == name)
-
-    def forgetful(self, values):
-        if id(self.buffer) not in draft_buffers:
-            refresh(self, values)
-
-    monkeypatch.setattr(DraftModel, "__init__", init)
-    monkeypatch.setattr(StaticInput, "refresh", forgetful)
-
-
 @pytest.mark.parametrize("name", ["block_table", "slot_mapping"])
 def test_a_draft_graph_that_skips_a_refresh_loses_acceptance(tiny_llama, monkeypatch, name):
-    skip_refresh(monkeypatch, name)
+    forget_refresh(monkeypatch, name, "draft")
     llm = self_drafting(tiny_llama, enforce_eager=False)
     llm.generate(token_prompts(6), [greedy(n) for n in (20, 9, 14, 3, 17, 12)])
     assert llm.engine.stats().speculative.acceptance_rate < 0.9
 
 
 def test_a_first_draft_step_on_the_previous_batch_loses_acceptance(tiny_llama, monkeypatch):
-    previous = {}
-    propose = DraftModel.propose
-
-    def stale_propose(self, inputs, output, drafting):
-        # The bug this guards against: the draft's mirror step runs on what was prepared
-        # for the previous batch instead of the step the target just ran.
-        stale = previous.get("inputs", inputs)
-        previous["inputs"] = inputs
-        return propose(self, stale, output, drafting)
-
-    monkeypatch.setattr(DraftModel, "propose", stale_propose)
+    # The bug this guards against: the draft's mirror step runs on what was prepared
+    # for the previous batch instead of the step the target just ran.
+    draft_mirror_on(monkeypatch, previous_batch)
     llm = self_drafting(tiny_llama, enforce_eager=False)
     llm.generate(token_prompts(6), [greedy(n) for n in (20, 9, 14, 3, 17, 12)])
     assert llm.engine.stats().speculative.acceptance_rate < 0.9
@@ -255,20 +220,13 @@ def test_prefix_cache_hits_keep_the_draft_cache_valid(tiny_llama):
     first computed, or the self-drafting model would reject drafts."""
     rng = random.Random(0)
     head = [rng.randrange(1, 256) for _ in range(37)]
-    llm = self_drafting(tiny_llama, enforce_eager=False)
-    prefill_tokens = []
-    forward = llm.engine._runner.forward
-
-    def spy(step):
-        prefill_tokens.append(step.num_tokens)
-        return forward(step)
-
+    llm = self_drafting(tiny_llama, enforce_eager=False, probe=probe_dir())
     for i in range(4):
         llm.generate([[*head, i + 1, i + 2]], greedy(20))
-        if i == 0:
-            llm.engine._runner.forward = spy
-    assert prefill_tokens[0] < len(head)  # the later prompts hit the cache
     metrics = llm.engine.stats().speculative
+    # The first step of each prompt is its prefill: the later ones hit the cache.
+    prefills = [s for s in records(llm).steps_of("target") if s.mode == "eager (prefill)"]
+    assert prefills[0].num_tokens > len(head) and prefills[1].num_tokens < len(head)
     assert metrics.num_draft_tokens > 40 and metrics.acceptance_rate == 1.0
 
 
@@ -278,10 +236,10 @@ def test_stops_limits_and_logprobs_behave_as_without_speculation(method):
     them must end the request exactly where plain decoding ends it."""
     prompts = CODE_PROMPTS
     params = [
-        SamplingParams(temperature=0, max_tokens=60, stop=["return"], logprobs=True),
-        SamplingParams(temperature=0, max_tokens=70, logprobs=True),
-        SamplingParams(temperature=0, max_tokens=33, stop_token_ids=[10]),
-        SamplingParams(temperature=0, max_tokens=50, stop=["\n\n"]),
+        greedy(60, ignore_eos=False, stop=["return"], logprobs=True),
+        greedy(70, ignore_eos=False, logprobs=True),
+        greedy(33, ignore_eos=False, stop_token_ids=[10]),
+        greedy(50, ignore_eos=False, stop=["\n\n"]),
     ]
     plain = LLM().generate(prompts, params)
     llm = LLM(num_speculative_tokens=8, **speculative_args(method, DEMO_DRAFT_DIR))

@@ -59,26 +59,28 @@ def test_build_equals_a_per_token_reference(plan):
         offset += len(tokens)
         if item.samples:
             logits_indices.extend(range(offset - 1 - item.num_drafts, offset))
-    assert inputs.input_ids.tolist() == input_ids
-    assert inputs.positions.tolist() == positions
-    assert inputs.slot_mapping.tolist() == slots
-    assert inputs.logits_indices.tolist() == logits_indices
+    assert inputs.forward.input_ids.tolist() == input_ids
+    assert inputs.forward.positions.tolist() == positions
+    assert inputs.forward.slot_mapping.tolist() == slots
+    assert inputs.sampling.logits_indices.tolist() == logits_indices
     lengths = [item.num_new_tokens for item in ordered]
-    assert inputs.query_lens == lengths
-    assert inputs.seq_lens.tolist() == [
+    assert inputs.forward.query_lens == lengths
+    assert inputs.forward.seq_lens.tolist() == [
         i.request.num_computed_tokens + i.num_new_tokens for i in ordered
     ]
     for row, item in enumerate(ordered):
         held = item.request.block_ids
-        assert inputs.block_table[row, : len(held)].tolist() == held
-        assert not inputs.block_table[row, len(held) :].any()
-    assert inputs.num_decodes == sum(n == 1 for n in lengths)
+        assert inputs.forward.block_table[row, : len(held)].tolist() == held
+        assert not inputs.forward.block_table[row, len(held) :].any()
+    assert inputs.forward.num_decodes == sum(n == 1 for n in lengths)
     sampling = [row for row, item in enumerate(ordered) if item.samples]
-    assert inputs.sampling_rows == sampling
-    assert inputs.num_drafts == [ordered[row].num_drafts for row in sampling]
-    for row, n in zip(range(len(sampling)), inputs.num_drafts, strict=True):
+    assert inputs.sampling.rows == sampling
+    assert inputs.sampling.num_drafts == [ordered[row].num_drafts for row in sampling]
+    for row, n in zip(range(len(sampling)), inputs.sampling.num_drafts, strict=True):
         draft = ordered[sampling[row]].draft
-        assert inputs.draft_token_ids[row, :n].tolist() == (draft.token_ids if draft else [])
+        assert inputs.sampling.draft_token_ids[row, :n].tolist() == (
+            draft.token_ids if draft else []
+        )
 
 
 def test_a_request_short_of_blocks_is_refused_not_written_elsewhere():
@@ -92,5 +94,6 @@ def test_inputs_are_long_host_tensors():
     request = Request("a", None, [1, 2, 3], SamplingParams())
     request.block_ids = [0]
     inputs = StepInputs.build(StepPlan([ScheduledRequest(request, 3)]), BLOCK_SIZE)
-    for tensor in (inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.block_table):
+    forward = inputs.forward
+    for tensor in (forward.input_ids, forward.positions, forward.slot_mapping, forward.block_table):
         assert tensor.dtype == torch.long and tensor.device.type == "cpu"

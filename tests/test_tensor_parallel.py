@@ -3,6 +3,7 @@ process computes, token for token and logit for logit, eager and with graphs."""
 
 from __future__ import annotations
 
+import multiprocessing
 import subprocess
 import sys
 import time
@@ -13,31 +14,29 @@ import torch
 import transformers
 
 from tests.conftest import TINY, make_tiny_checkpoint
-from tests.probes import LogitsProbe, assert_idle
-from updraft import LLM, SamplingParams, WorkerPool
+from tests.helpers import greedy, token_ids
+from tests.probes import assert_idle, logits_of, probed, records
+from updraft import LLM, WorkerPool
+from updraft.config import ModelConfig, ParallelSizes
 from updraft.demo import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
+from updraft.models.loader import load_model
+from updraft.parallel.topology import RankPlace
 
 # Prompts that end mid-block and cross block boundaries (block size 4), a repetitive
 # one for prompt lookup, and one longer than the chunked-prefill budget below.
 PROMPTS = [list(range(10, 31)), [5, 6, 7] * 5, list(range(100, 137)), list(range(1, 60))]
-PARAMS = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (14, 9, 11, 6)]
+PARAMS = [greedy(n) for n in (14, 9, 11, 6)]
 ARGS = dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=32)
-
-
-def tokens(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 def run(checkpoint, pool=None, **args):
     """Outputs and the logits each token was drawn from; the other ranks are back in
     ``pool`` when it returns."""
-    llm = LLM(str(checkpoint), pool, **ARGS, **args)
-    probe = LogitsProbe(llm)
+    llm = probed(str(checkpoint), worker_pool=pool, **ARGS, **args)
     outputs = llm.generate(PROMPTS, PARAMS)
-    logits = [probe.of(output) for output in outputs]
     assert_idle(llm)
-    llm.engine.close()
-    return llm, outputs, logits
+    seen = records(llm)
+    return llm, outputs, [logits_of(seen, output) for output in outputs]
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +67,7 @@ def test_two_ranks_compute_what_one_process_computes(tiny_checkpoint, enforce_ea
     llm, split, split_logits = run(
         checkpoint, pool, enforce_eager=enforce_eager, tensor_parallel_size=2
     )
-    assert tokens(split) == tokens(plain)
+    assert token_ids(split) == token_ids(plain)
     for ours, reference in zip(split_logits, plain_logits, strict=True):
         torch.testing.assert_close(ours, reference, atol=1e-4, rtol=0)
     steps = llm.engine.stats().steps
@@ -78,7 +77,7 @@ def test_two_ranks_compute_what_one_process_computes(tiny_checkpoint, enforce_ea
 def test_a_vocabulary_that_does_not_split_evenly(odd_vocabulary, pool):
     _, plain, plain_logits = run(odd_vocabulary)
     _, split, split_logits = run(odd_vocabulary, pool, tensor_parallel_size=2)
-    assert tokens(split) == tokens(plain)
+    assert token_ids(split) == token_ids(plain)
     for ours, reference in zip(split_logits, plain_logits, strict=True):
         assert ours.shape[-1] == 257
         torch.testing.assert_close(ours, reference, atol=1e-4, rtol=0)
@@ -92,31 +91,37 @@ def test_speculation_keeps_greedy_output_and_acceptance(method, pool):
     if method == "draft":
         args["speculative_model"] = str(DEMO_DRAFT_DIR)
     prompts = [[10 + i, 11 + i, 12 + i] * 6 for i in range(6)]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    params = greedy(12)
     results = []
     for size in (1, 2):
         llm = LLM(str(DEMO_MODEL_DIR), pool, tensor_parallel_size=size, **args)
         outputs = llm.generate(prompts, params)
         stats = llm.engine.stats()
-        results.append((tokens(outputs), stats.speculative.accepted, stats.speculative.proposed))
+        results.append((token_ids(outputs), stats.speculative.accepted, stats.speculative.proposed))
         assert_idle(llm)
         llm.engine.close()
     assert results[0] == results[1]
     assert sum(results[1][1]) > 0
 
 
+def rank_processes() -> list[multiprocessing.Process]:
+    """The worker processes this process started for its engines' other ranks."""
+    return [p for p in multiprocessing.active_children() if p.name.startswith("updraft-rank-")]
+
+
 def test_a_closed_engine_stops_its_workers_and_a_dead_worker_is_named(tiny_llama):
     llm = LLM(str(tiny_llama), **ARGS, tensor_parallel_size=2)
-    workers = llm.engine._workers
+    (worker,) = rank_processes()
     llm.generate(PROMPTS[:1], PARAMS[:1])
-    workers.processes[0].kill()
-    workers.processes[0].join()
+    worker.kill()
+    worker.join()
     with pytest.raises(RuntimeError, match="updraft-rank-1 exited"):
         llm.generate(PROMPTS[:1], PARAMS[:1])
-    workers.close()
+    llm.engine.close()
     other = LLM(str(tiny_llama), **ARGS, tensor_parallel_size=2)
-    processes = other.engine._workers.processes
-    other.engine._workers.close()
+    processes = rank_processes()
+    assert len(processes) == 1
+    other.engine.close()
     assert not any(p.is_alive() for p in processes)
 
 
@@ -132,11 +137,13 @@ def test_models_and_settings_tensor_parallelism_cannot_split_are_refused(tiny_ll
 def test_shards_hold_their_rank_s_heads(tmp_path, pool):
     """Each rank's KV cache holds its own KV heads: 4 over 2 ranks is 2 per rank."""
     checkpoint = make_tiny_checkpoint("qwen3", tmp_path / "qwen3")
-    llm = LLM(str(checkpoint), pool, **ARGS, tensor_parallel_size=2)
-    runner = llm.engine._runner
-    assert runner.kv_caches[0].shape[-2] == 2
-    assert runner.model.model.layers[0].self_attn.num_heads == 2
-    llm.engine.close()
+    llm = probed(str(checkpoint), worker_pool=pool, **ARGS, tensor_parallel_size=2)
+    seen = records(llm)
+    assert [seen.kv_caches(rank=rank)[0].shape[-2] for rank in (0, 1)] == [2, 2]
+    for rank in (0, 1):
+        place = RankPlace(rank, ParallelSizes(tensor=2), "unconnected")
+        shard = load_model(ModelConfig.from_dir(checkpoint), checkpoint, torch.float32, place=place)
+        assert shard.model.layers[0].self_attn.num_heads == 2
 
 
 def test_torchrun_ranks_serve_one_engine(tiny_llama_with_tokenizer):
@@ -184,11 +191,12 @@ def test_workers_exit_when_the_engine_process_is_killed(tiny_llama):
     """SIGKILL gives the engine no chance to stop its workers: each notices, in its
     wait for the next step, that rank 0's process is gone, and exits."""
     script = f"""
-import time
+import multiprocessing, time
 from updraft import LLM
 if __name__ == "__main__":
     llm = LLM({str(tiny_llama)!r}, num_kv_blocks=16, tensor_parallel_size=2, enforce_eager=True)
-    print(llm.engine._workers.processes[0].pid, flush=True)
+    (worker,) = [p for p in multiprocessing.active_children() if p.name == "updraft-rank-1"]
+    print(worker.pid, flush=True)
     time.sleep(600)
 """
     engine = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)

@@ -456,7 +456,7 @@ class EngineConfig:
     tensor_parallel_size: int = setting(
         1,
         "ranks that split every layer's heads and MLP rows (worker processes this engine "
-        "starts, gloo on the CPU); the Llama family only",
+        "starts, gloo on the CPU); the Llama family and DeepSeek",
     )
     prefill_context_parallel_size: int = setting(
         1,
@@ -467,6 +467,11 @@ class EngineConfig:
         1,
         "tensor-parallel ranks that keep the same KV heads and split every context "
         "between them, position by position (divides --tensor-parallel-size)",
+    )
+    probe: str | None = setting(
+        None,
+        "a directory where every rank records each step it runs, each graph replay's "
+        "inputs and its KV caches at close (runner/probe.py; for tests and debugging)",
     )
 
     def __post_init__(self) -> None:

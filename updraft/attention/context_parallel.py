@@ -42,7 +42,6 @@ from updraft.parallel.topology import GroupRank
 def attention(
     reader: CacheReader,
     metadata: AttentionMetadata,
-    scale: float,
     params: AttentionParams,
     selector: ScoredSelector | None = None,
 ) -> torch.Tensor:
@@ -51,7 +50,7 @@ def attention(
     bucket's (a FULL graph holds it); under decode context parallelism it runs with the
     group's query heads over this rank's positions, between two all-gathers."""
     shard = metadata.context.decode
-    kwargs = {"reader": reader, "metadata": metadata, "scale": scale, "selector": selector}
+    kwargs = {"reader": reader, "metadata": metadata, "selector": selector}
     if shard is None:
         return attention_op(attend, kwargs, params, metadata)
     tokens, heads, width = reader.query.shape

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 
 from updraft.attention.context_parallel import attention, step_rows
-from updraft.attention.loop import Attended, AttentionParams, attend_padded
+from updraft.attention.loop import Attended, AttentionParams, InPlaceRows, attend_padded
 from updraft.attention.metadata import AttentionGroup, AttentionMetadata
 
 
@@ -22,37 +22,24 @@ class PagedKV(NamedTuple):
 
     query: torch.Tensor
     cache: torch.Tensor
+    scale: float
 
     @property
     def value_dim(self) -> int:
         return self.query.shape[-1]
 
-    def in_place(
-        self,
-        tokens: slice,
-        block_table: torch.Tensor,
-        seq_lens: torch.Tensor,
-        slots_per_block: int,
-        scale: float,
-        with_lse: bool,
-    ) -> Attended:
+    def in_place(self, tokens: slice, rows: InPlaceRows, with_lse: bool) -> Attended:
         return torch.ops.updraft.paged_decode_attention(
-            self.query[tokens], self.cache, block_table, seq_lens, slots_per_block, scale, with_lse
+            self.query[tokens], self.cache, *rows, self.scale, with_lse
         )
 
     def gathered(
-        self,
-        group: AttentionGroup,
-        tokens: slice,
-        max_query: int,
-        mask: torch.Tensor,
-        scale: float,
-        with_lse: bool,
+        self, tokens: slice, group: AttentionGroup, mask: torch.Tensor, with_lse: bool
     ) -> Attended:
         slots = group.kv_slots.flatten()
         keys = self.cache[0].index_select(0, slots)
         values = self.cache[1].index_select(0, slots)
-        return attend_padded(self.query, keys, values, group, mask, scale, with_lse)
+        return attend_padded(self.query, keys, values, group, mask, self.scale, with_lse)
 
 
 def write_kv(
@@ -80,4 +67,4 @@ def paged_attention(
     metadata's context split says), then the attention loop over the cache."""
     slots, key, value = step_rows(metadata, key, value)
     write_kv(kv_cache, key, value, slots)
-    return attention(PagedKV(query, kv_cache), metadata, scale, params)
+    return attention(PagedKV(query, kv_cache, scale), metadata, params)

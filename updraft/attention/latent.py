@@ -36,7 +36,13 @@ import torch.nn.functional as F
 
 from updraft.attention.context_parallel import attention, step_rows
 from updraft.attention.in_place import IN_PLACE_MAX_QUERY
-from updraft.attention.loop import Attended, AttentionParams, Selection, attend_padded
+from updraft.attention.loop import (
+    Attended,
+    AttentionParams,
+    InPlaceRows,
+    Selection,
+    attend_padded,
+)
 from updraft.attention.metadata import AttentionGroup, AttentionMetadata
 
 
@@ -72,47 +78,27 @@ class LatentRows(NamedTuple):
     query: torch.Tensor
     cache: torch.Tensor
     dims: LatentDims
+    scale: float
     first_token: int = 0
 
     @property
     def value_dim(self) -> int:
         return self.dims.kv_lora_rank
 
-    def in_place(
-        self,
-        tokens: slice,
-        block_table: torch.Tensor,
-        seq_lens: torch.Tensor,
-        slots_per_block: int,
-        scale: float,
-        with_lse: bool,
-    ) -> Attended:
+    def in_place(self, tokens: slice, rows: InPlaceRows, with_lse: bool) -> Attended:
         query = self.query[tokens.start - self.first_token : tokens.stop - self.first_token]
+        latent = self.dims.kv_lora_rank
         return torch.ops.updraft.paged_latent_attention(
-            query,
-            self.cache,
-            block_table,
-            seq_lens,
-            slots_per_block,
-            scale,
-            self.dims.kv_lora_rank,
-            with_lse,
+            query, self.cache, *rows, self.scale, latent, with_lse
         )
 
     def gathered(
-        self,
-        group: AttentionGroup,
-        tokens: slice,
-        max_query: int,
-        mask: torch.Tensor,
-        scale: float,
-        with_lse: bool,
+        self, tokens: slice, group: AttentionGroup, mask: torch.Tensor, with_lse: bool
     ) -> Attended:
         rows = self.cache.index_select(0, group.kv_slots.flatten())[:, None]
         keys, values = rows[..., : self.dims.key_width], rows[..., : self.dims.kv_lora_rank]
-        return attend_padded(
-            self.query, keys, values, group, mask, scale, with_lse, self.first_token
-        )
+        first = self.first_token
+        return attend_padded(self.query, keys, values, group, mask, self.scale, with_lse, first)
 
 
 class LatentCache(NamedTuple):
@@ -125,6 +111,7 @@ class LatentCache(NamedTuple):
     cache: torch.Tensor
     kv_b_weight: torch.Tensor
     dims: LatentDims
+    scale: float
 
     @property
     def value_dim(self) -> int:
@@ -135,39 +122,22 @@ class LatentCache(NamedTuple):
         w_uk, _ = self.dims.up_projections(self.kv_b_weight, self.query.shape[1])
         q_latent = torch.einsum("thn,hnl->thl", self.query[tokens], w_uk)
         query = torch.cat([q_latent, self.q_pe[tokens]], dim=-1)
-        return LatentRows(query, self.cache, self.dims, tokens.start)
+        return LatentRows(query, self.cache, self.dims, self.scale, tokens.start)
 
     def up_projected(self, latent: torch.Tensor) -> torch.Tensor:
         """[t, H, L] -> [t, H, v_head_dim] through W_UV."""
         _, w_uv = self.dims.up_projections(self.kv_b_weight, self.query.shape[1])
         return torch.einsum("thl,hvl->thv", latent, w_uv)
 
-    def in_place(
-        self,
-        tokens: slice,
-        block_table: torch.Tensor,
-        seq_lens: torch.Tensor,
-        slots_per_block: int,
-        scale: float,
-        with_lse: bool,
-    ) -> Attended:
-        latent, lse = self.absorbed(tokens).in_place(
-            tokens, block_table, seq_lens, slots_per_block, scale, with_lse
-        )
+    def in_place(self, tokens: slice, rows: InPlaceRows, with_lse: bool) -> Attended:
+        latent, lse = self.absorbed(tokens).in_place(tokens, rows, with_lse)
         return self.up_projected(latent), lse
 
     def gathered(
-        self,
-        group: AttentionGroup,
-        tokens: slice,
-        max_query: int,
-        mask: torch.Tensor,
-        scale: float,
-        with_lse: bool,
+        self, tokens: slice, group: AttentionGroup, mask: torch.Tensor, with_lse: bool
     ) -> Attended:
-        if max_query <= IN_PLACE_MAX_QUERY:  # short queries where the kernel does not run
-            rows = self.absorbed(tokens)
-            latent, lse = rows.gathered(group, tokens, max_query, mask, scale, with_lse)
+        if group.query_index.shape[1] <= IN_PLACE_MAX_QUERY:  # short, where no kernel runs
+            latent, lse = self.absorbed(tokens).gathered(tokens, group, mask, with_lse)
             return self.up_projected(latent), lse
         dims = self.dims
         rows = self.cache.index_select(0, group.kv_slots.flatten())
@@ -175,7 +145,7 @@ class LatentCache(NamedTuple):
         k_pe = rows[:, None, dims.kv_lora_rank : dims.key_width].expand(-1, k_nope.shape[1], -1)
         keys = torch.cat([k_nope, k_pe], dim=-1)
         query = torch.cat([self.query, self.q_pe], dim=-1)
-        return attend_padded(query, keys, values, group, mask, scale, with_lse)
+        return attend_padded(query, keys, values, group, mask, self.scale, with_lse)
 
 
 def expand_latent(
@@ -255,11 +225,10 @@ def latent_attention(
     selector = (
         None if index_query is None else IndexerScores(index_query, index_weights, cache, dims)
     )
-    reader = LatentCache(q_nope, q_pe, cache, kv_b_weight, dims)
+    reader = LatentCache(q_nope, q_pe, cache, kv_b_weight, dims, scale)
     if metadata.context.decode is None:
-        return attention(reader, metadata, scale, params, selector)
+        return attention(reader, metadata, params, selector)
     heads = q_nope.shape[1]
-    every = slice(0, q_nope.shape[0])
-    absorbed = reader.absorbed(every)
-    latent = attention(absorbed, metadata, scale, params, selector)
+    absorbed = reader.absorbed(slice(0, q_nope.shape[0]))
+    latent = attention(absorbed, metadata, params, selector)
     return reader.up_projected(latent.view(-1, heads, dims.kv_lora_rank)).flatten(1)

@@ -37,36 +37,32 @@ from updraft.graph.tasks import register_task
 Attended = tuple[torch.Tensor, torch.Tensor]  # out [t, H, Dv]; lse [t, H], or empty
 
 
+class InPlaceRows(NamedTuple):
+    """What the kernel reads for a group: per query token a block-table row and how
+    many positions of it are its context, and how many slots make a block."""
+
+    block_table: torch.Tensor  # [t, blocks]
+    seq_lens: torch.Tensor  # [t]
+    slots_per_block: int
+
+
 class CacheReader(Protocol):
     """One attention kind's queries and cache, as the loop reads them. A NamedTuple, so
     a captured task sees the tensors it holds."""
 
     query: torch.Tensor  # [T, H, D]: every token of the step
+    scale: float  # of the scores
 
     @property
     def value_dim(self) -> int: ...
 
-    def in_place(
-        self,
-        tokens: slice,
-        block_table: torch.Tensor,
-        seq_lens: torch.Tensor,
-        slots_per_block: int,
-        scale: float,
-        with_lse: bool,
-    ) -> Attended:
-        """The group ``tokens``' attention, each query token reading the context
-        ``seq_lens`` long through its ``block_table`` row with the kernel."""
+    def in_place(self, tokens: slice, rows: InPlaceRows, with_lse: bool) -> Attended:
+        """The group ``tokens``' attention, each query token reading its context
+        through its row with the kernel."""
         ...
 
     def gathered(
-        self,
-        group: AttentionGroup,
-        tokens: slice,
-        max_query: int,
-        mask: torch.Tensor,
-        scale: float,
-        with_lse: bool,
+        self, tokens: slice, group: AttentionGroup, mask: torch.Tensor, with_lse: bool
     ) -> Attended:
         """The group's attention over its context gathered into one padded call."""
         ...
@@ -119,10 +115,7 @@ class Selector(Protocol):
 
 
 def attend(
-    reader: CacheReader,
-    metadata: AttentionMetadata,
-    scale: float,
-    selector: Selector | None = None,
+    reader: CacheReader, metadata: AttentionMetadata, selector: Selector | None = None
 ) -> torch.Tensor:
     """The reader's queries [T, H, D] over each group's context -> [T, H * Dv]; under
     decode context parallelism [T, H * Dv + H] in float32: the attention over this
@@ -136,20 +129,16 @@ def attend(
         chosen = None if selector is None else selector.choose(metadata.group(index))
         if in_place and shape.max_query <= IN_PLACE_MAX_QUERY:
             if chosen is None:
-                block_table, seq_lens = metadata.in_place_rows(index)
-                slots_per_block = metadata.slots_per_block
+                rows = InPlaceRows(*metadata.in_place_rows(index), metadata.slots_per_block)
             else:  # each query token's chosen slots, as blocks of one slot
-                block_table, seq_lens = chosen.token_rows(metadata.group(index))
-                slots_per_block = 1
-            out, lse = reader.in_place(
-                tokens, block_table, seq_lens, slots_per_block, scale, with_lse
-            )
+                rows = InPlaceRows(*chosen.token_rows(metadata.group(index)), 1)
+            out, lse = reader.in_place(tokens, rows, with_lse)
         else:
             group = metadata.group(index)
             mask = (
                 group.mask if chosen is None else chosen.columns(group.kv_slots.shape[1])[:, None]
             )
-            out, lse = reader.gathered(group, tokens, shape.max_query, mask, scale, with_lse)
+            out, lse = reader.gathered(tokens, group, mask, with_lse)
         outputs.append(out)
         lses.append(lse)
     heads, count = reader.query.shape[1], metadata.num_padding_tokens

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from updraft.parallel.topology import GroupRank
-from updraft.step.inputs import StepInputs
+from updraft.step.inputs import ForwardInputs
 
 
 @dataclass(frozen=True)
@@ -246,7 +246,7 @@ class AttentionMetadata:
     @classmethod
     def from_step(
         cls,
-        step: StepInputs,
+        step: ForwardInputs,
         positions_per_block: int,
         device: torch.device | str,
         context: ContextSplit = NO_SPLIT,
@@ -265,7 +265,7 @@ class AttentionMetadata:
     @classmethod
     def bind(
         cls,
-        step: StepInputs,
+        step: ForwardInputs,
         positions_per_block: int,
         slot_mapping: torch.Tensor,
         block_table: torch.Tensor,
@@ -384,7 +384,7 @@ class AttentionMetadata:
         return block_table, seq_lens
 
 
-def group_shapes(step: StepInputs) -> tuple[GroupShape, ...]:
+def group_shapes(step: ForwardInputs) -> tuple[GroupShape, ...]:
     query_lens = step.query_lens
     query_start_loc = step.query_starts
     seq_lens = step.seq_lens.tolist()

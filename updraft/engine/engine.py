@@ -38,7 +38,7 @@ from updraft.models.tensor_parallel import check_parallel
 from updraft.outputs import RequestOutput
 from updraft.parallel.topology import RankPlace
 from updraft.request import FinishReason, Request
-from updraft.runner.runner import Runner
+from updraft.runner.runner import load_runner
 from updraft.runner.threads import ThreadBudget
 from updraft.sampling_params import SamplingParams
 from updraft.speculative.registry import ProposerContext, check_method, make_proposer
@@ -83,7 +83,9 @@ class Engine:
             )
             place = self._workers.place
             weakref.finalize(self, self._workers.close)
-        self._runner = Runner(self.model_config, config, self.context_len, query_lens, place=place)
+        self._runner = load_runner(
+            self.model_config, config, self.context_len, query_lens=query_lens, place=place
+        )
         pool = BlockPool(
             self._runner.num_blocks, config.positions_per_block, config.enable_prefix_caching
         )
@@ -136,10 +138,14 @@ class Engine:
         raise SystemExit(0)
 
     def close(self) -> None:
-        """Stop the other ranks (a pool's workers go back to the pool). Also done when
-        the engine is collected; calling it first frees them at a known point."""
+        """Stop the other ranks (a pool's workers go back to the pool), once they have
+        ended theirs; a probe's records are then complete. Also done when the engine is
+        collected; calling it first frees them at a known point."""
         if self._workers is not None:
             self._workers.close()
+        for runner in (self._runner, self._proposer and self._proposer.runner):
+            if runner is not None:
+                runner.close()
 
     # -- requests ----------------------------------------------------------------------
 
@@ -245,13 +251,6 @@ class Engine:
         scheduler = self._scheduler
         pool = scheduler.kv.pool
         draft_runner = None if self._proposer is None else self._proposer.runner
-        # A proposer's own model: a runner's step counts, or the proposer's own (a layer
-        # that runs beside the target's model, such as MTP).
-        draft_modes = (
-            draft_runner.step_modes
-            if draft_runner is not None
-            else getattr(self._proposer, "step_modes", None)
-        )
         return EngineStats(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
@@ -259,12 +258,13 @@ class Engine:
             kv_blocks_total=pool.num_blocks,
             steps=dict(self._runner.step_modes),
             threads=self._threads.threads,
-            draft_steps=None if draft_modes is None else dict(draft_modes),
+            draft_steps=None if draft_runner is None else dict(draft_runner.step_modes),
             speculative=None if self._proposer is None else scheduler.speculative.copy(),
             sanitize=snapshot_report(self._runner.sanitize_report),
             draft_sanitize=None
             if draft_runner is None
             else snapshot_report(draft_runner.sanitize_report),
+            positions_per_block=self.config.positions_per_block,
             num_steps=self._runner.step_modes.total(),
             phase_seconds=dict(self._clock.seconds),
         )

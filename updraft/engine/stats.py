@@ -49,6 +49,7 @@ class EngineStats:
     draft_sanitize: SanitizeReport | None
     num_steps: int
     phase_seconds: dict[str, float]  # totals per phase of a step (PHASES)
+    positions_per_block: int  # of a sequence, per KV block (block_size x decode ranks)
 
     def describe_steps(self) -> str:
         return describe_steps(self.steps)

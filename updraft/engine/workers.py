@@ -31,7 +31,7 @@ import torch
 from updraft.config import EngineConfig, ModelConfig
 from updraft.parallel import collectives
 from updraft.parallel.topology import RankPlace, rank_device, uses_nccl
-from updraft.runner.runner import Runner
+from updraft.runner.runner import load_runner
 from updraft.step.inputs import StepInputs
 from updraft.step.sampling_batch import SamplingBatch
 
@@ -86,9 +86,10 @@ def run_rank(
     broadcasts until it broadcasts STOP."""
     share_cores(place.sizes.world)
     connect(place, meeting, config)
-    runner = Runner(model_config, config, max_model_len, query_lens, place=place)
+    runner = load_runner(model_config, config, max_model_len, query_lens=query_lens, place=place)
     while (inputs := collectives.broadcast_object(place.name)) is not STOP:
         runner.forward(inputs)
+    runner.close()
     collectives.forget(place)
 
 
@@ -108,9 +109,10 @@ def torchrun_group(meeting: Rendezvous) -> str:
 
 
 def forward_only(inputs: StepInputs) -> StepInputs:
-    """What a worker needs of a step: its forward's inputs, not the requests' sampling
-    state (their random generators stay on rank 0)."""
-    return replace(inputs, sampling=SamplingBatch([], []), draft_probs=[])
+    """What a worker needs of a step: its forward's inputs and where its logits are
+    read, not the requests' sampling state (their random generators stay on rank 0)."""
+    sampling = replace(inputs.sampling, batch=SamplingBatch([], []), draft_probs=[])
+    return replace(inputs, sampling=sampling)
 
 
 def serve_ranks(connection: Connection) -> None:

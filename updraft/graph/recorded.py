@@ -98,6 +98,11 @@ class RecordedGraph:
         self.output_storages: set[int] = set()
         self._segments: list[list[Callable[[], Any]]] | None = None
 
+    @property
+    def mode(self) -> str:
+        """FULL: one graph, nothing between segments; PIECEWISE: tasks between them."""
+        return "PIECEWISE" if self.tasks else "FULL"
+
     # -- capture -----------------------------------------------------------------------
 
     def capture(self, fn: Callable[[], Any]) -> Any:

@@ -34,6 +34,7 @@ class StaticInput:
     buffer: torch.Tensor
     fill: Callable[[Any], torch.Tensor]  # this step's values, unpadded
     pad: int | float | str
+    graph: str = ""  # whose graphs read it ("target", "head draft loop"), for messages
 
     def values(self, step: Any) -> torch.Tensor:
         """This step's values, checked against the buffer before anything is written."""
@@ -42,7 +43,8 @@ class StaticInput:
             n > limit for n, limit in zip(values.shape, self.buffer.shape, strict=True)
         ):
             raise ValueError(
-                f"static input {self.name!r}: values of shape {tuple(values.shape)} do not "
+                f"static input {self.name!r} ({self.graph or 'a graph'}'s): values of shape "
+                f"{tuple(values.shape)} do not "
                 f"fit its buffer {tuple(self.buffer.shape)}"
             )
         return values

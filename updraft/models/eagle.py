@@ -28,7 +28,7 @@ from updraft.attention.metadata import AttentionMetadata
 from updraft.config import LLAMA_ARCHITECTURES, ModelConfig
 from updraft.models.layers import MLP, DecoderLayer
 from updraft.models.llama import Attention
-from updraft.models.loader import load_weights, weight_files
+from updraft.models.loader import building, load_weights, weight_files
 from updraft.models.packed_linear import can_prepack, prepack_linears
 
 SHARED_WITH_TARGET = ("embed_tokens.", "lm_head.")
@@ -101,17 +101,12 @@ def load_eagle_head(
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as reader:
             names.update(reader.keys())
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            head = EagleHead(
-                config,
-                fc_bias="fc.bias" in names,
-                first_input_norm="layers.0.input_layernorm.weight" in names,
-            )
-    finally:
-        torch.set_default_dtype(default_dtype)
+    with building(dtype, device):
+        head = EagleHead(
+            config,
+            fc_bias="fc.bias" in names,
+            first_input_norm="layers.0.input_layernorm.weight" in names,
+        )
     load_weights(head, files, select=lambda name: not name.startswith(SHARED_WITH_TARGET))
     if can_prepack(torch.device(device), dtype):
         prepack_linears(head)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -73,6 +74,18 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
+@contextmanager
+def building(dtype: torch.dtype, device: torch.device | str) -> Iterator[None]:
+    """Modules made inside get their parameters in ``dtype`` on ``device``."""
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(default_dtype)
+
+
 def load_model(
     config: ModelConfig,
     model_dir: str | Path,
@@ -85,13 +98,8 @@ def load_model(
     """``place``: keep only the shard that rank holds (models/tensor_parallel.py)."""
     model_dir = Path(model_dir)
     files = weight_files(model_dir)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = model_class(config)(config, max_positions=max_positions)
-    finally:
-        torch.set_default_dtype(default_dtype)
+    with building(dtype, device):
+        model = model_class(config)(config, max_positions=max_positions)
     # A checkpoint's multi-token prediction layers follow its decoder layers; the model
     # does not run them (models/mtp.py loads them on their own).
     mtp = range(config.num_layers, config.num_layers + config.mtp_layers)

@@ -11,8 +11,8 @@ state depth k - 1 had at i (the main model's final, normed hidden state for dept
                                         and the hidden state the next depth chains on
 
 The layers are modules of their own, named as in the checkpoint, so ``load_mtp_layers``
-fills them with the main loader, reading only their tensors. (A proposer that drafts
-with them is not wired yet.)
+fills them with the main loader, reading only their tensors. The first of them drafts
+for ``--speculative-method mtp`` as a draft head (``models/draft_head.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from updraft.attention.metadata import AttentionMetadata
 from updraft.config import ModelConfig
 from updraft.models.deepseek import LatentAttention
 from updraft.models.layers import DecoderLayer, RMSNorm
-from updraft.models.loader import load_weights, weight_files
+from updraft.models.loader import building, load_weights, weight_files
 from updraft.models.moe import DeepseekMoE
 
 # Checkpoints repeat the main model's embedding and LM head inside each MTP layer; the
@@ -57,10 +57,12 @@ class MTPLayer(DecoderLayer):
         embeds: torch.Tensor,
         previous_hidden: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
-        cache: torch.Tensor,
+        kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """embeds [T, H] of the next tokens, previous_hidden [T, H] -> [T, H], normed."""
+        """embeds [T, H] of the next tokens, previous_hidden [T, H] -> [T, H], normed;
+        its one latent cache is ``kv_caches[0]``."""
+        (cache,) = kv_caches
         hidden = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(previous_hidden)], dim=-1))
         return self.shared_head.norm(super().forward(hidden, rotary, cache, metadata))
 
@@ -88,13 +90,8 @@ def load_mtp_layers(
             f"{config.architecture} checkpoint has no multi-token prediction layers "
             "(num_nextn_predict_layers)"
         )
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            layers = MTPLayers(config)
-    finally:
-        torch.set_default_dtype(default_dtype)
+    with building(dtype, device):
+        layers = MTPLayers(config)
     first = config.num_layers
     prefixes = tuple(f"model.layers.{i}." for i in range(first, first + config.mtp_layers))
     load_weights(

@@ -1,17 +1,22 @@
-"""Captured steps: one ``UpdatableGraph`` per bucket of uniform batches.
+"""Captured steps: one ``UpdatableGraph`` per bucket, the only place graphs are made.
 
 A bucket is (requests, query length): decode steps have query length 1, speculative
-verify steps 1 + k. All buckets share one set of static input buffers, made from
-``GRAPH_INPUTS`` at the largest shape; a bucket reads their leading rows. A step of
-``n`` requests that all have query length ``q`` replays the smallest captured bucket
-``(b >= n, q)``, its inputs padded by each buffer's refresh; any other step runs eagerly.
-On the CPU, ``compile_runs`` fuses each graph's runs of ops with inductor.
+verify steps 1 + k. A draft head's runner also has a bucket per batch size whose
+forward is its whole greedy draft loop (``draft_loop.py``). All buckets of one kind
+share one set of static input buffers, made from its declared inputs (``GRAPH_INPUTS``
+or a head's ``HEAD_GRAPH_INPUTS``; ``DRAFT_LOOP_INPUTS``) at the largest shape; a
+bucket reads their leading rows. A step of ``n`` requests that all have query length
+``q`` replays the smallest captured bucket ``(b >= n, q)``, its inputs padded by each
+buffer's refresh; any other step runs eagerly. On the CPU, ``compile_runs`` fuses each
+graph's runs of ops with inductor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from operator import attrgetter
+from typing import Any, NamedTuple
 
 import torch
 
@@ -20,16 +25,33 @@ from updraft.graph.cuda import CudaGraph
 from updraft.graph.recorded import RecordedGraph
 from updraft.graph.static_input import StaticInput
 from updraft.graph.updatable import UpdatableGraph
+from updraft.runner.draft_loop import DRAFT_LOOP_INPUTS, DraftLoopInputs, greedy_drafts
 from updraft.step.inputs import (
     GRAPH_INPUTS,
+    ForwardInputs,
     GraphInput,
-    StepInputs,
-    capture_inputs,
+    empty_inputs,
     graph_input_shape,
     sizes_for,
 )
 
-Bucket = tuple[int, int]  # (requests, query length of each)
+ATTENTION_INPUTS = ("slot_mapping", "block_table", "seq_lens", "query_start_loc")
+
+
+class Bucket(NamedTuple):
+    """``requests`` requests of ``query_len`` tokens each; with ``loop``, the greedy
+    draft loop over ``requests`` requests."""
+
+    requests: int
+    query_len: int
+    loop: bool = False
+
+
+@dataclass(frozen=True)
+class Captured:
+    graph: UpdatableGraph
+    outputs: Any  # what the captured forward returned: views refreshed by each replay
+    inputs: dict[str, StaticInput]
 
 
 class CapturedSteps:
@@ -44,45 +66,54 @@ class CapturedSteps:
         query_lens: tuple[int, ...] = (1,),
         inputs: tuple[GraphInput, ...] = GRAPH_INPUTS,
         compile_runs: bool = False,
-        full: bool | frozenset[int] = False,
+        full: frozenset[int] = frozenset(),
         sizes_of_dims: dict[str, int] | None = None,
         context: ContextSplit = NO_SPLIT,
+        owner: str = "target",
+        draft_loop_depth: int = 0,
     ) -> None:
-        """``full``: capture attention inside the graphs (of every bucket, or of those
-        whose query length is in the set), shaped by the bucket
-        (``AttentionMetadata.bucket``), instead of as tasks between segments.
-        ``sizes_of_dims``: the sizes of dims beyond tokens, requests and blocks that
-        ``inputs`` name (``hidden``); inputs beyond ``GRAPH_INPUTS`` reach the model as
-        keyword arguments."""
-        self.model = model
-        self.kv_caches = kv_caches
-        self.positions_per_block = positions_per_block
-        self.context = context
+        """``full``: the query lengths whose graphs capture attention inside them,
+        shaped by the bucket (``AttentionMetadata.bucket``), instead of as tasks between
+        segments. ``sizes_of_dims``: the sizes of dims beyond tokens, requests and blocks
+        that ``inputs`` name (``hidden``); inputs beyond ``GRAPH_INPUTS`` reach the model
+        as keyword arguments. ``owner``: which runner's graphs these are, in the names of
+        their static inputs. ``draft_loop_depth`` > 1: also capture the greedy draft loop
+        of that many drafts, one bucket per size."""
+        self.model, self.kv_caches = model, kv_caches
+        self.positions_per_block, self.context = positions_per_block, context
         self.max_blocks = max_blocks_per_request
         self.sizes = sorted(set(sizes))
         self.query_lens = tuple(sorted(set(query_lens)))
-        # The query lengths whose graphs hold attention.
-        self.full = frozenset(self.query_lens) if full is True else frozenset(full or ())
-        self.specs = inputs
-        self.compile_runs = compile_runs
+        self.full, self.specs, self.compile_runs = full, inputs, compile_runs
         self.other_sizes = sizes_of_dims or {}
-        largest = sizes_for(
-            self.sizes[-1] * self.query_lens[-1],
-            self.sizes[-1],
-            blocks=self.max_blocks,
-            **self.other_sizes,
-        )
-        self.buffers = input_buffers(inputs, largest, next(model.parameters()).dtype, device)
+        self.owner, self.draft_loop_depth = owner, draft_loop_depth
+        buckets = [Bucket(size, q) for q in self.query_lens for size in self.sizes]
+        if draft_loop_depth > 1:
+            buckets += [Bucket(size, 1, loop=True) for size in self.sizes]
+        dtype = next(model.parameters()).dtype
+        largest = {False: Bucket(self.sizes[-1], self.query_lens[-1])}
+        if draft_loop_depth > 1:
+            largest[True] = Bucket(self.sizes[-1], 1, loop=True)
+        self.buffers = {
+            loop: input_buffers(self._specs(loop), self._sizes(bucket), dtype, device)
+            for loop, bucket in largest.items()
+        }
         # CUDA buckets share one memory pool; the CPU records ops instead.
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
-        self.graphs: dict[Bucket, tuple[UpdatableGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
-        buckets = [(size, q) for q in self.query_lens for size in self.sizes]
+        self.graphs: dict[Bucket, Captured] = {}
         with torch.inference_mode():
             # Most tokens first, as a device memory pool wants.
-            for bucket in sorted(buckets, key=lambda b: b[0] * b[1], reverse=True):
-                self.graphs[bucket] = self._capture(*bucket)
+            for bucket in sorted(buckets, key=lambda b: b.requests * b.query_len, reverse=True):
+                self.graphs[bucket] = self._capture(bucket)
 
-    def bucket_for(self, step: StepInputs) -> Bucket | None:
+    def _specs(self, loop: bool) -> tuple[GraphInput, ...]:
+        return DRAFT_LOOP_INPUTS if loop else self.specs
+
+    def _sizes(self, bucket: Bucket) -> dict[str, int]:
+        tokens = bucket.requests * bucket.query_len
+        return sizes_for(tokens, bucket.requests, blocks=self.max_blocks, **self.other_sizes)
+
+    def bucket_for(self, step: ForwardInputs) -> Bucket | None:
         query_lens = step.query_lens
         if (
             not query_lens
@@ -91,78 +122,86 @@ class CapturedSteps:
             or any(n != query_lens[0] for n in query_lens)
         ):
             return None
-        return next(size for size in self.sizes if size >= step.num_reqs), query_lens[0]
+        return Bucket(next(size for size in self.sizes if size >= step.num_reqs), query_lens[0])
 
-    def why_not(self, step: StepInputs) -> str:
+    def loop_bucket_for(self, num_reqs: int) -> Bucket | None:
+        if self.draft_loop_depth < 2 or not 0 < num_reqs <= self.sizes[-1]:
+            return None
+        return Bucket(next(size for size in self.sizes if size >= num_reqs), 1, loop=True)
+
+    def why_not(self, step: ForwardInputs, num_drafts: list[int]) -> str:
         """Why ``bucket_for(step)`` is None, for the runner's step counts."""
         if step.num_reqs > self.sizes[-1]:
             return "batch above the largest capture size"
-        if not any(step.num_drafts) and step.num_decodes < step.num_reqs:
+        if not any(num_drafts) and step.num_decodes < step.num_reqs:
             return "prefill"
         if any(n != step.query_lens[0] for n in step.query_lens):
             return "mixed query lengths"
         return f"query length {step.query_lens[0]} not captured"
 
-    def run(self, step: StepInputs, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden states, logits) of every token of the step, by replay: views of the
-        graph's outputs, valid until the next replay."""
-        graph, (hidden, logits) = self.graphs[bucket]
-        graph.replay(step)
-        return hidden[: step.num_tokens], logits[: step.num_tokens]
+    def run(self, inputs: ForwardInputs | DraftLoopInputs, bucket: Bucket) -> Any:
+        """What the bucket's forward returns, by replay from ``inputs``: views of the
+        graph's outputs, valid until the next replay. A step's are (hidden states,
+        logits) of its tokens; a loop's its drafts [requests, depth]."""
+        captured = self.graphs[bucket]
+        captured.graph.replay(inputs)
+        if bucket.loop:
+            return captured.outputs[: inputs.num_reqs]
+        hidden, logits = captured.outputs
+        return hidden[: inputs.num_tokens], logits[: inputs.num_tokens]
 
-    def _capture(
-        self, size: int, query_len: int
-    ) -> tuple[UpdatableGraph, tuple[torch.Tensor, torch.Tensor]]:
-        num_tokens = size * query_len
-        shape = sizes_for(num_tokens, size, blocks=self.max_blocks, **self.other_sizes)
-        inputs = static_inputs(self.specs, self.buffers, shape)
+    def _capture(self, bucket: Bucket) -> Captured:
+        """The bucket's graph, captured over a step of nothing (the refresh pads every
+        row: padded rows write nothing). Not ``self`` but its parts go into the graph's
+        functions, which the graph keeps."""
+        specs = self._specs(bucket.loop)
+        sizes = self._sizes(bucket)
+        name = f"{self.owner} draft loop" if bucket.loop else self.owner
+        inputs = static_inputs(specs, self.buffers[bucket.loop], sizes, name)
+        tensors = {name: static_input.buffer for name, static_input in inputs.items()}
+        model, kv_caches, context = self.model, self.kv_caches, self.context
+        positions_per_block, depth = self.positions_per_block, self.draft_loop_depth
+        empty = empty_inputs(specs, DraftLoopInputs if bucket.loop else ForwardInputs, sizes)
+        attention = {name: tensors[name] for name in ATTENTION_INPUTS if name in tensors}
 
-        # Not self: the graph keeps this function.
-        positions_per_block, context = self.positions_per_block, self.context
-
-        attention_inputs = {
-            name: inputs[name].buffer
-            for name in ("slot_mapping", "block_table", "seq_lens", "query_start_loc")
-        }
-
-        def metadata(step: StepInputs) -> AttentionMetadata:
+        def metadata(step: ForwardInputs) -> AttentionMetadata | None:
+            """What the attention tasks resolve from at each replay: the step's shapes
+            over the bucket's buffers (a loop holds its attention whole: none)."""
+            if bucket.loop:
+                return None
             return AttentionMetadata.bind(
-                step,
-                positions_per_block,
-                **attention_inputs,
-                num_tokens=num_tokens,
-                context=context,
+                step, positions_per_block, **attention, num_tokens=sizes["tokens"], context=context
             )
 
-        backend = graph_backend(
-            self.model, self.kv_caches, inputs.values(), self.pool, self.compile_runs
-        )
-        graph = UpdatableGraph(backend, list(inputs.values()), metadata)
-        dummy = capture_inputs(num_tokens, size, self.max_blocks, self.specs, **self.other_sizes)
-        standard = {spec.name for spec in GRAPH_INPUTS}
-        extra = {name: i.buffer for name, i in inputs.items() if name not in standard}
-        if query_len in self.full:
-            dummy_metadata = AttentionMetadata.bucket(
-                positions_per_block,
-                **attention_inputs,
-                num_requests=size,
-                query_len=query_len,
-                context=context,
-            )
+        if bucket.loop:
+            loop = DraftLoopInputs(**tensors)
+
+            def forward() -> torch.Tensor:
+                return greedy_drafts(model, kv_caches, loop, depth, positions_per_block, context)
+
         else:
-            dummy_metadata = metadata(dummy)  # host-side shapes: worked out before capture
+            if bucket.query_len in self.full:  # attention shaped by the bucket, whole
+                shapes = AttentionMetadata.bucket(
+                    positions_per_block, **attention, **bucket_shape(bucket), context=context
+                )
+            else:  # the capture step's shapes, which every replay re-resolves
+                shapes = metadata(empty)
+            standard = {spec.name for spec in GRAPH_INPUTS}
+            extra = {name: tensor for name, tensor in tensors.items() if name not in standard}
 
-        def forward() -> tuple[torch.Tensor, torch.Tensor]:
-            hidden = self.model(
-                inputs["input_ids"].buffer,
-                inputs["positions"].buffer,
-                self.kv_caches,
-                dummy_metadata,
-                **extra,
-            )
-            return hidden, self.model.compute_logits(hidden)
+            def forward() -> tuple[torch.Tensor, torch.Tensor]:
+                hidden = model(
+                    tensors["input_ids"], tensors["positions"], kv_caches, shapes, **extra
+                )
+                return hidden, model.compute_logits(hidden)
 
-        return graph, graph.capture(forward, dummy)
+        backend = graph_backend(model, kv_caches, inputs.values(), self.pool, self.compile_runs)
+        graph = UpdatableGraph(backend, list(inputs.values()), metadata)
+        return Captured(graph, graph.capture(forward, empty), inputs)
+
+
+def bucket_shape(bucket: Bucket) -> dict[str, int]:
+    return {"num_requests": bucket.requests, "query_len": bucket.query_len}
 
 
 def input_buffers(
@@ -178,16 +217,20 @@ def input_buffers(
 
 
 def static_inputs(
-    specs: tuple[GraphInput, ...], buffers: dict[str, torch.Tensor], sizes: dict[str, int]
+    specs: tuple[GraphInput, ...],
+    buffers: dict[str, torch.Tensor],
+    sizes: dict[str, int],
+    graph: str,
 ) -> dict[str, StaticInput]:
     """A bucket's static inputs: the leading part of each shared buffer, at ``sizes``,
-    filled from the step's field of the input's name."""
+    filled from the field of the input's name."""
     return {
         spec.name: StaticInput(
             spec.name,
             buffers[spec.name][tuple(slice(0, n) for n in graph_input_shape(spec, sizes))],
             attrgetter(spec.name),
             spec.pad,
+            graph=graph,
         )
         for spec in specs
     }

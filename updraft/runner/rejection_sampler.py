@@ -21,7 +21,7 @@ import torch
 
 from updraft.runner.sampler import exponential_noise, filtered_probs
 from updraft.sampling_params import SamplingParams
-from updraft.step.inputs import StepInputs
+from updraft.step.inputs import SamplingInputs
 from updraft.step.sampling_batch import SamplingBatch
 
 
@@ -37,7 +37,7 @@ class VerifyResult:
 
 
 def verify_step(
-    logits: torch.Tensor, inputs: StepInputs, generator: torch.Generator | None = None
+    logits: torch.Tensor, inputs: SamplingInputs, generator: torch.Generator | None = None
 ) -> VerifyResult:
     """Verify the drafts of a step's sampling requests. ``logits`` are the rows at
     ``inputs.logits_indices``: per request, its last known token, then its drafts."""
@@ -60,7 +60,7 @@ def verify_step(
             else:  # a deterministic draft: q is one-hot at it
                 draft_probs[row, torch.arange(n), inputs.draft_token_ids[row, :n]] = 1.0
     return verify(
-        target_logits, inputs.draft_token_ids, num_drafts, draft_probs, inputs.sampling, generator
+        target_logits, inputs.draft_token_ids, num_drafts, draft_probs, inputs.batch, generator
     )
 
 

@@ -1,8 +1,12 @@
-"""The model runner: owns the weights and the KV cache, runs one step at a time.
+"""The model runner: the one step driver of every model that runs a step.
 
-``execute(inputs)`` is the one way a step runs: the forward (a graph replay when the
-step fits a captured bucket, else eager), then the tokens: requests that carry drafts
-are verified by the rejection sampler, the others sampled, all in one ``StepOutput``.
+The target, a draft model and a draft head (EAGLE, MTP) each have a ``Runner``: it owns
+the model's KV cache and its captured buckets, and runs one step at a time. ``forward``
+is the one way a model runs: a graph replay when the step fits a captured bucket, else
+eager, counted in ``step_modes`` either way. ``execute`` is a target's step: the
+forward, then the tokens (requests that carry drafts are verified by the rejection
+sampler, the others sampled), all in one ``StepOutput``. A draft head's runner also
+replays its greedy draft loop (``draft_loop``), one more kind of bucket.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from collections import Counter
 from typing import NamedTuple
 
 import torch
+from torch import nn
 
 from updraft.attention.cache_layout import (
     allocate_kv_cache,
@@ -27,15 +32,17 @@ from updraft.models.loader import load_model
 from updraft.models.tensor_parallel import local_config
 from updraft.parallel.topology import GroupRank, ParallelSizes, RankPlace, rank_device
 from updraft.runner.captured import Bucket, CapturedSteps
+from updraft.runner.draft_loop import DraftLoopInputs
+from updraft.runner.probe import Probe
 from updraft.runner.rejection_sampler import verify_step
 from updraft.runner.sampler import sample
-from updraft.step.inputs import StepInputs
+from updraft.step.inputs import GRAPH_INPUTS, ForwardInputs, GraphInput, SamplingInputs, StepInputs
 from updraft.step.output import StepOutput
 from updraft.step.prefill_split import split_step, splits
 
 
 class Forward(NamedTuple):
-    logits: torch.Tensor  # [len(inputs.logits_indices), vocab] float32
+    logits: torch.Tensor  # [len(inputs.sampling.logits_indices), vocab] float32
     hidden_states: torch.Tensor | None  # [num_tokens, hidden], when the step asks
     mode: str  # "graph" or "eager (why)"
 
@@ -49,47 +56,47 @@ class Tokens(NamedTuple):
 class Runner:
     def __init__(
         self,
+        model: nn.Module,
         model_config: ModelConfig,
         config: EngineConfig,
         max_model_len: int,
+        *,
+        dtype: torch.dtype,
+        name: str = "target",
         query_lens: tuple[int, ...] = (1,),
         num_blocks: int | None = None,
         place: RankPlace | None = None,
+        inputs: tuple[GraphInput, ...] = GRAPH_INPUTS,
+        draft_loop_depth: int = 0,
     ):
-        """``query_lens``: the uniform query lengths to capture (1 for decode steps,
-        1 + k for speculative verify steps). ``num_blocks``: a draft model's runner
-        takes the target's, since both page through the same block ids.
-        ``place``: this runner's rank of a model split over ranks, whose every other
-        rank runs the same steps in its own process (engine/workers.py)."""
+        """``model`` is what ``model_config`` describes, as this rank holds it (its
+        cache follows the config's layers and this rank's KV heads), computing in
+        ``dtype``; ``name`` says which model it is in step counts and probes. ``query_lens``:
+        the uniform query lengths to capture (1 for decode steps, 1 + k for speculative
+        verify steps). ``num_blocks``: a proposer's runner takes the target's, since
+        both page through the same block ids. ``place``: this runner's rank of a model
+        split over ranks, whose every other rank runs the same steps in its own process
+        (engine/workers.py). ``inputs``: the declared graph inputs its forward reads
+        (beyond ``GRAPH_INPUTS`` they reach the model as keyword arguments). A
+        ``draft_loop_depth`` above 1 also captures the greedy draft loop of that many
+        drafts (``draft_loop.py``)."""
+        self.model = model
         self.model_config = model_config
         self.config = config
+        self.max_model_len = max_model_len
+        self.name = name
         self.device = torch.device(
             config.device if place is None else rank_device(config.device, place.rank)
         )
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(
-                f"device {config.device!r} was asked for, but this PyTorch ({torch.__version__}) "
-                "sees no CUDA device; use --device cpu, or install a CUDA build (README)"
-            )
-        self.dtype = config.compute_dtype(model_config)
+        self.dtype = dtype
         self.place = place
+        self.inputs = inputs
         sizes = ParallelSizes() if place is None else place.sizes
-        # Positions per KV block as steps address them: a decode-context rank keeps
-        # block_size of each block's C * block_size positions.
         self.positions_per_block = config.positions_per_block
         self.context = (
             NO_SPLIT if sizes.decode_context == 1 else ContextSplit(decode=place.decode_context)
         )
         self.whole_query_len = max(query_lens)  # longer queries are split under PCP
-        self.model = load_model(
-            model_config,
-            config.model,
-            self.dtype,
-            self.device,
-            max_positions=max_model_len,
-            quantization=config.quantization,
-            place=place,
-        )
         self.cache_layout = cache_layout(local_config(model_config, sizes))
         self.num_blocks = self._num_blocks() if num_blocks is None else num_blocks
         self.kv_caches = allocate_kv_cache(
@@ -101,24 +108,32 @@ class Runner:
             self.device,
         )
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
-        self.captured = None
-        if config.use_graphs:
-            self.captured = CapturedSteps(
-                self.model,
-                self.kv_caches,
-                self.positions_per_block,
-                -(-max_model_len // self.positions_per_block),
-                list(config.capture_sizes),
-                self.device,
-                query_lens,
-                compile_runs=config.compiles_graphs,
-                full=self._full_graphs(query_lens),
-                context=self.context,
-            )
+        self.captured = self._capture(query_lens, draft_loop_depth) if config.use_graphs else None
         # How each step ran: "graph" or "eager (<why>)", counted.
         self.step_modes: Counter[str] = Counter()
         self.sanitize_report = (
             SanitizeReport(default_tolerance(self.dtype)) if config.sanitize else None
+        )
+        rank = 0 if place is None else place.rank
+        self.probe = None if config.probe is None else Probe(config.probe, name, rank)
+
+    def _capture(self, query_lens: tuple[int, ...], draft_loop_depth: int) -> CapturedSteps:
+        hidden = {"hidden": self.model_config.hidden_size}
+        return CapturedSteps(
+            self.model,
+            self.kv_caches,
+            self.positions_per_block,
+            -(-self.max_model_len // self.positions_per_block),
+            list(self.config.capture_sizes),
+            self.device,
+            query_lens,
+            inputs=self.inputs,
+            compile_runs=self.config.compiles_graphs,
+            full=self._full_graphs(query_lens),
+            sizes_of_dims=hidden if len(self.inputs) > len(GRAPH_INPUTS) else None,
+            context=self.context,
+            owner=self.name,
+            draft_loop_depth=draft_loop_depth,
         )
 
     def _full_graphs(self, query_lens: tuple[int, ...]) -> frozenset[int]:
@@ -161,9 +176,13 @@ class Runner:
         if self.device.type == "cuda":  # sampling waits for the forward anyway
             torch.cuda.synchronize(self.device)
         forward_seconds = time.perf_counter() - start
-        tokens = self.sample(forward.logits, inputs)
+        tokens = self.sample(forward.logits, inputs.sampling)
+        request_ids = [inputs.request_ids[row] for row in inputs.sampling.rows]
+        if self.probe is not None:
+            rows = [1 + n for n in inputs.sampling.num_drafts]
+            self.probe.sampled(request_ids, forward.logits, rows, tokens.token_ids)
         return StepOutput(
-            request_ids=[inputs.request_ids[row] for row in inputs.sampling_rows],
+            request_ids=request_ids,
             token_ids=tokens.token_ids,
             num_accepted=tokens.num_accepted,
             logprobs=tokens.logprobs,
@@ -174,99 +193,189 @@ class Runner:
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> Forward:
-        """The logits at ``inputs.logits_indices`` (and hidden states when asked), by
-        graph replay when the step fits a captured bucket, else eagerly;
+        """The logits at ``inputs.sampling.logits_indices`` (and hidden states when
+        asked), by graph replay when the step fits a captured bucket, else eagerly;
         ``step_modes`` counts which."""
-        bucket = None if self.captured is None else self.captured.bucket_for(inputs)
+        step = inputs.forward
+        bucket = None if self.captured is None else self.captured.bucket_for(step)
+        logits_indices = inputs.sampling.logits_indices.to(self.device)
         if bucket is not None:
             mode = "graph"
-            hidden, logits = self._replay(inputs, bucket)
-            logits = logits.index_select(0, inputs.logits_indices.to(self.device))
+            hidden, logits = self._replay(step, bucket)
+            logits = logits.index_select(0, logits_indices)
             if inputs.return_hidden_states:
                 hidden = hidden.clone()
         else:
-            why = "graphs off" if self.captured is None else self.captured.why_not(inputs)
-            split = self._prefill_split(inputs)
+            why = (
+                "graphs off"
+                if self.captured is None
+                else self.captured.why_not(step, inputs.sampling.num_drafts)
+            )
+            split = self._prefill_split(step)
             if split is not None:
                 why += f", split over {split.size} ranks"
             mode = f"eager ({why})"
-            hidden = self._hidden_eager(inputs)
-            logits = self.model.compute_logits(
-                hidden.index_select(0, inputs.logits_indices.to(self.device))
-            )
-        self.step_modes[mode] += 1
+            hidden = self._hidden_eager(step)
+            logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
+        self._count(mode, inputs.request_ids, step, bucket)
         return Forward(logits, hidden if inputs.return_hidden_states else None, mode)
 
-    def sample(self, logits: torch.Tensor, inputs: StepInputs) -> Tokens:
+    def fits_draft_loop(self, num_reqs: int) -> bool:
+        return self.captured is not None and self.captured.loop_bucket_for(num_reqs) is not None
+
+    @torch.inference_mode()
+    def draft_loop(self, inputs: DraftLoopInputs, request_ids: list[str]) -> torch.Tensor:
+        """Every request's greedy drafts [requests, depth] by one replay of the draft
+        loop (``fits_draft_loop`` says whether one is captured for the batch); drafts
+        past a request's limit are not drafts. Counted as the head steps whose drafts
+        some request keeps."""
+        bucket = self.captured.loop_bucket_for(inputs.num_reqs)
+        drafts = self.captured.run(inputs, bucket).clone()
+        self._count("graph", request_ids, inputs, bucket, int(inputs.draft_limits.max()) - 1)
+        return drafts
+
+    def _count(
+        self,
+        mode: str,
+        request_ids: list[str],
+        step: ForwardInputs | DraftLoopInputs,
+        bucket: Bucket | None = None,
+        steps: int = 1,
+    ) -> None:
+        self.step_modes[mode] += steps
+        if self.probe is not None:
+            replayed = None if bucket is None else (bucket, self.captured.graphs[bucket])
+            self.probe.step(mode, request_ids, step, replayed)
+
+    def sample(self, logits: torch.Tensor, sampling: SamplingInputs) -> Tokens:
         """Tokens of every request that samples: verified against its drafts when it
         carries any (a request without drafts in such a step is verified with none,
         which samples exactly as the plain sampler does)."""
-        if any(inputs.num_drafts):
-            result = verify_step(logits, inputs, self.generator)
+        if any(sampling.num_drafts):
+            result = verify_step(logits, sampling, self.generator)
             return Tokens(result.token_ids, result.num_accepted, result.logprobs)
-        tokens, logprobs = sample(logits, inputs.sampling, self.generator)
+        tokens, logprobs = sample(logits, sampling.batch, self.generator)
         return Tokens(
             [[token] for token in tokens.tolist()],
-            [0] * len(inputs.sampling),
+            [0] * len(sampling.batch),
             None if logprobs is None else [[lp] for lp in logprobs.tolist()],
         )
 
-    def _replay(self, inputs: StepInputs, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+    def close(self) -> None:
+        """The end of this runner's engine: its probe, if any, records the KV caches."""
+        if self.probe is not None:
+            self.probe.closed(self.kv_caches)
+            self.probe = None
+
+    def _replay(self, step: ForwardInputs, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         if self.sanitize_report is None:
-            return self.captured.run(inputs, bucket)
+            return self.captured.run(step, bucket)
         hidden = []
 
         def replay() -> torch.Tensor:
-            states, logits = self.captured.run(inputs, bucket)
+            states, logits = self.captured.run(step, bucket)
             hidden.append(states)
             return logits.clone()
 
         slot_dim = self.cache_layout.slot_dim
         logits = checked_replay(
             replay,
-            lambda kv_caches: self.model.compute_logits(self._hidden_eager(inputs, kv_caches)),
+            lambda kv_caches: self.model.compute_logits(self._hidden_eager(step, kv_caches)),
             self.kv_caches,
             self.sanitize_report,
-            label=f"step {self.step_modes.total()} (bucket {bucket}, {inputs.num_reqs} requests)",
+            label=f"step {self.step_modes.total()} (bucket {tuple(bucket)}, {step.num_reqs} "
+            "requests)",
             # the spare last slot takes padded writes
             live=lambda kv_cache: kv_cache.narrow(slot_dim, 0, kv_cache.shape[slot_dim] - 1),
         )
         return hidden[0], logits
 
-    def _prefill_split(self, inputs: StepInputs) -> GroupRank | None:
-        """The prefill-context group that splits ``inputs``, if it is split."""
+    def _prefill_split(self, step: ForwardInputs) -> GroupRank | None:
+        """The prefill-context group that splits ``step``, if it is split."""
         group = None if self.place is None else self.place.prefill_context
-        if group is None or group.size == 1 or not splits(inputs, self.whole_query_len):
+        if group is None or group.size == 1 or not splits(step, self.whole_query_len):
             return None
         return group
 
     def _hidden_eager(
-        self, inputs: StepInputs, kv_caches: list[torch.Tensor] | None = None
+        self, step: ForwardInputs, kv_caches: list[torch.Tensor] | None = None
     ) -> torch.Tensor:
         kv_caches = self.kv_caches if kv_caches is None else kv_caches
-        group = self._prefill_split(inputs)
+        group = self._prefill_split(step)
         if group is None:
             metadata = AttentionMetadata.from_step(
-                inputs, self.positions_per_block, self.device, self.context
+                step, self.positions_per_block, self.device, self.context
             )
-            return self.model(
-                inputs.input_ids.to(self.device),
-                inputs.positions.to(self.device),
-                kv_caches,
-                metadata,
-            )
-        split = split_step(inputs, group.rank, group.size, self.whole_query_len)
-        local = split.local
+            return self._model(step, kv_caches, metadata)
+        split = split_step(step, group.rank, group.size, self.whole_query_len)
         gather = PrefillGather(group.group, group.size, split.kv_slot_mapping.to(self.device))
         context = ContextSplit(prefill=gather, decode=self.context.decode)
+        local = split.local
         metadata = AttentionMetadata.from_step(
             local, self.positions_per_block, self.device, context
         )
-        hidden = self.model(
-            local.input_ids.to(self.device), local.positions.to(self.device), kv_caches, metadata
-        )
+        hidden = self._model(local, kv_caches, metadata)
         gathered = torch.ops.updraft.all_gather(hidden, group.group, group.size)
         return gathered.index_select(0, split.order.to(self.device))
+
+    def _model(
+        self, step: ForwardInputs, kv_caches: list[torch.Tensor], metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """The eager forward: the declared inputs beyond the standard ones reach the
+        model as keyword arguments, as they do in a captured step."""
+        extra = {
+            spec.name: getattr(step, spec.name).to(self.device)
+            for spec in self.inputs[len(GRAPH_INPUTS) :]
+        }
+        return self.model(
+            step.input_ids.to(self.device),
+            step.positions.to(self.device),
+            kv_caches,
+            metadata,
+            **extra,
+        )
+
+
+def load_runner(
+    model_config: ModelConfig,
+    config: EngineConfig,
+    max_model_len: int,
+    *,
+    name: str = "target",
+    query_lens: tuple[int, ...] = (1,),
+    num_blocks: int | None = None,
+    place: RankPlace | None = None,
+) -> Runner:
+    """A runner over the checkpoint ``config.model`` (this rank's shard, with ``place``)."""
+    device = torch.device(
+        config.device if place is None else rank_device(config.device, place.rank)
+    )
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device {config.device!r} was asked for, but this PyTorch ({torch.__version__}) "
+            "sees no CUDA device; use --device cpu, or install a CUDA build (README)"
+        )
+    dtype = config.compute_dtype(model_config)
+    model = load_model(
+        model_config,
+        config.model,
+        dtype,
+        device,
+        max_positions=max_model_len,
+        quantization=config.quantization,
+        place=place,
+    )
+    return Runner(
+        model,
+        model_config,
+        config,
+        max_model_len,
+        dtype=dtype,
+        name=name,
+        query_lens=query_lens,
+        num_blocks=num_blocks,
+        place=place,
+    )
 
 
 def describe_steps(step_modes: dict[str, int]) -> str:

@@ -23,7 +23,7 @@ import torch
 
 from updraft.config import EngineConfig, ModelConfig
 from updraft.request import Request
-from updraft.runner.runner import Runner
+from updraft.runner.runner import load_runner
 from updraft.speculative.proposer import draft_token_by_token
 from updraft.step.inputs import StepInputs
 from updraft.step.output import StepOutput
@@ -67,10 +67,15 @@ class DraftModel:
                 else config.speculative_enforce_eager
             ),
         )
-        self.runner = Runner(
-            model_config, draft_config, max_model_len, query_lens=(1, 1 + k), num_blocks=num_blocks
+        self.runner = load_runner(
+            model_config,
+            draft_config,
+            max_model_len,
+            name="draft",
+            query_lens=(1, 1 + k),
+            num_blocks=num_blocks,
         )
-        self.block_size = config.positions_per_block
+        self.positions_per_block = config.positions_per_block
         self.generator = generator
 
     @torch.inference_mode()
@@ -82,6 +87,6 @@ class DraftModel:
             drafting,
             lambda request: request.num_tokens - 1,
             lambda step, rows: self.runner.forward(step).logits,
-            self.block_size,
+            self.positions_per_block,
             self.generator,
         )

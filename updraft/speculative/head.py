@@ -1,11 +1,12 @@
-"""Draft heads that read the target's own hidden states: DeepSeek's MTP layer and EAGLE.
+"""Drafting with a head that reads the target's own hidden states: DeepSeek's MTP layer
+and EAGLE (``models/draft_head.py``).
 
-A head is a small model beside the target (``DraftHead``): it reads token embeddings
-beside the target's hidden states and drafts through the target's LM head. Its entry i
-pairs the token at position i + 1 with the target's hidden state at i, and lives in the
-head's own KV cache at the target's slot for position i: every slot it writes is one the
-target has already been given, and entry i's context is entries 0..i. (Where entry i is
-turned by RoPE is the head's own convention: MTP turns it at i + 1, EAGLE at i.)
+A head's entry i pairs the token at position i + 1 with the target's hidden state at i,
+and lives in the head's own KV cache at the target's slot for position i: every slot it
+writes is one the target has already been given, and entry i's context is entries
+0..i. The head runs in a runner of its own, like any model: its steps replay captured
+graphs whose declared inputs are the standard ones plus the target's hidden states
+(``HEAD_GRAPH_INPUTS``), so a replay refreshes them from the step it is given.
 
 After every target step one head step over the step's rows (the mirror) writes the
 entries whose next token is known: a prompt chunk's rows (its last row pairs with the
@@ -15,158 +16,86 @@ sampled after them. Rows past the accepted ones write nothing (slot -1). The mir
 output at a request's last accepted row is entry n - 2 of its n tokens: the newest token
 beside the target's newest hidden state, so the first draft comes from it. Draft step d
 (1..k-1) is entry n - 2 + d: the previous draft beside the head's own output there,
-chained. Its slots are the lookahead slots the scheduler reserved.
-
-Steps whose rows are uniform (the mirrors of decode and verify steps, and draft steps)
-replay captured graphs, whose declared inputs are the standard ones plus the target's
-hidden states (``HEAD_GRAPH_INPUTS``): a replay refreshes them from the step it is given,
-like everything else; padded rows write the spare slot and are never read. When every
-drafting request is greedy, draft steps 1..k-1 are one replay of the captured draft loop
-instead (``speculative/draft_loop.py``), which derives each step's inputs inside the graph.
+chained. Its slots are the lookahead slots the scheduler reserved. When every drafting
+request is greedy, draft steps 1..k-1 are one replay of the runner's captured draft
+loop instead (``runner/draft_loop.py``), which derives each step's inputs in the graph.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import replace
-from typing import ClassVar, Protocol
+from typing import ClassVar
 
 import torch
 
-from updraft.attention.cache_layout import CacheLayout, allocate_kv_cache
-from updraft.attention.metadata import AttentionMetadata
+from updraft.config import ModelConfig
+from updraft.models.draft_head import DraftHead
 from updraft.request import Request
-from updraft.runner.captured import CapturedSteps
-from updraft.runner.runner import Runner
-from updraft.speculative.draft_loop import CapturedDraftLoop, DraftLoopInputs
+from updraft.runner.draft_loop import DraftLoopInputs
+from updraft.runner.runner import Forward, Runner
 from updraft.speculative.proposer import draft_token_by_token
-from updraft.step.inputs import GRAPH_INPUTS, GraphInput, StepInputs, block_table_of
+from updraft.step.inputs import HEAD_GRAPH_INPUTS, StepInputs, block_table_of
 from updraft.step.output import StepOutput
 from updraft.step.plan import Draft
-
-HEAD_GRAPH_INPUTS = (
-    *GRAPH_INPUTS,
-    GraphInput("hidden_states", ("tokens", "hidden"), pad=0.0, dtype=None),
-)
-
-
-class DraftHead(Protocol):
-    """A head as a model a captured step can run (an ``nn.Module``)."""
-
-    def __call__(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        metadata: AttentionMetadata,
-        hidden_states: torch.Tensor,
-    ) -> torch.Tensor:
-        """Entries ``positions`` of the tokens ``input_ids`` (each one position on from
-        its entry) beside ``hidden_states`` -> the head's hidden states, which the next
-        draft step chains on."""
-        ...
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
 class HeadProposer:
     wants_hidden_states: ClassVar[bool] = True
-    runner: Runner | None = None  # the head runs beside the target's model
 
     def __init__(
         self,
         target: Runner,
         head: DraftHead,
-        layout: CacheLayout,
-        num_layers: int,
-        hidden_size: int,
+        head_config: ModelConfig,
         num_speculative_tokens: int,
     ) -> None:
+        """``head_config``: what the head's cache holds (its layers and KV heads)."""
         self.target = target
+        config = target.config
+        if config.speculative_enforce_eager is not None:  # graphs as the target's, else
+            config = replace(config, enforce_eager=config.speculative_enforce_eager)
+        self.runner = Runner(
+            head,
+            head_config,
+            config,
+            target.max_model_len,
+            dtype=target.dtype,
+            name="head",
+            query_lens=(1, 1 + num_speculative_tokens),
+            num_blocks=target.num_blocks,
+            inputs=HEAD_GRAPH_INPUTS,
+            draft_loop_depth=num_speculative_tokens,
+        )
         self.head = head
-        self.caches = allocate_kv_cache(
-            num_layers,
-            target.num_blocks,
-            target.positions_per_block,
-            layout,
-            target.dtype,
-            target.device,
-        )
-        self.block_size = target.positions_per_block
-        self.device = target.device
-        # How each head step ran: "graph" or "eager", counted.
-        self.step_modes: Counter[str] = Counter()
-        self.captured = None
-        self.draft_loop = None
-        # Graphs as the target's (whose capture sizes they share), unless asked for eager.
-        if target.captured is not None and not target.config.speculative_enforce_eager:
-            # the model, its cache and the buckets: the same for both kinds of graph
-            where = (
-                head,
-                self.caches,
-                self.block_size,
-                target.captured.max_blocks,
-                target.captured.sizes,
-                self.device,
-            )
-            self.captured = CapturedSteps(
-                *where,
-                query_lens=(1, 1 + num_speculative_tokens),
-                inputs=HEAD_GRAPH_INPUTS,
-                compile_runs=target.config.compiles_graphs,
-                full=target.captured.full,
-                sizes_of_dims={"hidden": hidden_size},
-            )
-            # Greedy drafting replays the whole draft loop as one graph.
-            if num_speculative_tokens > 1:
-                self.draft_loop = CapturedDraftLoop(
-                    *where,
-                    num_speculative_tokens,
-                    hidden_size,
-                    compile_runs=target.config.compiles_graphs,
-                )
 
-    def _forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The head over ``step`` (entries, their next tokens and the hidden states it
-        pairs them with) -> its hidden states, and by graph replay when the step fits a
-        bucket, the logits of every row the graph computed with them (else None)."""
-        bucket = None if self.captured is None else self.captured.bucket_for(step)
-        if bucket is not None:
-            self.step_modes["graph"] += 1  # "graph" / "eager", as a runner counts
-            hidden, logits = self.captured.run(step, bucket)
-            return hidden.clone(), logits.clone()
-        self.step_modes["eager"] += 1
-        metadata = AttentionMetadata.from_step(step, self.block_size, self.device)
-        hidden = self.head(
-            step.input_ids.to(self.device),
-            step.positions.to(self.device),
-            self.caches,
-            metadata,
-            step.hidden_states,
-        )
-        return hidden, None
-
-    def _mirror(
-        self, inputs: StepInputs, output: StepOutput, last_rows: dict[str, int]
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def mirror(
+        self,
+        inputs: StepInputs,
+        output: StepOutput,
+        last_rows: dict[str, int],
+        newest: list[int],
+    ) -> Forward:
         """Write the entries of this step's rows whose next token is known: up to each
         sampling request's last accepted row (``last_rows``), and all of a prompt
-        chunk's rows. -> the head's output at every row (as ``_forward``)."""
-        next_ids = inputs.input_ids.roll(-1).clone()
-        slots = inputs.slot_mapping.clone()
+        chunk's rows. -> the head's states at every row, and its logits at ``newest``."""
+        step = inputs.forward
+        next_ids = step.input_ids.roll(-1).clone()
+        slots = step.slot_mapping.clone()
         emitted = dict(zip(output.request_ids, output.token_ids, strict=True))
         for row, request_id in enumerate(inputs.request_ids):
-            end = inputs.query_starts[row + 1]
+            end = step.query_starts[row + 1]
             if request_id in last_rows:
                 last = last_rows[request_id]
                 next_ids[last] = emitted[request_id][-1]  # the token sampled after it
                 slots[last + 1 : end] = -1  # rejected drafts: no entry
             else:
                 next_ids[end - 1] = inputs.next_token_ids[row]
-        return self._forward(
-            replace(
-                inputs, input_ids=next_ids, slot_mapping=slots, hidden_states=output.hidden_states
-            )
+        forward = replace(
+            step, input_ids=next_ids, slot_mapping=slots, hidden_states=output.hidden_states
+        )
+        sampling = replace(inputs.sampling, logits_indices=torch.tensor(newest, dtype=torch.long))
+        return self.runner.forward(
+            replace(inputs, forward=forward, sampling=sampling, return_hidden_states=True)
         )
 
     @torch.inference_mode()
@@ -174,42 +103,43 @@ class HeadProposer:
         self, inputs: StepInputs, output: StepOutput, drafting: list[tuple[Request, int]]
     ) -> dict[str, Draft]:
         last_rows = last_accepted_rows(inputs, output)
-        mirrored, mirrored_logits = self._mirror(inputs, output, last_rows)
         chosen = [(r, limit) for r, limit in drafting if limit and r.request_id in last_rows]
+        newest = [last_rows[r.request_id] for r, _ in chosen]
+        mirrored = self.mirror(inputs, output, last_rows, newest)
         if not chosen:
             return {}
         # Each request's chained state: first the mirror's at its newest entry.
-        newest = torch.tensor([last_rows[r.request_id] for r, _ in chosen], device=self.device)
-        states = mirrored.index_select(0, newest)
-        if mirrored_logits is None:
-            first_logits = self.head.compute_logits(states)
-        else:
-            first_logits = mirrored_logits.index_select(0, newest)
+        newest_rows = torch.tensor(newest, dtype=torch.long, device=self.runner.device)
+        states = mirrored.hidden_states.index_select(0, newest_rows)
         limits = [limit for _, limit in chosen]
         if (
-            self.draft_loop is not None
-            and max(limits) > 1
-            and self.draft_loop.fits(len(chosen))
+            max(limits) > 1
+            and self.runner.fits_draft_loop(len(chosen))
             and all(request.sampling_params.greedy for request, _ in chosen)
         ):
-            return self._loop_drafts(chosen, first_logits.argmax(dim=-1), states)
+            return self._loop_drafts(chosen, mirrored.logits.argmax(dim=-1), states)
         state_rows = list(range(len(chosen)))
 
         def logits_of(step: StepInputs, rows: list[int]) -> torch.Tensor:
             nonlocal states, state_rows
             if len(rows) < len(state_rows):  # the batch shrank: drop finished requests
                 states = states[[state_rows.index(i) for i in rows]]
-            states, logits = self._forward(replace(step, hidden_states=states))
-            state_rows = rows
-            return self.head.compute_logits(states) if logits is None else logits
+            head_step = replace(
+                step,
+                forward=replace(step.forward, hidden_states=states),
+                return_hidden_states=True,
+            )
+            forward = self.runner.forward(head_step)
+            states, state_rows = forward.hidden_states, rows
+            return forward.logits
 
         return draft_token_by_token(
             chosen,
             lambda request: request.num_tokens - 2,
             logits_of,
-            self.block_size,
+            self.runner.positions_per_block,
             self.target.generator,
-            first_logits=first_logits,
+            first_logits=mirrored.logits,
         )
 
     def _loop_drafts(
@@ -219,7 +149,7 @@ class HeadProposer:
         request's first draft and the head's state at its newest entry."""
         requests = [request for request, _ in chosen]
         limits = [limit for _, limit in chosen]
-        drafts = self.draft_loop.run(
+        drafts = self.runner.draft_loop(
             DraftLoopInputs(
                 input_ids=first,
                 positions=torch.tensor([r.num_tokens - 1 for r in requests]),
@@ -227,9 +157,9 @@ class HeadProposer:
                 query_start_loc=torch.arange(len(requests) + 1),
                 draft_limits=torch.tensor(limits),
                 hidden_states=states,
-            )
+            ),
+            [request.request_id for request in requests],
         )
-        self.step_modes["graph"] += max(limits) - 1  # the head steps it ran
         return {
             request.request_id: Draft(tokens[:limit], None)
             for request, limit, tokens in zip(requests, limits, drafts.tolist(), strict=True)
@@ -241,8 +171,9 @@ def last_accepted_rows(inputs: StepInputs, output: StepOutput) -> dict[str, int]
     part of its sequence (its last known token, or its last accepted draft)."""
     accepted = dict(zip(output.request_ids, output.num_accepted, strict=True))
     rows = {}
-    for row, num_drafts in zip(inputs.sampling_rows, inputs.num_drafts, strict=True):
+    sampling = inputs.sampling
+    for row, num_drafts in zip(sampling.rows, sampling.num_drafts, strict=True):
         request_id = inputs.request_ids[row]
-        end = inputs.query_starts[row + 1]
+        end = inputs.forward.query_starts[row + 1]
         rows[request_id] = end - 1 - num_drafts + accepted[request_id]
     return rows

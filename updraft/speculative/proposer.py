@@ -31,9 +31,8 @@ if TYPE_CHECKING:
 class Proposer(Protocol):
     # Ask the target's runner for the hidden states of every token of each step.
     wants_hidden_states: bool
-    # The proposer's own model runner, if it has one (its step modes and sanitize
-    # report show up in the engine's stats). A proposer whose model runs without a
-    # runner may count its steps in a ``step_modes`` Counter of its own instead.
+    # The runner of the proposer's own model, if it has one (its step modes and
+    # sanitize report show up in the engine's stats).
     runner: Runner | None
 
     def propose(
@@ -50,7 +49,7 @@ def draft_token_by_token(
     drafting: list[tuple[Request, int]],
     first_position: Callable[[Request], int],
     logits_of: Callable[[StepInputs, list[int]], torch.Tensor],
-    block_size: int,
+    positions_per_block: int,
     generator: torch.Generator,
     first_logits: torch.Tensor | None = None,
 ) -> dict[str, Draft]:
@@ -75,9 +74,9 @@ def draft_token_by_token(
             )
             for i in rows
         ]
-        step = StepInputs.from_queries(queries, block_size)
+        step = StepInputs.from_queries(queries, positions_per_block)
         logits = first_logits if depth == 0 and first_logits is not None else logits_of(step, rows)
-        tokens, q = sample_draft(logits, step.sampling, generator)
+        tokens, q = sample_draft(logits, step.sampling.batch, generator)
         for row, (i, token) in enumerate(zip(rows, tokens.tolist(), strict=True)):
             drafts[i].append(token)
             # Greedy requests need no q: verification compares with the argmax.

@@ -6,10 +6,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from updraft.config import EngineConfig
+from updraft.models.draft_head import eagle_head, mtp_head
 from updraft.runner.runner import Runner
 from updraft.speculative.draft_model import DraftModel
-from updraft.speculative.eagle import eagle_proposer
-from updraft.speculative.mtp import mtp_proposer
+from updraft.speculative.head import HeadProposer
 from updraft.speculative.ngram import NgramProposer
 from updraft.speculative.proposer import Proposer
 
@@ -25,6 +25,25 @@ class ProposerContext:
 
 ProposerFactory = Callable[[ProposerContext], Proposer]
 
+
+def head_proposer(make_head: Callable, head_dir: Callable[[EngineConfig], str]) -> ProposerFactory:
+    """A factory of a draft head's proposer: ``make_head(target model, its config, the
+    head's directory, dtype, device)`` -> (head, the head's config)."""
+
+    def factory(context: ProposerContext) -> HeadProposer:
+        target = context.target
+        head, head_config = make_head(
+            target.model,
+            target.model_config,
+            head_dir(context.config),
+            target.dtype,
+            target.device,
+        )
+        return HeadProposer(target, head, head_config, context.config.num_speculative_tokens)
+
+    return factory
+
+
 PROPOSERS: dict[str, ProposerFactory] = {
     "draft": lambda context: DraftModel(
         context.config,
@@ -34,12 +53,10 @@ PROPOSERS: dict[str, ProposerFactory] = {
         context.target.generator,
     ),
     "ngram": lambda context: NgramProposer(context.config.num_speculative_tokens),
-    "mtp": lambda context: mtp_proposer(
-        context.target, context.config.model, context.config.num_speculative_tokens
-    ),
-    "eagle": lambda context: eagle_proposer(
-        context.target, context.config.speculative_model, context.config.num_speculative_tokens
-    ),
+    # MTP layers live in the target's own checkpoint; an EAGLE head in a directory of
+    # its own.
+    "mtp": head_proposer(mtp_head, lambda config: config.model),
+    "eagle": head_proposer(eagle_head, lambda config: config.speculative_model),
 }
 
 

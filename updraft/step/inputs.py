@@ -1,15 +1,25 @@
-"""``StepInputs``: everything one forward needs, built on the host from a step plan.
+"""``StepInputs``: everything one step needs, built on the host from a step plan.
 
-Nothing else is an input to a forward. ``StepInputs.build(plan)`` puts requests with a
-single new token (decodes) first, so attention serves them as one group, and computes
-every index tensor with array operations, not per-token Python.
+A step's inputs come in two types, so that the graph contract is a type and not a
+convention:
+
+* ``ForwardInputs``: what a forward reads, and so everything a captured graph reads.
+  Its fields are exactly the declared graph inputs (``GRAPH_INPUTS``, and the hidden
+  states a draft head reads, ``HEAD_GRAPH_INPUTS``); attention metadata is built from it
+  alone.
+* ``SamplingInputs``: what only the logits selection, sampling and verification read:
+  which rows sample, their drafts, their sampling parameters.
+
+``StepInputs.build(plan)`` puts requests with a single new token (decodes) first, so
+attention serves them as one group, and computes every index tensor with array
+operations, not per-token Python.
 
 The tensors a captured graph reads are declared once, in ``GRAPH_INPUTS``: the field's
 name, its shape in symbolic sizes, and its pad value. A graph's buffers, their refresh
 at every replay, padding to a bucket and the capture step all derive from that table,
-so an input that a new model or proposer needs is one more line there (and its field
-here). Every padded row is inert: its slot is -1 (no KV write), its request attends to
-nothing.
+so an input that a new model or proposer needs is one more line there (and its field on
+``ForwardInputs``). Every padded row is inert: its slot is -1 (no KV write), its
+request attends to nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ from array import array
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from itertools import pairwise
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -30,7 +40,7 @@ from updraft.step.sampling_batch import SamplingBatch
 
 @dataclass(frozen=True)
 class GraphInput:
-    name: str  # a StepInputs field
+    name: str  # a ForwardInputs field
     dims: tuple[str, ...]  # sizes by name: tokens, requests, requests+1, blocks, hidden
     pad: int | float | str  # the value of padded entries, or LAST
     dtype: torch.dtype | None = torch.long  # None: the model's compute dtype
@@ -44,6 +54,12 @@ GRAPH_INPUTS = (
     GraphInput("seq_lens", ("requests",), pad=0),
     # Padded requests are empty: their start and end are the last real end.
     GraphInput("query_start_loc", ("requests+1",), pad=LAST),
+)
+# A draft head's steps also read the target's hidden states beside their tokens
+# (models/draft_head.py): one more declared input, refreshed like the rest.
+HEAD_GRAPH_INPUTS = (
+    *GRAPH_INPUTS,
+    GraphInput("hidden_states", ("tokens", "hidden"), pad=0.0, dtype=None),
 )
 
 
@@ -66,29 +82,18 @@ class Query(NamedTuple):
 
 
 @dataclass(frozen=True)
-class StepInputs:
-    request_ids: list[str]  # in step order: decodes first
-    # Graph inputs (GRAPH_INPUTS), host tensors.
+class ForwardInputs:
+    """What one forward reads: the declared graph inputs, host tensors (or device
+    tensors, for a draft head's hidden states)."""
+
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     slot_mapping: torch.Tensor  # [num_tokens]
     block_table: torch.Tensor  # [num_reqs, widest block list]
     seq_lens: torch.Tensor  # [num_reqs] context length after this step
     query_start_loc: torch.Tensor  # [num_reqs + 1]
-    # Sampling, over the requests that sample, in step order.
-    sampling_rows: list[int]  # their index among the step's requests
-    logits_indices: torch.Tensor  # per sampling request: its last known token, its drafts
-    num_drafts: list[int]
-    draft_token_ids: torch.Tensor  # [sampling requests, most drafts]; 0 past num_drafts
-    draft_probs: list[torch.Tensor | None]  # q [num_drafts, vocab], or None: one-hot
-    sampling: SamplingBatch
-    return_hidden_states: bool = False
-    # Per request: the token after its last query token where that is already known (a
-    # prompt prefilled in chunks), else -1. What a proposer reading the target's hidden
-    # states pairs with the chunk's last one (models/mtp.py).
-    next_token_ids: list[int] = field(default_factory=list)
-    # [num_tokens, hidden]: the target's hidden states a proposer's model reads beside
-    # this step's tokens (a graph input of its captured steps); None for the target.
+    # [num_tokens, hidden]: the target's hidden states a draft head reads beside this
+    # step's tokens; None for every other model.
     hidden_states: torch.Tensor | None = None
 
     @property
@@ -113,9 +118,66 @@ class StepInputs:
         """The leading requests with exactly one query token."""
         return next((i for i, n in enumerate(self.query_lens) if n != 1), self.num_reqs)
 
+
+@dataclass(frozen=True)
+class SamplingInputs:
+    """Per request that samples, in step order: what the logits are read at and how the
+    tokens are drawn or verified. No forward reads it."""
+
+    rows: list[int]  # their index among the step's requests
+    logits_indices: torch.Tensor  # per sampling request: its last known token, its drafts
+    num_drafts: list[int]
+    draft_token_ids: torch.Tensor  # [sampling requests, most drafts]; 0 past num_drafts
+    draft_probs: list[torch.Tensor | None]  # q [num_drafts, vocab], or None: one-hot
+    batch: SamplingBatch  # their sampling parameters and generators
+
+    @classmethod
+    def of(
+        cls, rows: list[int], requests: list[Request], drafts: list[Draft | None], logits: array
+    ) -> SamplingInputs:
+        """The sampling rows ``rows`` of a step: their requests, their drafts and where
+        their logits are read."""
+        num_drafts = [0 if draft is None else len(draft.token_ids) for draft in drafts]
+        widest = max(num_drafts, default=0)
+        draft_token_ids = array("q")
+        for draft, count in zip(drafts, num_drafts, strict=True):
+            if count:
+                draft_token_ids.extend(draft.token_ids)
+            draft_token_ids.extend(zeros(widest - count))
+        return cls(
+            rows=rows,
+            logits_indices=long_tensor(logits),
+            num_drafts=num_drafts,
+            draft_token_ids=long_tensor(draft_token_ids).view(len(drafts), widest),
+            draft_probs=[None if draft is None else draft.probs for draft in drafts],
+            batch=SamplingBatch(
+                [r.sampling_params for r in requests], [r.generator for r in requests]
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    request_ids: list[str]  # in step order: decodes first
+    forward: ForwardInputs
+    sampling: SamplingInputs
+    return_hidden_states: bool = False
+    # Per request: the token after its last query token where that is already known (a
+    # prompt prefilled in chunks), else -1. What a draft head pairs with the chunk's
+    # last hidden state (speculative/head.py).
+    next_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.forward.num_tokens
+
+    @property
+    def num_reqs(self) -> int:
+        return self.forward.num_reqs
+
     @classmethod
     def build(
-        cls, plan: StepPlan, block_size: int, return_hidden_states: bool = False
+        cls, plan: StepPlan, positions_per_block: int, return_hidden_states: bool = False
     ) -> StepInputs:
         """The step the scheduler planned: each request's next known tokens from its
         first uncomputed one, then the drafts it verifies. Decodes come first."""
@@ -128,11 +190,11 @@ class StepInputs:
                 tokens += draft.token_ids
             # A plain tuple in Query's field order: this runs for every request per step.
             queries.append((request, start, tokens, draft, item.samples))
-        return cls.from_queries(queries, block_size, return_hidden_states)
+        return cls.from_queries(queries, positions_per_block, return_hidden_states)
 
     @classmethod
     def from_queries(
-        cls, queries: list[Query], block_size: int, return_hidden_states: bool = False
+        cls, queries: list[Query], positions_per_block: int, return_hidden_states: bool = False
     ) -> StepInputs:
         """One forward over ``queries``, in order (a proposer's own draft steps).
 
@@ -142,25 +204,25 @@ class StepInputs:
         turned into tensors without copying beat many small array operations."""
         input_ids, positions, slot_mapping = array("q"), array("q"), array("q")
         query_start_loc, seq_lens = array("q", [0]), array("q")
-        logits_indices, draft_token_ids = array("q"), array("q")
+        logits_indices = array("q")
         rows: list[int] = []
         next_token_ids: list[int] = []
         drafts: list[Draft | None] = []
-        num_drafts: list[int] = []
         end_of_queries = 0
+        per_block = positions_per_block
         for row, (request, start, tokens, draft, samples) in enumerate(queries):
             end = start + len(tokens)
             block_ids = request.block_ids
-            if end > len(block_ids) * block_size:
+            if end > len(block_ids) * per_block:
                 raise RuntimeError(
                     f"request {request.request_id} has {len(block_ids)} KV blocks, too few "
                     f"for its tokens up to position {end - 1}"
                 )
             input_ids.extend(tokens)
             positions.extend(range(start, end))
-            for index in range(start // block_size, (end - 1) // block_size + 1):
-                first = block_ids[index] * block_size - index * block_size
-                low, high = max(start, index * block_size), min(end, (index + 1) * block_size)
+            for index in range(start // per_block, (end - 1) // per_block + 1):
+                first = block_ids[index] * per_block - index * per_block
+                low, high = max(start, index * per_block), min(end, (index + 1) * per_block)
                 slot_mapping.extend(range(first + low, first + high))
             end_of_queries += len(tokens)
             query_start_loc.append(end_of_queries)
@@ -170,30 +232,19 @@ class StepInputs:
                 count = 0 if draft is None else len(draft.token_ids)
                 rows.append(row)
                 drafts.append(draft)
-                num_drafts.append(count)
                 logits_indices.extend(range(end_of_queries - 1 - count, end_of_queries))
-        widest = max(num_drafts, default=0)
-        for draft, count in zip(drafts, num_drafts, strict=True):
-            if count:
-                draft_token_ids.extend(draft.token_ids)
-            draft_token_ids.extend(zeros(widest - count))
         sampled = [queries[row][0] for row in rows]
         return cls(
             request_ids=[q[0].request_id for q in queries],
-            input_ids=long_tensor(input_ids),
-            positions=long_tensor(positions),
-            slot_mapping=long_tensor(slot_mapping),
-            block_table=block_table_of([q[0].block_ids for q in queries]),
-            seq_lens=long_tensor(seq_lens),
-            query_start_loc=long_tensor(query_start_loc),
-            sampling_rows=rows,
-            logits_indices=long_tensor(logits_indices),
-            num_drafts=num_drafts,
-            draft_token_ids=long_tensor(draft_token_ids).view(len(drafts), widest),
-            draft_probs=[None if draft is None else draft.probs for draft in drafts],
-            sampling=SamplingBatch(
-                [r.sampling_params for r in sampled], [r.generator for r in sampled]
+            forward=ForwardInputs(
+                input_ids=long_tensor(input_ids),
+                positions=long_tensor(positions),
+                slot_mapping=long_tensor(slot_mapping),
+                block_table=block_table_of([q[0].block_ids for q in queries]),
+                seq_lens=long_tensor(seq_lens),
+                query_start_loc=long_tensor(query_start_loc),
             ),
+            sampling=SamplingInputs.of(rows, sampled, drafts, logits_indices),
             return_hidden_states=return_hidden_states,
             next_token_ids=next_token_ids,
         )
@@ -224,14 +275,14 @@ def long_tensor(values: array) -> torch.Tensor:
 
 
 def pad_inputs(
-    inputs: StepInputs,
+    inputs: ForwardInputs,
     num_tokens: int,
     num_reqs: int,
     specs: tuple[GraphInput, ...] = GRAPH_INPUTS,
     **other_sizes: int,
-) -> StepInputs:
+) -> ForwardInputs:
     """``inputs`` grown to ``num_tokens`` tokens and ``num_reqs`` requests by padding
-    every graph input as its declaration says; sampling is unchanged."""
+    every graph input as its declaration says."""
     if num_tokens < inputs.num_tokens or num_reqs < inputs.num_reqs:
         raise ValueError(
             f"cannot pad a step of {inputs.num_tokens} tokens / {inputs.num_reqs} requests "
@@ -245,22 +296,17 @@ def pad_inputs(
     return replace(inputs, **grown)
 
 
-def capture_inputs(
-    num_tokens: int,
-    num_reqs: int,
-    max_blocks: int,
-    specs: tuple[GraphInput, ...] = GRAPH_INPUTS,
-    **sizes: int,
-) -> StepInputs:
-    """A step of nothing but padding, at a bucket's shape: capturing it writes no live
-    KV, and every replay refreshes all of it. ``sizes`` are those of further dims the
-    specs name (``hidden``)."""
-    nothing = sizes_for(0, 0, blocks=max_blocks, **sizes)
-    empty = {
-        spec.name: torch.zeros(
-            graph_input_shape(spec, nothing), dtype=spec.dtype or torch.get_default_dtype()
-        )
-        for spec in specs
-    }
-    step = replace(StepInputs.from_queries([], block_size=1), **empty)
-    return pad_inputs(step, num_tokens, num_reqs, specs, **sizes)
+def empty_inputs(specs: tuple[GraphInput, ...], cls: type, sizes: dict[str, int]) -> Any:
+    """A ``cls`` (whose fields the specs name) of no request at all: what a graph is
+    captured over. Its refresh pads every row of the bucket's buffers (slot -1: no live
+    KV is written), and every replay refreshes all of it. ``sizes``: of the dims the
+    specs name beyond tokens and requests."""
+    nothing = {**sizes, **sizes_for(0, 0)}
+    return cls(
+        **{
+            spec.name: torch.zeros(
+                graph_input_shape(spec, nothing), dtype=spec.dtype or torch.get_default_dtype()
+            )
+            for spec in specs
+        }
+    )

@@ -1,6 +1,6 @@
 """A step cut for prefill context parallelism: what each rank of a P-rank group runs.
 
-Every rank derives its own part from the same broadcast ``StepInputs``, so they agree
+Every rank derives its own part from the same broadcast ``ForwardInputs``, so they agree
 without another message. A request whose query is longer than ``whole_query_len``
 (a prefill chunk, not a decode or a verify step) is cut into 2P chunks of
 ceil(len / 2P) tokens (the last ones shorter or empty: the query padded to a multiple
@@ -22,22 +22,23 @@ from itertools import pairwise
 
 import torch
 
-from updraft.step.inputs import StepInputs, long_tensor
+from updraft.step.inputs import ForwardInputs, long_tensor
 
 
 @dataclass(frozen=True)
 class PrefillSplit:
-    local: StepInputs  # this rank's chunks (and, on rank 0, the whole queries)
+    local: ForwardInputs  # this rank's chunks (and, on rank 0, the whole queries)
+    request_rows: list[int]  # the step's request row of each of local's queries
     kv_slot_mapping: torch.Tensor  # [size * padded]: every rank's slots, in gather order
     order: torch.Tensor  # [step tokens]: each token's row among the gathered ones
 
 
-def splits(inputs: StepInputs, whole_query_len: int) -> bool:
+def splits(inputs: ForwardInputs, whole_query_len: int) -> bool:
     """Whether any request of the step is cut (else every rank runs the whole step)."""
     return any(n > whole_query_len for n in inputs.query_lens)
 
 
-def split_step(inputs: StepInputs, rank: int, size: int, whole_query_len: int) -> PrefillSplit:
+def split_step(inputs: ForwardInputs, rank: int, size: int, whole_query_len: int) -> PrefillSplit:
     """Rank ``rank``'s part of ``inputs`` among ``size`` prefill-context ranks."""
     starts = inputs.query_starts
     taken = [array("q") for _ in range(size)]  # the step's token indices each rank runs
@@ -75,18 +76,14 @@ def split_step(inputs: StepInputs, rank: int, size: int, whole_query_len: int) -
     torch.cumsum(long_tensor(lens[rank]), 0, out=query_start_loc[1:])
     local = replace(
         inputs,
-        request_ids=[inputs.request_ids[row] for row in rows[rank]],
         input_ids=pad(inputs.input_ids[mine], padded, 0),
         positions=pad(inputs.positions[mine], padded, 0),
         slot_mapping=slots[rank],
         block_table=inputs.block_table[long_tensor(rows[rank])],
         seq_lens=long_tensor(ends[rank]),
         query_start_loc=query_start_loc,
-        sampling_rows=[],
-        logits_indices=torch.empty(0, dtype=torch.long),
-        return_hidden_states=False,
     )
-    return PrefillSplit(local, torch.cat(slots), order)
+    return PrefillSplit(local, list(rows[rank]), torch.cat(slots), order)
 
 
 def pad(values: torch.Tensor, length: int, value: int) -> torch.Tensor:

@@ -1,0 +1,88 @@
+"""Draft heads: small models that draft from a target's own hidden states, as one module
+that a runner runs like any model (``forward`` and ``compute_logits``).
+
+A head reads, at entry i, the embedding of the token at i + 1 beside the target's final
+hidden state at i, and its output is the state the next draft step chains on. The
+embedding and the LM head are the target's (shared, not copied). What tells the heads
+apart is their body and where RoPE turns:
+
+* DeepSeek's MTP layer (``models/mtp.py``): its decoder block over a latent cache, the
+  target's rotary table, turned at i + 1 as transformers' ``MtpModel`` turns it;
+* an EAGLE-1 head (``models/eagle.py``): fc over [embedding ; state] and Llama decoder
+  layers, with rotary tables of its own config, turned at i as EAGLE trains its heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from updraft.attention.metadata import AttentionMetadata
+from updraft.config import ModelConfig
+from updraft.models.eagle import eagle_config, load_eagle_head
+from updraft.models.mtp import load_mtp_layers
+from updraft.models.rope import RotaryEmbedding
+
+
+class DraftHead(nn.Module):
+    def __init__(
+        self, target: nn.Module, body: nn.Module, rotary: RotaryEmbedding, rope_offset: int
+    ) -> None:
+        """``body(embeds, features, rotary, kv_caches, metadata) -> hidden``; RoPE turns
+        entry i at position i + ``rope_offset``."""
+        super().__init__()
+        self.embed_tokens = target.model.embed_tokens
+        self.lm_head = target.lm_head
+        self.rotary = rotary
+        self.rope_offset = rope_offset
+        self.body = body
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+        hidden_states: torch.Tensor,
+    ) -> torch.Tensor:
+        """Entries ``positions`` of the tokens ``input_ids`` (each one position on from
+        its entry) beside ``hidden_states`` -> the head's hidden states."""
+        rotary = self.rotary.lookup(positions + self.rope_offset, hidden_states.dtype)
+        embeds = self.embed_tokens(input_ids)
+        return self.body(embeds, hidden_states, rotary, kv_caches, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+
+def mtp_head(
+    target: nn.Module,
+    config: ModelConfig,
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[DraftHead, ModelConfig]:
+    """The checkpoint's first MTP layer as a head for ``target`` (whose config is
+    ``config``), and the config its cache follows: the target's, with the one layer."""
+    layer = load_mtp_layers(config, model_dir, dtype, device).depths()[0]
+    return DraftHead(target, layer, target.rotary, rope_offset=1), replace(config, num_layers=1)
+
+
+def eagle_head(
+    target: nn.Module,
+    config: ModelConfig,
+    head_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[DraftHead, ModelConfig]:
+    """The EAGLE-1 head in ``head_dir`` for ``target`` (whose config is ``config``), and
+    the head's own config."""
+    head_config = eagle_config(head_dir, config)
+    body = load_eagle_head(head_dir, head_config, dtype, device)
+    max_positions = target.rotary.cos.shape[0]
+    with torch.device(device):
+        rotary = RotaryEmbedding(head_config.rope, head_config.head_dim, max_positions)
+    return DraftHead(target, body, rotary, rope_offset=0), head_config
