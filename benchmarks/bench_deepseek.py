@@ -1,5 +1,7 @@
 """updraft vs transformers on the same random ~120M DeepSeek-V3-shape model (MLA, 16
-routed experts of which 2 per token, 1 shared, layer 0 dense), float32.
+routed experts of which 2 per token, 1 shared, layer 0 dense), float32; with
+``--sparse``, the V3.2 shape (the same, plus DSA's indexer: each query attends to its
+64 best-scored positions).
 
 1. Decode tokens/s at batch 1: (N - 1) new tokens over t(N) - t(1), prefill excluded
    on both sides. updraft runs with FULL graphs (the CPU default) and PIECEWISE ones;
@@ -10,7 +12,7 @@ routed experts of which 2 per token, 1 shared, layer 0 dense), float32.
    qk_rope_head_dim per layer), what transformers' cache holds after a generate, and
    what expanded per-head keys and values would take.
 
-    .venv/bin/python -m benchmarks.bench_deepseek [--quick] [--model-dir DIR]
+    .venv/bin/python -m benchmarks.bench_deepseek [--quick] [--model-dir DIR] [--sparse]
 """
 
 from __future__ import annotations
@@ -34,10 +36,13 @@ from updraft.config import ModelConfig
 VOCAB = 32000
 
 
-def make_random_deepseek_v3(directory: Path, seed: int = 0) -> Path:
+def make_random_deepseek_v3(directory: Path, seed: int = 0, sparse: bool = False) -> Path:
+    """The checkpoint in ``directory``, made there unless it is; ``sparse``: V3.2's."""
     if (directory / "config.json").is_file():
         return directory
-    config = transformers.DeepseekV3Config(
+    indexer = dict(index_topk=64, index_head_dim=64, index_n_heads=16) if sparse else {}
+    config_class = transformers.DeepseekV32Config if sparse else transformers.DeepseekV3Config
+    config = config_class(
         vocab_size=VOCAB,
         hidden_size=512,
         intermediate_size=1408,
@@ -59,9 +64,13 @@ def make_random_deepseek_v3(directory: Path, seed: int = 0) -> Path:
         max_position_embeddings=4096,
         eos_token_id=None,
         bos_token_id=None,
+        **indexer,
     )
     torch.manual_seed(seed)
-    transformers.DeepseekV3ForCausalLM(config).save_pretrained(directory)
+    model_class = (
+        transformers.DeepseekV32ForCausalLM if sparse else transformers.DeepseekV3ForCausalLM
+    )
+    model_class(config).save_pretrained(directory)
     return directory
 
 
@@ -81,11 +90,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer tokens, for a smoke run")
     parser.add_argument("--model-dir", type=Path, default=None, help="reuse a saved model")
+    parser.add_argument("--sparse", action="store_true", help="the V3.2 shape, with DSA")
     args = parser.parse_args()
     new_tokens = 16 if args.quick else 128
     num_requests = 4 if args.quick else 16
-    model_dir = args.model_dir or Path(tempfile.mkdtemp()) / "deepseek-v3-120m"
-    make_random_deepseek_v3(model_dir)
+    name = "deepseek-v3.2-120m" if args.sparse else "deepseek-v3-120m"
+    model_dir = args.model_dir or Path(tempfile.mkdtemp()) / name
+    make_random_deepseek_v3(model_dir, sparse=args.sparse)
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     # The default graph mode here (auto) is full; piecewise beside it, in the same run.
