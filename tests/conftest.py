@@ -157,3 +157,14 @@ def add_byte_tokenizer(model_dir: Path) -> Path:
 def tiny_llama_with_tokenizer(tmp_path_factory) -> Path:
     model_dir = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama_text"))
     return add_byte_tokenizer(model_dir)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """A module's worker processes: each engine's other ranks run on them, one engine
+    after another, instead of on processes of its own."""
+    from updraft import WorkerPool
+
+    workers = WorkerPool()
+    yield workers
+    workers.close()

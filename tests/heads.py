@@ -5,7 +5,10 @@ transformers' own layers."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -16,6 +19,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 from tests.conftest import DEEPSEEK_TINY, make_tiny_checkpoint
 from updraft.attention.metadata import AttentionMetadata, GroupShape
+from updraft.models.draft_head import eagle_head, mtp_head
 
 # -- EAGLE ---------------------------------------------------------------------------------
 
@@ -239,3 +243,30 @@ def prefill_then_decode(count: int, positions_per_block: int = 4):
         )
         steps.append((first, last, metadata))
     return steps
+
+
+# -- a head of either kind, for the shared tests ------------------------------------------
+
+
+@dataclass(frozen=True)
+class Head:
+    """A target, the engine arguments that draft for it with a head, the head's loader
+    and directory, and the reference that says what the head computes and drafts
+    (``logits_over(tokens)``, ``drafts(tokens, k)``)."""
+
+    target: Path
+    args: dict[str, Any]
+    load: Callable
+    directory: Path
+    reference: Callable[[], Any]
+
+
+def make_head(kind: str, root: Path) -> Head:
+    if kind == "mtp":
+        target = mtp_checkpoint(root / "mtp")
+        return Head(
+            target, {"speculative_method": "mtp"}, mtp_head, target, lambda: MTPReference(target)
+        )
+    target, head_dir = make_pair(kind.removeprefix("eagle-"), root)
+    args = {"speculative_method": "eagle", "speculative_model": str(head_dir)}
+    return Head(target, args, eagle_head, head_dir, lambda: reference_for(target, head_dir))

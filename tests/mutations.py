@@ -66,8 +66,7 @@ def draft_mirror_on(
 
 def previous_batch(inputs: StepInputs, memory: dict) -> StepInputs:
     """What was prepared for the previous step."""
-    stale = memory.get("inputs", inputs)
-    memory["inputs"] = inputs
+    stale, memory["inputs"] = memory.get("inputs", inputs), inputs
     return stale
 
 
@@ -77,12 +76,8 @@ def rank0_chunks(inputs: StepInputs, memory: dict) -> StepInputs:
     if not splits(inputs.forward, 4):
         return inputs
     split = split_step(inputs.forward, 0, 2, 4)
-    return replace(
-        inputs,
-        request_ids=[inputs.request_ids[row] for row in split.request_rows],
-        forward=split.local,
-        sampling=replace(inputs.sampling, logits_indices=torch.empty(0, dtype=torch.long)),
-    )
+    no_logits = replace(inputs.sampling, logits_indices=torch.empty(0, dtype=torch.long))
+    return replace(inputs, forward=split.local, sampling=no_logits)
 
 
 def local_seq_lens(inputs: StepInputs, memory: dict) -> StepInputs:

@@ -25,7 +25,7 @@ from tests.mutations import draft_mirror_on, forget_refresh, local_seq_lens, ran
 from tests.probes import assert_idle, logits_of, probe_dir, probed, records
 from tests.serving import MODEL, running_server, start_server_process, wait_for_idle
 from tests.test_speculative import self_drafting
-from updraft import LLM, WorkerPool
+from updraft import LLM
 from updraft.demo import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
 
 # Prompts shorter than 2P chunks (1 and 3 tokens), ending mid-block and crossing block
@@ -46,15 +46,6 @@ LAYOUTS = {
     "tp2-dcp2": dict(tensor_parallel_size=2, decode_context_parallel_size=2),
     "tp2-pcp2": dict(tensor_parallel_size=2, prefill_context_parallel_size=2),
 }
-
-
-@pytest.fixture(scope="module")
-def pool():
-    """The module's worker processes: each engine's other ranks run on them, one engine
-    after another, instead of on processes of its own."""
-    workers = WorkerPool()
-    yield workers
-    workers.close()
 
 
 def run(checkpoint, prompts=PROMPTS, params=PARAMS, **args):

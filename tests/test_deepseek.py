@@ -130,9 +130,7 @@ def test_prefix_caching_reuses_latent_blocks(tiny_deepseek):
     again = llm.generate([prompt], greedy(6))[0]
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     steps = records(llm).steps_of("target")
-    first_steps = [s for s in steps if s.request_ids == [first.request_id]]
     computed = [s.num_tokens for s in steps if s.request_ids == [again.request_id]]
-    assert first_steps[0].num_tokens == len(prompt)
     assert computed[0] == len(prompt) - (len(prompt) - 1) // 4 * 4  # only the last block's tail
 
 

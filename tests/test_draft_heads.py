@@ -7,54 +7,20 @@ and the first draft costs no head step of its own."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
 import torch
 
-from tests.heads import (
-    MTPReference,
-    make_pair,
-    mtp_checkpoint,
-    prefill_then_decode,
-    reference_for,
-)
+from tests.heads import Head, make_head, prefill_then_decode
 from tests.helpers import greedy, token_ids
 from tests.mutations import first_draft_from_the_row_before, forget_refresh
 from tests.probes import probed, records
 from updraft import LLM
 from updraft.attention.cache_layout import allocate_kv_cache, cache_layout
 from updraft.config import ModelConfig
-from updraft.models.draft_head import eagle_head, mtp_head
 from updraft.models.loader import load_model
-from updraft.runner.probe import ProbeRecords
 from updraft.speculative.head import HeadProposer
-
-
-@dataclass(frozen=True)
-class Head:
-    """A target, the engine arguments that draft for it with a head, the head's loader
-    and directory, and the reference that says what the head computes and drafts
-    (``logits_over(tokens)``, ``drafts(tokens, k)``)."""
-
-    target: Path
-    args: dict[str, Any]
-    load: Callable
-    directory: Path
-    reference: Callable[[], Any]
-
-
-def make_head(kind: str, root: Path) -> Head:
-    if kind == "mtp":
-        target = mtp_checkpoint(root / "mtp")
-        return Head(
-            target, {"speculative_method": "mtp"}, mtp_head, target, lambda: MTPReference(target)
-        )
-    target, head_dir = make_pair(kind.removeprefix("eagle-"), root)
-    args = {"speculative_method": "eagle", "speculative_model": str(head_dir)}
-    return Head(target, args, eagle_head, head_dir, lambda: reference_for(target, head_dir))
 
 
 @pytest.fixture(scope="module", params=["eagle-llama", "eagle-qwen3", "mtp"])
@@ -95,7 +61,7 @@ class Run(NamedTuple):
     tokens: list[list[int]]
     proposals: list[tuple[list[int], list[int]]]  # (the tokens it was made from, drafts)
     costs: list[tuple[int, int]]  # per proposal: (head steps it ran, most drafts)
-    seen: ProbeRecords
+    seen: Any  # the probe's records
 
 
 def speculative_run(

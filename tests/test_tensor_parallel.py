@@ -16,7 +16,7 @@ import transformers
 from tests.conftest import TINY, make_tiny_checkpoint
 from tests.helpers import greedy, token_ids
 from tests.probes import assert_idle, logits_of, probed, records
-from updraft import LLM, WorkerPool
+from updraft import LLM
 from updraft.config import ModelConfig, ParallelSizes
 from updraft.demo import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
 from updraft.models.loader import load_model
@@ -37,14 +37,6 @@ def run(checkpoint, pool=None, **args):
     assert_idle(llm)
     seen = records(llm)
     return llm, outputs, [logits_of(seen, output) for output in outputs]
-
-
-@pytest.fixture(scope="module")
-def pool():
-    """Worker processes the module's engines share, one engine after another."""
-    workers = WorkerPool()
-    yield workers
-    workers.close()
 
 
 @pytest.fixture(scope="module")

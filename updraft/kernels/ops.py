@@ -311,27 +311,24 @@ _LIBRARY.define(
 _LIBRARY.impl("paged_latent_attention", paged_latent_attention, "CPU")
 
 
-def _decode_attention_meta(
+def _attention_meta(
     query: torch.Tensor, value_dim: int, with_lse: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shapes of a decode-attention op's results."""
     lse = query.new_empty((*query.shape[:2],) if with_lse else (0,))
     return query.new_empty(*query.shape[:2], value_dim), lse
 
 
-_LIBRARY.impl(
-    "paged_decode_attention",
-    lambda query, cache, table, lens, block_size, scale, with_lse=False: _decode_attention_meta(
-        query, query.shape[-1], with_lse
-    ),
-    "Meta",
-)
-_LIBRARY.impl(
-    "paged_latent_attention",
-    lambda query, cache, table, lens, block_size, scale, value_dim, with_lse=False: (
-        _decode_attention_meta(query, value_dim, with_lse)
-    ),
-    "Meta",
-)
+def _gqa_meta(query, cache, table, lens, block_size, scale, with_lse=False):
+    return _attention_meta(query, query.shape[-1], with_lse)
+
+
+def _latent_meta(query, cache, table, lens, block_size, scale, value_dim, with_lse=False):
+    return _attention_meta(query, value_dim, with_lse)
+
+
+_LIBRARY.impl("paged_decode_attention", _gqa_meta, "Meta")
+_LIBRARY.impl("paged_latent_attention", _latent_meta, "Meta")
 _LIBRARY.define("grouped_mlp(Tensor x, Tensor offsets, Tensor gate_up, Tensor down) -> Tensor")
 _LIBRARY.impl("grouped_mlp", grouped_mlp, "CPU")
 _LIBRARY.impl("grouped_mlp", lambda x, *rest: torch.empty_like(x), "Meta")

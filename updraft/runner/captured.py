@@ -46,6 +46,11 @@ class Bucket(NamedTuple):
     query_len: int
     loop: bool = False
 
+    @property
+    def shape(self) -> dict[str, int]:
+        """As ``AttentionMetadata.bucket`` takes it."""
+        return {"num_requests": self.requests, "query_len": self.query_len}
+
 
 @dataclass(frozen=True)
 class Captured:
@@ -182,7 +187,7 @@ class CapturedSteps:
         else:
             if bucket.query_len in self.full:  # attention shaped by the bucket, whole
                 shapes = AttentionMetadata.bucket(
-                    positions_per_block, **attention, **bucket_shape(bucket), context=context
+                    positions_per_block, **attention, **bucket.shape, context=context
                 )
             else:  # the capture step's shapes, which every replay re-resolves
                 shapes = metadata(empty)
@@ -198,10 +203,6 @@ class CapturedSteps:
         backend = graph_backend(model, kv_caches, inputs.values(), self.pool, self.compile_runs)
         graph = UpdatableGraph(backend, list(inputs.values()), metadata)
         return Captured(graph, graph.capture(forward, empty), inputs)
-
-
-def bucket_shape(bucket: Bucket) -> dict[str, int]:
-    return {"num_requests": bucket.requests, "query_len": bucket.query_len}
 
 
 def input_buffers(

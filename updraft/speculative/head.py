@@ -51,9 +51,11 @@ class HeadProposer:
     ) -> None:
         """``head_config``: what the head's cache holds (its layers and KV heads)."""
         self.target = target
+        # Graphs where the target has them, unless the head's steps are asked to run
+        # eagerly.
         config = target.config
-        if config.speculative_enforce_eager is not None:  # graphs as the target's, else
-            config = replace(config, enforce_eager=config.speculative_enforce_eager)
+        eager = config.enforce_eager or bool(config.speculative_enforce_eager)
+        config = replace(config, enforce_eager=eager)
         self.runner = Runner(
             head,
             head_config,
