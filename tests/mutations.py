@@ -3,7 +3,8 @@ caught, in one place. Each is applied with pytest's ``monkeypatch`` to the class
 would carry the bug, before the engine is made, and undone after the test.
 
 * ``forget_refresh``: the graphs of one runner stop refreshing one declared input, as a
-  code path that forgot it would (the bug class updraft exists to rule out);
+  code path that forgot it would (the bug class updraft exists to rule out), in this
+  process or (``forget_refresh_here``, a worker pool's initializer) on other ranks;
 * ``first_draft_from_the_row_before``: a head drafts from the wrong row of the mirror;
 * ``draft_mirror_on``: the draft model's mirror step runs on another view of the step
   than the one the target ran (the previous batch's, one rank's chunks, one rank's
@@ -35,6 +36,12 @@ def forget_refresh(monkeypatch: pytest.MonkeyPatch, name: str, graph: str = "tar
             refresh(self, values)
 
     monkeypatch.setattr(StaticInput, "refresh", forgetful)
+
+
+def forget_refresh_here(name: str, graph: str) -> None:
+    """``forget_refresh`` for the rest of this process: what a worker pool's
+    ``initializer`` applies on the ranks other than 0 alone (``functools.partial``)."""
+    forget_refresh(pytest.MonkeyPatch(), name, graph)
 
 
 def first_draft_from_the_row_before(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -139,8 +139,6 @@ def test_sizes_that_cannot_split_are_refused(tiny_llama):
         LLM(str(tiny_llama), decode_context_parallel_size=2)
     with pytest.raises(ValueError, match="prefill_context_parallel_size must be an int >= 1"):
         LLM(str(tiny_llama), prefill_context_parallel_size=0)
-    with pytest.raises(ValueError, match="'mtp' reads the target's embedding"):
-        LLM(speculative_method="mtp", prefill_context_parallel_size=2)
 
 
 # -- the draft model under PCP ------------------------------------------------------------

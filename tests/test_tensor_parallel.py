@@ -120,10 +120,13 @@ def test_a_closed_engine_stops_its_workers_and_a_dead_worker_is_named(tiny_llama
 def test_models_and_settings_tensor_parallelism_cannot_split_are_refused(tiny_llama):
     with pytest.raises(ValueError, match="does not divide this model's 4 attention heads"):
         LLM(str(tiny_llama), tensor_parallel_size=3)
-    with pytest.raises(ValueError, match="'eagle' reads the target's embedding"):
-        LLM(speculative_method="eagle", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1"):
         LLM(str(tiny_llama), tensor_parallel_size=0)
+    draft = dict(speculative_model=str(tiny_llama), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"draft_tensor_parallel_size must be 1 or .* got 3"):
+        LLM(str(tiny_llama), **draft, draft_tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size is the draft model's"):
+        LLM(str(tiny_llama), tensor_parallel_size=2, draft_tensor_parallel_size=2)
 
 
 def test_shards_hold_their_rank_s_heads(tmp_path, pool):

@@ -453,6 +453,12 @@ class EngineConfig:
     speculative_enforce_eager: bool | None = setting(
         None, "run the draft model's steps eagerly (default: as the target)"
     )
+    draft_tensor_parallel_size: int = setting(
+        1,
+        "ranks the draft model splits over: 1 (whole on rank 0) or --tensor-parallel-size "
+        "(split like the target on every tensor rank, replicated across prefill-context "
+        "ranks)",
+    )
     tensor_parallel_size: int = setting(
         1,
         "ranks that split every layer's heads and MLP rows (worker processes this engine "
@@ -520,12 +526,15 @@ class EngineConfig:
                 f"num_speculative_tokens must be an int >= 1, got {self.num_speculative_tokens!r}"
             )
         self.parallel_sizes.check()
-        if self.parallel_sizes.world > 1 and self.speculative_method in ("eagle", "mtp"):
+        if self.draft_tensor_parallel_size not in (1, self.tensor_parallel_size):
             raise ValueError(
-                f"speculative_method {self.speculative_method!r} reads the target's embedding, "
-                "LM head and hidden states, which parallelism splits: not supported with "
-                "tensor_parallel_size or prefill_context_parallel_size > 1 (the draft model "
-                "and ngram are)"
+                f"draft_tensor_parallel_size must be 1 or tensor_parallel_size "
+                f"({self.tensor_parallel_size}), got {self.draft_tensor_parallel_size!r}"
+            )
+        if self.draft_tensor_parallel_size > 1 and self.speculative_method != "draft":
+            raise ValueError(
+                "draft_tensor_parallel_size is the draft model's (speculative_method "
+                f"'draft'), got it with {self.speculative_method!r}"
             )
         if self.parallel_sizes.world > 1 and self.sanitize:
             raise ValueError("sanitize is not supported over several ranks")

@@ -83,8 +83,14 @@ class Engine:
             )
             place = self._workers.place
             weakref.finalize(self, self._workers.close)
+        send = None if self._workers is None else self._workers.send
         self._runner = load_runner(
-            self.model_config, config, self.context_len, query_lens=query_lens, place=place
+            self.model_config,
+            config,
+            self.context_len,
+            query_lens=query_lens,
+            place=place,
+            send=send,
         )
         pool = BlockPool(
             self._runner.num_blocks, config.positions_per_block, config.enable_prefix_caching
@@ -99,7 +105,9 @@ class Engine:
             self.max_model_len,
             num_lookahead_tokens=k,
         )
-        self._proposer = make_proposer(ProposerContext(config, self._runner, self.max_model_len))
+        self._proposer = make_proposer(
+            ProposerContext(config, self._runner, self.max_model_len, send)
+        )
         self._wants_hidden_states = bool(self._proposer and self._proposer.wants_hidden_states)
         self._drafts: dict[str, Draft] = {}  # proposed after a step, verified by the next
         self._pending_outputs: list[RequestOutput] = []
@@ -235,8 +243,6 @@ class Engine:
         self._threads.adjust()
         inputs = StepInputs.build(plan, self.config.positions_per_block, self._wants_hidden_states)
         clock.lap("build")
-        if self._workers is not None:
-            self._workers.run(inputs)
         result = self._runner.execute(inputs)
         clock.lap("sample", forward_seconds=result.forward_seconds)
         outputs += self._scheduler.update(plan, result)
@@ -267,4 +273,5 @@ class Engine:
             positions_per_block=self.config.positions_per_block,
             num_steps=self._runner.step_modes.total(),
             phase_seconds=dict(self._clock.seconds),
+            rank_messages=None if self._workers is None else dict(self._workers.messages),
         )

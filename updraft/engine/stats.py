@@ -50,6 +50,9 @@ class EngineStats:
     num_steps: int
     phase_seconds: dict[str, float]  # totals per phase of a step (PHASES)
     positions_per_block: int  # of a sequence, per KV block (block_size x decode ranks)
+    # Over several ranks: the messages rank 0 sent the others, by kind
+    # (runner/rank_messages.py: RankStep, RankLoop).
+    rank_messages: dict[str, int] | None = None
 
     def describe_steps(self) -> str:
         return describe_steps(self.steps)

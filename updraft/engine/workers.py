@@ -2,9 +2,11 @@
 processes ``torchrun`` started beside it.
 
 Rank 0 is the engine's own process: it schedules, samples and proposes. Ranks 1..W-1
-each load their shard into a ``Runner`` of their own and then run, step after step, the
-forward of the ``StepInputs`` rank 0 broadcasts (``parallel/collectives.py``), the same
-step in the same way (graph bucket or eager), so that the collectives inside it pair up.
+each load their shard into a ``Runner`` of their own (and a draft head's beside it,
+when the proposer has one) and then run, message after message, the forward rank 0
+announces before it runs it (``runner/rank_messages.py``, over
+``parallel/collectives.py``), the same step in the same way (graph bucket or eager), so
+that the collectives inside it pair up.
 A step that splits no prefill runs whole on every prefill-context rank: each rank's
 cache then holds every position, whichever later step reads it. Their logits are
 discarded: rank 0's are the same.
@@ -23,7 +25,9 @@ import multiprocessing
 import multiprocessing.process
 import os
 import socket
-from dataclasses import asdict, dataclass, replace
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 
 import torch
@@ -31,9 +35,9 @@ import torch
 from updraft.config import EngineConfig, ModelConfig
 from updraft.parallel import collectives
 from updraft.parallel.topology import RankPlace, rank_device, uses_nccl
+from updraft.runner.rank_messages import Follower, RankMessage
 from updraft.runner.runner import load_runner
-from updraft.step.inputs import StepInputs
-from updraft.step.sampling_batch import SamplingBatch
+from updraft.speculative.registry import ProposerContext, rank_runners
 
 STOP = None  # what rank 0 broadcasts instead of a step when the engine closes
 
@@ -87,9 +91,14 @@ def run_rank(
     share_cores(place.sizes.world)
     connect(place, meeting, config)
     runner = load_runner(model_config, config, max_model_len, query_lens=query_lens, place=place)
-    while (inputs := collectives.broadcast_object(place.name)) is not STOP:
-        runner.forward(inputs)
-    runner.close()
+    # As rank 0's engine bounds a sequence: by the context and by the cache.
+    capacity = min(max_model_len, runner.num_blocks * config.positions_per_block)
+    runners = [runner, *rank_runners(ProposerContext(config, runner, capacity))]
+    follower = Follower(runners)
+    while (message := collectives.broadcast_object(place.name)) is not STOP:
+        follower.run(message)
+    for each in runners:
+        each.close()
     collectives.forget(place)
 
 
@@ -108,16 +117,11 @@ def torchrun_group(meeting: Rendezvous) -> str:
     return f"updraft-{meeting.host}-{meeting.port}"
 
 
-def forward_only(inputs: StepInputs) -> StepInputs:
-    """What a worker needs of a step: its forward's inputs and where its logits are
-    read, not the requests' sampling state (their random generators stay on rank 0)."""
-    sampling = replace(inputs.sampling, batch=SamplingBatch([], []), draft_probs=[])
-    return replace(inputs, sampling=sampling)
-
-
-def serve_ranks(connection: Connection) -> None:
-    """A pool worker: run each rank it is sent (``run_rank``'s arguments) to its end,
-    report back, and wait for the next, until it is sent None."""
+def serve_ranks(connection: Connection, initializer: Callable[[], None] | None = None) -> None:
+    """A pool worker: run ``initializer`` once, then each rank it is sent (``run_rank``'s
+    arguments) to its end, report back, and wait for the next, until it is sent None."""
+    if initializer is not None:
+        initializer()
     while (job := connection.recv()) is not None:
         try:
             run_rank(*job)
@@ -136,10 +140,13 @@ class WorkerPool:
     """Worker processes that serve one engine's ranks after another's: engines made
     one after another in a program (a test module) skip starting interpreters and
     importing torch for each. A worker is free again once its engine has closed;
-    ``take`` starts more when too few are. Pass it as ``LLM(..., worker_pool=pool)``."""
+    ``take`` starts more when too few are. Pass it as ``LLM(..., worker_pool=pool)``.
+    ``initializer`` (picklable) runs first in each worker process, as in
+    ``multiprocessing.Pool``."""
 
-    def __init__(self) -> None:
+    def __init__(self, initializer: Callable[[], None] | None = None) -> None:
         self.workers: list[PoolWorker] = []
+        self.initializer = initializer
 
     def take(self, count: int) -> list[PoolWorker]:
         for worker in self.workers:
@@ -150,7 +157,7 @@ class WorkerPool:
             ours, theirs = context.Pipe()
             process = context.Process(
                 target=serve_ranks,
-                args=(theirs,),
+                args=(theirs, self.initializer),
                 name=f"updraft-pool-worker-{len(self.workers)}",
                 daemon=True,
             )
@@ -221,11 +228,13 @@ class ParallelWorkers:
         self.place = RankPlace(0, sizes, group)
         connect(self.place, meeting, config)
         self.closed = False
+        self.messages: Counter[str] = Counter()  # sent, by kind
 
-    def run(self, inputs: StepInputs) -> None:
-        """Have every worker run ``inputs``' forward, as rank 0 is about to."""
+    def send(self, message: RankMessage) -> None:
+        """Have every worker run what rank 0 is about to (``rank_messages.py``)."""
         self._check_alive()
-        collectives.broadcast_object(self.place.name, forward_only(inputs))
+        self.messages[type(message).__name__] += 1
+        collectives.broadcast_object(self.place.name, message)
 
     def _check_alive(self) -> None:
         dead = [p.name for p in self.processes if not p.is_alive()]

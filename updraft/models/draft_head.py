@@ -3,7 +3,9 @@ that a runner runs like any model (``forward`` and ``compute_logits``).
 
 A head reads, at entry i, the embedding of the token at i + 1 beside the target's final
 hidden state at i, and its output is the state the next draft step chains on. The
-embedding and the LM head are the target's (shared, not copied). What tells the heads
+embedding and the LM head are the target's (shared, not copied: under tensor
+parallelism the rank's vocabulary-parallel shards, whose forwards are collectives); the
+body splits over the tensor ranks like a target layer of its kind. What tells the heads
 apart is their body and where RoPE turns:
 
 * DeepSeek's MTP layer (``models/mtp.py``): its decoder block over a latent cache, the
@@ -25,6 +27,8 @@ from updraft.config import ModelConfig
 from updraft.models.eagle import eagle_config, load_eagle_head
 from updraft.models.mtp import load_mtp_layers
 from updraft.models.rope import RotaryEmbedding
+from updraft.models.tensor_parallel import shard_layer
+from updraft.parallel.topology import RankPlace
 
 
 class DraftHead(nn.Module):
@@ -64,10 +68,14 @@ def mtp_head(
     model_dir: str | Path,
     dtype: torch.dtype,
     device: torch.device,
+    place: RankPlace | None = None,
 ) -> tuple[DraftHead, ModelConfig]:
     """The checkpoint's first MTP layer as a head for ``target`` (whose config is
-    ``config``), and the config its cache follows: the target's, with the one layer."""
+    ``config``), and the config its cache follows: the target's, with the one layer.
+    With ``place``, the shard of the layer that rank keeps, split like a target layer."""
     layer = load_mtp_layers(config, model_dir, dtype, device).depths()[0]
+    if place is not None and place.sizes.tensor > 1:
+        shard_layer(layer, place)
     return DraftHead(target, layer, target.rotary, rope_offset=1), replace(config, num_layers=1)
 
 
@@ -77,11 +85,12 @@ def eagle_head(
     head_dir: str | Path,
     dtype: torch.dtype,
     device: torch.device,
+    place: RankPlace | None = None,
 ) -> tuple[DraftHead, ModelConfig]:
     """The EAGLE-1 head in ``head_dir`` for ``target`` (whose config is ``config``), and
-    the head's own config."""
+    the head's own config; with ``place``, the shard of its layers that rank keeps."""
     head_config = eagle_config(head_dir, config)
-    body = load_eagle_head(head_dir, head_config, dtype, device)
+    body = load_eagle_head(head_dir, head_config, dtype, device, place)
     max_positions = target.rotary.cos.shape[0]
     with torch.device(device):
         rotary = RotaryEmbedding(head_config.rope, head_config.head_dim, max_positions)

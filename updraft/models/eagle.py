@@ -30,6 +30,8 @@ from updraft.models.layers import MLP, DecoderLayer
 from updraft.models.llama import Attention
 from updraft.models.loader import building, load_weights, weight_files
 from updraft.models.packed_linear import can_prepack, prepack_linears
+from updraft.models.tensor_parallel import shard_layer
+from updraft.parallel.topology import RankPlace
 
 SHARED_WITH_TARGET = ("embed_tokens.", "lm_head.")
 
@@ -92,10 +94,15 @@ def eagle_config(head_dir: str | Path, target: ModelConfig) -> ModelConfig:
 
 
 def load_eagle_head(
-    head_dir: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device | str
+    head_dir: str | Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    place: RankPlace | None = None,
 ) -> EagleHead:
     """The head in ``dtype`` on ``device``, its fc bias and first input norm present
-    exactly when the checkpoint holds them."""
+    exactly when the checkpoint holds them; with ``place``, the shard of its layers that
+    rank keeps (fc is whole on every rank, like the residual stream)."""
     files = weight_files(Path(head_dir))
     names = set()
     for path in files:
@@ -108,6 +115,9 @@ def load_eagle_head(
             first_input_norm="layers.0.input_layernorm.weight" in names,
         )
     load_weights(head, files, select=lambda name: not name.startswith(SHARED_WITH_TARGET))
+    if place is not None and place.sizes.tensor > 1:
+        for layer in head.layers:
+            shard_layer(layer, place)
     if can_prepack(torch.device(device), dtype):
         prepack_linears(head)
     return head.eval().requires_grad_(False)

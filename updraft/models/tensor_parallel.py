@@ -33,7 +33,7 @@ from torch import nn
 
 from updraft.config import ModelConfig
 from updraft.models.deepseek import LatentAttention
-from updraft.models.layers import MLP, CausalLM, FusedLinear
+from updraft.models.layers import MLP, CausalLM, DecoderLayer, FusedLinear
 from updraft.models.llama import Attention
 from updraft.models.moe import DeepseekMoE
 from updraft.parallel import collectives  # noqa: F401 (registers the collective ops)
@@ -262,11 +262,18 @@ def shard_model(model: CausalLM, place: RankPlace) -> None:
     model.model.embed_tokens = VocabParallelEmbedding(embedding, first, rank.group)
     model.lm_head = VocabParallelHead(head, vocab_size, rank)
     for layer in model.model.layers:
-        if isinstance(layer.self_attn, LatentAttention):
-            _shard_latent_attention(layer.self_attn, place)
-        else:
-            _shard_attention(layer.self_attn, place)
-        if isinstance(layer.mlp, DeepseekMoE):
-            layer.mlp = _shard_moe(layer.mlp, rank)
-        else:
-            _shard_mlp(layer.mlp, rank)
+        shard_layer(layer, place)
+
+
+@torch.no_grad()
+def shard_layer(layer: DecoderLayer, place: RankPlace) -> None:
+    """Keep, in place, the rank's shard of one decoder layer (a target's, or a draft
+    head's, which splits like a target layer of its kind)."""
+    if isinstance(layer.self_attn, LatentAttention):
+        _shard_latent_attention(layer.self_attn, place)
+    else:
+        _shard_attention(layer.self_attn, place)
+    if isinstance(layer.mlp, DeepseekMoE):
+        layer.mlp = _shard_moe(layer.mlp, place.tensor)
+    else:
+        _shard_mlp(layer.mlp, place.tensor)

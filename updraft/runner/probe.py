@@ -9,7 +9,8 @@ its last record when its rank ends, ``Engine.close()`` waits for that).
 Records, each naming the runner (``target``, ``draft``, ``head``) and the rank:
 
 * ``StepRecord``, per forward: how it ran (``graph`` or ``eager (why)``), its bucket, the
-  step's request ids and sizes, and for a replay the graph's mode (``FULL``: one graph
+  step's request ids, sizes and tensors as the runner was handed them (a split
+  prefill's global ones), and for a replay the graph's mode (``FULL``: one graph
   with attention inside; ``PIECEWISE``: tasks between segments) and every declared
   input's buffer: its data pointer and its contents after the refresh, which is what
   the graph read.
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,8 @@ class StepRecord:
     graph_mode: str | None = None  # replays only: "FULL" or "PIECEWISE"
     pointers: dict[str, int] = field(default_factory=dict)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    # The step as the runner was handed it (every forward): its tensors by field name.
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,11 @@ class Probe:
                 None if captured is None else captured.graph.backend.mode,
                 {name: i.buffer.data_ptr() for name, i in inputs.items()},
                 {name: i.buffer.detach().cpu().clone() for name, i in inputs.items()},
+                {
+                    f.name: value.detach().cpu().clone()
+                    for f in fields(step)
+                    if isinstance(value := getattr(step, f.name), torch.Tensor)
+                },
             )
         )
 

@@ -34,6 +34,7 @@ from updraft.parallel.topology import GroupRank, ParallelSizes, RankPlace, rank_
 from updraft.runner.captured import Bucket, CapturedSteps
 from updraft.runner.draft_loop import DraftLoopInputs
 from updraft.runner.probe import Probe
+from updraft.runner.rank_messages import HiddenRows, Send, loop_message, step_message
 from updraft.runner.rejection_sampler import verify_step
 from updraft.runner.sampler import sample
 from updraft.step.inputs import GRAPH_INPUTS, ForwardInputs, GraphInput, SamplingInputs, StepInputs
@@ -68,6 +69,8 @@ class Runner:
         place: RankPlace | None = None,
         inputs: tuple[GraphInput, ...] = GRAPH_INPUTS,
         draft_loop_depth: int = 0,
+        splits_prefills: bool = True,
+        send: Send | None = None,
     ):
         """``model`` is what ``model_config`` describes, as this rank holds it (its
         cache follows the config's layers and this rank's KV heads), computing in
@@ -79,7 +82,10 @@ class Runner:
         (engine/workers.py). ``inputs``: the declared graph inputs its forward reads
         (beyond ``GRAPH_INPUTS`` they reach the model as keyword arguments). A
         ``draft_loop_depth`` above 1 also captures the greedy draft loop of that many
-        drafts (``draft_loop.py``)."""
+        drafts (``draft_loop.py``). ``splits_prefills``: whether the prefill-context
+        ranks split a long prefill (the target's), or each runs it whole (a replicated
+        draft head's). ``send``: on rank 0 of a split model, how each forward is
+        announced to the other ranks just before it runs (``rank_messages.py``)."""
         self.model = model
         self.model_config = model_config
         self.config = config
@@ -91,6 +97,8 @@ class Runner:
         self.dtype = dtype
         self.place = place
         self.inputs = inputs
+        self.splits_prefills = splits_prefills
+        self.send = send
         sizes = ParallelSizes() if place is None else place.sizes
         self.positions_per_block = config.positions_per_block
         self.context = (
@@ -192,10 +200,13 @@ class Runner:
         )
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs) -> Forward:
+    def forward(self, inputs: StepInputs, hidden_from: HiddenRows | None = None) -> Forward:
         """The logits at ``inputs.sampling.logits_indices`` (and hidden states when
         asked), by graph replay when the step fits a captured bucket, else eagerly;
-        ``step_modes`` counts which."""
+        ``step_modes`` counts which. ``hidden_from``: where the other ranks find the
+        step's hidden states (a draft head's; they hold them already)."""
+        if self.send is not None:
+            self.send(step_message(self.name, inputs, hidden_from))
         step = inputs.forward
         bucket = None if self.captured is None else self.captured.bucket_for(step)
         logits_indices = inputs.sampling.logits_indices.to(self.device)
@@ -224,11 +235,18 @@ class Runner:
         return self.captured is not None and self.captured.loop_bucket_for(num_reqs) is not None
 
     @torch.inference_mode()
-    def draft_loop(self, inputs: DraftLoopInputs, request_ids: list[str]) -> torch.Tensor:
+    def draft_loop(
+        self,
+        inputs: DraftLoopInputs,
+        request_ids: list[str],
+        hidden_from: HiddenRows | None = None,
+    ) -> torch.Tensor:
         """Every request's greedy drafts [requests, depth] by one replay of the draft
         loop (``fits_draft_loop`` says whether one is captured for the batch); drafts
         past a request's limit are not drafts. Counted as the head steps whose drafts
-        some request keeps."""
+        some request keeps. ``hidden_from``: as for ``forward``."""
+        if self.send is not None:
+            self.send(loop_message(self.name, inputs, request_ids, hidden_from))
         bucket = self.captured.loop_bucket_for(inputs.num_reqs)
         drafts = self.captured.run(inputs, bucket).clone()
         self._count("graph", request_ids, inputs, bucket, int(inputs.draft_limits.max()) - 1)
@@ -293,7 +311,9 @@ class Runner:
     def _prefill_split(self, step: ForwardInputs) -> GroupRank | None:
         """The prefill-context group that splits ``step``, if it is split."""
         group = None if self.place is None else self.place.prefill_context
-        if group is None or group.size == 1 or not splits(step, self.whole_query_len):
+        if group is None or group.size == 1 or not self.splits_prefills:
+            return None
+        if not splits(step, self.whole_query_len):
             return None
         return group
 
@@ -345,8 +365,11 @@ def load_runner(
     query_lens: tuple[int, ...] = (1,),
     num_blocks: int | None = None,
     place: RankPlace | None = None,
+    splits_prefills: bool = True,
+    send: Send | None = None,
 ) -> Runner:
-    """A runner over the checkpoint ``config.model`` (this rank's shard, with ``place``)."""
+    """A runner over the checkpoint ``config.model`` (this rank's shard, with ``place``;
+    ``send``: rank 0's announcer of its forwards to the other ranks)."""
     device = torch.device(
         config.device if place is None else rank_device(config.device, place.rank)
     )
@@ -375,6 +398,8 @@ def load_runner(
         query_lens=query_lens,
         num_blocks=num_blocks,
         place=place,
+        splits_prefills=splits_prefills,
+        send=send,
     )
 
 

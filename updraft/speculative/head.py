@@ -32,6 +32,7 @@ from updraft.config import ModelConfig
 from updraft.models.draft_head import DraftHead
 from updraft.request import Request
 from updraft.runner.draft_loop import DraftLoopInputs
+from updraft.runner.rank_messages import HiddenRows, Send
 from updraft.runner.runner import Forward, Runner
 from updraft.speculative.proposer import draft_token_by_token
 from updraft.step.inputs import HEAD_GRAPH_INPUTS, StepInputs, block_table_of
@@ -39,36 +40,45 @@ from updraft.step.output import StepOutput
 from updraft.step.plan import Draft
 
 
+def head_runner(
+    target: Runner,
+    head: DraftHead,
+    head_config: ModelConfig,
+    num_speculative_tokens: int,
+    send: Send | None = None,
+) -> Runner:
+    """The head's runner beside ``target``'s, on the same rank: graphs where the target
+    has them (unless the head's steps are asked to run eagerly), the same block ids and
+    context split, and every prefill run whole (a head is replicated across the
+    prefill-context ranks, each over the global step). ``head_config``: what the head's
+    cache holds (its layers and KV heads)."""
+    config = target.config
+    eager = config.enforce_eager or bool(config.speculative_enforce_eager)
+    return Runner(
+        head,
+        head_config,
+        replace(config, enforce_eager=eager),
+        target.max_model_len,
+        dtype=target.dtype,
+        name="head",
+        query_lens=(1, 1 + num_speculative_tokens),
+        num_blocks=target.num_blocks,
+        place=target.place,
+        inputs=HEAD_GRAPH_INPUTS,
+        draft_loop_depth=num_speculative_tokens,
+        splits_prefills=False,
+        send=send,
+    )
+
+
 class HeadProposer:
     wants_hidden_states: ClassVar[bool] = True
 
-    def __init__(
-        self,
-        target: Runner,
-        head: DraftHead,
-        head_config: ModelConfig,
-        num_speculative_tokens: int,
-    ) -> None:
-        """``head_config``: what the head's cache holds (its layers and KV heads)."""
+    def __init__(self, target: Runner, runner: Runner) -> None:
+        """``runner``: the head's (``head_runner``)."""
         self.target = target
-        # Graphs where the target has them, unless the head's steps are asked to run
-        # eagerly.
-        config = target.config
-        eager = config.enforce_eager or bool(config.speculative_enforce_eager)
-        config = replace(config, enforce_eager=eager)
-        self.runner = Runner(
-            head,
-            head_config,
-            config,
-            target.max_model_len,
-            dtype=target.dtype,
-            name="head",
-            query_lens=(1, 1 + num_speculative_tokens),
-            num_blocks=target.num_blocks,
-            inputs=HEAD_GRAPH_INPUTS,
-            draft_loop_depth=num_speculative_tokens,
-        )
-        self.head = head
+        self.runner = runner
+        self.head = runner.model
 
     def mirror(
         self,
@@ -97,7 +107,8 @@ class HeadProposer:
         )
         sampling = replace(inputs.sampling, logits_indices=torch.tensor(newest, dtype=torch.long))
         return self.runner.forward(
-            replace(inputs, forward=forward, sampling=sampling, return_hidden_states=True)
+            replace(inputs, forward=forward, sampling=sampling, return_hidden_states=True),
+            HiddenRows(self.target.name),
         )
 
     @torch.inference_mode()
@@ -110,29 +121,31 @@ class HeadProposer:
         mirrored = self.mirror(inputs, output, last_rows, newest)
         if not chosen:
             return {}
-        # Each request's chained state: first the mirror's at its newest entry.
-        newest_rows = torch.tensor(newest, dtype=torch.long, device=self.runner.device)
-        states = mirrored.hidden_states.index_select(0, newest_rows)
+        # Each request's chained state: first the mirror's at its newest entry, then the
+        # head's own output of the draft step before (rows ``source`` of ``last``).
+        last, source = mirrored.hidden_states, newest
         limits = [limit for _, limit in chosen]
         if (
             max(limits) > 1
             and self.runner.fits_draft_loop(len(chosen))
             and all(request.sampling_params.greedy for request, _ in chosen)
         ):
-            return self._loop_drafts(chosen, mirrored.logits.argmax(dim=-1), states)
+            first = mirrored.logits.argmax(dim=-1)
+            return self._loop_drafts(chosen, first, self._states(last, source))
         state_rows = list(range(len(chosen)))
 
         def logits_of(step: StepInputs, rows: list[int]) -> torch.Tensor:
-            nonlocal states, state_rows
+            nonlocal last, source, state_rows
             if len(rows) < len(state_rows):  # the batch shrank: drop finished requests
-                states = states[[state_rows.index(i) for i in rows]]
+                source = [source[state_rows.index(i)] for i in rows]
+            states, hidden_from = self._states(last, source)
             head_step = replace(
                 step,
                 forward=replace(step.forward, hidden_states=states),
                 return_hidden_states=True,
             )
-            forward = self.runner.forward(head_step)
-            states, state_rows = forward.hidden_states, rows
+            forward = self.runner.forward(head_step, hidden_from)
+            last, source, state_rows = forward.hidden_states, list(range(len(rows))), rows
             return forward.logits
 
         return draft_token_by_token(
@@ -144,8 +157,16 @@ class HeadProposer:
             first_logits=mirrored.logits,
         )
 
+    def _states(self, last: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, HiddenRows]:
+        """Rows ``rows`` of the head's last output, and where the other ranks find them."""
+        hidden_from = HiddenRows(self.runner.name, tuple(rows))
+        return hidden_from.of(last), hidden_from
+
     def _loop_drafts(
-        self, chosen: list[tuple[Request, int]], first: torch.Tensor, states: torch.Tensor
+        self,
+        chosen: list[tuple[Request, int]],
+        first: torch.Tensor,
+        states: tuple[torch.Tensor, HiddenRows],
     ) -> dict[str, Draft]:
         """Greedy drafts of ``chosen`` by one replay of the draft loop, from each
         request's first draft and the head's state at its newest entry."""
@@ -158,9 +179,10 @@ class HeadProposer:
                 block_table=block_table_of([r.block_ids for r in requests]),
                 query_start_loc=torch.arange(len(requests) + 1),
                 draft_limits=torch.tensor(limits),
-                hidden_states=states,
+                hidden_states=states[0],
             ),
             [request.request_id for request in requests],
+            states[1],
         )
         return {
             request.request_id: Draft(tokens[:limit], None)

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 from updraft.config import EngineConfig
 from updraft.models.draft_head import eagle_head, mtp_head
+from updraft.runner.rank_messages import Send
 from updraft.runner.runner import Runner
-from updraft.speculative.draft_model import DraftModel
-from updraft.speculative.head import HeadProposer
+from updraft.speculative.draft_model import DraftModel, draft_runner
+from updraft.speculative.head import HeadProposer, head_runner
 from updraft.speculative.ngram import NgramProposer
 from updraft.speculative.proposer import Proposer
 
@@ -21,16 +22,20 @@ class ProposerContext:
     config: EngineConfig
     target: Runner  # the target's runner: its model config, block count, generator
     max_model_len: int
+    send: Send | None = None  # rank 0's announcer of a split model's forwards
 
 
 ProposerFactory = Callable[[ProposerContext], Proposer]
+RunnerFactory = Callable[[ProposerContext], Runner]
 
 
-def head_proposer(make_head: Callable, head_dir: Callable[[EngineConfig], str]) -> ProposerFactory:
-    """A factory of a draft head's proposer: ``make_head(target model, its config, the
-    head's directory, dtype, device)`` -> (head, the head's config)."""
+def head_runner_factory(
+    make_head: Callable, head_dir: Callable[[EngineConfig], str]
+) -> RunnerFactory:
+    """A factory of a draft head's runner: ``make_head(target model, its config, the
+    head's directory, dtype, device, place)`` -> (head, the head's config)."""
 
-    def factory(context: ProposerContext) -> HeadProposer:
+    def factory(context: ProposerContext) -> Runner:
         target = context.target
         head, head_config = make_head(
             target.model,
@@ -38,30 +43,55 @@ def head_proposer(make_head: Callable, head_dir: Callable[[EngineConfig], str]) 
             head_dir(context.config),
             target.dtype,
             target.device,
+            target.place,
         )
-        return HeadProposer(target, head, head_config, context.config.num_speculative_tokens)
+        k = context.config.num_speculative_tokens
+        return head_runner(target, head, head_config, k, context.send)
 
     return factory
 
 
+def draft_model_runner(context: ProposerContext) -> Runner:
+    return draft_runner(context.config, context.target, context.max_model_len, context.send)
+
+
+# The runner each proposer's model runs in. Those of draft heads run on every rank of a
+# split target, as does a draft model's with draft_tensor_parallel_size > 1: each rank
+# builds one (engine/workers.py).
+RUNNERS: dict[str, RunnerFactory] = {
+    # MTP layers live in the target's own checkpoint; an EAGLE head in a directory of
+    # its own.
+    "mtp": head_runner_factory(mtp_head, lambda config: config.model),
+    "eagle": head_runner_factory(eagle_head, lambda config: config.speculative_model),
+    "draft": draft_model_runner,
+}
+
 PROPOSERS: dict[str, ProposerFactory] = {
     "draft": lambda context: DraftModel(
-        context.config,
-        context.target.model_config,
-        context.target.num_blocks,
-        context.max_model_len,
+        draft_model_runner(context),
+        context.config.positions_per_block,
         context.target.generator,
     ),
     "ngram": lambda context: NgramProposer(context.config.num_speculative_tokens),
-    # MTP layers live in the target's own checkpoint; an EAGLE head in a directory of
-    # its own.
-    "mtp": head_proposer(mtp_head, lambda config: config.model),
-    "eagle": head_proposer(eagle_head, lambda config: config.speculative_model),
+    "mtp": lambda context: HeadProposer(context.target, RUNNERS["mtp"](context)),
+    "eagle": lambda context: HeadProposer(context.target, RUNNERS["eagle"](context)),
 }
 
 
+def rank_runners(context: ProposerContext) -> list[Runner]:
+    """The runners of the proposer's model that a rank other than 0 runs."""
+    method = context.config.speculative_method
+    if method not in RUNNERS or (
+        method == "draft" and context.config.draft_tensor_parallel_size == 1
+    ):
+        return []
+    return [RUNNERS[method](context)]
+
+
 def register_proposer(method: str, factory: ProposerFactory) -> None:
-    """Make ``speculative_method=method`` build its proposer with ``factory``."""
+    """Make ``speculative_method=method`` build its proposer with ``factory`` (whose
+    model, if any, runs on rank 0 alone)."""
+    RUNNERS.pop(method, None)
     PROPOSERS[method] = factory
 
 

@@ -1,0 +1,264 @@
+"""Proposers whose model runs on every rank of a split target: EAGLE (GQA) on tiny
+Llama and DeepSeek's MTP layer (MLA) on tiny V3, split over two tensor ranks or
+replicated across two prefill-context ranks, and a draft model split over two tensor
+ranks. Every step each runner runs, on every rank, is handed exactly the step one
+process hands it (so every proposal, which the target's verify steps carry, is one
+process's), greedy output equals decoding without speculation, and acceptance per draft
+position equals one process's."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import make_tiny_checkpoint
+from tests.heads import Head, make_head
+from tests.helpers import greedy, token_ids
+from tests.mutations import forget_refresh_here
+from tests.probes import probed, records
+from updraft import LLM, WorkerPool
+from updraft.config import ModelConfig, ParallelSizes
+from updraft.models.layers import DecoderLayer
+from updraft.models.loader import building, load_model
+from updraft.models.registry import model_class
+from updraft.models.tensor_parallel import shard_model
+from updraft.parallel.topology import RankPlace
+from updraft.runner.probe import ProbeRecords
+
+LAYOUTS = {
+    "tp2": dict(tensor_parallel_size=2),
+    "pcp2": dict(prefill_context_parallel_size=2),
+    "tp2-dcp2": dict(tensor_parallel_size=2, decode_context_parallel_size=2),
+}
+# Six requests through at most four sequences at a time, prompts prefilled in chunks
+# (some split over the prefill-context ranks): requests join and leave between replays.
+PROMPTS = [list(range(10, 31)), [5, 6, 7] * 5, list(range(100, 137)), [9] * 7, [3, 4] * 9, [8]]
+PARAMS = [greedy(n) for n in (14, 9, 11, 6, 12, 8)]
+ARGS = dict(
+    block_size=4,
+    num_kv_blocks=256,
+    max_num_seqs=4,
+    max_num_batched_tokens=24,
+    capture_sizes=(1, 4),
+    num_speculative_tokens=2,
+)
+
+
+@pytest.fixture(scope="module", params=["eagle-llama", "mtp"])
+def head(request, tmp_path_factory) -> Head:
+    return make_head(request.param, tmp_path_factory.mktemp(f"{request.param}-ranks"))
+
+
+@pytest.fixture(scope="module")
+def draft_pair(tmp_path_factory) -> Head:
+    """A tiny Llama target and a draft model of its shape, as a Head's target and args."""
+    root = tmp_path_factory.mktemp("draft-ranks")
+    target = make_tiny_checkpoint("llama", root / "target", seed=0)
+    draft = make_tiny_checkpoint("llama", root / "draft", seed=1)
+    args = {"speculative_model": str(draft), "draft_tensor_parallel_size": 2}
+    return Head(target, args, None, draft, None)
+
+
+ONE_PROCESS: dict[str, tuple[list, object, ProbeRecords]] = {}
+
+
+def one_process(proposer: Head, layout: str) -> tuple[list, object, ProbeRecords]:
+    """(tokens, acceptance, probe records) of the proposer in one process, with the
+    layout's positions per block (the same block tables and slots); run once for the
+    layouts that share them."""
+    block_size = ARGS["block_size"] * LAYOUTS[layout].get("decode_context_parallel_size", 1)
+    key = f"{proposer.target} {block_size}"
+    if key not in ONE_PROCESS:
+        args = {**ARGS, **proposer.args, "draft_tensor_parallel_size": 1}
+        llm = probed(proposer.target, **{**args, "block_size": block_size})
+        tokens = token_ids(llm.generate(PROMPTS, PARAMS))
+        ONE_PROCESS[key] = tokens, llm.engine.stats().speculative, records(llm)
+    return ONE_PROCESS[key]
+
+
+def handed(seen: ProbeRecords, runner: str, rank: int = 0) -> list[tuple]:
+    """Each step the runner ran on the rank: its requests and tensors as handed to it."""
+    return [
+        (step.request_ids, {name: t.tolist() for name, t in step.inputs.items()})
+        for step in seen.steps_of(runner, rank)
+    ]
+
+
+def assert_every_rank_runs_one_process_s_steps(proposer: Head, runner: str, layout: str, pool):
+    tokens, acceptance, alone = one_process(proposer, layout)
+    plain = LLM(proposer.target, **ARGS)
+    assert tokens == token_ids(plain.generate(PROMPTS, PARAMS))
+    llm = probed(proposer.target, **ARGS, **proposer.args, **LAYOUTS[layout], worker_pool=pool)
+    assert token_ids(llm.generate(PROMPTS, PARAMS)) == tokens
+    stats = llm.engine.stats()
+    assert stats.speculative == acceptance and acceptance.rounds > 0
+    seen = records(llm)
+    for name in ("target", runner):
+        expected = handed(alone, name)
+        for rank in (0, 1):
+            got = handed(seen, name, rank)
+            assert len(got) == len(expected), (name, rank)
+            for index, (one, split) in enumerate(zip(expected, got, strict=True)):
+                assert split[0] == one[0], (name, rank, index)
+                for field, values in one[1].items():
+                    if field == "hidden_states":  # float: each rank's, equal to 1e-4
+                        torch.testing.assert_close(
+                            torch.tensor(split[1][field]), torch.tensor(values), atol=1e-4, rtol=0
+                        )
+                    else:
+                        assert split[1][field] == values, (name, rank, index, field)
+    # The proposer's steps replayed graphs on the other rank too, which read what rank
+    # 0's read, from buffers that never moved; rank 0 sent one message per forward
+    # the other rank ran.
+    assert seen.replays(runner, rank=1)
+    for name in ("target", runner):
+        pointers = {}
+        for mine, theirs in zip(seen.replays(name), seen.replays(name, 1), strict=True):
+            assert pointers.setdefault(theirs.bucket, theirs.pointers) == theirs.pointers
+            assert mine.buffers.keys() == theirs.buffers.keys()
+            for field, buffer in mine.buffers.items():
+                torch.testing.assert_close(theirs.buffers[field], buffer, atol=1e-4, rtol=0)
+    forwards = len(seen.steps_of("target", 1)) + len(seen.steps_of(runner, 1))
+    assert sum(stats.rank_messages.values()) == forwards
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_head_on_every_rank_runs_the_steps_one_process_runs(head, layout, pool):
+    assert_every_rank_runs_one_process_s_steps(head, "head", layout, pool)
+
+
+# (graph, declared input): the head's steps' graphs and its draft loop's (which derives
+# its slots and context lengths in the graph from the block table and positions).
+STALE_ON_RANK_1 = [
+    ("head", "block_table"),
+    ("head", "slot_mapping"),
+    ("head", "seq_lens"),
+    ("head draft loop", "block_table"),
+    ("head draft loop", "positions"),
+]
+
+
+@pytest.mark.parametrize(("graph", "name"), STALE_ON_RANK_1)
+def test_a_stale_input_on_another_rank_alone_is_caught(head, graph, name):
+    """Under PCP the head on rank 1 feeds nothing back to rank 0, whose tokens cannot
+    show a bug there: rank 1's head graphs that stop refreshing one input fail the
+    check that rank 1 ran one process's steps."""
+    pool = WorkerPool(initializer=partial(forget_refresh_here, name, graph))
+    try:
+        with pytest.raises(AssertionError):
+            assert_every_rank_runs_one_process_s_steps(head, "head", "pcp2", pool)
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp2-dcp2"])
+def test_a_draft_model_split_over_tensor_ranks_runs_the_steps_one_process_runs(
+    draft_pair, layout, pool
+):
+    assert_every_rank_runs_one_process_s_steps(draft_pair, "draft", layout, pool)
+
+
+def layer_bytes(layer: torch.nn.Module) -> int:
+    """Bytes of a decoder layer's attention and MLP (or experts), as this rank holds them."""
+    parts = [layer.self_attn, layer.mlp]
+    return sum(t.numel() * t.element_size() for part in parts for t in part.state_dict().values())
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_head_holds_what_shard_model_keeps_of_a_target_layer_of_its_kind(head, rank):
+    """Under TP=2, each rank's head layer is as large as one target layer of the same
+    kind that ``shard_model`` split (bfloat16, so that no linear is repacked), and half
+    of what it is whole (less what stays whole on every rank)."""
+    place = RankPlace(rank, ParallelSizes(tensor=2), "unused")
+    config = ModelConfig.from_dir(head.target)
+    dtype = torch.bfloat16
+    target = load_model(config, head.target, dtype)
+    whole, _ = head.load(target, config, head.directory, dtype, "cpu")
+    split_target = load_model(config, head.target, dtype, place=place)
+    split, head_config = head.load(split_target, config, head.directory, dtype, "cpu", place)
+    (layer,) = [module for module in split.body.modules() if isinstance(module, DecoderLayer)]
+    if head_config.mla is not None:  # MTP: the target's own layers with experts
+        reference = split_target.model.layers[-1]
+    else:  # EAGLE: a Llama layer of the head's own config
+        with building(dtype, "cpu"):
+            model = model_class(head_config)(head_config)
+        model.load_state_dict({name: torch.randn_like(t) for name, t in model.state_dict().items()})
+        shard_model(model, place)
+        reference = model.model.layers[0]
+    assert layer_bytes(layer) == layer_bytes(reference)
+    (whole_layer,) = [m for m in whole.body.modules() if isinstance(m, DecoderLayer)]
+    assert layer_bytes(whole_layer) / 2 <= layer_bytes(layer) < layer_bytes(whole_layer)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# Run by each torchrun rank: rank 0 prints the tokens; rank 1 runs its steps and exits
+# inside LLM(...).
+TWO_NODE_SCRIPT = """
+import json, sys
+from updraft import LLM, SamplingParams
+llm = LLM(sys.argv[1], speculative_method="mtp", num_speculative_tokens=2, block_size=4,
+          num_kv_blocks=128, prefill_context_parallel_size=int(sys.argv[2]))
+outputs = llm.generate([list(range(10, 40)), [5, 6, 7] * 4],
+                       [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                        for n in (12, 7)])
+print(json.dumps([output.outputs[0].token_ids for output in outputs]))
+"""
+
+
+def test_two_torchrun_nodes_over_loopback_give_one_process_s_tokens(tmp_path):
+    """``torchrun --nnodes 2`` (one rank each, on this machine over loopback, so the
+    ranks are not on one machine as far as they know and exchange through gloo, not
+    shared memory): PCP = 2 with MTP gives one process's tokens."""
+    checkpoint = make_head("mtp", tmp_path).target
+    script = tmp_path / "two_nodes.py"
+    script.write_text(TWO_NODE_SCRIPT)
+    alone = subprocess.run(
+        [sys.executable, str(script), str(checkpoint), "1"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+    )
+    torchrun = Path(sys.executable).with_name("torchrun")
+    port = free_port()
+    nodes = [
+        subprocess.Popen(
+            [
+                str(torchrun),
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                "1",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                str(script),
+                str(checkpoint),
+                "2",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    results = [node.communicate(timeout=300) for node in nodes]
+    for node, (_, stderr) in zip(nodes, results, strict=True):
+        assert node.returncode == 0, stderr[-3000:]
+    assert results[0][0] == alone.stdout and json.loads(alone.stdout)
+    assert results[1][0] == ""
