@@ -1,29 +1,31 @@
 """Proposers whose model runs on every rank of a split target: EAGLE (GQA) on tiny
-Llama and DeepSeek's MTP layer (MLA) on tiny V3, split over two tensor ranks or
-replicated across two prefill-context ranks, and a draft model split over two tensor
-ranks. Every step each runner runs, on every rank, is handed exactly the step one
-process hands it (so every proposal, which the target's verify steps carry, is one
-process's), greedy output equals decoding without speculation, and acceptance per draft
-position equals one process's."""
+Llama and DeepSeek's MTP layer (MLA) on tiny V3, split over two tensor ranks (with or
+without DCP), replicated across two prefill-context ranks, or both, and a draft model
+split over two tensor ranks. Every step each runner runs, on every rank, is handed
+exactly the step one process hands it (so every proposal, which the target's verify
+steps carry, is one process's), greedy output equals decoding without speculation, and
+acceptance per draft position equals one process's."""
 
 from __future__ import annotations
 
 import json
-import socket
+import signal
 import subprocess
 import sys
 from functools import partial
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
-from tests.conftest import make_tiny_checkpoint
+from tests.conftest import add_byte_tokenizer, make_tiny_checkpoint
 from tests.heads import Head, make_head
 from tests.helpers import greedy, token_ids
 from tests.mutations import forget_refresh_here
 from tests.probes import probed, records
-from updraft import LLM, WorkerPool
+from tests.serving import free_port, metric, start_server_process, wait_for_idle
+from updraft import LLM, SamplingParams, WorkerPool
 from updraft.config import ModelConfig, ParallelSizes
 from updraft.models.layers import DecoderLayer
 from updraft.models.loader import building, load_model
@@ -36,7 +38,15 @@ LAYOUTS = {
     "tp2": dict(tensor_parallel_size=2),
     "pcp2": dict(prefill_context_parallel_size=2),
     "tp2-dcp2": dict(tensor_parallel_size=2, decode_context_parallel_size=2),
+    "pcp2-tp2": dict(prefill_context_parallel_size=2, tensor_parallel_size=2),
 }
+
+
+def world(layout: str) -> int:
+    sizes = LAYOUTS[layout]
+    return sizes.get("tensor_parallel_size", 1) * sizes.get("prefill_context_parallel_size", 1)
+
+
 # Six requests through at most four sequences at a time, prompts prefilled in chunks
 # (some split over the prefill-context ranks): requests join and leave between replays.
 PROMPTS = [list(range(10, 31)), [5, 6, 7] * 5, list(range(100, 137)), [9] * 7, [3, 4] * 9, [8]]
@@ -79,6 +89,8 @@ def one_process(proposer: Head, layout: str) -> tuple[list, object, ProbeRecords
         args = {**ARGS, **proposer.args, "draft_tensor_parallel_size": 1}
         llm = probed(proposer.target, **{**args, "block_size": block_size})
         tokens = token_ids(llm.generate(PROMPTS, PARAMS))
+        plain = LLM(proposer.target, **{**ARGS, "block_size": block_size})
+        assert tokens == token_ids(plain.generate(PROMPTS, PARAMS))  # speculation is exact
         ONE_PROCESS[key] = tokens, llm.engine.stats().speculative, records(llm)
     return ONE_PROCESS[key]
 
@@ -91,47 +103,68 @@ def handed(seen: ProbeRecords, runner: str, rank: int = 0) -> list[tuple]:
     ]
 
 
+def assert_handed_alike(got: list[tuple], expected: list[tuple], where: tuple) -> None:
+    """The same steps: request ids and integer tensors equal, hidden states to 1e-4
+    (each rank's own)."""
+    assert len(got) == len(expected), where
+    for index, ((ids, tensors), (expected_ids, expected_tensors)) in enumerate(
+        zip(got, expected, strict=True)
+    ):
+        assert ids == expected_ids, (*where, index)
+        assert tensors.keys() == expected_tensors.keys(), (*where, index)
+        for field, values in expected_tensors.items():
+            if field == "hidden_states":
+                torch.testing.assert_close(
+                    torch.tensor(tensors[field]), torch.tensor(values), atol=1e-4, rtol=0
+                )
+            else:
+                assert tensors[field] == values, (*where, index, field)
+
+
 def assert_every_rank_runs_one_process_s_steps(proposer: Head, runner: str, layout: str, pool):
     tokens, acceptance, alone = one_process(proposer, layout)
-    plain = LLM(proposer.target, **ARGS)
-    assert tokens == token_ids(plain.generate(PROMPTS, PARAMS))
     llm = probed(proposer.target, **ARGS, **proposer.args, **LAYOUTS[layout], worker_pool=pool)
     assert token_ids(llm.generate(PROMPTS, PARAMS)) == tokens
     stats = llm.engine.stats()
     assert stats.speculative == acceptance and acceptance.rounds > 0
     seen = records(llm)
     for name in ("target", runner):
-        expected = handed(alone, name)
-        for rank in (0, 1):
-            got = handed(seen, name, rank)
-            assert len(got) == len(expected), (name, rank)
-            for index, (one, split) in enumerate(zip(expected, got, strict=True)):
-                assert split[0] == one[0], (name, rank, index)
-                for field, values in one[1].items():
-                    if field == "hidden_states":  # float: each rank's, equal to 1e-4
-                        torch.testing.assert_close(
-                            torch.tensor(split[1][field]), torch.tensor(values), atol=1e-4, rtol=0
-                        )
-                    else:
-                        assert split[1][field] == values, (name, rank, index, field)
-    # The proposer's steps replayed graphs on the other rank too, which read what rank
+        for rank in range(world(layout)):
+            assert_handed_alike(handed(seen, name, rank), handed(alone, name), (name, rank))
+    # The proposer's steps replayed graphs on the other ranks too, which read what rank
     # 0's read, from buffers that never moved; rank 0 sent one message per forward
-    # the other rank ran.
-    assert seen.replays(runner, rank=1)
-    for name in ("target", runner):
-        pointers = {}
-        for mine, theirs in zip(seen.replays(name), seen.replays(name, 1), strict=True):
-            assert pointers.setdefault(theirs.bucket, theirs.pointers) == theirs.pointers
-            assert mine.buffers.keys() == theirs.buffers.keys()
-            for field, buffer in mine.buffers.items():
-                torch.testing.assert_close(theirs.buffers[field], buffer, atol=1e-4, rtol=0)
-    forwards = len(seen.steps_of("target", 1)) + len(seen.steps_of(runner, 1))
-    assert sum(stats.rank_messages.values()) == forwards
+    # each other rank ran.
+    for rank in range(1, world(layout)):
+        assert seen.replays(runner, rank)
+        for name in ("target", runner):
+            pointers = {}
+            for mine, theirs in zip(seen.replays(name), seen.replays(name, rank), strict=True):
+                assert pointers.setdefault(theirs.bucket, theirs.pointers) == theirs.pointers
+                assert mine.buffers.keys() == theirs.buffers.keys()
+                for field, buffer in mine.buffers.items():
+                    torch.testing.assert_close(theirs.buffers[field], buffer, atol=1e-4, rtol=0)
+        forwards = len(seen.steps_of("target", rank)) + len(seen.steps_of(runner, rank))
+        assert sum(stats.rank_messages.values()) == forwards
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_head_on_every_rank_runs_the_steps_one_process_runs(head, layout, pool):
     assert_every_rank_runs_one_process_s_steps(head, "head", layout, pool)
+
+
+def test_sampled_drafts_reach_every_rank_as_rank_0_drew_them(head, pool):
+    """Seeded sampling at temperature 0.8 under TP=2: rank 0 alone draws drafts (its
+    generators never leave it), and every step rank 1 runs, the head's draft steps
+    included, carries exactly the tokens rank 0's does."""
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=10) for i in range(len(PROMPTS))]
+    llm = probed(head.target, **ARGS, **head.args, tensor_parallel_size=2, worker_pool=pool)
+    llm.generate(PROMPTS, params)
+    assert llm.engine.stats().speculative.rounds > 0
+    seen = records(llm)
+    for name in ("target", "head"):
+        assert_handed_alike(handed(seen, name, 1), handed(seen, name), (name, 1))
+    # Sampled drafts are drafted step by step (no greedy draft loop).
+    assert not [step for step in seen.steps_of("head") if step.bucket and step.bucket[2]]
 
 
 # (graph, declared input): the head's steps' graphs and its draft loop's (which derives
@@ -141,21 +174,31 @@ STALE_ON_RANK_1 = [
     ("head", "slot_mapping"),
     ("head", "seq_lens"),
     ("head draft loop", "block_table"),
-    ("head draft loop", "positions"),
 ]
 
 
+@pytest.fixture(scope="module")
+def mutated_pool():
+    """A worker pool per mutation, whose workers apply it (rank 0 does not), shared by
+    the heads' tests."""
+    pools: dict[tuple[str, str], WorkerPool] = {}
+
+    def pool_for(graph: str, name: str) -> WorkerPool:
+        initializer = partial(forget_refresh_here, name, graph)
+        return pools.setdefault((graph, name), WorkerPool(initializer=initializer))
+
+    yield pool_for
+    for pool in pools.values():
+        pool.close()
+
+
 @pytest.mark.parametrize(("graph", "name"), STALE_ON_RANK_1)
-def test_a_stale_input_on_another_rank_alone_is_caught(head, graph, name):
+def test_a_stale_input_on_another_rank_alone_is_caught(head, graph, name, mutated_pool):
     """Under PCP the head on rank 1 feeds nothing back to rank 0, whose tokens cannot
     show a bug there: rank 1's head graphs that stop refreshing one input fail the
     check that rank 1 ran one process's steps."""
-    pool = WorkerPool(initializer=partial(forget_refresh_here, name, graph))
-    try:
-        with pytest.raises(AssertionError):
-            assert_every_rank_runs_one_process_s_steps(head, "head", "pcp2", pool)
-    finally:
-        pool.close()
+    with pytest.raises(AssertionError):
+        assert_every_rank_runs_one_process_s_steps(head, "head", "pcp2", mutated_pool(graph, name))
 
 
 @pytest.mark.parametrize("layout", ["tp2", "tp2-dcp2"])
@@ -195,12 +238,6 @@ def test_a_head_holds_what_shard_model_keeps_of_a_target_layer_of_its_kind(head,
     assert layer_bytes(layer) == layer_bytes(reference)
     (whole_layer,) = [m for m in whole.body.modules() if isinstance(m, DecoderLayer)]
     assert layer_bytes(whole_layer) / 2 <= layer_bytes(layer) < layer_bytes(whole_layer)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 # Run by each torchrun rank: rank 0 prints the tokens; rank 1 runs its steps and exits
@@ -262,3 +299,41 @@ def test_two_torchrun_nodes_over_loopback_give_one_process_s_tokens(tmp_path):
         assert node.returncode == 0, stderr[-3000:]
     assert results[0][0] == alone.stdout and json.loads(alone.stdout)
     assert results[1][0] == ""
+
+
+def answers(base_url: str, body: dict) -> tuple[str, str]:
+    """(plain text, streamed text) of one completion."""
+    plain = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120).json()
+    streamed = []
+    with httpx.stream(
+        "POST", f"{base_url}/v1/completions", json={**body, "stream": True}, timeout=120
+    ) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                streamed.append(json.loads(line.removeprefix("data: "))["choices"][0]["text"])
+    wait_for_idle(base_url)
+    return plain["choices"][0]["text"], "".join(streamed)
+
+
+def test_the_server_with_mtp_over_pcp_and_tp_answers_like_one_process(tmp_path):
+    """``updraft serve --speculative-method mtp`` over PCP=2 x TP=2 on a tiny DeepSeek
+    (with a byte tokenizer): a completion, plain and streamed, is one process's, with
+    drafts accepted."""
+    checkpoint = add_byte_tokenizer(make_head("mtp", tmp_path).target)
+    args = ["--model", str(checkpoint), "--speculative-method", "mtp"]
+    args += ["--num-speculative-tokens", "2", "--block-size", "4", "--num-kv-blocks", "128"]
+    body = {"model": str(checkpoint), "prompt": "the quick brown fox " * 5, "max_tokens": 16}
+    body |= {"temperature": 0, "ignore_eos": True}
+    layouts = [[], ["--tensor-parallel-size", "2", "--prefill-context-parallel-size", "2"]]
+    texts, accepted = [], []
+    for layout in layouts:
+        process, base_url = start_server_process(*args, *layout)
+        try:
+            texts.append(answers(base_url, body))
+            accepted.append(metric(base_url, "updraft_spec_decode_accepted_tokens"))
+        finally:
+            process.send_signal(signal.SIGTERM)
+            process.wait(60)
+        assert process.returncode == 0
+    assert texts[1] == texts[0] and texts[0][0] == texts[0][1] and texts[0][0]
+    assert accepted[1] == accepted[0] > 0

@@ -16,17 +16,19 @@ from tests.heads import eagle_head_checkpoint, mtp_checkpoint
 from tests.helpers import greedy, token_ids
 from updraft import LLM
 
-# Requests decoding together through one bucket (the size the plain replay tests use,
-# whose compiled runs of the same model shapes are then compiled once), and drafts of
-# k = 2: each model compiles few distinct runs.
+# Requests decoding together through one bucket, and drafts of k = 2: each model
+# compiles few distinct runs. The plain replay tests' bucket and cache sizes
+# (test_graph_engine.py's for Llama, test_graph_decode.py's for DeepSeek), so that the
+# runs of their decode steps, which inductor has compiled by then, come from its cache.
 PROMPTS = [list(range(10, 31)), [5, 6, 7] * 5, list(range(40, 50))]
 PARAMS = [greedy(12), greedy(9), greedy(10)]
-ARGS = dict(block_size=4, num_kv_blocks=128, capture_sizes=(4,), num_speculative_tokens=2)
+ARGS = dict(block_size=4, capture_sizes=(4,), num_speculative_tokens=2)
 
 
-def assert_compiled_replays_like_eager(model_dir, **speculation) -> None:
-    expected = LLM(model_dir, enforce_eager=True, **ARGS, **speculation).generate(PROMPTS, PARAMS)
-    llm = LLM(model_dir, compile_graphs=True, sanitize=True, **ARGS, **speculation)
+def assert_compiled_replays_like_eager(model_dir, num_kv_blocks: int, **speculation) -> None:
+    args = {**ARGS, "num_kv_blocks": num_kv_blocks, **speculation}
+    expected = LLM(model_dir, enforce_eager=True, **args).generate(PROMPTS, PARAMS)
+    llm = LLM(model_dir, compile_graphs=True, sanitize=True, **args)
     assert token_ids(llm.generate(PROMPTS, PARAMS)) == token_ids(expected)
     stats = llm.engine.stats()
     assert stats.steps["graph"] > 0 and stats.sanitize.healthy, stats.sanitize.mismatches
@@ -43,9 +45,9 @@ def test_compiled_steps_of_every_proposer_replay_like_eager(method, tmp_path):
     heads' greedy draft loop included, which sanitize does not check: greedy output
     does)."""
     if method == "mtp":
-        target, head = mtp_checkpoint(tmp_path / "mtp"), {}
+        target, head, blocks = mtp_checkpoint(tmp_path / "mtp"), {}, 64
     else:
-        target = make_tiny_checkpoint("llama", tmp_path / "llama")
+        target, blocks = make_tiny_checkpoint("llama", tmp_path / "llama"), 128
         head_dir = eagle_head_checkpoint(tmp_path / "head", target) if method == "eagle" else None
         head = {"speculative_model": str(head_dir)} if head_dir else {}
-    assert_compiled_replays_like_eager(target, speculative_method=method, **head)
+    assert_compiled_replays_like_eager(target, blocks, speculative_method=method, **head)
