@@ -303,7 +303,9 @@ def test_two_torchrun_nodes_over_loopback_give_one_process_s_tokens(tmp_path):
 
 def answers(base_url: str, body: dict) -> tuple[str, str]:
     """(plain text, streamed text) of one completion."""
-    plain = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120).json()
+    response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    plain = response.json()
     streamed = []
     with httpx.stream(
         "POST", f"{base_url}/v1/completions", json={**body, "stream": True}, timeout=120
@@ -315,25 +317,30 @@ def answers(base_url: str, body: dict) -> tuple[str, str]:
     return plain["choices"][0]["text"], "".join(streamed)
 
 
+KINDS = ("draft", "accepted")
+
+
 def test_the_server_with_mtp_over_pcp_and_tp_answers_like_one_process(tmp_path):
     """``updraft serve --speculative-method mtp`` over PCP=2 x TP=2 on a tiny DeepSeek
     (with a byte tokenizer): a completion, plain and streamed, is one process's, with
-    drafts accepted."""
+    as many drafts offered and accepted at the first position."""
     checkpoint = add_byte_tokenizer(make_head("mtp", tmp_path).target)
     args = ["--model", str(checkpoint), "--speculative-method", "mtp"]
     args += ["--num-speculative-tokens", "2", "--block-size", "4", "--num-kv-blocks", "128"]
-    body = {"model": str(checkpoint), "prompt": "the quick brown fox " * 5, "max_tokens": 16}
+    body = {"model": checkpoint.name, "prompt": "the quick brown fox " * 5, "max_tokens": 16}
     body |= {"temperature": 0, "ignore_eos": True}
     layouts = [[], ["--tensor-parallel-size", "2", "--prefill-context-parallel-size", "2"]]
-    texts, accepted = [], []
+    texts, accepted = [], []  # per layout: the texts; the drafts offered and accepted
     for layout in layouts:
         process, base_url = start_server_process(*args, *layout)
         try:
             texts.append(answers(base_url, body))
-            accepted.append(metric(base_url, "updraft_spec_decode_accepted_tokens"))
+            accepted.append(
+                [metric(base_url, f"updraft_spec_decode_{kind}_tokens") for kind in KINDS]
+            )
         finally:
             process.send_signal(signal.SIGTERM)
             process.wait(60)
         assert process.returncode == 0
     assert texts[1] == texts[0] and texts[0][0] == texts[0][1] and texts[0][0]
-    assert accepted[1] == accepted[0] > 0
+    assert accepted[1] == accepted[0] and accepted[0][0] > 0  # drafts offered, accepted
