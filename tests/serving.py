@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -98,3 +99,19 @@ def start_server_process(*args: str, **popen_args) -> tuple[subprocess.Popen, st
             pass
         assert time.monotonic() < deadline, "server did not start"
         time.sleep(0.1)
+
+
+def completion_texts(base_url: str, body: dict) -> tuple[str, str]:
+    """(plain text, streamed text) of one completion, once the server is idle again."""
+    response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    plain = response.json()
+    streamed = []
+    with httpx.stream(
+        "POST", f"{base_url}/v1/completions", json={**body, "stream": True}, timeout=120
+    ) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                streamed.append(json.loads(line.removeprefix("data: "))["choices"][0]["text"])
+    wait_for_idle(base_url)
+    return plain["choices"][0]["text"], "".join(streamed)

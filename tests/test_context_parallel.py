@@ -11,7 +11,6 @@ each way of feeding the draft a rank's local view is caught."""
 
 from __future__ import annotations
 
-import json
 import signal
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from tests.conftest import make_tiny_checkpoint
 from tests.helpers import greedy, token_ids, token_prompts
 from tests.mutations import draft_mirror_on, forget_refresh, local_seq_lens, rank0_chunks
 from tests.probes import assert_idle, logits_of, probe_dir, probed, records
-from tests.serving import MODEL, running_server, start_server_process, wait_for_idle
+from tests.serving import MODEL, completion_texts, running_server, start_server_process
 from tests.test_speculative import self_drafting
 from updraft import LLM
 from updraft.demo import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
@@ -294,20 +293,11 @@ def test_the_server_over_pcp_and_tp_answers_like_one_process():
         "--tensor-parallel-size", "2", "--prefill-context-parallel-size", "2"
     )
     try:
-        plain = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60).json()
-        streamed = []
-        with httpx.stream(
-            "POST", f"{base_url}/v1/completions", json={**body, "stream": True}, timeout=60
-        ) as response:
-            for line in response.iter_lines():
-                if line.startswith("data: {"):
-                    streamed.append(json.loads(line.removeprefix("data: "))["choices"][0]["text"])
-        wait_for_idle(base_url)
+        plain, streamed = completion_texts(base_url, body)
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(60)
-    assert plain["choices"][0]["text"] == expected["choices"][0]["text"]
-    assert "".join(streamed) == expected["choices"][0]["text"]
+    assert plain == streamed == expected["choices"][0]["text"]
     assert process.returncode == 0
     assert not list(Path("/dev/shm").glob(f"updraft-{process.pid}-*"))
 

@@ -15,7 +15,6 @@ import sys
 from functools import partial
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
@@ -24,7 +23,7 @@ from tests.heads import Head, make_head
 from tests.helpers import greedy, token_ids
 from tests.mutations import forget_refresh_here
 from tests.probes import probed, records
-from tests.serving import free_port, metric, start_server_process, wait_for_idle
+from tests.serving import completion_texts, free_port, metric, start_server_process
 from updraft import LLM, SamplingParams, WorkerPool
 from updraft.config import ModelConfig, ParallelSizes
 from updraft.models.layers import DecoderLayer
@@ -301,22 +300,6 @@ def test_two_torchrun_nodes_over_loopback_give_one_process_s_tokens(tmp_path):
     assert results[1][0] == ""
 
 
-def answers(base_url: str, body: dict) -> tuple[str, str]:
-    """(plain text, streamed text) of one completion."""
-    response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
-    assert response.status_code == 200, response.text
-    plain = response.json()
-    streamed = []
-    with httpx.stream(
-        "POST", f"{base_url}/v1/completions", json={**body, "stream": True}, timeout=120
-    ) as response:
-        for line in response.iter_lines():
-            if line.startswith("data: {"):
-                streamed.append(json.loads(line.removeprefix("data: "))["choices"][0]["text"])
-    wait_for_idle(base_url)
-    return plain["choices"][0]["text"], "".join(streamed)
-
-
 KINDS = ("draft", "accepted")
 
 
@@ -334,7 +317,7 @@ def test_the_server_with_mtp_over_pcp_and_tp_answers_like_one_process(tmp_path):
     for layout in layouts:
         process, base_url = start_server_process(*args, *layout)
         try:
-            texts.append(answers(base_url, body))
+            texts.append(completion_texts(base_url, body))
             accepted.append(
                 [metric(base_url, f"updraft_spec_decode_{kind}_tokens") for kind in KINDS]
             )

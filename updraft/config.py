@@ -526,6 +526,15 @@ class EngineConfig:
                 f"num_speculative_tokens must be an int >= 1, got {self.num_speculative_tokens!r}"
             )
         self.parallel_sizes.check()
+        self._check_draft_tensor_parallel()
+        if self.parallel_sizes.world > 1 and self.sanitize:
+            raise ValueError("sanitize is not supported over several ranks")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    def _check_draft_tensor_parallel(self) -> None:
         if self.draft_tensor_parallel_size not in (1, self.tensor_parallel_size):
             raise ValueError(
                 f"draft_tensor_parallel_size must be 1 or tensor_parallel_size "
@@ -536,12 +545,6 @@ class EngineConfig:
                 "draft_tensor_parallel_size is the draft model's (speculative_method "
                 f"'draft'), got it with {self.speculative_method!r}"
             )
-        if self.parallel_sizes.world > 1 and self.sanitize:
-            raise ValueError("sanitize is not supported over several ranks")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
     @property
     def parallel_sizes(self) -> ParallelSizes:

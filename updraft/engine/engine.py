@@ -55,13 +55,7 @@ class Engine:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         self.tokenizer = Tokenizer.from_dir(config.model)
-        trained = self.model_config.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > trained:
-            raise ValueError(
-                f"max_model_len {config.max_model_len} is above the {trained} positions "
-                f"{config.model} was trained for (max_position_embeddings in its config.json)"
-            )
-        self.context_len = config.max_model_len or trained
+        self.context_len = self._context_len(config)
         k = config.num_speculative_tokens if config.speculative_method else 0
         query_lens = (1, 1 + k) if k else (1,)  # decode and verify steps, for graphs
         launched = torchrun_rendezvous()
@@ -118,6 +112,17 @@ class Engine:
             and self._workers is None  # each rank keeps its share of the cores
         )
         self._ids = itertools.count()
+
+    def _context_len(self, config: EngineConfig) -> int:
+        """The longest sequence: ``max_model_len``, or the positions the model was
+        trained for, which ``max_model_len`` may not exceed."""
+        trained = self.model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > trained:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} is above the {trained} positions "
+                f"{config.model} was trained for (max_position_embeddings in its config.json)"
+            )
+        return config.max_model_len or trained
 
     def _join_torchrun(
         self,
