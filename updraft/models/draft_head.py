@@ -27,7 +27,7 @@ from updraft.config import ModelConfig
 from updraft.models.eagle import eagle_config, load_eagle_head
 from updraft.models.mtp import load_mtp_layers
 from updraft.models.rope import RotaryEmbedding
-from updraft.models.tensor_parallel import shard_layer
+from updraft.models.tensor_parallel import shard_layer, splits_tensors
 from updraft.parallel.topology import RankPlace
 
 
@@ -74,7 +74,7 @@ def mtp_head(
     ``config``), and the config its cache follows: the target's, with the one layer.
     With ``place``, the shard of the layer that rank keeps, split like a target layer."""
     layer = load_mtp_layers(config, model_dir, dtype, device).depths()[0]
-    if place is not None and place.sizes.tensor > 1:
+    if splits_tensors(place):
         shard_layer(layer, place)
     return DraftHead(target, layer, target.rotary, rope_offset=1), replace(config, num_layers=1)
 

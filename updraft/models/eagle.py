@@ -30,7 +30,7 @@ from updraft.models.layers import MLP, DecoderLayer
 from updraft.models.llama import Attention
 from updraft.models.loader import building, load_weights, weight_files
 from updraft.models.packed_linear import can_prepack, prepack_linears
-from updraft.models.tensor_parallel import shard_layer
+from updraft.models.tensor_parallel import shard_layer, splits_tensors
 from updraft.parallel.topology import RankPlace
 
 SHARED_WITH_TARGET = ("embed_tokens.", "lm_head.")
@@ -115,7 +115,7 @@ def load_eagle_head(
             first_input_norm="layers.0.input_layernorm.weight" in names,
         )
     load_weights(head, files, select=lambda name: not name.startswith(SHARED_WITH_TARGET))
-    if place is not None and place.sizes.tensor > 1:
+    if splits_tensors(place):
         for layer in head.layers:
             shard_layer(layer, place)
     if can_prepack(torch.device(device), dtype):

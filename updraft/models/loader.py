@@ -23,7 +23,7 @@ from updraft.models.layers import FusedLinear
 from updraft.models.moe import Experts
 from updraft.models.packed_linear import can_prepack, prepack_linears
 from updraft.models.registry import model_class
-from updraft.models.tensor_parallel import shard_model
+from updraft.models.tensor_parallel import shard_model, splits_tensors
 from updraft.parallel.topology import RankPlace
 
 # checkpoint projection -> (fused parameter in the model, index of its slice), the first
@@ -104,7 +104,7 @@ def load_model(
     # does not run them (models/mtp.py loads them on their own).
     mtp = range(config.num_layers, config.num_layers + config.mtp_layers)
     load_weights(model, files, select=lambda name: layer_of(name) not in mtp)
-    if place is not None and place.sizes.tensor > 1:
+    if splits_tensors(place):
         shard_model(model, place)
     if quantization == "int8":
         if not can_quantize_int8(torch.device(device), dtype):

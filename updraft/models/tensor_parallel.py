@@ -265,6 +265,11 @@ def shard_model(model: CausalLM, place: RankPlace) -> None:
         shard_layer(layer, place)
 
 
+def splits_tensors(place: RankPlace | None) -> bool:
+    """Whether the rank at ``place`` holds a shard of each layer, not the whole."""
+    return place is not None and place.sizes.tensor > 1
+
+
 @torch.no_grad()
 def shard_layer(layer: DecoderLayer, place: RankPlace) -> None:
     """Keep, in place, the rank's shard of one decoder layer (a target's, or a draft

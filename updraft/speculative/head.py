@@ -78,7 +78,6 @@ class HeadProposer:
         """``runner``: the head's (``head_runner``)."""
         self.target = target
         self.runner = runner
-        self.head = runner.model
 
     def mirror(
         self,
