@@ -17,7 +17,7 @@ from torch import nn
 from transformers.modeling_layers import MtpModel
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from tests.conftest import DEEPSEEK_TINY, make_tiny_checkpoint
+from tests.conftest import DEEPSEEK, DEEPSEEK_TINY, make_deepseek_checkpoint, make_tiny_checkpoint
 from updraft.attention.metadata import AttentionMetadata, GroupShape
 from updraft.models.draft_head import eagle_head, mtp_head
 
@@ -139,33 +139,27 @@ def reference_for(target_dir: Path, head_dir: Path) -> ReferenceHead:
 # -- MTP -----------------------------------------------------------------------------------
 
 
-def mtp_checkpoint(directory: Path) -> Path:
-    """Save a tiny V3 main model, then write a random MTP layer beside it under the
-    names DeepSeek's checkpoints use: the block's tensors at the layer's top level,
-    ``shared_head.norm`` for the output norm, one tensor per expert."""
-    config = transformers.DeepseekV3Config(
-        **DEEPSEEK_TINY, q_lora_rank=16, num_nextn_predict_layers=1
-    )
-    torch.manual_seed(0)
-    main = transformers.DeepseekV3ForCausalLM(config).eval()
-    main.save_pretrained(directory)
-    mtp = MtpModel(main, 1)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, tensor in mtp.named_parameters():
-            if name.startswith("layers.0."):
-                tensor.normal_(0, 0.2)
-        for name, tensor in mtp.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                tensor.normal_(0, 0.5)
-    layer = config.num_hidden_layers
+def mtp_checkpoint(directory: Path, kind: str = "deepseek-v3") -> Path:
+    """Save a tiny V3 (or V3.2) main model, then write a random MTP layer beside it
+    under the names DeepSeek's checkpoints use: the block's tensors at the layer's top
+    level, ``shared_head.norm`` for the output norm, one tensor per expert."""
+    if kind == "deepseek-v3":
+        config = transformers.DeepseekV3Config(
+            **DEEPSEEK_TINY, **DEEPSEEK[kind], num_nextn_predict_layers=1
+        )
+        torch.manual_seed(0)
+        main = transformers.DeepseekV3ForCausalLM(config).eval()
+        main.save_pretrained(directory)
+        block = mtp_block_of_v3(main)
+    else:
+        make_deepseek_checkpoint(kind, directory)
+        raw = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps({**raw, "num_nextn_predict_layers": 1}))
+        block = mtp_block_of_v32()
+    layer = DEEPSEEK_TINY["num_hidden_layers"]
     tensors = load_file(directory / "model.safetensors")
-    for name, tensor in mtp.state_dict().items():
-        if not name.startswith("layers.0."):
-            continue
-        rest = name.removeprefix("layers.0.").replace("mtp_block.", "")
-        rest = rest.replace("post_norm.", "shared_head.norm.")
-        prefix = f"model.layers.{layer}."
+    prefix = f"model.layers.{layer}."
+    for rest, tensor in block.items():
         if rest.endswith("experts.gate_up_proj"):
             gate, up = tensor.chunk(2, dim=1)
             for expert in range(tensor.shape[0]):
@@ -178,6 +172,46 @@ def mtp_checkpoint(directory: Path) -> Path:
             tensors[prefix + rest] = tensor.clone().contiguous()
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     return directory
+
+
+def randomized(module: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """``module``'s tensors, parameters drawn from N(0, 0.2) and the routers' score
+    biases from N(0, 0.5) (so that they change which experts win)."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for tensor in module.parameters():
+            tensor.normal_(0, 0.2)
+        for name, tensor in module.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                tensor.normal_(0, 0.5)
+    return module.state_dict()
+
+
+def mtp_block_of_v3(main: nn.Module) -> dict[str, torch.Tensor]:
+    """transformers' own MTP layer for ``main``, under the names of the layer's top
+    level in DeepSeek's checkpoints."""
+    tensors = randomized(MtpModel(main, 1).layers[0], seed=1)
+    return {
+        name.replace("mtp_block.", "").replace("post_norm.", "shared_head.norm."): tensor
+        for name, tensor in tensors.items()
+    }
+
+
+def mtp_block_of_v32() -> dict[str, torch.Tensor]:
+    """A V3.2 MTP layer: a decoder block with experts and the indexer (transformers has
+    no MTP layer for V3.2: its block comes from a V3.2 model one layer deeper) and the
+    depth's own norms and projection."""
+    layers = DEEPSEEK_TINY["num_hidden_layers"]
+    config = transformers.DeepseekV32Config(
+        **{**DEEPSEEK_TINY, "num_hidden_layers": layers + 1}, **DEEPSEEK["deepseek-v3.2"]
+    )
+    deeper = transformers.DeepseekV32ForCausalLM(config)
+    tensors = randomized(deeper.model.layers[layers], seed=1)
+    hidden = config.hidden_size
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"{name}.weight"] = 1 + 0.2 * torch.randn(hidden)
+    tensors["eh_proj.weight"] = 0.2 * torch.randn(hidden, 2 * hidden)
+    return tensors
 
 
 class MTPReference:
@@ -262,8 +296,9 @@ class Head:
 
 
 def make_head(kind: str, root: Path) -> Head:
-    if kind == "mtp":
-        target = mtp_checkpoint(root / "mtp")
+    if kind in ("mtp", "mtp-dsa"):
+        version = {"mtp": "deepseek-v3", "mtp-dsa": "deepseek-v3.2"}[kind]
+        target = mtp_checkpoint(root / kind, version)
         return Head(
             target, {"speculative_method": "mtp"}, mtp_head, target, lambda: MTPReference(target)
         )

@@ -8,7 +8,13 @@ would carry the bug, before the engine is made, and undone after the test.
 * ``first_draft_from_the_row_before``: a head drafts from the wrong row of the mirror;
 * ``draft_mirror_on``: the draft model's mirror step runs on another view of the step
   than the one the target ran (the previous batch's, one rank's chunks, one rank's
-  context lengths).
+  context lengths);
+* ``head_fed_here`` (a worker pool's initializer): a head replicated across the
+  prefill-context ranks is fed, on the ranks other than 0, its rank's own view of each
+  split step (its chunks, or its chunks' context lengths) instead of the global step;
+* ``hidden_states_here`` (a worker pool's initializer): the target's hidden states of a
+  split step reach the other ranks' heads ungathered (each rank's own rows, zeros for
+  the rest) or gathered in rank order instead of the step's.
 """
 
 from __future__ import annotations
@@ -19,11 +25,14 @@ from dataclasses import replace
 import pytest
 import torch
 
+import updraft.runner.runner as runner_module
 from updraft.graph.static_input import StaticInput
+from updraft.parallel.topology import GroupRank
+from updraft.runner.rank_messages import Follower, HiddenRows, RankStep
 from updraft.speculative.draft_model import DraftModel
 from updraft.speculative.head import HeadProposer
 from updraft.step.inputs import StepInputs
-from updraft.step.prefill_split import split_step, splits
+from updraft.step.prefill_split import PrefillSplit, split_step, splits
 
 
 def forget_refresh(monkeypatch: pytest.MonkeyPatch, name: str, graph: str = "target") -> None:
@@ -91,3 +100,67 @@ def local_seq_lens(inputs: StepInputs, memory: dict) -> StepInputs:
     """Context lengths as one decode-context rank of two counts them."""
     seq_lens = (inputs.forward.seq_lens + 1) // 2
     return replace(inputs, forward=replace(inputs.forward, seq_lens=seq_lens))
+
+
+def head_fed_here(view: str) -> None:
+    """For the rest of this process (a rank other than 0), its head runs each split
+    step's ``view``: ``chunks`` (the rank's own chunks at their local slots, its hidden
+    states the target's rows of them; the head's output is put back at those rows) or
+    ``seq_lens`` (the global step with the context lengths of the rank's chunks)."""
+    run = Follower.run
+
+    def run_local(self: Follower, message) -> None:
+        target = self.runners["target"]
+        group = target.place.prefill_context
+        step = message.inputs.forward if isinstance(message, RankStep) else None
+        if message.runner != "head" or step is None or not splits(step, target.whole_query_len):
+            return run(self, message)
+        split = split_step(step, group.rank, group.size, target.whole_query_len)
+        if view == "seq_lens":
+            seq_lens = step.seq_lens.clone()
+            seq_lens[split.request_rows] = split.local.seq_lens[: len(split.request_rows)]
+            forward = replace(step, seq_lens=seq_lens)
+            return run(self, replace(message, inputs=replace(message.inputs, forward=forward)))
+        rows = own_rows(split, group)
+        inputs = replace(
+            message.inputs,
+            forward=split.local,
+            sampling=replace(
+                message.inputs.sampling, logits_indices=torch.zeros(0, dtype=torch.long)
+            ),
+        )
+        padded = split.local.num_tokens
+        hidden_from = HiddenRows("target", tuple(rows.tolist()) + (0,) * (padded - len(rows)))
+        run(self, replace(message, inputs=inputs, hidden_from=hidden_from))
+        local = self.hidden["head"]
+        self.hidden["head"] = local.new_zeros((step.num_tokens, local.shape[1])).index_copy(
+            0, rows, local[: len(rows)]
+        )
+
+    pytest.MonkeyPatch().setattr(Follower, "run", run_local)
+
+
+def own_rows(split: PrefillSplit, group: GroupRank) -> torch.Tensor:
+    """The step's rows that ``group.rank`` computes, in its local order."""
+    padded = split.kv_slot_mapping.numel() // group.size
+    local = split.order - group.rank * padded
+    mine = ((local >= 0) & (local < padded)).nonzero().flatten()
+    return mine[local[mine].argsort()]
+
+
+def hidden_states_here(bug: str) -> None:
+    """For the rest of this process (a rank other than 0), a split step's hidden states
+    are ``ungathered`` (the rank's own rows; zeros where the other ranks' rows belong)
+    or gathered ``in_rank_order`` (every rank's rows, padding included, as gathered)."""
+    gather = runner_module.in_step_order
+
+    def wrong(hidden: torch.Tensor, group: GroupRank, split: PrefillSplit) -> torch.Tensor:
+        if bug == "in_rank_order":
+            return gather(hidden, group, replace(split, order=torch.arange(split.order.numel())))
+        gather(hidden, group, split)  # the other ranks still gather
+        padded = hidden.shape[0]
+        whole = hidden.new_zeros((group.size * padded, hidden.shape[1]))
+        whole[group.rank * padded : (group.rank + 1) * padded] = hidden
+        return whole.index_select(0, split.order.to(hidden.device))
+
+    pytest.MonkeyPatch().setattr(runner_module, "in_step_order", wrong)

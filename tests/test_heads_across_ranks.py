@@ -1,7 +1,8 @@
 """Proposers whose model runs on every rank of a split target: EAGLE (GQA) on tiny
-Llama and DeepSeek's MTP layer (MLA) on tiny V3, split over two tensor ranks (with or
-without DCP), replicated across two prefill-context ranks, or both, and a draft model
-split over two tensor ranks. Every step each runner runs, on every rank, is handed
+Llama and Qwen3 and DeepSeek's MTP layer on tiny V3 (MLA) and V3.2 (DSA), split over two
+tensor ranks (with or without DCP), replicated across two prefill-context ranks, or
+both, and a draft model split over two tensor ranks (and replicated across two
+prefill-context ranks). Every step each runner runs, on every rank, is handed
 exactly the step one process hands it (so every proposal, which the target's verify
 steps carry, is one process's), greedy output equals decoding without speculation, and
 acceptance per draft position equals one process's."""
@@ -21,7 +22,7 @@ import torch
 from tests.conftest import add_byte_tokenizer, make_tiny_checkpoint
 from tests.heads import Head, make_head
 from tests.helpers import greedy, token_ids
-from tests.mutations import forget_refresh_here
+from tests.mutations import forget_refresh_here, head_fed_here, hidden_states_here
 from tests.probes import probed, records
 from tests.serving import completion_texts, free_port, metric, start_server_process
 from updraft import LLM, SamplingParams, WorkerPool
@@ -60,8 +61,14 @@ ARGS = dict(
 )
 
 
-@pytest.fixture(scope="module", params=["eagle-llama", "mtp"])
+HEADS = ["eagle-llama", "eagle-qwen3", "mtp", "mtp-dsa"]
+# One head per attention kind: GQA, MLA, DSA.
+KINDS = ["eagle-llama", "mtp", "mtp-dsa"]
+
+
+@pytest.fixture(scope="module")
 def head(request, tmp_path_factory) -> Head:
+    """The head named by the test's (indirect) parameter."""
     return make_head(request.param, tmp_path_factory.mktemp(f"{request.param}-ranks"))
 
 
@@ -78,20 +85,26 @@ def draft_pair(tmp_path_factory) -> Head:
 ONE_PROCESS: dict[str, tuple[list, object, ProbeRecords]] = {}
 
 
-def one_process(proposer: Head, layout: str) -> tuple[list, object, ProbeRecords]:
+def one_process(proposer: Head, layout: str, graph_mode: str) -> tuple[list, object, ProbeRecords]:
     """(tokens, acceptance, probe records) of the proposer in one process, with the
-    layout's positions per block (the same block tables and slots); run once for the
-    layouts that share them."""
+    layout's positions per block (the same block tables and slots) and graph mode; run
+    once for the layouts that share them."""
     block_size = ARGS["block_size"] * LAYOUTS[layout].get("decode_context_parallel_size", 1)
-    key = f"{proposer.target} {block_size}"
+    key = f"{proposer.target} {proposer.args} {block_size} {graph_mode}"
     if key not in ONE_PROCESS:
         args = {**ARGS, **proposer.args, "draft_tensor_parallel_size": 1}
-        llm = probed(proposer.target, **{**args, "block_size": block_size})
+        llm = probed(proposer.target, **{**args, "block_size": block_size}, **modes(graph_mode))
         tokens = token_ids(llm.generate(PROMPTS, PARAMS))
         plain = LLM(proposer.target, **{**ARGS, "block_size": block_size})
         assert tokens == token_ids(plain.generate(PROMPTS, PARAMS))  # speculation is exact
         ONE_PROCESS[key] = tokens, llm.engine.stats().speculative, records(llm)
     return ONE_PROCESS[key]
+
+
+def modes(graph_mode: str) -> dict:
+    """Engine arguments for ``graph_mode``: ``auto``, ``full``, ``piecewise`` or
+    ``eager``."""
+    return {"enforce_eager": True} if graph_mode == "eager" else {"graph_mode": graph_mode}
 
 
 def handed(seen: ProbeRecords, runner: str, rank: int = 0) -> list[tuple]:
@@ -120,9 +133,13 @@ def assert_handed_alike(got: list[tuple], expected: list[tuple], where: tuple) -
                 assert tensors[field] == values, (*where, index, field)
 
 
-def assert_every_rank_runs_one_process_s_steps(proposer: Head, runner: str, layout: str, pool):
-    tokens, acceptance, alone = one_process(proposer, layout)
-    llm = probed(proposer.target, **ARGS, **proposer.args, **LAYOUTS[layout], worker_pool=pool)
+def assert_every_rank_runs_one_process_s_steps(
+    proposer: Head, runner: str, layout: str, pool, graph_mode: str = "auto"
+) -> ProbeRecords:
+    """-> the run's probe records."""
+    tokens, acceptance, alone = one_process(proposer, layout, graph_mode)
+    args = {**ARGS, **proposer.args, **LAYOUTS[layout], **modes(graph_mode)}
+    llm = probed(proposer.target, **args, worker_pool=pool)
     assert token_ids(llm.generate(PROMPTS, PARAMS)) == tokens
     stats = llm.engine.stats()
     assert stats.speculative == acceptance and acceptance.rounds > 0
@@ -134,7 +151,7 @@ def assert_every_rank_runs_one_process_s_steps(proposer: Head, runner: str, layo
     # 0's read, from buffers that never moved; rank 0 sent one message per forward
     # each other rank ran.
     for rank in range(1, world(layout)):
-        assert seen.replays(runner, rank)
+        assert bool(seen.replays(runner, rank)) == (graph_mode != "eager")
         for name in ("target", runner):
             pointers = {}
             for mine, theirs in zip(seen.replays(name), seen.replays(name, rank), strict=True):
@@ -144,13 +161,37 @@ def assert_every_rank_runs_one_process_s_steps(proposer: Head, runner: str, layo
                     torch.testing.assert_close(theirs.buffers[field], buffer, atol=1e-4, rtol=0)
         forwards = len(seen.steps_of("target", rank)) + len(seen.steps_of(runner, rank))
         assert sum(stats.rank_messages.values()) == forwards
+    return seen
 
 
+@pytest.mark.parametrize("head", HEADS, indirect=True)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_head_on_every_rank_runs_the_steps_one_process_runs(head, layout, pool):
     assert_every_rank_runs_one_process_s_steps(head, "head", layout, pool)
 
 
+@pytest.mark.parametrize(
+    ("head", "graph_mode"),
+    [(kind, mode) for kind in KINDS for mode in ("full", "piecewise")] + [("mtp", "eager")],
+    indirect=["head"],
+)
+def test_each_attention_kind_s_head_runs_one_process_s_steps_in_each_graph_mode(
+    head, graph_mode, pool
+):
+    """Under PCP=2, FULL graphs (which for DSA must be asked for: auto picks PIECEWISE
+    there) and PIECEWISE ones, and eagerly: each rank's head replays step graphs of
+    that mode only (its draft loop holds attention whole in every mode), from the
+    steps one process runs in that mode."""
+    seen = assert_every_rank_runs_one_process_s_steps(head, "head", "pcp2", pool, graph_mode)
+    for rank in (0, 1):
+        replays = seen.replays("head", rank)
+        steps = {step.graph_mode for step in replays if not step.bucket[2]}
+        assert steps == ({graph_mode.upper()} if graph_mode != "eager" else set())
+        loops = {step.graph_mode for step in replays if step.bucket[2]}
+        assert loops == ({"FULL"} if graph_mode != "eager" else set())
+
+
+@pytest.mark.parametrize("head", ["eagle-llama", "mtp"], indirect=True)
 def test_sampled_drafts_reach_every_rank_as_rank_0_drew_them(head, pool):
     """Seeded sampling at temperature 0.8 under TP=2: rank 0 alone draws drafts (its
     generators never leave it), and every step rank 1 runs, the head's draft steps
@@ -176,31 +217,45 @@ STALE_ON_RANK_1 = [
 ]
 
 
+# What ranks other than 0 get wrong under each mutation (``tests/mutations.py``).
+WRONG_ON_RANK_1 = [
+    *(partial(forget_refresh_here, name, graph) for graph, name in STALE_ON_RANK_1),
+    partial(head_fed_here, "chunks"),
+    partial(head_fed_here, "seq_lens"),
+    partial(hidden_states_here, "ungathered"),
+    partial(hidden_states_here, "in_rank_order"),
+]
+
+
 @pytest.fixture(scope="module")
 def mutated_pool():
     """A worker pool per mutation, whose workers apply it (rank 0 does not), shared by
     the heads' tests."""
-    pools: dict[tuple[str, str], WorkerPool] = {}
+    pools: dict[str, WorkerPool] = {}
 
-    def pool_for(graph: str, name: str) -> WorkerPool:
-        initializer = partial(forget_refresh_here, name, graph)
-        return pools.setdefault((graph, name), WorkerPool(initializer=initializer))
+    def pool_for(mutation: partial) -> WorkerPool:
+        key = f"{mutation.func.__name__}{mutation.args}"
+        return pools.setdefault(key, WorkerPool(initializer=mutation))
 
     yield pool_for
     for pool in pools.values():
         pool.close()
 
 
-@pytest.mark.parametrize(("graph", "name"), STALE_ON_RANK_1)
-def test_a_stale_input_on_another_rank_alone_is_caught(head, graph, name, mutated_pool):
+@pytest.mark.parametrize("head", KINDS, indirect=True)
+@pytest.mark.parametrize(
+    "mutation", WRONG_ON_RANK_1, ids=lambda m: "-".join([m.func.__name__, *m.args])
+)
+def test_a_wrong_input_on_another_rank_alone_is_caught(head, mutation, mutated_pool):
     """Under PCP the head on rank 1 feeds nothing back to rank 0, whose tokens cannot
-    show a bug there: rank 1's head graphs that stop refreshing one input fail the
-    check that rank 1 ran one process's steps."""
+    show a bug there: rank 1's head graphs that stop refreshing one input, a head fed
+    its rank's chunks or their context lengths, and hidden states not gathered or out
+    of step order each fail the check that rank 1 ran one process's steps."""
     with pytest.raises(AssertionError):
-        assert_every_rank_runs_one_process_s_steps(head, "head", "pcp2", mutated_pool(graph, name))
+        assert_every_rank_runs_one_process_s_steps(head, "head", "pcp2", mutated_pool(mutation))
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2-dcp2"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2-dcp2", "pcp2-tp2"])
 def test_a_draft_model_split_over_tensor_ranks_runs_the_steps_one_process_runs(
     draft_pair, layout, pool
 ):
@@ -213,6 +268,7 @@ def layer_bytes(layer: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for part in parts for t in part.state_dict().values())
 
 
+@pytest.mark.parametrize("head", KINDS, indirect=True)
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_head_holds_what_shard_model_keeps_of_a_target_layer_of_its_kind(head, rank):
     """Under TP=2, each rank's head layer is as large as one target layer of the same
@@ -300,7 +356,7 @@ def test_two_torchrun_nodes_over_loopback_give_one_process_s_tokens(tmp_path):
     assert results[1][0] == ""
 
 
-KINDS = ("draft", "accepted")
+SPEC_METRICS = ("draft", "accepted")
 
 
 def test_the_server_with_mtp_over_pcp_and_tp_answers_like_one_process(tmp_path):
@@ -319,7 +375,7 @@ def test_the_server_with_mtp_over_pcp_and_tp_answers_like_one_process(tmp_path):
         try:
             texts.append(completion_texts(base_url, body))
             accepted.append(
-                [metric(base_url, f"updraft_spec_decode_{kind}_tokens") for kind in KINDS]
+                [metric(base_url, f"updraft_spec_decode_{kind}_tokens") for kind in SPEC_METRICS]
             )
         finally:
             process.send_signal(signal.SIGTERM)

@@ -162,21 +162,34 @@ class AttentionGroup:
 
     @classmethod
     def uniform(
-        cls, shape: GroupShape, seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int
+        cls,
+        shape: GroupShape,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        block_size: int,
+        shard: tuple[int, int] = (0, 1),
     ) -> AttentionGroup:
         """A whole bucket of ``last_req`` requests of ``max_query`` tokens each, over
-        every block of the block table: every shape is the bucket's, so nothing here
-        depends on the step. A padding request (seq_len 0) attends to its first slot:
-        a defined softmax whose output no one reads."""
+        every block of the block table (this rank's shard of it, as in ``build``):
+        every shape is the bucket's, so nothing here depends on the step. A padding
+        request (seq_len 0) attends to its first slot: a defined softmax whose output
+        no one reads. (Its query tokens have no request in ``query_start_loc``, which
+        is why a bucket is not ``build``'s business.)"""
+        rank, shards = shard
         batch, max_query = shape.last_req, shape.max_query
         device = block_table.device
         rows = torch.arange(max_query, device=device)
-        columns = torch.arange(shape.max_context, device=device)
+        columns = torch.arange(-(-shape.max_context // shards), device=device)
         query_index = torch.arange(batch * max_query, device=device).view(batch, max_query)
-        kv_slots = context_slots(block_table[:batch], columns, block_size)
+        kv_slots = context_slots(block_table[:batch], columns, block_size // shards)
         context_before = seq_lens[:batch] - max_query
-        mask = columns[None, None, :] <= context_before[:, None, None] + rows[None, :, None]
-        mask = mask | (columns == 0)  # position 0 is in every real query's context anyway
+        positions = columns * shards + rank if shards > 1 else columns
+        mask = positions[None, None, :] <= context_before[:, None, None] + rows[None, :, None]
+        # Position 0 is in every real query's context anyway; a shard's first column
+        # may not be, and a token that sees nothing of a shard is what the shards'
+        # log-sum-exps merge away.
+        padding = (seq_lens[:batch] == 0)[:, None, None] if shards > 1 else True
+        mask = mask | ((columns == 0) & padding)
         return cls(query_index, kv_slots, mask[:, None], query_index.flatten())
 
 
@@ -333,9 +346,10 @@ class AttentionMetadata:
         the later layers."""
         if index not in self._groups:
             shape, shard = self.shapes[index], self.context.decode
-            if self.uniform and shard is None:
+            shard = (0, 1) if shard is None else (shard.rank, shard.size)
+            if self.uniform:
                 group = AttentionGroup.uniform(
-                    shape, self.seq_lens, self.block_table, self.positions_per_block
+                    shape, self.seq_lens, self.block_table, self.positions_per_block, shard
                 )
             else:
                 group = AttentionGroup.build(
@@ -344,7 +358,7 @@ class AttentionMetadata:
                     self.seq_lens,
                     self.block_table,
                     self.positions_per_block,
-                    shard=(0, 1) if shard is None else (shard.rank, shard.size),
+                    shard=shard,
                 )
             self._groups[index] = group
         return self._groups[index]

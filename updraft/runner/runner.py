@@ -39,7 +39,7 @@ from updraft.runner.rejection_sampler import verify_step
 from updraft.runner.sampler import sample
 from updraft.step.inputs import GRAPH_INPUTS, ForwardInputs, GraphInput, SamplingInputs, StepInputs
 from updraft.step.output import StepOutput
-from updraft.step.prefill_split import split_step, splits
+from updraft.step.prefill_split import PrefillSplit, split_step, splits
 
 
 class Forward(NamedTuple):
@@ -334,9 +334,7 @@ class Runner:
         metadata = AttentionMetadata.from_step(
             local, self.positions_per_block, self.device, context
         )
-        hidden = self._model(local, kv_caches, metadata)
-        gathered = torch.ops.updraft.all_gather(hidden, group.group, group.size)
-        return gathered.index_select(0, split.order.to(self.device))
+        return in_step_order(self._model(local, kv_caches, metadata), group, split)
 
     def _model(
         self, step: ForwardInputs, kv_caches: list[torch.Tensor], metadata: AttentionMetadata
@@ -354,6 +352,14 @@ class Runner:
             metadata,
             **extra,
         )
+
+
+def in_step_order(hidden: torch.Tensor, group: GroupRank, split: PrefillSplit) -> torch.Tensor:
+    """Every rank's hidden states of a split step (``hidden``: this rank's, padded),
+    gathered on every rank and put back in the step's order: what a head replicated
+    across the group reads."""
+    gathered = torch.ops.updraft.all_gather(hidden, group.group, group.size)
+    return gathered.index_select(0, split.order.to(hidden.device))
 
 
 def load_runner(
