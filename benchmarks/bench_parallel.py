@@ -14,7 +14,15 @@ Each setup runs in a fresh process per round (parallelism changes the process's 
 count), rounds alternate the order; the table shows the best round and the range. Every
 setup's tokens are compared with the first's.
 
-    .venv/bin/python -m benchmarks.bench_parallel [--rounds 2]
+With ``--proposers``: speculation whose model runs on every rank, against the same
+proposer in one process and against no speculation, under TP=2 and PCP=2: the demo
+target with its trained EAGLE head (k = 3) and with its draft model split over the
+tensor ranks (k = 3), and a tiny random DeepSeek-V3 with a random MTP layer (k = 2;
+a random layer is rarely right, so its row shows what the head costs, not what it
+gains). Per setup: batch-1 decode tokens/s over 4 held-out code prompts (128 tokens
+each), tokens per verify round, and the messages rank 0 sends per step.
+
+    .venv/bin/python -m benchmarks.bench_parallel [--rounds 2] [--proposers]
 """
 
 from __future__ import annotations
@@ -38,6 +46,12 @@ SETUPS = {
     "PCP=2": {"prefill_context_parallel_size": 2},
 }
 LONG_PROMPTS = (2048, 8192)
+LAYOUTS = {
+    "1 process": {},
+    "TP=2": {"tensor_parallel_size": 2},
+    "PCP=2": {"prefill_context_parallel_size": 2},
+}
+PROPOSERS = ("none", "EAGLE", "draft model", "MTP (random)")
 
 
 def measure(model: Path, layout: dict) -> dict:
@@ -75,12 +89,122 @@ def measure(model: Path, layout: dict) -> dict:
     return result
 
 
+def proposer_args(proposer: str, layout: dict, work_dir: Path) -> tuple[str, dict]:
+    """(model, engine arguments) of ``proposer`` under ``layout``."""
+    from updraft.demo import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
+
+    if proposer == "MTP (random)":
+        from tests.heads import mtp_checkpoint
+
+        directory = work_dir / "deepseek-v3-tiny-mtp"
+        if not (directory / "config.json").is_file():
+            mtp_checkpoint(directory)
+        return str(directory), {"speculative_method": "mtp", "num_speculative_tokens": 2}
+    speculation = {
+        "none": {},
+        "EAGLE": {"speculative_method": "eagle", "num_speculative_tokens": 3},
+        "draft model": {
+            "speculative_model": str(DEMO_DRAFT_DIR),
+            "num_speculative_tokens": 3,
+            "draft_tensor_parallel_size": layout.get("tensor_parallel_size", 1),
+        },
+    }[proposer]
+    return str(DEMO_MODEL_DIR), speculation
+
+
+def measure_proposer(proposer: str, layout: dict, work_dir: Path) -> dict:
+    from benchmarks.bench_speculative import code_prompts
+    from updraft import LLM, SamplingParams
+
+    model, speculation = proposer_args(proposer, layout, work_dir)
+    llm = LLM(model, **speculation, **layout)
+    prompts = code_prompts(LLM(model).tokenizer, 4) if proposer != "MTP (random)" else None
+    if prompts is None:  # a byte-free tiny model: token ids as prompts
+        prompts = [[random.Random(i).randrange(256) for _ in range(150)] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    llm.generate(prompts[:1], params)  # warm-up
+    before = llm.engine.stats()
+    tokens, seconds = [], 0.0
+    for prompt in prompts:
+        start = time.perf_counter()
+        tokens += [o.outputs[0].token_ids for o in llm.generate([prompt], params)]
+        seconds += time.perf_counter() - start
+    stats = llm.engine.stats()
+    spec = stats.speculative
+    rounds = spec.rounds - before.speculative.rounds if spec else 0
+    emitted = spec.emitted - before.speculative.emitted if spec else 0
+    messages = sum((stats.rank_messages or {}).values()) - sum(
+        (before.rank_messages or {}).values()
+    )
+    return {
+        "batch1": 128 * len(prompts) / seconds,
+        "per_round": emitted / rounds if rounds else 1.0,
+        "messages": messages / (stats.num_steps - before.num_steps),
+        "tokens": tokens,
+    }
+
+
+def run_worker(args: argparse.Namespace, name: str) -> dict:
+    command = [sys.executable, "-m", "benchmarks.bench_parallel", "--worker", name]
+    if args.proposers:
+        command.append("--proposers")
+    done = subprocess.run(
+        [*command, "--work-dir", str(args.work_dir)], capture_output=True, text=True, check=True
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def proposers_main(args: argparse.Namespace) -> None:
+    setups = [f"{proposer} | {layout}" for proposer in PROPOSERS for layout in LAYOUTS]
+    results: dict[str, list[dict]] = {name: [] for name in setups}
+    for round_ in range(args.rounds):
+        for name in setups if round_ % 2 == 0 else list(reversed(setups)):
+            result = run_worker(args, name)
+            results[name].append(result)
+            print(
+                f"round {round_ + 1} {name}: batch 1 {result['batch1']:.1f} tok/s, "
+                f"{result['per_round']:.2f} tokens/round, {result['messages']:.1f} messages/step",
+                flush=True,
+            )
+    rows = []
+    for proposer in PROPOSERS:
+        alone = results[f"{proposer} | 1 process"]
+        for layout in LAYOUTS:
+            runs = results[f"{proposer} | {layout}"]
+            rates = [r["batch1"] for r in runs]
+            plain = max(r["batch1"] for r in results[f"none | {layout}"])
+            rows.append(
+                [
+                    proposer,
+                    layout,
+                    f"**{max(rates):.1f}** ({min(rates):.1f}-{max(rates):.1f})",
+                    f"{max(rates) / max(r['batch1'] for r in alone):.2f}x",
+                    f"{max(rates) / plain:.2f}x",
+                    f"{runs[0]['per_round']:.2f}",
+                    f"{runs[0]['messages']:.1f}",
+                    str(all(r["tokens"] == alone[0]["tokens"] for r in runs)),
+                ]
+            )
+    header = ["proposer", "layout", "decode tok/s, batch 1", "vs 1 process", "vs no speculation"]
+    header += ["tokens per round", "messages per step", "1 process's tokens"]
+    title = f"proposers on every rank, 2 cores, best of {args.rounds}"
+    print(markdown_table(title, header, rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "peers")
+    parser.add_argument("--proposers", action="store_true", help="speculation on every rank")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.proposers:
+        if args.worker is not None:
+            proposer, layout = args.worker.split(" | ")
+            print(json.dumps(measure_proposer(proposer, LAYOUTS[layout], args.work_dir)))
+        else:
+            proposers_main(args)
+        return
     model = make_random_qwen3(args.work_dir / "qwen3-100m-16k", max_positions=16384)
     if args.worker is not None:
         print(json.dumps(measure(model, SETUPS[args.worker])))
@@ -89,14 +213,7 @@ def main() -> None:
     for round_ in range(args.rounds):
         order = list(SETUPS) if round_ % 2 == 0 else list(reversed(SETUPS))
         for name in order:
-            command = [sys.executable, "-m", "benchmarks.bench_parallel", "--worker", name]
-            done = subprocess.run(
-                [*command, "--work-dir", str(args.work_dir)],
-                capture_output=True,
-                text=True,
-                check=True,
-            )
-            result = json.loads(done.stdout.strip().splitlines()[-1])
+            result = run_worker(args, name)
             results[name].append(result)
             ttfts = ", ".join(f"TTFT {n} {result[f'ttft{n}']:.2f} s" for n in LONG_PROMPTS)
             print(

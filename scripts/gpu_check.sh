@@ -4,8 +4,10 @@
 # 1. the CUDA graph tests (engine on CUDA vs eager, FULL and PIECEWISE graphs, for GQA
 #    and for DeepSeek's MLA and DSA; graph-vs-eager acceptance of MTP and EAGLE drafts,
 #    and of a draft model under prefill context parallelism, FULL and PIECEWISE, with
-#    both ranks on one GPU; with two GPUs or more, TP=2 and PCP=2 over NCCL against one
-#    process), and the reference tests under that machine's torch build;
+#    both ranks on one GPU; MTP (MLA and DSA) and EAGLE heads on both PCP ranks of one
+#    GPU, FULL and PIECEWISE; with two GPUs or more, TP=2 and PCP=2 over NCCL against one
+#    process, heads split over two tensor ranks included, and with four, heads under
+#    PCP=2 x TP=2 over NCCL), and the reference tests under that machine's torch build;
 # 2. updraft doctor on the demo model on CUDA (replay vs eager, sanitize mode), with
 #    PIECEWISE and with FULL graphs, and with the demo's EAGLE head;
 # 3. the graph-vs-eager decode step benchmark on CUDA.

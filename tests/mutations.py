@@ -1,26 +1,32 @@
 """Every way of running a step on stale or wrong inputs that the mutation tests show is
 caught, in one place. Each is applied with pytest's ``monkeypatch`` to the class that
-would carry the bug, before the engine is made, and undone after the test.
+would carry the bug, before the engine is made, and undone after the test; on the
+ranks other than 0, ``on_other_ranks`` (a worker pool's initializer) installs the
+``RANK_MUTATIONS`` in each worker, each on only while a switch file names it.
 
 * ``forget_refresh``: the graphs of one runner stop refreshing one declared input, as a
-  code path that forgot it would (the bug class updraft exists to rule out), in this
-  process or (``forget_refresh_here``, a worker pool's initializer) on other ranks;
+  code path that forgot it would (the bug class updraft exists to rule out);
 * ``first_draft_from_the_row_before``: a head drafts from the wrong row of the mirror;
 * ``draft_mirror_on``: the draft model's mirror step runs on another view of the step
   than the one the target ran (the previous batch's, one rank's chunks, one rank's
   context lengths);
-* ``head_fed_here`` (a worker pool's initializer): a head replicated across the
-  prefill-context ranks is fed, on the ranks other than 0, its rank's own view of each
-  split step (its chunks, or its chunks' context lengths) instead of the global step;
-* ``hidden_states_here`` (a worker pool's initializer): the target's hidden states of a
-  split step reach the other ranks' heads ungathered (each rank's own rows, zeros for
-  the rest) or gathered in rank order instead of the step's.
+* ``head_fed``: a head replicated across the prefill-context ranks is fed its rank's
+  own view of each split step (its chunks, or its chunks' context lengths) instead of
+  the global step;
+* ``hidden_states``: the target's hidden states of a split step reach the heads
+  ungathered (each rank's own rows, zeros for the rest) or gathered in rank order
+  instead of the step's;
+* ``fail_in_a_head_step``: the rank exits, or hangs, when a head's forward reaches it.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,23 +40,25 @@ from updraft.speculative.head import HeadProposer
 from updraft.step.inputs import StepInputs
 from updraft.step.prefill_split import PrefillSplit, split_step, splits
 
+Active = Callable[[], bool]  # whether a mutation installed for a process's life is on
 
-def forget_refresh(monkeypatch: pytest.MonkeyPatch, name: str, graph: str = "target") -> None:
+
+def always() -> bool:
+    return True
+
+
+def forget_refresh(
+    monkeypatch: pytest.MonkeyPatch, name: str, graph: str = "target", active: Active = always
+) -> None:
     """The graphs ``graph`` (``target``, ``draft``, ``head``, ``head draft loop``) never
     refresh their declared input ``name``: they replay whatever it last held."""
     refresh = StaticInput.refresh
 
     def forgetful(self: StaticInput, values) -> None:
-        if (self.name, self.graph) != (name, graph):
+        if (self.name, self.graph) != (name, graph) or not active():
             refresh(self, values)
 
     monkeypatch.setattr(StaticInput, "refresh", forgetful)
-
-
-def forget_refresh_here(name: str, graph: str) -> None:
-    """``forget_refresh`` for the rest of this process: what a worker pool's
-    ``initializer`` applies on the ranks other than 0 alone (``functools.partial``)."""
-    forget_refresh(pytest.MonkeyPatch(), name, graph)
 
 
 def first_draft_from_the_row_before(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -102,18 +110,19 @@ def local_seq_lens(inputs: StepInputs, memory: dict) -> StepInputs:
     return replace(inputs, forward=replace(inputs.forward, seq_lens=seq_lens))
 
 
-def head_fed_here(view: str) -> None:
-    """For the rest of this process (a rank other than 0), its head runs each split
-    step's ``view``: ``chunks`` (the rank's own chunks at their local slots, its hidden
-    states the target's rows of them; the head's output is put back at those rows) or
-    ``seq_lens`` (the global step with the context lengths of the rank's chunks)."""
+def head_fed(monkeypatch: pytest.MonkeyPatch, view: str, active: Active = always) -> None:
+    """On a rank other than 0, its head runs each split step's ``view``: ``chunks``
+    (the rank's own chunks at their local slots, its hidden states the target's rows of
+    them; the head's output is put back at those rows) or ``seq_lens`` (the global step
+    with the context lengths of the rank's chunks)."""
     run = Follower.run
 
     def run_local(self: Follower, message) -> None:
         target = self.runners["target"]
         group = target.place.prefill_context
         step = message.inputs.forward if isinstance(message, RankStep) else None
-        if message.runner != "head" or step is None or not splits(step, target.whole_query_len):
+        whole = target.whole_query_len
+        if message.runner != "head" or step is None or not splits(step, whole) or not active():
             return run(self, message)
         split = split_step(step, group.rank, group.size, target.whole_query_len)
         if view == "seq_lens":
@@ -137,7 +146,7 @@ def head_fed_here(view: str) -> None:
             0, rows, local[: len(rows)]
         )
 
-    pytest.MonkeyPatch().setattr(Follower, "run", run_local)
+    monkeypatch.setattr(Follower, "run", run_local)
 
 
 def own_rows(split: PrefillSplit, group: GroupRank) -> torch.Tensor:
@@ -148,13 +157,15 @@ def own_rows(split: PrefillSplit, group: GroupRank) -> torch.Tensor:
     return mine[local[mine].argsort()]
 
 
-def hidden_states_here(bug: str) -> None:
-    """For the rest of this process (a rank other than 0), a split step's hidden states
-    are ``ungathered`` (the rank's own rows; zeros where the other ranks' rows belong)
-    or gathered ``in_rank_order`` (every rank's rows, padding included, as gathered)."""
+def hidden_states(monkeypatch: pytest.MonkeyPatch, bug: str, active: Active = always) -> None:
+    """A split step's hidden states are ``ungathered`` (the rank's own rows; zeros
+    where the other ranks' rows belong) or gathered ``in_rank_order`` (every rank's
+    rows, padding included, as gathered)."""
     gather = runner_module.in_step_order
 
     def wrong(hidden: torch.Tensor, group: GroupRank, split: PrefillSplit) -> torch.Tensor:
+        if not active():
+            return gather(hidden, group, split)
         if bug == "in_rank_order":
             return gather(hidden, group, replace(split, order=torch.arange(split.order.numel())))
         gather(hidden, group, split)  # the other ranks still gather
@@ -163,4 +174,55 @@ def hidden_states_here(bug: str) -> None:
         whole[group.rank * padded : (group.rank + 1) * padded] = hidden
         return whole.index_select(0, split.order.to(hidden.device))
 
-    pytest.MonkeyPatch().setattr(runner_module, "in_step_order", wrong)
+    monkeypatch.setattr(runner_module, "in_step_order", wrong)
+
+
+def fail_in_a_head_step(monkeypatch: pytest.MonkeyPatch, how: str, active: Active = always) -> None:
+    """The rank ``exit``s, or ``hang``s (alive, never arriving again), when a head's
+    forward reaches it."""
+    run = Follower.run
+
+    def failing(self: Follower, message) -> None:
+        if message.runner == "head" and active():
+            if how == "exit":
+                os._exit(3)
+            time.sleep(3600)
+        run(self, message)
+
+    monkeypatch.setattr(Follower, "run", failing)
+
+
+# What a rank other than 0 can get wrong, by name: each takes (monkeypatch, active).
+RANK_MUTATIONS: dict[str, Callable[[pytest.MonkeyPatch, Active], None]] = {
+    **{
+        f"stale {graph} {name}": partial(forget_refresh, name=name, graph=graph)
+        for graph, name in [
+            ("head", "block_table"),
+            ("head", "slot_mapping"),
+            ("head", "seq_lens"),
+            ("head draft loop", "block_table"),
+        ]
+    },
+    "head fed its chunks": partial(head_fed, view="chunks"),
+    "head fed its chunks' seq_lens": partial(head_fed, view="seq_lens"),
+    "hidden states ungathered": partial(hidden_states, bug="ungathered"),
+    "hidden states in rank order": partial(hidden_states, bug="in_rank_order"),
+    "exit in a head step": partial(fail_in_a_head_step, how="exit"),
+    "hang in a head step": partial(fail_in_a_head_step, how="hang"),
+}
+
+
+def on_other_ranks(switch: str) -> None:
+    """A worker pool's initializer (``partial(on_other_ranks, path)``): install every
+    mutation of ``RANK_MUTATIONS`` in this worker for its life, each on only while the
+    file ``switch`` holds its name (a worker outlives the test that sets it; rank 0,
+    which does not install them, stays right)."""
+    for name, install in RANK_MUTATIONS.items():
+        install(pytest.MonkeyPatch(), active=partial(switch_names, Path(switch), name))
+
+
+def switch_names(switch: Path, name: str) -> bool:
+    try:
+        return switch.read_text() == name
+    except FileNotFoundError:
+        return False

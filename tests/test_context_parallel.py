@@ -11,10 +11,6 @@ each way of feeding the draft a rank's local view is caught."""
 
 from __future__ import annotations
 
-import signal
-from pathlib import Path
-
-import httpx
 import pytest
 import torch
 
@@ -22,7 +18,6 @@ from tests.conftest import make_tiny_checkpoint
 from tests.helpers import greedy, token_ids, token_prompts
 from tests.mutations import draft_mirror_on, forget_refresh, local_seq_lens, rank0_chunks
 from tests.probes import assert_idle, logits_of, probe_dir, probed, records
-from tests.serving import MODEL, completion_texts, running_server, start_server_process
 from tests.test_speculative import self_drafting
 from updraft import LLM
 from updraft.demo import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
@@ -275,31 +270,6 @@ def test_pcp_with_a_draft_model_serves_like_one_process(pool):
             llm.engine.close()
     assert results[0] == results[1]
     assert sum(results[1][3]) > 0
-
-
-def test_the_server_over_pcp_and_tp_answers_like_one_process():
-    """``updraft serve`` over 4 ranks (PCP=2 x TP=2): a long prompt's completion, plain
-    and streamed, is one process's text; SIGTERM stops the workers and removes their
-    shared memory."""
-    body = {
-        "model": MODEL,
-        "prompt": "The quick brown fox jumps over the lazy dog. " * 12,
-        "max_tokens": 16,
-        "temperature": 0,
-    }
-    with running_server() as base_url:
-        expected = httpx.post(f"{base_url}/v1/completions", json=body).json()
-    process, base_url = start_server_process(
-        "--tensor-parallel-size", "2", "--prefill-context-parallel-size", "2"
-    )
-    try:
-        plain, streamed = completion_texts(base_url, body)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(60)
-    assert plain == streamed == expected["choices"][0]["text"]
-    assert process.returncode == 0
-    assert not list(Path("/dev/shm").glob(f"updraft-{process.pid}-*"))
 
 
 @pytest.mark.parametrize("layout", ["tp2-pcp2", "tp2-dcp2"])

@@ -220,3 +220,54 @@ def test_ranks_over_nccl_replay_like_one_process(tiny_llama, graph_mode, layout)
         runs.append((tokens, stats.speculative.accepted, stats.speculative.proposed))
         llm.engine.close()
     assert runs[0] == runs[1]
+
+
+def heads_on_cuda_like_one_process(kind: str, root, graph_mode: str, layout: dict) -> None:
+    """A draft head (``tests/heads.py``'s ``kind``) on every rank of ``layout``, its
+    graphs FULL or PIECEWISE as asked and refreshed from the global step on every rank:
+    one process's tokens and acceptance per draft position."""
+    from tests.heads import make_head
+
+    head = make_head(kind, root)
+    args = dict(device="cuda", dtype="float32", block_size=4, num_kv_blocks=128)
+    args |= dict(max_num_batched_tokens=32, num_speculative_tokens=2, capture_sizes=(1, 2, 4))
+    runs = []
+    for split in ({}, layout):
+        llm = probed(head.target, **args, **head.args, **split, graph_mode=graph_mode)
+        tokens = token_ids(llm.generate(PROMPTS, PARAMS))
+        stats = llm.engine.stats()
+        runs.append((tokens, stats.speculative.accepted, stats.speculative.proposed))
+        steps = {r.graph_mode for r in records(llm).replays("head") if not r.bucket[2]}
+        assert steps == {graph_mode.upper()}
+        llm.engine.close()
+    assert runs[0] == runs[1]
+    assert runs[1][1][0] > 0 or kind.startswith("mtp")  # random MTP layers rarely agree
+
+
+@needs_cuda
+@pytest.mark.parametrize("graph_mode", ["piecewise", "full"])
+@pytest.mark.parametrize("kind", ["eagle-llama", "mtp", "mtp-dsa"])
+def test_heads_under_pcp_on_one_device_replay_like_one_process(tmp_path, kind, graph_mode):
+    """PCP=2 with both ranks on one GPU (exchanging through host shared memory), each
+    running the head over the global step."""
+    heads_on_cuda_like_one_process(kind, tmp_path, graph_mode, {"prefill_context_parallel_size": 2})
+
+
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 4, reason="needs four CUDA devices (NCCL: one GPU per rank)"
+)
+@pytest.mark.parametrize("graph_mode", ["piecewise", "full"])
+@pytest.mark.parametrize("kind", ["eagle-llama", "mtp", "mtp-dsa"])
+def test_heads_over_nccl_replay_like_one_process(tmp_path, kind, graph_mode):
+    """PCP=2 x TP=2 on four GPUs, the head split over each tensor pair and its
+    collectives over NCCL inside the captured steps."""
+    layout = {"prefill_context_parallel_size": 2, "tensor_parallel_size": 2}
+    heads_on_cuda_like_one_process(kind, tmp_path, graph_mode, layout)
+
+
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two CUDA devices (NCCL: one GPU per rank)"
+)
+@pytest.mark.parametrize("kind", ["eagle-llama", "mtp"])
+def test_heads_over_nccl_on_two_tensor_ranks_replay_like_one_process(tmp_path, kind):
+    heads_on_cuda_like_one_process(kind, tmp_path, "full", {"tensor_parallel_size": 2})

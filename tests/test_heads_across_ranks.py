@@ -10,9 +10,11 @@ acceptance per draft position equals one process's."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -22,17 +24,26 @@ import torch
 from tests.conftest import add_byte_tokenizer, make_tiny_checkpoint
 from tests.heads import Head, make_head
 from tests.helpers import greedy, token_ids
-from tests.mutations import forget_refresh_here, head_fed_here, hidden_states_here
+from tests.mutations import RANK_MUTATIONS, on_other_ranks
 from tests.probes import probed, records
-from tests.serving import completion_texts, free_port, metric, start_server_process
+from tests.serving import (
+    completion_texts,
+    free_port,
+    metric,
+    running_server,
+    start_server_process,
+)
 from updraft import LLM, SamplingParams, WorkerPool
-from updraft.config import ModelConfig, ParallelSizes
+from updraft.config import EngineConfig, ModelConfig, ParallelSizes
+from updraft.engine.engine import Engine
 from updraft.models.layers import DecoderLayer
 from updraft.models.loader import building, load_model
 from updraft.models.registry import model_class
 from updraft.models.tensor_parallel import shard_model
+from updraft.parallel import shared_memory
 from updraft.parallel.topology import RankPlace
 from updraft.runner.probe import ProbeRecords
+from updraft.serve.serving import ServeSettings
 
 LAYOUTS = {
     "tp2": dict(tensor_parallel_size=2),
@@ -164,24 +175,27 @@ def assert_every_rank_runs_one_process_s_steps(
     return seen
 
 
-@pytest.mark.parametrize("head", HEADS, indirect=True)
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(
+    ("head", "layout"),
+    [(kind, layout) for kind in KINDS for layout in LAYOUTS] + [("eagle-qwen3", "pcp2-tp2")],
+    indirect=["head"],
+)
 def test_a_head_on_every_rank_runs_the_steps_one_process_runs(head, layout, pool):
     assert_every_rank_runs_one_process_s_steps(head, "head", layout, pool)
 
 
 @pytest.mark.parametrize(
     ("head", "graph_mode"),
-    [(kind, mode) for kind in KINDS for mode in ("full", "piecewise")] + [("mtp", "eager")],
+    [("eagle-llama", "piecewise"), ("mtp", "piecewise"), ("mtp-dsa", "full"), ("mtp", "eager")],
     indirect=["head"],
 )
 def test_each_attention_kind_s_head_runs_one_process_s_steps_in_each_graph_mode(
     head, graph_mode, pool
 ):
-    """Under PCP=2, FULL graphs (which for DSA must be asked for: auto picks PIECEWISE
-    there) and PIECEWISE ones, and eagerly: each rank's head replays step graphs of
-    that mode only (its draft loop holds attention whole in every mode), from the
-    steps one process runs in that mode."""
+    """Under PCP=2, the graph mode auto does not pick for the kind (auto picks FULL for
+    GQA and MLA here, PIECEWISE for DSA: the layouts test runs those), and eagerly:
+    each rank's head replays step graphs of that mode only (its draft loop holds
+    attention whole in every mode), from the steps one process runs in that mode."""
     seen = assert_every_rank_runs_one_process_s_steps(head, "head", "pcp2", pool, graph_mode)
     for rank in (0, 1):
         replays = seen.replays("head", rank)
@@ -207,52 +221,60 @@ def test_sampled_drafts_reach_every_rank_as_rank_0_drew_them(head, pool):
     assert not [step for step in seen.steps_of("head") if step.bucket and step.bucket[2]]
 
 
-# (graph, declared input): the head's steps' graphs and its draft loop's (which derives
-# its slots and context lengths in the graph from the block table and positions).
-STALE_ON_RANK_1 = [
-    ("head", "block_table"),
-    ("head", "slot_mapping"),
-    ("head", "seq_lens"),
-    ("head draft loop", "block_table"),
-]
-
-
-# What ranks other than 0 get wrong under each mutation (``tests/mutations.py``).
-WRONG_ON_RANK_1 = [
-    *(partial(forget_refresh_here, name, graph) for graph, name in STALE_ON_RANK_1),
-    partial(head_fed_here, "chunks"),
-    partial(head_fed_here, "seq_lens"),
-    partial(hidden_states_here, "ungathered"),
-    partial(hidden_states_here, "in_rank_order"),
-]
-
-
 @pytest.fixture(scope="module")
-def mutated_pool():
-    """A worker pool per mutation, whose workers apply it (rank 0 does not), shared by
-    the heads' tests."""
-    pools: dict[str, WorkerPool] = {}
+def mutated(tmp_path_factory):
+    """(a worker pool whose workers install every ``RANK_MUTATIONS`` entry, a function
+    that turns one on for a ``with`` block): rank 0 applies none."""
+    switch = tmp_path_factory.mktemp("switch") / "mutation"
+    pool = WorkerPool(initializer=partial(on_other_ranks, str(switch)))
 
-    def pool_for(mutation: partial) -> WorkerPool:
-        key = f"{mutation.func.__name__}{mutation.args}"
-        return pools.setdefault(key, WorkerPool(initializer=mutation))
+    @contextmanager
+    def on(name: str):
+        switch.write_text(name)
+        try:
+            yield pool
+        finally:
+            switch.unlink()
 
-    yield pool_for
-    for pool in pools.values():
-        pool.close()
+    yield on
+    for worker in pool.workers:
+        worker.process.kill()
+    pool.close()
+
+
+WRONG_INPUTS = [name for name in RANK_MUTATIONS if "head step" not in name]
 
 
 @pytest.mark.parametrize("head", KINDS, indirect=True)
-@pytest.mark.parametrize(
-    "mutation", WRONG_ON_RANK_1, ids=lambda m: "-".join([m.func.__name__, *m.args])
-)
-def test_a_wrong_input_on_another_rank_alone_is_caught(head, mutation, mutated_pool):
+@pytest.mark.parametrize("mutation", WRONG_INPUTS)
+def test_a_wrong_input_on_another_rank_alone_is_caught(head, mutation, mutated):
     """Under PCP the head on rank 1 feeds nothing back to rank 0, whose tokens cannot
     show a bug there: rank 1's head graphs that stop refreshing one input, a head fed
     its rank's chunks or their context lengths, and hidden states not gathered or out
     of step order each fail the check that rank 1 ran one process's steps."""
-    with pytest.raises(AssertionError):
-        assert_every_rank_runs_one_process_s_steps(head, "head", "pcp2", mutated_pool(mutation))
+    with mutated(mutation) as pool, pytest.raises(AssertionError):
+        assert_every_rank_runs_one_process_s_steps(head, "head", "pcp2", pool)
+
+
+@pytest.mark.parametrize("head", ["mtp"], indirect=True)
+@pytest.mark.parametrize("how", ["exit", "hang"])
+def test_a_rank_that_dies_or_hangs_in_a_head_step_is_named(head, how, mutated, monkeypatch):
+    """Under TP=2 the head's collectives wait for rank 1: a rank 1 that exits in the
+    head's first step is named as exited, and one that hangs there as stuck once the
+    step timeout passes (shortened here), instead of rank 0 waiting forever."""
+    monkeypatch.setattr(shared_memory, "STEP_TIMEOUT_MS", 2000)
+    with mutated(f"{how} in a head step") as pool:
+        llm = LLM(head.target, **ARGS, **head.args, tensor_parallel_size=2, worker_pool=pool)
+        named = "exited" if how == "exit" else "rank 1 .* within 2 s: it is alive but stuck"
+        with pytest.raises(RuntimeError, match=named):
+            llm.generate(PROMPTS[:2], PARAMS[:2])
+        for worker in pool.workers:  # the one that hangs
+            if worker.busy:
+                worker.process.kill()
+                worker.process.join()
+        with pytest.raises(RuntimeError, match="exited"):
+            llm.generate(PROMPTS[:1], PARAMS[:1])
+        llm.engine.close()
 
 
 @pytest.mark.parametrize("layout", ["tp2", "tp2-dcp2", "pcp2-tp2"])
@@ -295,17 +317,20 @@ def test_a_head_holds_what_shard_model_keeps_of_a_target_layer_of_its_kind(head,
     assert layer_bytes(whole_layer) / 2 <= layer_bytes(layer) < layer_bytes(whole_layer)
 
 
-# Run by each torchrun rank: rank 0 prints the tokens; rank 1 runs its steps and exits
-# inside LLM(...).
+def mtp_tokens(checkpoint: str, prefill_context_parallel_size: int) -> list[list[int]]:
+    """Greedy tokens of two requests with MTP, in one process or (run by every torchrun
+    rank; rank 1 runs its steps and exits inside ``LLM``) over prefill-context ranks."""
+    speculation = {"speculative_method": "mtp", "num_speculative_tokens": 2}
+    llm = LLM(checkpoint, **speculation, block_size=4, num_kv_blocks=128,
+              prefill_context_parallel_size=prefill_context_parallel_size)  # fmt: skip
+    outputs = llm.generate([list(range(10, 40)), [5, 6, 7] * 4], [greedy(12), greedy(7)])
+    return token_ids(outputs)
+
+
 TWO_NODE_SCRIPT = """
 import json, sys
-from updraft import LLM, SamplingParams
-llm = LLM(sys.argv[1], speculative_method="mtp", num_speculative_tokens=2, block_size=4,
-          num_kv_blocks=128, prefill_context_parallel_size=int(sys.argv[2]))
-outputs = llm.generate([list(range(10, 40)), [5, 6, 7] * 4],
-                       [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-                        for n in (12, 7)])
-print(json.dumps([output.outputs[0].token_ids for output in outputs]))
+from tests.test_heads_across_ranks import mtp_tokens
+print(json.dumps(mtp_tokens(sys.argv[1], 2)))
 """
 
 
@@ -316,13 +341,9 @@ def test_two_torchrun_nodes_over_loopback_give_one_process_s_tokens(tmp_path):
     checkpoint = make_head("mtp", tmp_path).target
     script = tmp_path / "two_nodes.py"
     script.write_text(TWO_NODE_SCRIPT)
-    alone = subprocess.run(
-        [sys.executable, str(script), str(checkpoint), "1"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=True,
-    )
+    alone = mtp_tokens(str(checkpoint), 1)
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     torchrun = Path(sys.executable).with_name("torchrun")
     port = free_port()
     nodes = [
@@ -341,18 +362,18 @@ def test_two_torchrun_nodes_over_loopback_give_one_process_s_tokens(tmp_path):
                 str(port),
                 str(script),
                 str(checkpoint),
-                "2",
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            env=env,
         )
         for node in (0, 1)
     ]
     results = [node.communicate(timeout=300) for node in nodes]
     for node, (_, stderr) in zip(nodes, results, strict=True):
         assert node.returncode == 0, stderr[-3000:]
-    assert results[0][0] == alone.stdout and json.loads(alone.stdout)
+    assert json.loads(results[0][0]) == alone and alone[0]
     assert results[1][0] == ""
 
 
@@ -361,25 +382,37 @@ SPEC_METRICS = ("draft", "accepted")
 
 def test_the_server_with_mtp_over_pcp_and_tp_answers_like_one_process(tmp_path):
     """``updraft serve --speculative-method mtp`` over PCP=2 x TP=2 on a tiny DeepSeek
-    (with a byte tokenizer): a completion, plain and streamed, is one process's, with
-    as many drafts offered and accepted at the first position."""
+    (with a byte tokenizer; the prompt splits over the prefill-context ranks): a
+    completion, plain and streamed, is one process's, with as many drafts offered and
+    accepted; SIGTERM stops the workers and removes their shared memory."""
     checkpoint = add_byte_tokenizer(make_head("mtp", tmp_path).target)
-    args = ["--model", str(checkpoint), "--speculative-method", "mtp"]
-    args += ["--num-speculative-tokens", "2", "--block-size", "4", "--num-kv-blocks", "128"]
+    speculation = {"speculative_method": "mtp", "num_speculative_tokens": 2}
+    cache = {"block_size": 4, "num_kv_blocks": 128}
     body = {"model": checkpoint.name, "prompt": "the quick brown fox " * 5, "max_tokens": 16}
     body |= {"temperature": 0, "ignore_eos": True}
-    layouts = [[], ["--tensor-parallel-size", "2", "--prefill-context-parallel-size", "2"]]
-    texts, accepted = [], []  # per layout: the texts; the drafts offered and accepted
-    for layout in layouts:
-        process, base_url = start_server_process(*args, *layout)
-        try:
-            texts.append(completion_texts(base_url, body))
-            accepted.append(
-                [metric(base_url, f"updraft_spec_decode_{kind}_tokens") for kind in SPEC_METRICS]
-            )
-        finally:
-            process.send_signal(signal.SIGTERM)
-            process.wait(60)
-        assert process.returncode == 0
-    assert texts[1] == texts[0] and texts[0][0] == texts[0][1] and texts[0][0]
-    assert accepted[1] == accepted[0] and accepted[0][0] > 0  # drafts offered, accepted
+
+    def served(base_url: str) -> tuple:
+        texts = completion_texts(base_url, body)
+        return texts, [
+            metric(base_url, f"updraft_spec_decode_{kind}_tokens") for kind in SPEC_METRICS
+        ]
+
+    engine = Engine(EngineConfig(model=str(checkpoint), **speculation, **cache))
+    with running_server(ServeSettings(model_name=checkpoint.name), engine) as base_url:
+        (plain, streamed), accepted = served(base_url)
+    args = [
+        f"--{name.replace('_', '-')}={value}" for name, value in {**speculation, **cache}.items()
+    ]
+    process, base_url = start_server_process(
+        "--model", str(checkpoint), *args,
+        "--tensor-parallel-size", "2", "--prefill-context-parallel-size", "2",
+    )  # fmt: skip
+    try:
+        split = served(base_url)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)
+    assert process.returncode == 0
+    assert plain == streamed and plain
+    assert split == ((plain, streamed), accepted) and accepted[0] > 0  # drafts offered
+    assert not list(Path("/dev/shm").glob(f"updraft-{process.pid}-*"))

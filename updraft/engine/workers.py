@@ -151,7 +151,8 @@ class WorkerPool:
     def take(self, count: int) -> list[PoolWorker]:
         for worker in self.workers:
             self.release(worker, wait_seconds=0)
-        free = [w for w in self.workers if not w.busy and w.process.is_alive()]
+        self.workers = [w for w in self.workers if w.process.is_alive()]  # the rest died
+        free = [w for w in self.workers if not w.busy]
         context = multiprocessing.get_context("spawn")
         while len(free) < count:
             ours, theirs = context.Pipe()
@@ -173,7 +174,10 @@ class WorkerPool:
         """Mark ``worker`` free once it reports its rank done (waiting up to
         ``wait_seconds`` for that)."""
         if worker.busy and worker.connection.poll(wait_seconds):
-            worker.connection.recv()
+            try:
+                worker.connection.recv()
+            except EOFError:  # it died: ``take`` drops it
+                return
             worker.busy = False
 
     def close(self) -> None:
