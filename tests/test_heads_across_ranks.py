@@ -172,7 +172,23 @@ def assert_every_rank_runs_one_process_s_steps(
                     torch.testing.assert_close(theirs.buffers[field], buffer, atol=1e-4, rtol=0)
         forwards = len(seen.steps_of("target", rank)) + len(seen.steps_of(runner, rank))
         assert sum(stats.rank_messages.values()) == forwards
+        for replay in seen.replays(runner, rank):
+            assert_padded(replay)
+        if graph_mode != "eager":  # some replay was padded
+            assert any(r.num_reqs < r.bucket[0] for r in seen.replays(runner, rank))
     return seen
+
+
+def assert_padded(replay) -> None:
+    """A replay's padding, past its step's real rows: slots -1 (no KV written),
+    block-table rows and seq_lens 0, and in a draft loop no drafts wanted."""
+    buffers, tokens, requests = replay.buffers, replay.num_tokens, replay.num_reqs
+    assert (buffers["block_table"][requests:] == 0).all()
+    if replay.bucket[2]:  # the draft loop derives its slots and lengths in the graph
+        assert (buffers["draft_limits"][requests:] == 0).all()
+        return
+    assert (buffers["slot_mapping"][tokens:] == -1).all()
+    assert (buffers["seq_lens"][requests:] == 0).all()
 
 
 @pytest.mark.parametrize(
@@ -203,6 +219,30 @@ def test_each_attention_kind_s_head_runs_one_process_s_steps_in_each_graph_mode(
         assert steps == ({graph_mode.upper()} if graph_mode != "eager" else set())
         loops = {step.graph_mode for step in replays if step.bucket[2]}
         assert loops == ({"FULL"} if graph_mode != "eager" else set())
+
+
+@pytest.mark.parametrize("head", ["eagle-llama", "mtp"], indirect=True)
+def test_prefix_caching_and_preemption_keep_one_process_s_drafts(head, pool):
+    """Under PCP=2 x TP=2 a later prompt reuses an earlier request's cached blocks
+    (generated tokens included) and splits its own prefill over them, and a cache of 24
+    blocks preempts requests, whose head entries are then rewritten: one process's
+    tokens and acceptance per position."""
+    first = list(range(20, 60))
+    args = {**ARGS, **head.args, "num_kv_blocks": 24, "max_num_batched_tokens": 32}
+    runs = []
+    for layout in ({}, {**LAYOUTS["pcp2-tp2"], "worker_pool": pool}):
+        llm = probed(head.target, **args, **layout)
+        earlier = token_ids(llm.generate([first], [greedy(12)]))[0]
+        prompts = [first + earlier + list(range(60, 90)), *PROMPTS[:4]]
+        outputs = llm.generate(prompts, [greedy(10), *PARAMS[:4]])
+        runs.append((earlier, token_ids(outputs), llm.engine.stats().speculative))
+        assert sum(output.metrics.num_preemptions for output in outputs) > 0
+        # The later prompt's first step starts past the earlier request's cached blocks.
+        later = outputs[0].request_id
+        step = next(s for s in records(llm).steps_of("target") if later in s.request_ids)
+        row = step.request_ids.index(later)
+        assert step.inputs["positions"][step.inputs["query_start_loc"][row]] >= len(first)
+    assert runs[1] == runs[0]
 
 
 @pytest.mark.parametrize("head", ["eagle-llama", "mtp"], indirect=True)
