@@ -96,18 +96,21 @@ def draft_pair(tmp_path_factory) -> Head:
 ONE_PROCESS: dict[str, tuple[list, object, ProbeRecords]] = {}
 
 
-def one_process(proposer: Head, layout: str, graph_mode: str) -> tuple[list, object, ProbeRecords]:
-    """(tokens, acceptance, probe records) of the proposer in one process, with the
-    layout's positions per block (the same block tables and slots) and graph mode; run
-    once for the layouts that share them."""
+def one_process(
+    proposer: Head, layout: str, graph_mode: str, requests: int
+) -> tuple[list, object, ProbeRecords]:
+    """(tokens, acceptance, probe records) of the proposer in one process over the first
+    ``requests`` prompts, with the layout's positions per block (the same block tables
+    and slots) and graph mode; run once for the layouts that share them."""
     block_size = ARGS["block_size"] * LAYOUTS[layout].get("decode_context_parallel_size", 1)
-    key = f"{proposer.target} {proposer.args} {block_size} {graph_mode}"
+    key = f"{proposer.target} {proposer.args} {block_size} {graph_mode} {requests}"
     if key not in ONE_PROCESS:
         args = {**ARGS, **proposer.args, "draft_tensor_parallel_size": 1}
         llm = probed(proposer.target, **{**args, "block_size": block_size}, **modes(graph_mode))
-        tokens = token_ids(llm.generate(PROMPTS, PARAMS))
+        prompts, params = PROMPTS[:requests], PARAMS[:requests]
+        tokens = token_ids(llm.generate(prompts, params))
         plain = LLM(proposer.target, **{**ARGS, "block_size": block_size})
-        assert tokens == token_ids(plain.generate(PROMPTS, PARAMS))  # speculation is exact
+        assert tokens == token_ids(plain.generate(prompts, params))  # speculation is exact
         ONE_PROCESS[key] = tokens, llm.engine.stats().speculative, records(llm)
     return ONE_PROCESS[key]
 
@@ -145,13 +148,18 @@ def assert_handed_alike(got: list[tuple], expected: list[tuple], where: tuple) -
 
 
 def assert_every_rank_runs_one_process_s_steps(
-    proposer: Head, runner: str, layout: str, pool, graph_mode: str = "auto"
+    proposer: Head,
+    runner: str,
+    layout: str,
+    pool,
+    graph_mode: str = "auto",
+    requests: int = len(PROMPTS),
 ) -> ProbeRecords:
-    """-> the run's probe records."""
-    tokens, acceptance, alone = one_process(proposer, layout, graph_mode)
+    """Over the first ``requests`` prompts -> the run's probe records."""
+    tokens, acceptance, alone = one_process(proposer, layout, graph_mode, requests)
     args = {**ARGS, **proposer.args, **LAYOUTS[layout], **modes(graph_mode)}
     llm = probed(proposer.target, **args, worker_pool=pool)
-    assert token_ids(llm.generate(PROMPTS, PARAMS)) == tokens
+    assert token_ids(llm.generate(PROMPTS[:requests], PARAMS[:requests])) == tokens
     stats = llm.engine.stats()
     assert stats.speculative == acceptance and acceptance.rounds > 0
     seen = records(llm)
@@ -286,6 +294,14 @@ WRONG_INPUTS = [name for name in RANK_MUTATIONS if "head step" not in name]
 
 
 @pytest.mark.parametrize("head", KINDS, indirect=True)
+def test_with_every_mutation_off_the_mutated_pool_runs_one_process_s_steps(head, mutated):
+    """The control for the tests below: the same check on the same workers passes
+    while no mutation is on, so each failure below is its mutation's."""
+    with mutated("none") as pool:
+        assert_every_rank_runs_one_process_s_steps(head, "head", "pcp2", pool, requests=4)
+
+
+@pytest.mark.parametrize("head", KINDS, indirect=True)
 @pytest.mark.parametrize("mutation", WRONG_INPUTS)
 def test_a_wrong_input_on_another_rank_alone_is_caught(head, mutation, mutated):
     """Under PCP the head on rank 1 feeds nothing back to rank 0, whose tokens cannot
@@ -293,7 +309,7 @@ def test_a_wrong_input_on_another_rank_alone_is_caught(head, mutation, mutated):
     its rank's chunks or their context lengths, and hidden states not gathered or out
     of step order each fail the check that rank 1 ran one process's steps."""
     with mutated(mutation) as pool, pytest.raises(AssertionError):
-        assert_every_rank_runs_one_process_s_steps(head, "head", "pcp2", pool)
+        assert_every_rank_runs_one_process_s_steps(head, "head", "pcp2", pool, requests=4)
 
 
 @pytest.mark.parametrize("head", ["mtp"], indirect=True)
