@@ -185,10 +185,10 @@ class AttentionGroup:
         context_before = seq_lens[:batch] - max_query
         positions = columns * shards + rank if shards > 1 else columns
         mask = positions[None, None, :] <= context_before[:, None, None] + rows[None, :, None]
-        # Position 0 is in every real query's context anyway; a shard's first column
-        # may not be, and a token that sees nothing of a shard is what the shards'
-        # log-sum-exps merge away.
-        padding = (seq_lens[:batch] == 0)[:, None, None] if shards > 1 else True
+        # Only padding requests need the first column: a real query's context holds
+        # position 0 anyway, and where a shard's first column is not in it, the token
+        # sees nothing of that shard, which the shards' log-sum-exps merge away.
+        padding = (seq_lens[:batch] == 0)[:, None, None]
         mask = mask | ((columns == 0) & padding)
         return cls(query_index, kv_slots, mask[:, None], query_index.flatten())
 
