@@ -89,7 +89,8 @@ def test_every_engine_setting_is_a_flag_that_reaches_the_config():
     values = {
         "--dtype": "float32",
         "--device": "cpu",
-        "--quantization": "int8",
+        "--quantization": "int4",
+        "--quantization-group-size": "32",
         "--seed": "7",
         "--block-size": "8",
         "--kv-cache-memory-gib": "0.5",
@@ -123,7 +124,8 @@ def test_every_engine_setting_is_a_flag_that_reaches_the_config():
     assert kwargs == {
         "dtype": "float32",
         "device": "cpu",
-        "quantization": "int8",
+        "quantization": "int4",
+        "quantization_group_size": 32,
         "adaptive_threads": False,
         "seed": 7,
         "block_size": 8,

@@ -166,9 +166,9 @@ def test_experts_see_tokens_times_top_k_rows_in_every_step(monkeypatch, tmp_path
         def __getattr__(self, name):
             return getattr(ops, name)
 
-        def grouped_mlp(self, rows, offsets, gate_up, down):
+        def grouped_mlp(self, rows, offsets, gate_up, *rest):
             rows_per_call.append((rows.shape[0], gate_up.shape[0]))
-            return ops.grouped_mlp(rows, offsets, gate_up, down)
+            return ops.grouped_mlp(rows, offsets, gate_up, *rest)
 
     monkeypatch.setattr(torch.ops, "updraft", Spy())
     llm.generate(PROMPTS, greedy(5))

@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from updraft.config import MoEConfig
+from updraft.config import MoEConfig, WeightFormat
 from updraft.graph.recorded import RecordedGraph
 from updraft.kernels.ops import kernel_builds
 from updraft.models.moe import DeepseekMoE
+from updraft.models.packing import pack_model
 
 pytestmark = pytest.mark.skipif(
-    not kernel_builds("moe"), reason="needs a C compiler to build the expert kernel"
+    not kernel_builds("linear"), reason="needs a C compiler to build the expert kernel"
 )
 
 TINY = dict(
@@ -28,7 +29,9 @@ TINY = dict(
 )
 
 
-def reference_and_ours(seed: int = 0):
+def reference_and_ours(seed: int = 0, packed: bool = True):
+    """transformers' layer and ours with the same random weights; ours packed for the
+    CPU as a loaded model's is (``packed``), or as built."""
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
@@ -52,6 +55,8 @@ def reference_and_ours(seed: int = 0):
             )
         )
         ours.shared_experts.down_proj.weight.copy_(state["shared_experts.down_proj.weight"])
+    if packed:
+        pack_model(ours, WeightFormat("float32"), torch.float32)
     return reference, ours
 
 
@@ -67,15 +72,16 @@ def test_moe_equals_transformers():
 def test_experts_see_top_k_rows_per_token_and_idle_experts_are_not_read(monkeypatch):
     _, ours = reference_and_ours(seed=1)
     seen = []
-    kernel = torch.ops.updraft.grouped_mlp
+    ops = torch.ops.updraft
+    kernel = ops.grouped_mlp
 
     class Spy:
         def __getattr__(self, name):
-            return getattr(torch.ops.updraft, name)
+            return getattr(ops, name)
 
-        def grouped_mlp(self, rows, offsets, gate_up, down):
+        def grouped_mlp(self, rows, offsets, *weights):
             seen.append((rows.shape[0], offsets.clone()))
-            return kernel(rows, offsets, gate_up, down)
+            return kernel(rows, offsets, *weights)
 
     monkeypatch.setattr(torch.ops, "updraft", Spy())
     ours(torch.randn(5, 32))
@@ -99,13 +105,10 @@ def test_a_captured_moe_layer_replays_new_routing():
         torch.testing.assert_close(out, ours(x), atol=1e-5, rtol=1e-5)
 
 
-def test_the_fallback_without_the_kernel_equals_the_kernel(monkeypatch):
+def test_the_unpacked_experts_equal_the_kernel():
     """Other devices and dtypes run the experts per row, with the same result."""
-    from updraft.models import moe
-
-    _, ours = reference_and_ours(seed=2)
+    _, packed = reference_and_ours(seed=2)
+    _, unpacked = reference_and_ours(seed=2, packed=False)
     x = torch.randn(7, 32)
     with torch.inference_mode():
-        expected = ours(x)
-        monkeypatch.setattr(moe, "kernel_builds", lambda name: False)
-        torch.testing.assert_close(ours(x), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(unpacked(x), packed(x), atol=1e-5, rtol=1e-5)

@@ -1,5 +1,7 @@
-"""oneDNN-prepacked linear layers compute what ``F.linear`` computes, and the CPU model
-in float32 uses them everywhere (reference parity lives in test_reference_models)."""
+"""Packed float32 linear layers (panels for few rows, oneDNN's packing for more) compute
+what ``F.linear`` computes, and the CPU model in float32 uses them everywhere (reference
+parity lives in test_reference_models; the other weight formats in
+test_weight_formats)."""
 
 from __future__ import annotations
 
@@ -8,14 +10,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from updraft.config import ModelConfig
+from updraft.config import ModelConfig, WeightFormat
+from updraft.kernels.ops import kernel_builds
 from updraft.models import packed_linear
 from updraft.models.loader import load_model
-from updraft.models.packed_linear import PackedLinear, can_prepack
+from updraft.models.packed_linear import PackedLinear, has_onednn
 
 pytestmark = pytest.mark.skipif(
-    not can_prepack(torch.device("cpu"), torch.float32), reason="needs PyTorch with oneDNN"
+    not (has_onednn() and kernel_builds("linear")),
+    reason="needs PyTorch with oneDNN and a C compiler for the panel kernel",
 )
+FLOAT32 = WeightFormat("float32")
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -31,17 +36,19 @@ def test_packed_linear_equals_f_linear(bias, rows, in_features, out_features, fe
     linear = nn.Linear(in_features, out_features, bias=bias)
     x = torch.randn(*rows, in_features)
     expected = F.linear(x, linear.weight, linear.bias)
-    torch.testing.assert_close(PackedLinear(linear, few_rows)(x), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        PackedLinear(linear, FLOAT32, few_rows)(x), expected, atol=1e-5, rtol=1e-5
+    )
 
 
 def test_the_panel_kernel_serves_up_to_few_rows(monkeypatch):
     linear = nn.Linear(32, 40)
     calls = []
-    panel_op = torch.ops.updraft.float_linear
+    panel_op = torch.ops.updraft.panel_linear
     monkeypatch.setattr(
-        torch.ops.updraft, "float_linear", lambda *args: calls.append(1) or panel_op(*args)
+        torch.ops.updraft, "panel_linear", lambda *args: calls.append(1) or panel_op(*args)
     )
-    packed = PackedLinear(linear, few_rows=3)
+    packed = PackedLinear(linear, FLOAT32, few_rows=3)
     for rows in range(1, 6):
         packed(torch.randn(rows, 32))
     assert len(calls) == 3
@@ -60,7 +67,7 @@ def test_the_cpu_model_in_float32_runs_every_projection_prepacked(tiny_llama):
 def test_a_model_that_fits_in_cache_keeps_more_rows_on_the_plain_kernel(monkeypatch):
     def prepacked(in_features):
         model = nn.Sequential(nn.Linear(in_features, 64), nn.Linear(64, in_features))
-        packed_linear.prepack_linears(model)
+        packed_linear.pack_linears(model, FLOAT32)
         return {m.few_rows for m in model.modules() if isinstance(m, PackedLinear)}
 
     monkeypatch.setattr(packed_linear, "last_level_cache_bytes", lambda: 2 * 64 * 64 * 4)

@@ -28,7 +28,9 @@ DEEPSEEK_ARCHITECTURES = (
 SUPPORTED_ARCHITECTURES = LLAMA_ARCHITECTURES + DEEPSEEK_ARCHITECTURES
 # By name: this module is what `updraft --help` reads, and must not import torch.
 DTYPES = ("float32", "float16", "bfloat16")
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "int4")
+INT4_GROUP_SIZES = (32, 128)
+HALF_DTYPES = ("float16", "bfloat16")
 GRAPH_MODES = ("auto", "piecewise", "full")
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 # The default of EngineConfig.compile_graphs where it is not given: a test suite that
@@ -40,6 +42,33 @@ def torch_dtype(name: str) -> torch.dtype:
     import torch
 
     return getattr(torch, name)
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How linear and expert weights are kept in memory: ``float32``, ``bfloat16`` or
+    ``float16`` as they are, or quantized to ``int8`` (one scale per output row, or per
+    ``group_size`` columns) or ``int4`` (per ``group_size`` columns, with a zero point per
+    group where ``zero_point``)."""
+
+    name: str
+    group_size: int | None = None
+    zero_point: bool = False
+
+    @classmethod
+    def of(cls, dtype: torch.dtype) -> WeightFormat:
+        """Weights kept in ``dtype`` as they are."""
+        return cls(str(dtype).removeprefix("torch."))
+
+    @property
+    def quantized(self) -> bool:
+        return self.name in QUANTIZATIONS
+
+    def __str__(self) -> str:
+        if not self.quantized:
+            return self.name
+        group = f", groups of {self.group_size}" if self.group_size else ""
+        return f"{self.name}{group}{', zero points' if self.zero_point else ''}"
 
 
 @dataclass(frozen=True)
@@ -379,15 +408,23 @@ class EngineConfig:
     model: str = field(metadata={"help": "local Hugging Face checkpoint directory"})
     dtype: str = setting(
         "auto",
-        "compute dtype; auto is float32 on the CPU and the checkpoint's dtype on a GPU",
+        "compute dtype; auto is float32 on the CPU with the weights kept in the "
+        "checkpoint's dtype (bfloat16 and float16 stay 2 bytes), and the checkpoint's dtype "
+        "on a GPU",
         choices=["auto", *DTYPES],
     )
     device: str = setting("cpu", "cpu, cuda or cuda:N")
     quantization: str | None = setting(
         None,
-        "int8: weight-only int8 linear layers (per-channel scales, float32 activations; "
-        "CPU only), about a quarter of the weight bytes per decode step",
+        "weight-only quantization at load, of linear layers and routed experts (CPU only, "
+        "float32 activations): int8 (a scale per output row, about a quarter of float32's "
+        "bytes) or int4 (a scale and a zero point per --quantization-group-size columns)",
         choices=QUANTIZATIONS,
+    )
+    quantization_group_size: int = setting(
+        128,
+        "int4: weight columns per scale and zero point",
+        choices=INT4_GROUP_SIZES,
     )
     adaptive_threads: bool = setting(
         True,
@@ -494,6 +531,11 @@ class EngineConfig:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
             )
+        if self.quantization_group_size not in INT4_GROUP_SIZES:
+            raise ValueError(
+                "quantization_group_size must be one of "
+                f"{', '.join(map(str, INT4_GROUP_SIZES))}, got {self.quantization_group_size!r}"
+            )
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -578,3 +620,25 @@ class EngineConfig:
         if self.device == "cpu":
             return torch_dtype("float32")
         return torch_dtype(model_config.checkpoint_dtype)
+
+    def weight_format(self, model_config: ModelConfig) -> WeightFormat:
+        """How the linear and expert weights are kept: quantized as asked; else, with
+        ``dtype`` auto on the CPU, in a half-precision checkpoint's own dtype (the
+        kernels widen them in registers); else in the compute dtype."""
+        compute = self.compute_dtype(model_config)
+        if self.quantization is not None:
+            if self.device != "cpu" or str(compute) != "torch.float32":
+                raise ValueError(
+                    f"quantization {self.quantization!r} runs on the CPU in float32, not on "
+                    f"{self.device} in {str(compute).removeprefix('torch.')}"
+                )
+            if self.quantization == "int8":
+                return WeightFormat("int8")
+            return WeightFormat("int4", self.quantization_group_size, zero_point=True)
+        if (
+            self.device == "cpu"
+            and self.dtype == "auto"
+            and model_config.checkpoint_dtype in HALF_DTYPES
+        ):
+            return WeightFormat(model_config.checkpoint_dtype)
+        return WeightFormat.of(compute)

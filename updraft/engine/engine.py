@@ -61,7 +61,9 @@ class Engine:
         launched = torchrun_rendezvous()
         if launched is not None:
             config = self.config = self._join_torchrun(config, *launched, query_lens)
-        check_parallel(self.model_config, config.parallel_sizes)
+        check_parallel(
+            self.model_config, config.parallel_sizes, config.weight_format(self.model_config)
+        )
         # The other ranks of a split model: started first, since every rank captures
         # its steps together (the collectives inside them pair up).
         self._workers = None
@@ -145,7 +147,9 @@ class Engine:
             )
         if rank == 0:
             return config
-        check_parallel(self.model_config, config.parallel_sizes)
+        check_parallel(
+            self.model_config, config.parallel_sizes, config.weight_format(self.model_config)
+        )
         place = RankPlace(rank, config.parallel_sizes, torchrun_group(meeting))
         run_rank(place, meeting, config, self.model_config, self.context_len, query_lens)
         raise SystemExit(0)

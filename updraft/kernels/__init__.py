@@ -1,6 +1,8 @@
 """Small C kernels for the CPU, built on first use and registered as torch ops.
 
-``torch.ops.updraft.int8_linear`` (weight-only int8 matmul) and
-``torch.ops.updraft.paged_decode_attention`` (decode attention that reads the paged KV
-cache in place). Being torch ops, graph capture records and replays them like aten ops.
+``torch.ops.updraft.panel_linear`` (a linear over weights in panels: float32, bfloat16,
+float16, int8 or int4 groups, widened in registers), ``torch.ops.updraft.grouped_mlp``
+(routed experts over the same panels) and ``torch.ops.updraft.paged_decode_attention``
+(decode attention that reads the paged KV cache in place). Being torch ops, graph
+capture records and replays them like aten ops.
 """

@@ -1,116 +1,53 @@
-/* Linear layers for few rows on the CPU: y = x @ (w * scale)^T + bias, x [M, K] float32.
+/* Linear layers on the CPU over weights in panels, in any of five formats, and the routed
+   experts of a mixture-of-experts MLP over the same panels.
 
-   A decode step with few rows reads every weight once and does little else, so what
-   counts is reading w at the memory's full speed, and doing the few rows' multiply-adds
-   on it while it is in registers.
+   y = x @ W^T + bias, x [M, K] float32, W [N, K] in ``PANEL``-row panels: panel p holds
+   rows [16p, 16p + 16) transposed, [K][16], zero past N, one contiguous run of memory.
+   A format is how one step along K of a panel (16 weights) is stored:
 
-   float_linear: w is float32 in panels (``PANEL`` output rows at a time, laid out
-   [K][PANEL], zero-padded past N), packed once at load time. A panel is one contiguous
-   run of memory, so each thread streams its panels in order; each step along K loads
-   one vector pair of weights for PANEL outputs and multiply-adds it with up to six rows
-   of x broadcast, twelve vector accumulators in all. No horizontal sums, no partial
-   tiles, and one or two rows split K over two accumulator sets to keep the
-   multiply-adds from waiting on each other.
+     F32   16 float32                 BF16  16 bfloat16         F16  16 IEEE half
+     I8    16 int8 codes              I4    8 bytes: byte j holds weight j in its low
+                                            nibble and weight j + 8 in its high one
 
-   int8_linear: w is int8 [N, K] with one scale per output row. Each thread streams
-   whole rows: with one row of x each weight row is used as it is read; with more, four
-   weight rows at a time are widened to float into a buffer that stays in L1 and meet
-   four rows of x at a time (sixteen accumulators). Output rows are split over the
-   OpenMP threads. */
+   I8 and I4 are quantized in groups of ``group`` steps along K: weight = scale * (code -
+   zero), one scale (and optionally one zero) per output row and group, stored per panel
+   as [K / group][16] float32. Without zeros, I4's zero is 8 (codes 0..15 are -8..7) and
+   I8's is 0.
 
+   Few rows (a decode step): each step along K widens 16 weights in registers (a shift for
+   bfloat16, F16C's conversion for half, byte or nibble unpacking for codes) and
+   multiply-adds them with up to six rows of x broadcast. Weights are read once, at the
+   memory's speed, and never exist as float32 anywhere. More rows (a batch, a prefill):
+   each thread widens one panel at a time into a [K][16] float32 buffer of its own, which
+   stays in its cache, and runs the float32 panel kernel over every row of x; the
+   widening is paid once per panel, not once per six rows.
+
+   Output panels are split over the OpenMP threads. */
+
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 
-#define TILE 4
-
-/* y[0..TILE) = x . w[t] for TILE float rows w, each k long */
-static void dot_tile(const float *restrict x, const float *restrict w, int64_t k, float *y) {
-    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-    for (int64_t i = 0; i < k; i++) {
-        float v = x[i];
-        a0 += v * w[i];
-        a1 += v * w[k + i];
-        a2 += v * w[2 * k + i];
-        a3 += v * w[3 * k + i];
-    }
-    y[0] = a0;
-    y[1] = a1;
-    y[2] = a2;
-    y[3] = a3;
-}
-
-/* y[r * n + t] = x[r] . w[t] for 4 rows x (row stride k) and TILE float rows w */
-static void dot_block(const float *restrict x, const float *restrict w, int64_t k, float *y,
-                      int64_t n) {
-    float a00 = 0, a01 = 0, a02 = 0, a03 = 0, a10 = 0, a11 = 0, a12 = 0, a13 = 0;
-    float a20 = 0, a21 = 0, a22 = 0, a23 = 0, a30 = 0, a31 = 0, a32 = 0, a33 = 0;
-    const float *x0 = x, *x1 = x + k, *x2 = x + 2 * k, *x3 = x + 3 * k;
-#pragma omp simd reduction(+ : a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, \
-                               a30, a31, a32, a33)
-    for (int64_t i = 0; i < k; i++) {
-        float w0 = w[i], w1 = w[k + i], w2 = w[2 * k + i], w3 = w[3 * k + i];
-        a00 += x0[i] * w0, a01 += x0[i] * w1, a02 += x0[i] * w2, a03 += x0[i] * w3;
-        a10 += x1[i] * w0, a11 += x1[i] * w1, a12 += x1[i] * w2, a13 += x1[i] * w3;
-        a20 += x2[i] * w0, a21 += x2[i] * w1, a22 += x2[i] * w2, a23 += x2[i] * w3;
-        a30 += x3[i] * w0, a31 += x3[i] * w1, a32 += x3[i] * w2, a33 += x3[i] * w3;
-    }
-    y[0] = a00, y[1] = a01, y[2] = a02, y[3] = a03;
-    y[n] = a10, y[n + 1] = a11, y[n + 2] = a12, y[n + 3] = a13;
-    y[2 * n] = a20, y[2 * n + 1] = a21, y[2 * n + 2] = a22, y[2 * n + 3] = a23;
-    y[3 * n] = a30, y[3 * n + 1] = a31, y[3 * n + 2] = a32, y[3 * n + 3] = a33;
-}
-
-/* x . b for one int8 row b, k long */
-static float int8_dot(const float *restrict a, const int8_t *restrict b, int64_t k) {
-    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t i = 0; i < k; i++) acc += a[i] * (float)b[i];
-    return acc;
-}
-
-void int8_linear(const float *x, const int8_t *w, const float *scale, const float *bias,
-                 float *y, int64_t m_rows, int64_t n_rows, int64_t k, int threads) {
-    const int64_t tiles = (n_rows + TILE - 1) / TILE;
-#pragma omp parallel num_threads(threads)
-    {
-        float *widened = m_rows > 1 ? malloc(sizeof(float) * TILE * k) : NULL;
-#pragma omp for schedule(static)
-        for (int64_t tile = 0; tile < tiles; tile++) {
-            const int64_t first = tile * TILE;
-            const int64_t count = n_rows - first < TILE ? n_rows - first : TILE;
-            if (m_rows == 1 || widened == NULL || count < TILE) {
-                for (int64_t n = first; n < first + count; n++) {
-                    float s = scale ? scale[n] : 1.0f, offset = bias ? bias[n] : 0.0f;
-                    for (int64_t m = 0; m < m_rows; m++)
-                        y[m * n_rows + n] = int8_dot(x + m * k, w + n * k, k) * s + offset;
-                }
-                continue;
-            }
-            const int8_t *rows = w + first * k;
-#pragma omp simd
-            for (int64_t i = 0; i < TILE * k; i++) widened[i] = (float)rows[i];
-            int64_t m = 0;
-            for (; m + 4 <= m_rows; m += 4)
-                dot_block(x + m * k, widened, k, y + m * n_rows + first, n_rows);
-            for (; m < m_rows; m++) dot_tile(x + m * k, widened, k, y + m * n_rows + first);
-            for (m = 0; m < m_rows; m++)
-                for (int64_t t = 0; t < TILE; t++) {
-                    int64_t n = first + t;
-                    y[m * n_rows + n] =
-                        y[m * n_rows + n] * (scale ? scale[n] : 1.0f) + (bias ? bias[n] : 0.0f);
-                }
-        }
-        free(widened);
-    }
-}
-
-/* float_linear's panels: PANEL outputs, two vectors of 8 floats (gcc vector extensions,
-   lowered to whatever the machine has: AVX2 here). */
 #define PANEL 16
 #define MAX_ROWS 6 /* 6 x 2 accumulators + 2 weight vectors + 1 broadcast: 15 of 16 */
 typedef float vec8 __attribute__((vector_size(32)));
+
+enum format { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, I4 = 4 };
+
+/* Bytes of one step along K of a panel. */
+static int64_t step_bytes(int format) {
+    switch (format) {
+    case F32: return PANEL * 4;
+    case BF16:
+    case F16: return PANEL * 2;
+    case I8: return PANEL;
+    default: return PANEL / 2;
+    }
+}
 
 static inline vec8 load8(const float *p) {
     vec8 v;
@@ -118,63 +55,282 @@ static inline vec8 load8(const float *p) {
     return v;
 }
 
-/* y[r][0..cols) = x[r] . panel + bias for ROWS rows x (row stride k), y row stride n */
-#define DEFINE_PANEL_KERNEL(ROWS)                                                          \
-    static void panel_##ROWS(const float *restrict x, const float *restrict w, int64_t k,  \
-                             const float *bias, float *restrict y, int64_t n, int64_t cols) { \
-        vec8 lo[ROWS], hi[ROWS], lo2[ROWS], hi2[ROWS];                                     \
-        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) lo[r] = hi[r] = lo2[r] =    \
-            hi2[r] = (vec8){0};                                                            \
-        int64_t i = 0;                                                                     \
-        if (ROWS <= 2) /* too few chains to hide the multiply-add latency: two sets */     \
-            for (; i + 2 <= k; i += 2) {                                                   \
-                const float *p = w + i * PANEL;                                            \
-                vec8 w0 = load8(p), w1 = load8(p + 8), w2 = load8(p + 16), w3 = load8(p + 24); \
+static inline vec8 from_floats(const float *f) { return load8(f); }
+
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f,
+             mantissa = h & 0x3ff, bits;
+    if (exponent == 0x1f) {
+        bits = sign | 0x7f800000 | (mantissa << 13);
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        bits = sign;
+    } else { /* subnormal half: a normal float */
+        float value = (float)mantissa * (1.0f / 16777216.0f);
+        return sign ? -value : value;
+    }
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* The 16 weights of step i of a panel as two float vectors. */
+static inline void widen_f32(const void *w, int64_t i, vec8 *lo, vec8 *hi) {
+    const float *p = (const float *)w + i * PANEL;
+    *lo = load8(p), *hi = load8(p + 8);
+}
+
+static inline void widen_bf16(const void *w, int64_t i, vec8 *lo, vec8 *hi) {
+    const uint16_t *p = (const uint16_t *)w + i * PANEL;
+#ifdef __AVX2__
+    __m256i a = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    __m256i b = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 8)));
+    *lo = (vec8)_mm256_castsi256_ps(_mm256_slli_epi32(a, 16));
+    *hi = (vec8)_mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
+#else
+    float f[PANEL];
+    for (int j = 0; j < PANEL; j++) {
+        uint32_t bits = (uint32_t)p[j] << 16;
+        memcpy(f + j, &bits, sizeof bits);
+    }
+    *lo = from_floats(f), *hi = from_floats(f + 8);
+#endif
+}
+
+static inline void widen_f16(const void *w, int64_t i, vec8 *lo, vec8 *hi) {
+    const uint16_t *p = (const uint16_t *)w + i * PANEL;
+#ifdef __F16C__
+    *lo = (vec8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    *hi = (vec8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
+#else
+    float f[PANEL];
+    for (int j = 0; j < PANEL; j++) f[j] = half_to_float(p[j]);
+    *lo = from_floats(f), *hi = from_floats(f + 8);
+#endif
+}
+
+static inline void widen_i8(const void *w, int64_t i, vec8 *lo, vec8 *hi) {
+    const int8_t *p = (const int8_t *)w + i * PANEL;
+#ifdef __AVX2__
+    *lo = (vec8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    *hi = (vec8)_mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
+#else
+    float f[PANEL];
+    for (int j = 0; j < PANEL; j++) f[j] = (float)p[j];
+    *lo = from_floats(f), *hi = from_floats(f + 8);
+#endif
+}
+
+static inline void widen_i4(const void *w, int64_t i, vec8 *lo, vec8 *hi) {
+    const uint8_t *p = (const uint8_t *)w + i * (PANEL / 2);
+#ifdef __AVX2__
+    const __m128i bytes = _mm_loadl_epi64((const __m128i *)p), low = _mm_set1_epi8(0x0f);
+    const __m128i first = _mm_and_si128(bytes, low);
+    const __m128i second = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+    *lo = (vec8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(first));
+    *hi = (vec8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(second));
+#else
+    float f[PANEL];
+    for (int j = 0; j < PANEL / 2; j++) f[j] = (float)(p[j] & 0x0f), f[j + 8] = (float)(p[j] >> 4);
+    *lo = from_floats(f), *hi = from_floats(f + 8);
+#endif
+}
+
+/* What a quantized panel's group g subtracts from its codes and multiplies them by. */
+typedef struct {
+    const float *scales, *zeros; /* [K / group][PANEL] of this panel; zeros may be NULL */
+    float default_zero;
+    int64_t group;
+} groups;
+
+static inline void group_zero(const groups *q, int64_t g, vec8 *lo, vec8 *hi) {
+    if (q->zeros) {
+        *lo = load8(q->zeros + g * PANEL), *hi = load8(q->zeros + g * PANEL + 8);
+    } else {
+        *lo = *hi = (vec8){0} + q->default_zero;
+    }
+}
+
+/* y[r][0..cols) = x[r] . panel + bias for ROWS rows of x (row stride k), y row stride n.
+   QUANT: the panel's codes are in groups (scales, zeros); else one group of k plain
+   weights. */
+#define DEFINE_PANEL_KERNEL(NAME, WIDEN, QUANT, ROWS)                                      \
+    static void NAME##_##ROWS(const float *restrict x, const void *restrict w, int64_t k,  \
+                              const groups *q, const float *bias, float *restrict y,        \
+                              int64_t n, int64_t cols) {                                    \
+        vec8 tlo[ROWS], thi[ROWS];                                                         \
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) tlo[r] = thi[r] = (vec8){0}; \
+        const int64_t group = QUANT ? q->group : k;                                        \
+        for (int64_t start = 0, g = 0; start < k; start += group, g++) {                   \
+            const int64_t end = start + group < k ? start + group : k;                     \
+            vec8 lo[ROWS], hi[ROWS], lo2[ROWS], hi2[ROWS], zlo = {0}, zhi = {0};           \
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) lo[r] = hi[r] = lo2[r] = \
+                hi2[r] = (vec8){0};                                                        \
+            if (QUANT) group_zero(q, g, &zlo, &zhi);                                       \
+            int64_t i = start;                                                             \
+            if (ROWS <= 2) /* too few chains to hide the multiply-add latency: two sets */ \
+                for (; i + 2 <= end; i += 2) {                                             \
+                    vec8 w0, w1, w2, w3;                                                   \
+                    WIDEN(w, i, &w0, &w1);                                                 \
+                    WIDEN(w, i + 1, &w2, &w3);                                             \
+                    if (QUANT) w0 -= zlo, w1 -= zhi, w2 -= zlo, w3 -= zhi;                 \
+                    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {               \
+                        float a = x[r * k + i], b = x[r * k + i + 1];                      \
+                        lo[r] += a * w0, hi[r] += a * w1, lo2[r] += b * w2, hi2[r] += b * w3; \
+                    }                                                                      \
+                }                                                                          \
+            for (; i < end; i++) {                                                         \
+                vec8 w0, w1;                                                               \
+                WIDEN(w, i, &w0, &w1);                                                     \
+                if (QUANT) w0 -= zlo, w1 -= zhi;                                           \
                 _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                   \
-                    float a = x[r * k + i], b = x[r * k + i + 1];                          \
-                    lo[r] += a * w0, hi[r] += a * w1, lo2[r] += b * w2, hi2[r] += b * w3;   \
+                    float a = x[r * k + i];                                                \
+                    lo[r] += a * w0, hi[r] += a * w1;                                      \
                 }                                                                          \
             }                                                                              \
-        for (; i < k; i++) {                                                               \
-            vec8 w0 = load8(w + i * PANEL), w1 = load8(w + i * PANEL + 8);                  \
+            vec8 slo = {0}, shi = {0};                                                     \
+            if (QUANT) slo = load8(q->scales + g * PANEL), shi = load8(q->scales + g * PANEL + 8); \
             _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                       \
-                float a = x[r * k + i];                                                    \
-                lo[r] += a * w0, hi[r] += a * w1;                                          \
+                vec8 a = lo[r] + lo2[r], b = hi[r] + hi2[r];                               \
+                if (QUANT) tlo[r] += a * slo, thi[r] += b * shi;                           \
+                else tlo[r] += a, thi[r] += b;                                             \
             }                                                                              \
         }                                                                                  \
         for (int r = 0; r < ROWS; r++) {                                                   \
             float out[PANEL];                                                              \
-            vec8 a = lo[r] + lo2[r], b = hi[r] + hi2[r];                                   \
-            memcpy(out, &a, sizeof a);                                                     \
-            memcpy(out + 8, &b, sizeof b);                                                 \
+            memcpy(out, &tlo[r], sizeof tlo[r]);                                           \
+            memcpy(out + 8, &thi[r], sizeof thi[r]);                                       \
             for (int64_t c = 0; c < cols; c++) y[r * n + c] = out[c] + (bias ? bias[c] : 0.0f); \
         }                                                                                  \
     }
 
-DEFINE_PANEL_KERNEL(1)
-DEFINE_PANEL_KERNEL(2)
-DEFINE_PANEL_KERNEL(3)
-DEFINE_PANEL_KERNEL(4)
-DEFINE_PANEL_KERNEL(5)
-DEFINE_PANEL_KERNEL(6)
+#define DEFINE_FORMAT(NAME, WIDEN, QUANT)                                                  \
+    DEFINE_PANEL_KERNEL(NAME, WIDEN, QUANT, 1)                                             \
+    DEFINE_PANEL_KERNEL(NAME, WIDEN, QUANT, 2)                                             \
+    DEFINE_PANEL_KERNEL(NAME, WIDEN, QUANT, 3)                                             \
+    DEFINE_PANEL_KERNEL(NAME, WIDEN, QUANT, 4)                                             \
+    DEFINE_PANEL_KERNEL(NAME, WIDEN, QUANT, 5)                                             \
+    DEFINE_PANEL_KERNEL(NAME, WIDEN, QUANT, 6)
 
-typedef void (*panel_kernel)(const float *, const float *, int64_t, const float *, float *,
-                             int64_t, int64_t);
-static const panel_kernel PANEL_KERNELS[MAX_ROWS + 1] = {NULL,    panel_1, panel_2, panel_3,
-                                                         panel_4, panel_5, panel_6};
+DEFINE_FORMAT(f32, widen_f32, 0)
+DEFINE_FORMAT(bf16, widen_bf16, 0)
+DEFINE_FORMAT(f16, widen_f16, 0)
+DEFINE_FORMAT(i8, widen_i8, 1)
+DEFINE_FORMAT(i4, widen_i4, 1)
 
-/* w: ceil(n_rows / PANEL) panels of [k][PANEL] floats */
-void float_linear(const float *x, const float *w, const float *bias, float *y, int64_t m_rows,
-                  int64_t n_rows, int64_t k, int threads) {
-    const int64_t panels = (n_rows + PANEL - 1) / PANEL;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
-        const int64_t first = p * PANEL;
-        const int64_t cols = n_rows - first < PANEL ? n_rows - first : PANEL;
-        for (int64_t m = 0; m < m_rows; m += MAX_ROWS) {
-            const int64_t rows = m_rows - m < MAX_ROWS ? m_rows - m : MAX_ROWS;
-            PANEL_KERNELS[rows](x + m * k, w + first * k, k, bias ? bias + first : NULL,
-                                y + m * n_rows + first, n_rows, cols);
+typedef void (*panel_kernel)(const float *, const void *, int64_t, const groups *,
+                             const float *, float *, int64_t, int64_t);
+#define KERNELS(NAME) {NULL, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6}
+static const panel_kernel PANEL_KERNELS[5][MAX_ROWS + 1] = {
+    KERNELS(f32), KERNELS(bf16), KERNELS(f16), KERNELS(i8), KERNELS(i4)};
+
+/* The [k][PANEL] float32 weights of one panel, into ``out``. */
+static void widen_panel(int format, const void *w, int64_t k, const groups *q, float *out) {
+    const int quantized = format == I8 || format == I4;
+    for (int64_t i = 0, g = 0; i < k; i++) {
+        vec8 lo, hi, zlo = {0}, zhi = {0}, slo = (vec8){0} + 1.0f, shi = slo;
+        switch (format) {
+        case F32: widen_f32(w, i, &lo, &hi); break;
+        case BF16: widen_bf16(w, i, &lo, &hi); break;
+        case F16: widen_f16(w, i, &lo, &hi); break;
+        case I8: widen_i8(w, i, &lo, &hi); break;
+        default: widen_i4(w, i, &lo, &hi); break;
         }
+        if (quantized) {
+            g = i / q->group;
+            group_zero(q, g, &zlo, &zhi);
+            slo = load8(q->scales + g * PANEL), shi = load8(q->scales + g * PANEL + 8);
+        }
+        lo = (lo - zlo) * slo, hi = (hi - zhi) * shi;
+        memcpy(out + i * PANEL, &lo, sizeof lo);
+        memcpy(out + i * PANEL + 8, &hi, sizeof hi);
+    }
+}
+
+/* y[m_rows, n_rows] (row stride ``y_stride``) = x [m_rows, k] @ W^T + bias, W in panels
+   of ``format``; scales and zeros as the header says (NULL for the float formats). */
+void panel_linear(const float *x, const void *w, int format, const float *scales,
+                  const float *zeros, int64_t group, const float *bias, float *y,
+                  int64_t y_stride, int64_t m_rows, int64_t n_rows, int64_t k, int threads) {
+    const int64_t panels = (n_rows + PANEL - 1) / PANEL, bytes = step_bytes(format);
+    const int64_t groups_per_panel = group > 0 ? (k + group - 1) / group : 0;
+    const int widened = format != F32 && m_rows > MAX_ROWS;
+#pragma omp parallel num_threads(threads)
+    {
+        float *buffer = widened ? malloc(sizeof(float) * PANEL * k) : NULL;
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            const int64_t first = p * PANEL;
+            const int64_t cols = n_rows - first < PANEL ? n_rows - first : PANEL;
+            const groups q = {
+                scales ? scales + p * groups_per_panel * PANEL : NULL,
+                zeros ? zeros + p * groups_per_panel * PANEL : NULL,
+                format == I4 ? 8.0f : 0.0f,
+                group,
+            };
+            const void *panel = (const char *)w + p * k * bytes;
+            int kind = format;
+            if (widened && buffer) {
+                widen_panel(format, panel, k, &q, buffer);
+                panel = buffer, kind = F32;
+            }
+            for (int64_t m = 0; m < m_rows; m += MAX_ROWS) {
+                const int64_t rows = m_rows - m < MAX_ROWS ? m_rows - m : MAX_ROWS;
+                PANEL_KERNELS[kind][rows](x + m * k, panel, k, &q, bias ? bias + first : NULL,
+                                          y + m * y_stride + first, y_stride, cols);
+            }
+        }
+        free(buffer);
+    }
+}
+
+static int64_t clamp(int64_t value, int64_t low, int64_t high) {
+    return value < low ? low : (value > high ? high : value);
+}
+
+/* Routed experts over rows already grouped by expert: rows [offsets[e], offsets[e + 1])
+   of x [rows, hidden] go to expert e, h = silu(x W_gate^T) * (x W_up^T), out = h W_down^T.
+   Expert e's gate_up [2 * inter, hidden] (gate rows, then up rows) and down [hidden,
+   inter] are in panels of ``format``, experts one after another (``*_scales`` and
+   ``*_zeros`` likewise, per expert). Each chosen expert's weights are streamed once,
+   whatever its row count, and an expert with no rows is not read at all. ``gate_up_out``
+   [rows, 2 * inter] and ``h`` [rows, inter] are scratch. Offsets outside [0, rows] are
+   clamped, so memory stays safe even if a caller passes inconsistent ones. */
+void grouped_mlp(const float *x, const int64_t *offsets, int format, const void *gate_up,
+                 const float *gate_up_scales, const float *gate_up_zeros, int64_t gate_up_group,
+                 const void *down, const float *down_scales, const float *down_zeros,
+                 int64_t down_group, float *gate_up_out, float *h, float *out, int64_t rows,
+                 int64_t experts, int64_t hidden, int64_t inter, int threads) {
+    const int64_t bytes = step_bytes(format);
+    const int64_t gate_up_panels = (2 * inter + PANEL - 1) / PANEL;
+    const int64_t down_panels = (hidden + PANEL - 1) / PANEL;
+    const int64_t gate_up_bytes = gate_up_panels * hidden * bytes;
+    const int64_t down_bytes = down_panels * inter * bytes;
+    const int64_t gate_up_groups = gate_up_group > 0 ? (hidden + gate_up_group - 1) / gate_up_group : 0;
+    const int64_t down_groups = down_group > 0 ? (inter + down_group - 1) / down_group : 0;
+    for (int64_t e = 0; e < experts; e++) {
+        const int64_t first = clamp(offsets[e], 0, rows);
+        const int64_t last = clamp(offsets[e + 1], first, rows);
+        if (first == last) continue;
+        const int64_t count = last - first;
+        const int64_t gu_q = e * gate_up_panels * gate_up_groups * PANEL;
+        const int64_t down_q = e * down_panels * down_groups * PANEL;
+        panel_linear(x + first * hidden, (const char *)gate_up + e * gate_up_bytes, format,
+                     gate_up_scales ? gate_up_scales + gu_q : NULL,
+                     gate_up_zeros ? gate_up_zeros + gu_q : NULL, gate_up_group, NULL,
+                     gate_up_out + first * 2 * inter, 2 * inter, count, 2 * inter, hidden,
+                     threads);
+        for (int64_t r = first; r < last; r++) {
+            const float *gate = gate_up_out + r * 2 * inter, *up = gate + inter;
+#pragma omp simd
+            for (int64_t j = 0; j < inter; j++)
+                h[r * inter + j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
+        }
+        panel_linear(h + first * inter, (const char *)down + e * down_bytes, format,
+                     down_scales ? down_scales + down_q : NULL,
+                     down_zeros ? down_zeros + down_q : NULL, down_group, NULL,
+                     out + first * hidden, hidden, count, hidden, inter, threads);
     }
 }

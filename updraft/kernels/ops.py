@@ -13,6 +13,18 @@ import torch
 
 from updraft.kernels.build import load
 
+PANEL = 16  # output rows per panel (``PANEL`` in linear.c)
+INT4 = 4
+QUANTIZED_FORMATS = (3, INT4)
+# The element type of each format's codes (``enum format`` in linear.c).
+CODE_DTYPES = {
+    0: torch.float32,
+    1: torch.bfloat16,
+    2: torch.float16,
+    3: torch.int8,
+    INT4: torch.uint8,
+}
+
 _POINTER = ctypes.c_void_p
 _INT = ctypes.c_int64
 
@@ -21,17 +33,19 @@ _INT = ctypes.c_int64
 @cache
 def _linear_library() -> ctypes.CDLL:
     lib = load("linear")
-    lib.int8_linear.restype = lib.float_linear.restype = None
-    lib.int8_linear.argtypes = [_POINTER] * 5 + [_INT] * 3 + [ctypes.c_int]
-    lib.float_linear.argtypes = [_POINTER] * 4 + [_INT] * 3 + [ctypes.c_int]
-    return lib
-
-
-@cache
-def _moe_library() -> ctypes.CDLL:
-    lib = load("moe")
-    lib.grouped_mlp.restype = None
-    lib.grouped_mlp.argtypes = [_POINTER] * 6 + [_INT] * 4 + [ctypes.c_int]
+    lib.panel_linear.restype = lib.grouped_mlp.restype = None
+    lib.panel_linear.argtypes = (
+        [_POINTER, _POINTER, ctypes.c_int, _POINTER, _POINTER, _INT, _POINTER, _POINTER]
+        + [_INT] * 4
+        + [ctypes.c_int]
+    )
+    lib.grouped_mlp.argtypes = (
+        [_POINTER, _POINTER, ctypes.c_int]
+        + [_POINTER, _POINTER, _POINTER, _INT] * 2
+        + [_POINTER] * 3
+        + [_INT] * 4
+        + [ctypes.c_int]
+    )
     return lib
 
 
@@ -50,71 +64,72 @@ def _check(condition: bool, op: str, what: str) -> None:
         raise TypeError(f"updraft::{op} takes {what}")
 
 
-def int8_linear(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """x [M, K] float32 @ (weight [N, K] int8 * scale [N] float32)^T + bias -> [M, N]."""
-    op = "int8_linear"
-    _check(x.dtype == torch.float32 and x.device.type == "cpu", op, "float32 x on the CPU")
-    _check(weight.dtype == torch.int8, op, "an int8 weight")
-    _check(weight.is_contiguous(), op, "a contiguous weight")
-    x = x.contiguous()
-    rows, k = x.shape
-    n = weight.shape[0]
-    _check(weight.shape[1] == k, op, f"a weight of {k} columns for x [{rows}, {k}]")
-    _check(scale.shape == (n,), op, "one scale per output row")
-    _check(bias is None or bias.shape == (n,), op, "one bias per output row")
-    out = torch.empty(rows, n, dtype=torch.float32)
-    _linear_library().int8_linear(
-        x.data_ptr(),
-        weight.data_ptr(),
-        scale.contiguous().data_ptr(),
-        None if bias is None else bias.float().contiguous().data_ptr(),
-        out.data_ptr(),
-        rows,
-        n,
-        k,
-        torch.get_num_threads(),
-    )
-    return out
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
 
 
-# Output rows per panel of a ``float_linear`` weight (``PANEL`` in linear.c).
-PANEL = 16
-
-
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] float32 -> its panels for ``float_linear``: [ceil(N / PANEL), K,
-    PANEL], each panel the transpose of PANEL weight rows, zero past row N."""
-    n, k = weight.shape
-    panels = -(-n // PANEL)
-    padded = torch.zeros(panels * PANEL, k, dtype=torch.float32)
-    padded[:n] = weight
-    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
-
-
-def float_linear(
-    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int
-) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T + bias, all float32, for few rows of x; the weight as
-    ``pack_panels`` lays it out, N = ``out_features``."""
-    op = "float_linear"
-    _check(x.dtype == torch.float32 and x.device.type == "cpu", op, "float32 x on the CPU")
-    _check(panels.dtype == torch.float32 and panels.is_contiguous(), op, "packed panels")
-    x = x.contiguous()
-    rows, k = x.shape
+def _check_codes(op: str, codes: torch.Tensor, scales, zeros, fmt: int, group: int) -> None:
+    _check(fmt in CODE_DTYPES, op, f"a format among {sorted(CODE_DTYPES)}")
     _check(
-        panels.shape == (-(-out_features // PANEL), k, PANEL),
+        codes.dtype == CODE_DTYPES[fmt] and codes.is_contiguous(),
+        op,
+        f"contiguous {CODE_DTYPES[fmt]} codes for format {fmt}",
+    )
+    quantized = fmt in QUANTIZED_FORMATS
+    _check((scales is not None) == quantized and group >= 0, op, "scales exactly when quantized")
+    if quantized:
+        _check(zeros is None or zeros.shape == scales.shape, op, "zeros shaped as the scales")
+        for extra in (scales, zeros):
+            _check(
+                extra is None or (extra.dtype == torch.float32 and extra.is_contiguous()),
+                op,
+                "contiguous float32 scales and zeros",
+            )
+
+
+def panel_linear(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor | None,
+    zeros: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    fmt: int,
+    group: int,
+    out_features: int,
+) -> torch.Tensor:
+    """x [M, K] float32 @ W [N, K]^T + bias -> [M, N] float32, W in the panels of
+    ``kernels/panels.py`` in format ``fmt`` (N = ``out_features``; ``group`` K steps per
+    scale when quantized)."""
+    op = "panel_linear"
+    _check(x.dtype == torch.float32 and x.device.type == "cpu", op, "float32 x on the CPU")
+    _check_codes(op, codes, scales, zeros, fmt, group)
+    x = x.contiguous()
+    rows, k = x.shape
+    panels = -(-out_features // PANEL)
+    width = PANEL // 2 if fmt == INT4 else PANEL
+    _check(
+        codes.shape == (panels, k, width),
         op,
         f"the panels of a [{out_features}, {k}] weight for x [{rows}, {k}]",
     )
+    if scales is not None:
+        _check(
+            group > 0 and scales.shape == (panels, -(-k // group), PANEL),
+            op,
+            f"one scale per output row and group of {group} columns",
+        )
     _check(bias is None or bias.shape == (out_features,), op, "one bias per output row")
     out = torch.empty(rows, out_features, dtype=torch.float32)
-    _linear_library().float_linear(
+    _linear_library().panel_linear(
         x.data_ptr(),
-        panels.data_ptr(),
+        codes.data_ptr(),
+        fmt,
+        _pointer(scales),
+        _pointer(zeros),
+        group,
         None if bias is None else bias.float().contiguous().data_ptr(),
         out.data_ptr(),
+        out_features,
         rows,
         out_features,
         k,
@@ -244,36 +259,65 @@ def _decode_attention(
 
 
 def grouped_mlp(
-    x: torch.Tensor, offsets: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    x: torch.Tensor,
+    offsets: torch.Tensor,
+    gate_up: torch.Tensor,
+    gate_up_scales: torch.Tensor | None,
+    gate_up_zeros: torch.Tensor | None,
+    down: torch.Tensor,
+    down_scales: torch.Tensor | None,
+    down_zeros: torch.Tensor | None,
+    fmt: int,
+    gate_up_group: int,
+    down_group: int,
+    inter: int,
 ) -> torch.Tensor:
     """Rows of x [R, H] grouped by expert (rows [offsets[e], offsets[e+1]) to expert e)
-    through each expert's SiLU MLP: gate_up [E, 2I, H], down [E, H, I] -> [R, H]."""
-    experts, double_inter, hidden = gate_up.shape
-    inter = double_inter // 2
-    _check(
-        x.dtype == gate_up.dtype == down.dtype == torch.float32 and x.device.type == "cpu",
-        "grouped_mlp",
-        "float32 tensors on the CPU",
-    )
+    through each expert's SiLU MLP, whose gate_up [2I, H] and down [H, I] weights are in
+    panels of format ``fmt``, stacked over experts -> [R, H]."""
+    op = "grouped_mlp"
+    _check(x.dtype == torch.float32 and x.device.type == "cpu", op, "float32 x on the CPU")
+    experts, hidden = gate_up.shape[0], x.shape[1]
     _check(
         offsets.dtype == torch.int64 and offsets.shape == (experts + 1,),
-        "grouped_mlp",
+        op,
         "int64 offsets, one more than experts",
     )
-    _check(
-        x.shape[1] == hidden and down.shape == (experts, hidden, inter),
-        "grouped_mlp",
-        "x [R, H], gate_up [E, 2I, H] and down [E, H, I]",
-    )
+    width = PANEL // 2 if fmt == INT4 else PANEL
+    for codes, scales, zeros, group, n, k in (
+        (gate_up, gate_up_scales, gate_up_zeros, gate_up_group, 2 * inter, hidden),
+        (down, down_scales, down_zeros, down_group, hidden, inter),
+    ):
+        _check_codes(op, codes, scales, zeros, fmt, group)
+        _check(
+            codes.shape == (experts, -(-n // PANEL), k, width),
+            op,
+            f"every expert's panels: gate_up [2I, H] and down [H, I], H={hidden}, I={inter}",
+        )
+        _check(
+            scales is None
+            or (group > 0 and scales.shape == (experts, codes.shape[1], -(-k // group), PANEL)),
+            op,
+            "one scale per expert, output row and group",
+        )
     x = x.contiguous()
     rows = x.shape[0]
+    gate_up_out = torch.empty(rows, 2 * inter, dtype=torch.float32)
     h = torch.empty(rows, inter, dtype=torch.float32)
     out = torch.zeros_like(x)
-    _moe_library().grouped_mlp(
+    _linear_library().grouped_mlp(
         x.data_ptr(),
         offsets.contiguous().data_ptr(),
-        gate_up.contiguous().data_ptr(),
-        down.contiguous().data_ptr(),
+        fmt,
+        gate_up.data_ptr(),
+        _pointer(gate_up_scales),
+        _pointer(gate_up_zeros),
+        gate_up_group,
+        down.data_ptr(),
+        _pointer(down_scales),
+        _pointer(down_zeros),
+        down_group,
+        gate_up_out.data_ptr(),
         h.data_ptr(),
         out.data_ptr(),
         rows,
@@ -286,16 +330,16 @@ def grouped_mlp(
 
 
 _LIBRARY = torch.library.Library("updraft", "DEF")
-_LIBRARY.define("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor")
-_LIBRARY.impl("int8_linear", int8_linear, "CPU")
-_LIBRARY.impl(
-    "int8_linear", lambda x, weight, scale, bias: x.new_empty(x.shape[0], weight.shape[0]), "Meta"
+_LIBRARY.define(
+    "panel_linear(Tensor x, Tensor codes, Tensor? scales, Tensor? zeros, Tensor? bias, "
+    "int fmt, int group, int out_features) -> Tensor"
 )
-_LIBRARY.define("float_linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor")
-_LIBRARY.impl("float_linear", float_linear, "CPU")
+_LIBRARY.impl("panel_linear", panel_linear, "CPU")
 _LIBRARY.impl(
-    "float_linear",
-    lambda x, panels, bias, out_features: x.new_empty(x.shape[0], out_features),
+    "panel_linear",
+    lambda x, codes, scales, zeros, bias, fmt, group, out_features: x.new_empty(
+        x.shape[0], out_features
+    ),
     "Meta",
 )
 _LIBRARY.define(
@@ -329,26 +373,24 @@ def _latent_meta(query, cache, table, lens, block_size, scale, value_dim, with_l
 
 _LIBRARY.impl("paged_decode_attention", _gqa_meta, "Meta")
 _LIBRARY.impl("paged_latent_attention", _latent_meta, "Meta")
-_LIBRARY.define("grouped_mlp(Tensor x, Tensor offsets, Tensor gate_up, Tensor down) -> Tensor")
+_LIBRARY.define(
+    "grouped_mlp(Tensor x, Tensor offsets, Tensor gate_up, Tensor? gate_up_scales, "
+    "Tensor? gate_up_zeros, Tensor down, Tensor? down_scales, Tensor? down_zeros, int fmt, "
+    "int gate_up_group, int down_group, int inter) -> Tensor"
+)
 _LIBRARY.impl("grouped_mlp", grouped_mlp, "CPU")
 _LIBRARY.impl("grouped_mlp", lambda x, *rest: torch.empty_like(x), "Meta")
-
-
-def build_int8_linear() -> None:
-    """Build the linear kernels now, so a compiler problem shows at load, not mid-step."""
-    _linear_library()
 
 
 _LIBRARIES = {
     "linear": _linear_library,
     "paged_attention": _attention_library,
-    "moe": _moe_library,
 }
 
 
 @cache
 def kernel_builds(name: str) -> bool:
-    """Whether kernel ``name`` ("linear", "paged_attention", "moe") builds and loads here (a
+    """Whether kernel ``name`` ("linear", "paged_attention") builds and loads here (a
     C compiler is on PATH). Answered once per process: a failed build would otherwise be
     tried again by every caller."""
     try:

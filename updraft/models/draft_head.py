@@ -23,9 +23,10 @@ import torch
 from torch import nn
 
 from updraft.attention.metadata import AttentionMetadata
-from updraft.config import ModelConfig
+from updraft.config import ModelConfig, WeightFormat
 from updraft.models.eagle import eagle_config, load_eagle_head
 from updraft.models.mtp import load_mtp_layers
+from updraft.models.packing import finish_loading
 from updraft.models.rope import RotaryEmbedding
 from updraft.models.tensor_parallel import shard_layer, splits_tensors
 from updraft.parallel.topology import RankPlace
@@ -69,13 +70,15 @@ def mtp_head(
     dtype: torch.dtype,
     device: torch.device,
     place: RankPlace | None = None,
+    weights: WeightFormat | None = None,
 ) -> tuple[DraftHead, ModelConfig]:
     """The checkpoint's first MTP layer as a head for ``target`` (whose config is
     ``config``), and the config its cache follows: the target's, with the one layer.
     With ``place``, the shard of the layer that rank keeps, split like a target layer."""
-    layer = load_mtp_layers(config, model_dir, dtype, device).depths()[0]
+    layer = load_mtp_layers(config, model_dir, dtype, device, weights).depths()[0]
     if splits_tensors(place):
         shard_layer(layer, place)
+    finish_loading(layer, weights or WeightFormat.of(dtype), device, dtype)
     return DraftHead(target, layer, target.rotary, rope_offset=1), replace(config, num_layers=1)
 
 
@@ -86,11 +89,12 @@ def eagle_head(
     dtype: torch.dtype,
     device: torch.device,
     place: RankPlace | None = None,
+    weights: WeightFormat | None = None,
 ) -> tuple[DraftHead, ModelConfig]:
     """The EAGLE-1 head in ``head_dir`` for ``target`` (whose config is ``config``), and
     the head's own config; with ``place``, the shard of its layers that rank keeps."""
     head_config = eagle_config(head_dir, config)
-    body = load_eagle_head(head_dir, head_config, dtype, device, place)
+    body = load_eagle_head(head_dir, head_config, dtype, device, place, weights)
     max_positions = target.rotary.cos.shape[0]
     with torch.device(device):
         rotary = RotaryEmbedding(head_config.rope, head_config.head_dim, max_positions)

@@ -25,11 +25,11 @@ from safetensors import safe_open
 from torch import nn
 
 from updraft.attention.metadata import AttentionMetadata
-from updraft.config import LLAMA_ARCHITECTURES, ModelConfig
+from updraft.config import LLAMA_ARCHITECTURES, ModelConfig, WeightFormat
 from updraft.models.layers import MLP, DecoderLayer
 from updraft.models.llama import Attention
 from updraft.models.loader import building, load_weights, weight_files
-from updraft.models.packed_linear import can_prepack, prepack_linears
+from updraft.models.packing import finish_loading, storage_dtype
 from updraft.models.tensor_parallel import shard_layer, splits_tensors
 from updraft.parallel.topology import RankPlace
 
@@ -99,16 +99,20 @@ def load_eagle_head(
     dtype: torch.dtype,
     device: torch.device | str,
     place: RankPlace | None = None,
+    weights: WeightFormat | None = None,
 ) -> EagleHead:
-    """The head in ``dtype`` on ``device``, its fc bias and first input norm present
-    exactly when the checkpoint holds them; with ``place``, the shard of its layers that
-    rank keeps (fc is whole on every rank, like the residual stream)."""
+    """The head computing in ``dtype`` on ``device``, its weights in ``weights`` (default:
+    the compute dtype), its fc
+    bias and first input norm present exactly when the checkpoint holds them; with
+    ``place``, the shard of its layers that rank keeps (fc is whole on every rank, like
+    the residual stream)."""
     files = weight_files(Path(head_dir))
     names = set()
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as reader:
             names.update(reader.keys())
-    with building(dtype, device):
+    weights = weights or WeightFormat.of(dtype)
+    with building(storage_dtype(weights, dtype, config), device):
         head = EagleHead(
             config,
             fc_bias="fc.bias" in names,
@@ -118,6 +122,4 @@ def load_eagle_head(
     if splits_tensors(place):
         for layer in head.layers:
             shard_layer(layer, place)
-    if can_prepack(torch.device(device), dtype):
-        prepack_linears(head)
-    return head.eval().requires_grad_(False)
+    return finish_loading(head, weights, device, dtype)

@@ -17,11 +17,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from updraft.config import ModelConfig
-from updraft.models.int8_linear import can_quantize_int8, quantize_linears
+from updraft.config import ModelConfig, WeightFormat
 from updraft.models.layers import FusedLinear
 from updraft.models.moe import Experts
-from updraft.models.packed_linear import can_prepack, prepack_linears
+from updraft.models.packing import finish_loading, storage_dtype
 from updraft.models.registry import model_class
 from updraft.models.tensor_parallel import shard_model, splits_tensors
 from updraft.parallel.topology import RankPlace
@@ -92,13 +91,16 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     max_positions: int | None = None,
-    quantization: str | None = None,
+    weights: WeightFormat | None = None,
     place: RankPlace | None = None,
 ) -> nn.Module:
-    """``place``: keep only the shard that rank holds (models/tensor_parallel.py)."""
+    """The model computing in ``dtype``, its weights kept in ``weights`` (default: the
+    compute dtype); with ``place``, only the shard that rank holds
+    (models/tensor_parallel.py)."""
     model_dir = Path(model_dir)
     files = weight_files(model_dir)
-    with building(dtype, device):
+    fmt = weights or WeightFormat.of(dtype)
+    with building(storage_dtype(fmt, dtype, config), device):
         model = model_class(config)(config, max_positions=max_positions)
     # A checkpoint's multi-token prediction layers follow its decoder layers; the model
     # does not run them (models/mtp.py loads them on their own).
@@ -106,15 +108,7 @@ def load_model(
     load_weights(model, files, select=lambda name: layer_of(name) not in mtp)
     if splits_tensors(place):
         shard_model(model, place)
-    if quantization == "int8":
-        if not can_quantize_int8(torch.device(device), dtype):
-            raise ValueError(
-                f"quantization 'int8' runs on the CPU in float32, not on {device} in {dtype}"
-            )
-        quantize_linears(model)
-    elif can_prepack(torch.device(device), dtype):
-        prepack_linears(model)
-    return model.eval().requires_grad_(False)
+    return finish_loading(model, fmt, device, dtype)
 
 
 @torch.no_grad()

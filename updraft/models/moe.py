@@ -9,8 +9,9 @@ their uncorrected scores, normalised to sum to 1 (``norm_topk_prob``), times
 worth their best score, and no normalising. The shared experts see every token.
 
 Routed experts cost the tokens routed to them, not every expert for every token: the
-(token, expert) pairs are sorted by expert and ``updraft::grouped_mlp`` streams each
-chosen expert's weights once over its rows. Every shape is fixed by the token count
+(token, expert) pairs are sorted by expert and, on the CPU, ``updraft::grouped_mlp``
+streams each chosen expert's weights once over its rows, in whatever format they are
+kept (``PackedExperts``). Every shape is fixed by the token count
 (top-k rows per token), so a captured graph can hold the whole layer.
 """
 
@@ -20,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from updraft.config import MoEConfig
-from updraft.kernels.ops import kernel_builds
+from updraft.config import MoEConfig, WeightFormat
+from updraft.kernels.panels import pack_stacked
 from updraft.models.layers import MLP
 
 
@@ -67,9 +68,36 @@ class TopKRouter(nn.Module):
         return weights * config.routed_scaling_factor, experts
 
 
-class Experts(nn.Module):
+class RoutedExperts(nn.Module):
+    """The routed experts' part of the layer: each (token, expert) pair's row through its
+    expert, weighted and summed per token. How the rows meet their experts' weights is
+    the subclass's ``_grouped``."""
+
+    num_experts: int
+
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
+        k = experts.shape[1]
+        chosen = experts.flatten()
+        order = torch.argsort(chosen, stable=True)  # (token, expert) pairs by expert
+        token_of_row = order // k
+        rows = self._grouped(x.index_select(0, token_of_row), chosen, order)
+        rows = rows * weights.flatten().index_select(0, order)[:, None].to(rows.dtype)
+        return torch.zeros_like(x).index_add(0, token_of_row, rows)
+
+    def _grouped(
+        self, rows: torch.Tensor, chosen: torch.Tensor, order: torch.Tensor
+    ) -> torch.Tensor:
+        """``rows`` sorted by expert (row i goes to expert ``chosen[order[i]]``) through
+        their experts' MLPs."""
+        raise NotImplementedError
+
+
+class Experts(RoutedExperts):
     """Every routed expert's weights, stacked: gate_up_proj [E, 2I, H] (gate rows, then
-    up rows) and down_proj [E, H, I]."""
+    up rows) and down_proj [E, H, I], in the compute dtype. On the CPU a loaded model's
+    are packed (``PackedExperts``); this runs on other devices."""
 
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
@@ -78,34 +106,60 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.zeros(config.num_experts, 2 * size, hidden))
         self.down_proj = nn.Parameter(torch.zeros(config.num_experts, hidden, size))
 
-    def forward(
-        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    def _grouped(
+        self, rows: torch.Tensor, chosen: torch.Tensor, order: torch.Tensor
     ) -> torch.Tensor:
-        num_experts, k = self.gate_up_proj.shape[0], experts.shape[1]
-        chosen = experts.flatten()
-        order = torch.argsort(chosen, stable=True)  # (token, expert) pairs by expert
-        token_of_row = order // k
-        rows = x.index_select(0, token_of_row)
-        if x.dtype == torch.float32 and x.device.type == "cpu" and kernel_builds("moe"):
-            counts = torch.zeros(num_experts, dtype=torch.int64).scatter_add(
-                0, chosen, torch.ones_like(chosen)
-            )
-            offsets = F.pad(counts.cumsum(0), (1, 0))
-            rows = torch.ops.updraft.grouped_mlp(rows, offsets, self.gate_up_proj, self.down_proj)
-        else:
-            rows = self._per_row(rows, chosen.index_select(0, order))
-        rows = rows * weights.flatten().index_select(0, order)[:, None].to(rows.dtype)
-        return torch.zeros_like(x).index_add(0, token_of_row, rows)
-
-    def _per_row(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Where the kernel does not run (other devices and dtypes): each row through its
-        expert's weights, gathered per row. Correct and capturable (no shape depends on
-        the routing), but it copies each row's weights: a fallback, not a fast path."""
+        """Each row through its expert's weights, gathered per row. Correct and
+        capturable (no shape depends on the routing), but it copies each row's weights:
+        a fallback, not a fast path."""
+        experts = chosen.index_select(0, order)
         gate, up = torch.bmm(self.gate_up_proj.index_select(0, experts), rows[:, :, None]).chunk(
             2, dim=1
         )
         hidden = F.silu(gate) * up
         return torch.bmm(self.down_proj.index_select(0, experts), hidden)[:, :, 0]
+
+
+class PackedExperts(RoutedExperts):
+    """``Experts`` on the CPU: every expert's weights in the panels of a weight format,
+    through ``updraft::grouped_mlp``, which streams each chosen expert's weights once over
+    its rows (the work follows the tokens routed, not the number of experts)."""
+
+    def __init__(self, experts: Experts, fmt: WeightFormat) -> None:
+        super().__init__()
+        self.num_experts = experts.num_experts
+        self.format = fmt
+        self.inter = experts.down_proj.shape[2]
+        gate_up = pack_stacked(experts.gate_up_proj.detach(), fmt)
+        down = pack_stacked(experts.down_proj.detach(), fmt)
+        self.code, self.groups = gate_up.code, (gate_up.group, down.group)
+        for prefix, panels in (("gate_up", gate_up), ("down", down)):
+            for name in ("codes", "scales", "zeros"):
+                self.register_buffer(f"{prefix}_{name}", getattr(panels, name), persistent=False)
+
+    def _grouped(
+        self, rows: torch.Tensor, chosen: torch.Tensor, order: torch.Tensor
+    ) -> torch.Tensor:
+        counts = torch.zeros(self.num_experts, dtype=torch.int64).scatter_add(
+            0, chosen, torch.ones_like(chosen)
+        )
+        offsets = F.pad(counts.cumsum(0), (1, 0))
+        return torch.ops.updraft.grouped_mlp(
+            rows,
+            offsets,
+            self.gate_up_codes,
+            self.gate_up_scales,
+            self.gate_up_zeros,
+            self.down_codes,
+            self.down_scales,
+            self.down_zeros,
+            self.code,
+            *self.groups,
+            self.inter,
+        )
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, {self.format}"
 
 
 class DeepseekMoE(nn.Module):

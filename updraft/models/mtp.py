@@ -23,11 +23,12 @@ import torch
 from torch import nn
 
 from updraft.attention.metadata import AttentionMetadata
-from updraft.config import ModelConfig
+from updraft.config import ModelConfig, WeightFormat
 from updraft.models.deepseek import LatentAttention
 from updraft.models.layers import DecoderLayer, RMSNorm
 from updraft.models.loader import building, load_weights, weight_files
 from updraft.models.moe import DeepseekMoE
+from updraft.models.packing import storage_dtype
 
 # Checkpoints repeat the main model's embedding and LM head inside each MTP layer; the
 # layers share the main model's instead.
@@ -81,16 +82,22 @@ class MTPLayers(nn.Module):
 
 
 def load_mtp_layers(
-    config: ModelConfig, model_dir: str | Path, dtype: torch.dtype, device: torch.device | str
+    config: ModelConfig,
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    weights: WeightFormat | None = None,
 ) -> MTPLayers:
-    """The checkpoint's MTP layers, in ``dtype`` on ``device``; a checkpoint whose
+    """The checkpoint's MTP layers, computing in ``dtype`` on ``device``, their weights
+    in ``weights`` (default: the compute dtype), as yet unpacked; a checkpoint whose
     config announces MTP layers it does not hold is an error that names the tensors."""
     if config.mla is None or config.mtp_layers < 1:
         raise ValueError(
             f"{config.architecture} checkpoint has no multi-token prediction layers "
             "(num_nextn_predict_layers)"
         )
-    with building(dtype, device):
+    fmt = weights or WeightFormat.of(dtype)
+    with building(storage_dtype(fmt, dtype, config), device):
         layers = MTPLayers(config)
     first = config.num_layers
     prefixes = tuple(f"model.layers.{i}." for i in range(first, first + config.mtp_layers))

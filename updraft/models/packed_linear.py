@@ -1,20 +1,19 @@
-"""Linear layers for float32 on the CPU: oneDNN with prepacked weights, and updraft's
-own kernel for few rows.
+"""Linear layers on the CPU: weights packed once at load, in the format they are kept in.
 
-PyTorch's default CPU path for a matrix-vector product (a decode step's every
-projection) streams a weight at about half the machine's memory bandwidth; oneDNN with a
-weight reordered once at load time ("prepacked", as vLLM's CPU backend and inductor's
-freezing do) is the fast path for batches. For few rows (batch-1 decode, which reads
-every weight once per token and does little else, and a small batch or a speculative
-verify step) updraft's own kernel ``updraft::float_linear`` is faster: it reads the
-weight in panels of 16 output rows packed at load time (``pack_panels``), at the
-memory's full speed for one row and with every row's multiply-adds done on each weight
-as it is read. So a layer keeps both packings: the panels for few rows (``FEW_ROWS``,
-more for a model that fits in cache) and oneDNN's for more. That is twice the linear
-weights' memory, the price of both speeds; int8 keeps one copy.
+Every format (float32, bfloat16, float16, int8, int4) is packed into the panels of
+``kernels/panels.py`` and read by updraft's kernel ``updraft::panel_linear``: 16 output
+rows at a time, one contiguous run of memory per panel, the weights widened to float32 in
+registers, never in memory. For few rows (batch-1 decode, which reads every weight once
+per token and does little else, a small batch or a speculative verify step) it reads the
+weights at the memory's full speed; for more it widens each panel once into a buffer
+that stays in cache and runs over every row.
 
-The reordered weight is an opaque oneDNN tensor: it has no storage to view or copy, and
-nothing but ``_linear_pointwise`` reads it.
+A float32 weight keeps a second packing for batches, oneDNN's ("prepacked", as vLLM's
+CPU backend and inductor's freezing do), which ran faster than the panels from 5 rows
+up (``FEW_ROWS``, more for a model that fits in cache): twice the linear weights'
+memory, the price of both speeds. The other formats keep one copy. The reordered weight
+is an opaque oneDNN tensor: it has no storage to view or copy, and nothing but
+``_linear_pointwise`` reads it.
 """
 
 from __future__ import annotations
@@ -25,7 +24,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from updraft.kernels.ops import kernel_builds, pack_panels
+from updraft.config import WeightFormat
+from updraft.kernels.ops import kernel_builds
+from updraft.kernels.panels import Panels, pack
 
 # The row count oneDNN lays a weight out for. Any count runs on the layout, but one laid
 # out for a single row ran 1.2-2x slower from 4 rows up (a batched decode step), while
@@ -64,49 +65,86 @@ def last_level_cache_bytes(caches: Path = Path("/sys/devices/system/cpu/cpu0/cac
     return sizes[max(sizes)] if sizes else DEFAULT_CACHE_BYTES
 
 
-def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    return (
-        device.type == "cpu"
-        and dtype == torch.float32
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+def has_onednn() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def can_pack(device: torch.device, dtype: torch.dtype, fmt: WeightFormat) -> bool:
+    """Whether a model computing in ``dtype`` on ``device`` runs packed linears (float32
+    on the CPU); a format other than float32 needs the panel kernel to build."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return False
+    return kernel_builds("linear") or (fmt.name == "float32" and has_onednn())
 
 
 class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, few_rows: int = FEW_ROWS) -> None:
+    def __init__(self, linear: nn.Linear, fmt: WeightFormat, few_rows: int = FEW_ROWS) -> None:
         super().__init__()
-        self.few_rows = few_rows  # up to this many rows, the panel kernel
+        self.few_rows = few_rows  # up to this many rows, the panel kernel (float32)
         self.in_features = linear.in_features
         self.out_features = linear.out_features
+        self.format = fmt
         weight = linear.weight.detach()
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_FOR_ROWS)
+        panels = pack(weight, fmt) if kernel_builds("linear") else None
+        if panels is None and fmt.name != "float32":
+            raise RuntimeError(f"{fmt} weights need updraft's linear kernel, which did not build")
+        self.code, self.group = (panels.code, panels.group) if panels else (0, 0)
+        for name in ("codes", "scales", "zeros"):
+            self.register_buffer(name, getattr(panels, name, None), persistent=False)
+        packed = None
+        if fmt.name == "float32" and has_onednn():
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.float(), PACKED_FOR_ROWS)
         self.register_buffer("packed_weight", packed, persistent=False)
-        panels = pack_panels(weight) if kernel_builds("linear") else None
-        self.register_buffer("panels", panels, persistent=False)
-        self.bias = linear.bias
+        self.bias = (
+            None
+            if linear.bias is None
+            else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+        )
+
+    @property
+    def panels(self) -> Panels | None:
+        if self.codes is None:
+            return None
+        return Panels(
+            self.codes,
+            self.scales,
+            self.zeros,
+            self.format.name,
+            self.group,
+            self.out_features,
+            self.in_features,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features  # a Python int: fixed within a captured step
-        if self.panels is not None and rows <= self.few_rows:
+        if self.codes is not None and (self.packed_weight is None or rows <= self.few_rows):
             flat = x.reshape(rows, self.in_features)
-            out = torch.ops.updraft.float_linear(flat, self.panels, self.bias, self.out_features)
+            out = torch.ops.updraft.panel_linear(
+                flat,
+                self.codes,
+                self.scales,
+                self.zeros,
+                self.bias,
+                self.code,
+                self.group,
+                self.out_features,
+            )
             return out.view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, prepacked"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.format}"
 
 
-def prepack_linears(model: nn.Module) -> None:
+def pack_linears(model: nn.Module, fmt: WeightFormat) -> None:
     """Replace every ``nn.Linear`` of ``model`` (after its weights are loaded) by a
-    ``PackedLinear``; a weight tied to an embedding stays for the embedding. A model
-    whose linear weights fit in the last-level cache runs up to ``CACHED_FEW_ROWS`` rows
-    on the panel kernel."""
+    ``PackedLinear`` in ``fmt``; a weight tied to an embedding stays for the embedding. A
+    float32 model whose linear weights fit in the last-level cache runs up to
+    ``CACHED_FEW_ROWS`` rows on the panel kernel."""
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     weights = {m.weight.data_ptr(): m.weight.nbytes for m in linears}
     few_rows = CACHED_FEW_ROWS if sum(weights.values()) <= last_level_cache_bytes() else FEW_ROWS
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, PackedLinear(child, few_rows))
+                setattr(module, name, PackedLinear(child, fmt, few_rows))

@@ -31,7 +31,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from updraft.config import ModelConfig
+from updraft.config import INT4_GROUP_SIZES, ModelConfig, WeightFormat
 from updraft.models.deepseek import LatentAttention
 from updraft.models.layers import MLP, CausalLM, DecoderLayer, FusedLinear
 from updraft.models.llama import Attention
@@ -40,8 +40,11 @@ from updraft.parallel import collectives  # noqa: F401 (registers the collective
 from updraft.parallel.topology import GroupRank, ParallelSizes, RankPlace
 
 
-def check_parallel(config: ModelConfig, sizes: ParallelSizes) -> None:
-    """Refuse, by name, a model that cannot be split as ``sizes`` says."""
+def check_parallel(
+    config: ModelConfig, sizes: ParallelSizes, weights: WeightFormat | None = None
+) -> None:
+    """Refuse, by name, a model that cannot be split as ``sizes`` says, or whose
+    quantization groups (``weights``) a row-parallel split would cut."""
     sizes.check()
     if sizes.world == 1:
         return
@@ -59,6 +62,30 @@ def check_parallel(config: ModelConfig, sizes: ParallelSizes) -> None:
     if problems:
         raise ValueError(
             f"tensor_parallel_size {size} does not divide this model's {', '.join(problems)}"
+        )
+    if weights is not None and weights.quantized and weights.group_size:
+        _check_groups(config, size, weights)
+
+
+def _check_groups(config: ModelConfig, size: int, weights: WeightFormat) -> None:
+    """A rank quantizes the columns it keeps of a row-parallel layer (o_proj, down_proj,
+    the experts' down projections): its groups are one process's only where each rank's
+    share is a whole number of groups."""
+    v_dim = config.mla.v_head_dim if config.mla is not None else config.head_dim
+    widths = {"o_proj": config.num_heads * v_dim, "down_proj": config.intermediate_size}
+    if config.moe is not None:
+        widths["the experts' down_proj"] = config.moe.moe_intermediate_size
+    group = weights.group_size
+    cut = [
+        f"{name} ({width // size} columns per rank)"
+        for name, width in widths.items()
+        if (width // size) % group
+    ]
+    if cut:
+        raise ValueError(
+            f"{weights.name} groups of {group} columns would straddle the tensor-parallel "
+            f"shards of {', '.join(cut)}: use --quantization-group-size "
+            f"{min(INT4_GROUP_SIZES)} or fewer ranks"
         )
 
 

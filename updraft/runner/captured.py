@@ -68,6 +68,7 @@ class CapturedSteps:
         max_blocks_per_request: int,
         sizes: list[int],
         device: torch.device,
+        dtype: torch.dtype,
         query_lens: tuple[int, ...] = (1,),
         inputs: tuple[GraphInput, ...] = GRAPH_INPUTS,
         compile_runs: bool = False,
@@ -79,11 +80,13 @@ class CapturedSteps:
     ) -> None:
         """``full``: the query lengths whose graphs capture attention inside them,
         shaped by the bucket (``AttentionMetadata.bucket``), instead of as tasks between
-        segments. ``sizes_of_dims``: the sizes of dims beyond tokens, requests and blocks
-        that ``inputs`` name (``hidden``); inputs beyond ``GRAPH_INPUTS`` reach the model
-        as keyword arguments. ``owner``: which runner's graphs these are, in the names of
-        their static inputs. ``draft_loop_depth`` > 1: also capture the greedy draft loop
-        of that many drafts, one bucket per size."""
+        segments. ``dtype``: the compute dtype, of the float inputs (a head's hidden
+        states), whatever the weights are kept in. ``sizes_of_dims``: the sizes of dims
+        beyond tokens, requests and blocks that ``inputs`` name (``hidden``); inputs
+        beyond ``GRAPH_INPUTS`` reach the model as keyword arguments. ``owner``: which
+        runner's graphs these are, in the names of their static inputs.
+        ``draft_loop_depth`` > 1: also capture the greedy draft loop of that many drafts,
+        one bucket per size."""
         self.model, self.kv_caches = model, kv_caches
         self.positions_per_block, self.context = positions_per_block, context
         self.max_blocks = max_blocks_per_request
@@ -95,7 +98,6 @@ class CapturedSteps:
         buckets = [Bucket(size, q) for q in self.query_lens for size in self.sizes]
         if draft_loop_depth > 1:
             buckets += [Bucket(size, 1, loop=True) for size in self.sizes]
-        dtype = next(model.parameters()).dtype
         largest = {False: Bucket(self.sizes[-1], self.query_lens[-1])}
         if draft_loop_depth > 1:
             largest[True] = Bucket(self.sizes[-1], 1, loop=True)

@@ -134,6 +134,7 @@ class Runner:
             -(-self.max_model_len // self.positions_per_block),
             list(self.config.capture_sizes),
             self.device,
+            self.dtype,
             query_lens,
             inputs=self.inputs,
             compile_runs=self.config.compiles_graphs,
@@ -391,7 +392,7 @@ def load_runner(
         dtype,
         device,
         max_positions=max_model_len,
-        quantization=config.quantization,
+        weights=config.weight_format(model_config),
         place=place,
     )
     return Runner(

@@ -56,7 +56,7 @@ def draft_runner(
     draft_config = replace(config, model=config.speculative_model, enforce_eager=eager)
     place = None
     if config.draft_tensor_parallel_size > 1:
-        check_parallel(model_config, config.parallel_sizes)
+        check_parallel(model_config, config.parallel_sizes, config.weight_format(model_config))
         place = target.place
     else:
         # Whole on rank 0, over the global step: its cache keeps every position of a

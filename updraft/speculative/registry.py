@@ -33,7 +33,8 @@ def head_runner_factory(
     make_head: Callable, head_dir: Callable[[EngineConfig], str]
 ) -> RunnerFactory:
     """A factory of a draft head's runner: ``make_head(target model, its config, the
-    head's directory, dtype, device, place)`` -> (head, the head's config)."""
+    head's directory, dtype, device, place, weight format)`` -> (head, the head's
+    config); a head keeps its weights in the target's format."""
 
     def factory(context: ProposerContext) -> Runner:
         target = context.target
@@ -44,6 +45,7 @@ def head_runner_factory(
             target.dtype,
             target.device,
             target.place,
+            context.config.weight_format(target.model_config),
         )
         k = context.config.num_speculative_tokens
         return head_runner(target, head, head_config, k, context.send)
