@@ -173,7 +173,9 @@ def weight_bytes(model: Path, engine: dict) -> int:
     total = 0
     for module in runner.model.modules():
         if isinstance(module, PackedLinear):
-            total += sum(t.nbytes for t in (module.codes, module.scales, module.zeros) if t is not None)
+            total += sum(
+                t.nbytes for t in (module.codes, module.scales, module.zeros) if t is not None
+            )
     llm.engine.close()
     return total
 
@@ -205,7 +207,9 @@ def main() -> None:
             order = formats if round_index % 2 == 0 else formats[::-1]
             for fmt in order:
                 engine = FORMATS[fmt][0]
-                results[fmt].append(speeds(checkpoint_for(fmt, model, args.work_dir), vocab, engine))
+                results[fmt].append(
+                    speeds(checkpoint_for(fmt, model, args.work_dir), vocab, engine)
+                )
         rows = []
         base = max(r[0] for r in results[formats[0]])
         for fmt in formats:
