@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.bench_formats import stored_in
 from tests.helpers import greedy
 from updraft import LLM
 from updraft.config import ModelConfig, WeightFormat
@@ -123,17 +124,6 @@ def test_grouped_experts_compute_each_rows_expert_in_every_format(fmt):
 NOT_PACKED = ("embed_tokens", "kv_b_proj", "mlp.gate.weight")
 
 
-def in_dtype(source, directory, dtype: torch.dtype):
-    """``source`` stored in ``dtype``."""
-    shutil.copytree(source, directory)
-    tensors = load_file(directory / "model.safetensors")
-    save_file({k: v.to(dtype) for k, v in tensors.items()}, directory / "model.safetensors")
-    config = json.loads((directory / "config.json").read_text())
-    config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
-
-
 def dequantized_checkpoint(source, directory, fmt: WeightFormat):
     """``source`` with every linear and expert weight replaced by the float32 weight its
     ``fmt`` packing stands for; the LM head untied, since it is packed and the embedding
@@ -185,7 +175,7 @@ def test_the_engine_equals_float32_on_the_weights_each_format_stands_for(kind, f
     make = make_deepseek_checkpoint if kind.startswith("deepseek") else make_tiny_checkpoint
     source = make(kind, tmp_path / "source")
     if fmt in ("bfloat16", "float16"):
-        checkpoint = in_dtype(source, tmp_path / fmt, getattr(torch, fmt))
+        checkpoint = stored_in(source, getattr(torch, fmt), tmp_path)
         reference = probed(checkpoint, num_kv_blocks=32, dtype="float32", compile_graphs=False)
         ours = probed(checkpoint, num_kv_blocks=32, compile_graphs=False)
     else:
@@ -225,9 +215,7 @@ def test_no_float32_copy_of_a_linear_weight_is_made_in_a_step(quantization, tmp_
     float32 tensor shaped like a linear or expert weight (or its transpose)."""
     for kind in ("llama", "deepseek-v3"):
         make = make_deepseek_checkpoint if kind.startswith("deepseek") else make_tiny_checkpoint
-        checkpoint = in_dtype(
-            make(kind, tmp_path / kind), tmp_path / f"{kind}-bf16", torch.bfloat16
-        )
+        checkpoint = stored_in(make(kind, tmp_path / kind), torch.bfloat16, tmp_path)
         config = ModelConfig.from_dir(checkpoint)
         # Shapes of every packed weight: [N, K] of each linear, [E, N, K] of the experts.
         model = load_model(config, checkpoint, torch.float32, weights=WeightFormat("bfloat16"))
@@ -260,8 +248,8 @@ def test_no_float32_copy_of_a_linear_weight_is_made_in_a_step(quantization, tmp_
 
 
 def test_every_linear_and_expert_is_packed_and_the_embedding_stays_as_loaded(tmp_path):
-    checkpoint = in_dtype(
-        make_deepseek_checkpoint("deepseek-v3", tmp_path / "v3"), tmp_path / "bf16", torch.bfloat16
+    checkpoint = stored_in(
+        make_deepseek_checkpoint("deepseek-v3", tmp_path / "v3"), torch.bfloat16, tmp_path
     )
     config = ModelConfig.from_dir(checkpoint)
     model = load_model(config, checkpoint, torch.float32, weights=WeightFormat("bfloat16"))
@@ -275,8 +263,8 @@ def test_every_linear_and_expert_is_packed_and_the_embedding_stays_as_loaded(tmp
 
 
 def test_auto_keeps_a_half_precision_checkpoints_dtype_on_the_cpu(tmp_path):
-    checkpoint = in_dtype(
-        make_tiny_checkpoint("llama", tmp_path / "llama"), tmp_path / "bf16", torch.bfloat16
+    checkpoint = stored_in(
+        make_tiny_checkpoint("llama", tmp_path / "llama"), torch.bfloat16, tmp_path
     )
     config = ModelConfig.from_dir(checkpoint)
     for engine, expected in [
@@ -308,7 +296,7 @@ def test_bad_quantization_settings_are_named(tiny_llama):
 def test_eagle_graphs_on_a_bfloat16_target_equal_eager(tmp_path):
     """The demo target stored in bfloat16, its float16 EAGLE head kept in the target's
     format: captured target, head and draft-loop steps give eager's tokens and logits."""
-    target = in_dtype(DEMO_MODEL_DIR, tmp_path / "target", torch.bfloat16)
+    target = stored_in(DEMO_MODEL_DIR, torch.bfloat16, tmp_path)
     runs = {}
     for eager in (True, False):
         llm = probed(
@@ -330,8 +318,8 @@ def test_eagle_graphs_on_a_bfloat16_target_equal_eager(tmp_path):
 def test_two_ranks_keep_the_format_and_compute_what_one_process_computes(
     quantization, tmp_path, pool
 ):
-    checkpoint = in_dtype(
-        make_tiny_checkpoint("llama", tmp_path / "llama"), tmp_path / "bf16", torch.bfloat16
+    checkpoint = stored_in(
+        make_tiny_checkpoint("llama", tmp_path / "llama"), torch.bfloat16, tmp_path
     )
     args = dict(
         num_kv_blocks=64,

@@ -55,8 +55,6 @@ static inline vec8 load8(const float *p) {
     return v;
 }
 
-static inline vec8 from_floats(const float *f) { return load8(f); }
-
 static inline float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f,
              mantissa = h & 0x3ff, bits;
@@ -94,7 +92,7 @@ static inline void widen_bf16(const void *w, int64_t i, vec8 *lo, vec8 *hi) {
         uint32_t bits = (uint32_t)p[j] << 16;
         memcpy(f + j, &bits, sizeof bits);
     }
-    *lo = from_floats(f), *hi = from_floats(f + 8);
+    *lo = load8(f), *hi = load8(f + 8);
 #endif
 }
 
@@ -106,7 +104,7 @@ static inline void widen_f16(const void *w, int64_t i, vec8 *lo, vec8 *hi) {
 #else
     float f[PANEL];
     for (int j = 0; j < PANEL; j++) f[j] = half_to_float(p[j]);
-    *lo = from_floats(f), *hi = from_floats(f + 8);
+    *lo = load8(f), *hi = load8(f + 8);
 #endif
 }
 
@@ -119,7 +117,7 @@ static inline void widen_i8(const void *w, int64_t i, vec8 *lo, vec8 *hi) {
 #else
     float f[PANEL];
     for (int j = 0; j < PANEL; j++) f[j] = (float)p[j];
-    *lo = from_floats(f), *hi = from_floats(f + 8);
+    *lo = load8(f), *hi = load8(f + 8);
 #endif
 }
 
@@ -134,7 +132,7 @@ static inline void widen_i4(const void *w, int64_t i, vec8 *lo, vec8 *hi) {
 #else
     float f[PANEL];
     for (int j = 0; j < PANEL / 2; j++) f[j] = (float)(p[j] & 0x0f), f[j + 8] = (float)(p[j] >> 4);
-    *lo = from_floats(f), *hi = from_floats(f + 8);
+    *lo = load8(f), *hi = load8(f + 8);
 #endif
 }
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from updraft.config import WeightFormat
 from updraft.kernels.ops import kernel_builds
-from updraft.kernels.panels import Panels, pack
+from updraft.kernels.panels import pack
 
 # The row count oneDNN lays a weight out for. Any count runs on the layout, but one laid
 # out for a single row ran 1.2-2x slower from 4 rows up (a batched decode step), while
@@ -99,20 +99,6 @@ class PackedLinear(nn.Module):
             None
             if linear.bias is None
             else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
-        )
-
-    @property
-    def panels(self) -> Panels | None:
-        if self.codes is None:
-            return None
-        return Panels(
-            self.codes,
-            self.scales,
-            self.zeros,
-            self.format.name,
-            self.group,
-            self.out_features,
-            self.in_features,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
