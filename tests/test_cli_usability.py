@@ -107,7 +107,14 @@ def test_ctrl_c_ends_quietly(command):
         argv += ["--prompt", "import os", "--max-tokens", "2000", "--ignore-eos"]
     else:
         argv += ["--port", "0"]
-    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        argv,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        # A suite started in the background inherits SIGINT ignored; Ctrl-C must reach it.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 60
     seen = ""
     ready = "[updraft] ready in" if command == "generate" else "Uvicorn running"

@@ -5,7 +5,7 @@ alike, is checked against eager from the same KV cache (sanitize: its output and
 KV write, so a compiled run that dropped a result only a cache write reads is caught),
 and greedy output equals an eager engine's. The compiled replays of plain decoding are
 in ``test_graph_engine.py`` (the Llama family) and ``test_graph_decode.py`` (DeepSeek
-V3 and V3.2), of the draft model on the demo pair in ``test_speculative.py``."""
+V3 and V3.2)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def assert_compiled_replays_like_eager(model_dir, num_kv_blocks: int, **speculat
         assert stats.draft_sanitize.healthy, stats.draft_sanitize.mismatches
 
 
-@pytest.mark.parametrize("method", ["ngram", "eagle", "mtp"])
+@pytest.mark.parametrize("method", ["draft", "ngram", "eagle", "mtp"])
 def test_compiled_steps_of_every_proposer_replay_like_eager(method, tmp_path):
     """Verify steps of every proposer, and the draft model's and heads' own steps (the
     heads' greedy draft loop included, which sanitize does not check: greedy output
@@ -48,6 +48,9 @@ def test_compiled_steps_of_every_proposer_replay_like_eager(method, tmp_path):
         target, head, blocks = mtp_checkpoint(tmp_path / "mtp"), {}, 64
     else:
         target, blocks = make_tiny_checkpoint("llama", tmp_path / "llama"), 128
-        head_dir = eagle_head_checkpoint(tmp_path / "head", target) if method == "eagle" else None
+        head_dir = {
+            "draft": lambda: make_tiny_checkpoint("llama", tmp_path / "draft", seed=1),
+            "eagle": lambda: eagle_head_checkpoint(tmp_path / "head", target),
+        }.get(method, lambda: None)()
         head = {"speculative_model": str(head_dir)} if head_dir else {}
     assert_compiled_replays_like_eager(target, blocks, speculative_method=method, **head)

@@ -43,21 +43,6 @@ def test_greedy_with_speculation_equals_greedy_without_on_the_demo_model(method,
         assert llm.engine.stats().speculative.rounds > 0
 
 
-def test_compiled_draft_and_verify_steps_keep_greedy_output():
-    prompts = CODE_PROMPTS
-    params = [greedy(n) for n in (40, 7, 23, 31)]
-    expected = token_ids(LLM(enforce_eager=True).generate(prompts, params))
-    llm = LLM(
-        num_speculative_tokens=3,
-        speculative_model=str(DEMO_DRAFT_DIR),
-        compile_graphs=True,
-        capture_sizes=(1, 4),
-    )
-    assert token_ids(llm.generate(prompts, params)) == expected
-    stats = llm.engine.stats()
-    assert stats.steps["graph"] > 0 and stats.speculative.rounds > 0
-
-
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_greedy_with_speculation_equals_greedy_without_on_tiny_models(tmp_path, kind):
     from tests.conftest import make_tiny_checkpoint

@@ -16,7 +16,8 @@
 
    Few rows (a decode step): each step along K widens 16 weights in registers (a shift for
    bfloat16, F16C's conversion for half, byte or nibble unpacking for codes) and
-   multiply-adds them with up to six rows of x broadcast. Weights are read once, at the
+   multiply-adds them with up to six rows of x broadcast; a quantized group's zero is
+   subtracted once per group, through x's precomputed sum over the group. Weights are read once, at the
    memory's speed, and never exist as float32 anywhere. More rows (a batch, a prefill):
    each thread widens one panel at a time into a [K][16] float32 buffer of its own, which
    stays in its cache, and runs the float32 panel kernel over every row of x; the
@@ -124,11 +125,11 @@ static inline void widen_i8(const void *w, int64_t i, vec8 *lo, vec8 *hi) {
 static inline void widen_i4(const void *w, int64_t i, vec8 *lo, vec8 *hi) {
     const uint8_t *p = (const uint8_t *)w + i * (PANEL / 2);
 #ifdef __AVX2__
-    const __m128i bytes = _mm_loadl_epi64((const __m128i *)p), low = _mm_set1_epi8(0x0f);
-    const __m128i first = _mm_and_si128(bytes, low);
-    const __m128i second = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
-    *lo = (vec8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(first));
-    *hi = (vec8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(second));
+    /* One widening of the 8 bytes to 32-bit lanes, then each lane's two nibbles: three
+       integer operations for 16 weights. */
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *lo = (vec8)_mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0x0f)));
+    *hi = (vec8)_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
 #else
     float f[PANEL];
     for (int j = 0; j < PANEL / 2; j++) f[j] = (float)(p[j] & 0x0f), f[j + 8] = (float)(p[j] >> 4);
@@ -136,11 +137,16 @@ static inline void widen_i4(const void *w, int64_t i, vec8 *lo, vec8 *hi) {
 #endif
 }
 
-/* What a quantized panel's group g subtracts from its codes and multiplies them by. */
+/* What a quantized panel's group g subtracts from its codes and multiplies them by, and
+   the sums of x over each group: sum_i x_i (c_i - z) = sum_i x_i c_i - z sum_i x_i, so
+   the few-row kernels multiply-add the codes as they are and subtract the zero once per
+   group. */
 typedef struct {
     const float *scales, *zeros; /* [K / group][PANEL] of this panel; zeros may be NULL */
     float default_zero;
     int64_t group;
+    const float *x_sums; /* [rows][groups]: x's sum over each group, per row */
+    int64_t groups;
 } groups;
 
 static inline void group_zero(const groups *q, int64_t g, vec8 *lo, vec8 *hi) {
@@ -173,7 +179,6 @@ static inline void group_zero(const groups *q, int64_t g, vec8 *lo, vec8 *hi) {
                     vec8 w0, w1, w2, w3;                                                   \
                     WIDEN(w, i, &w0, &w1);                                                 \
                     WIDEN(w, i + 1, &w2, &w3);                                             \
-                    if (QUANT) w0 -= zlo, w1 -= zhi, w2 -= zlo, w3 -= zhi;                 \
                     _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {               \
                         float a = x[r * k + i], b = x[r * k + i + 1];                      \
                         lo[r] += a * w0, hi[r] += a * w1, lo2[r] += b * w2, hi2[r] += b * w3; \
@@ -182,7 +187,6 @@ static inline void group_zero(const groups *q, int64_t g, vec8 *lo, vec8 *hi) {
             for (; i < end; i++) {                                                         \
                 vec8 w0, w1;                                                               \
                 WIDEN(w, i, &w0, &w1);                                                     \
-                if (QUANT) w0 -= zlo, w1 -= zhi;                                           \
                 _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                   \
                     float a = x[r * k + i];                                                \
                     lo[r] += a * w0, hi[r] += a * w1;                                      \
@@ -192,8 +196,11 @@ static inline void group_zero(const groups *q, int64_t g, vec8 *lo, vec8 *hi) {
             if (QUANT) slo = load8(q->scales + g * PANEL), shi = load8(q->scales + g * PANEL + 8); \
             _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                       \
                 vec8 a = lo[r] + lo2[r], b = hi[r] + hi2[r];                               \
-                if (QUANT) tlo[r] += a * slo, thi[r] += b * shi;                           \
-                else tlo[r] += a, thi[r] += b;                                             \
+                if (QUANT) {                                                               \
+                    const float sum = q->x_sums[r * q->groups + g];                        \
+                    tlo[r] += (a - zlo * sum) * slo, thi[r] += (b - zhi * sum) * shi;      \
+                } else                                                                     \
+                    tlo[r] += a, thi[r] += b;                                             \
             }                                                                              \
         }                                                                                  \
         for (int r = 0; r < ROWS; r++) {                                                   \
@@ -227,23 +234,27 @@ static const panel_kernel PANEL_KERNELS[5][MAX_ROWS + 1] = {
 /* The [k][PANEL] float32 weights of one panel, into ``out``. */
 static void widen_panel(int format, const void *w, int64_t k, const groups *q, float *out) {
     const int quantized = format == I8 || format == I4;
-    for (int64_t i = 0, g = 0; i < k; i++) {
-        vec8 lo, hi, zlo = {0}, zhi = {0}, slo = (vec8){0} + 1.0f, shi = slo;
-        switch (format) {
-        case F32: widen_f32(w, i, &lo, &hi); break;
-        case BF16: widen_bf16(w, i, &lo, &hi); break;
-        case F16: widen_f16(w, i, &lo, &hi); break;
-        case I8: widen_i8(w, i, &lo, &hi); break;
-        default: widen_i4(w, i, &lo, &hi); break;
-        }
+    const int64_t group = quantized ? q->group : k;
+    for (int64_t start = 0, g = 0; start < k; start += group, g++) {
+        vec8 zlo = {0}, zhi = {0}, slo = (vec8){0} + 1.0f, shi = slo;
         if (quantized) {
-            g = i / q->group;
             group_zero(q, g, &zlo, &zhi);
             slo = load8(q->scales + g * PANEL), shi = load8(q->scales + g * PANEL + 8);
         }
-        lo = (lo - zlo) * slo, hi = (hi - zhi) * shi;
-        memcpy(out + i * PANEL, &lo, sizeof lo);
-        memcpy(out + i * PANEL + 8, &hi, sizeof hi);
+        const int64_t end = start + group < k ? start + group : k;
+        for (int64_t i = start; i < end; i++) {
+            vec8 lo, hi;
+            switch (format) {
+            case F32: widen_f32(w, i, &lo, &hi); break;
+            case BF16: widen_bf16(w, i, &lo, &hi); break;
+            case F16: widen_f16(w, i, &lo, &hi); break;
+            case I8: widen_i8(w, i, &lo, &hi); break;
+            default: widen_i4(w, i, &lo, &hi); break;
+            }
+            lo = (lo - zlo) * slo, hi = (hi - zhi) * shi;
+            memcpy(out + i * PANEL, &lo, sizeof lo);
+            memcpy(out + i * PANEL + 8, &hi, sizeof hi);
+        }
     }
 }
 
@@ -255,6 +266,17 @@ void panel_linear(const float *x, const void *w, int format, const float *scales
     const int64_t panels = (n_rows + PANEL - 1) / PANEL, bytes = step_bytes(format);
     const int64_t groups_per_panel = group > 0 ? (k + group - 1) / group : 0;
     const int widened = format != F32 && m_rows > MAX_ROWS;
+    float *x_sums = NULL;
+    if (groups_per_panel && !widened) {
+        x_sums = malloc(sizeof(float) * m_rows * groups_per_panel);
+        for (int64_t r = 0; r < m_rows; r++)
+            for (int64_t g = 0; g < groups_per_panel; g++) {
+                const int64_t end = (g + 1) * group < k ? (g + 1) * group : k;
+                float sum = 0.0f;
+                for (int64_t i = g * group; i < end; i++) sum += x[r * k + i];
+                x_sums[r * groups_per_panel + g] = sum;
+            }
+    }
 #pragma omp parallel num_threads(threads)
     {
         float *buffer = widened ? malloc(sizeof(float) * PANEL * k) : NULL;
@@ -262,11 +284,13 @@ void panel_linear(const float *x, const void *w, int format, const float *scales
         for (int64_t p = 0; p < panels; p++) {
             const int64_t first = p * PANEL;
             const int64_t cols = n_rows - first < PANEL ? n_rows - first : PANEL;
-            const groups q = {
+            groups q = {
                 scales ? scales + p * groups_per_panel * PANEL : NULL,
                 zeros ? zeros + p * groups_per_panel * PANEL : NULL,
                 format == I4 ? 8.0f : 0.0f,
                 group,
+                NULL,
+                groups_per_panel,
             };
             const void *panel = (const char *)w + p * k * bytes;
             int kind = format;
@@ -276,12 +300,14 @@ void panel_linear(const float *x, const void *w, int format, const float *scales
             }
             for (int64_t m = 0; m < m_rows; m += MAX_ROWS) {
                 const int64_t rows = m_rows - m < MAX_ROWS ? m_rows - m : MAX_ROWS;
+                q.x_sums = x_sums ? x_sums + m * groups_per_panel : NULL;
                 PANEL_KERNELS[kind][rows](x + m * k, panel, k, &q, bias ? bias + first : NULL,
                                           y + m * y_stride + first, y_stride, cols);
             }
         }
         free(buffer);
     }
+    free(x_sums);
 }
 
 static int64_t clamp(int64_t value, int64_t low, int64_t high) {

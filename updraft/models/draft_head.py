@@ -26,9 +26,7 @@ from updraft.attention.metadata import AttentionMetadata
 from updraft.config import ModelConfig, WeightFormat
 from updraft.models.eagle import eagle_config, load_eagle_head
 from updraft.models.mtp import load_mtp_layers
-from updraft.models.packing import finish_loading
 from updraft.models.rope import RotaryEmbedding
-from updraft.models.tensor_parallel import shard_layer, splits_tensors
 from updraft.parallel.topology import RankPlace
 
 
@@ -75,10 +73,7 @@ def mtp_head(
     """The checkpoint's first MTP layer as a head for ``target`` (whose config is
     ``config``), and the config its cache follows: the target's, with the one layer.
     With ``place``, the shard of the layer that rank keeps, split like a target layer."""
-    layer = load_mtp_layers(config, model_dir, dtype, device, weights).depths()[0]
-    if splits_tensors(place):
-        shard_layer(layer, place)
-    finish_loading(layer, weights or WeightFormat.of(dtype), device, dtype)
+    layer = load_mtp_layers(config, model_dir, dtype, device, weights, place).depths()[0]
     return DraftHead(target, layer, target.rotary, rope_offset=1), replace(config, num_layers=1)
 
 

@@ -29,8 +29,8 @@ from updraft.config import LLAMA_ARCHITECTURES, ModelConfig, WeightFormat
 from updraft.models.layers import MLP, DecoderLayer
 from updraft.models.llama import Attention
 from updraft.models.loader import building, load_weights, weight_files
-from updraft.models.packing import finish_loading, storage_dtype
-from updraft.models.tensor_parallel import shard_layer, splits_tensors
+from updraft.models.packing import packer, storage_dtype
+from updraft.models.tensor_parallel import shard_layers, splits_tensors
 from updraft.parallel.topology import RankPlace
 
 SHARED_WITH_TARGET = ("embed_tokens.", "lm_head.")
@@ -112,14 +112,19 @@ def load_eagle_head(
         with safe_open(str(path), framework="pt", device="cpu") as reader:
             names.update(reader.keys())
     weights = weights or WeightFormat.of(dtype)
-    with building(storage_dtype(weights, dtype, config), device):
+    pack = packer(weights, device, dtype)
+    with building(storage_dtype(weights, dtype, config), "meta"):
         head = EagleHead(
             config,
             fc_bias="fc.bias" in names,
             first_input_norm="layers.0.input_layernorm.weight" in names,
         )
-    load_weights(head, files, select=lambda name: not name.startswith(SHARED_WITH_TARGET))
-    if splits_tensors(place):
-        for layer in head.layers:
-            shard_layer(layer, place)
-    return finish_loading(head, weights, device, dtype)
+    load_weights(
+        head,
+        files,
+        select=lambda name: not name.startswith(SHARED_WITH_TARGET),
+        device=device,
+        shard=(lambda head: shard_layers(head.layers, place)) if splits_tensors(place) else None,
+        loaded=pack,
+    )
+    return head.to(device).eval().requires_grad_(False)

@@ -20,9 +20,9 @@ from torch import nn
 from updraft.config import ModelConfig, WeightFormat
 from updraft.models.layers import FusedLinear
 from updraft.models.moe import Experts
-from updraft.models.packing import finish_loading, storage_dtype
+from updraft.models.packing import packer, storage_dtype
 from updraft.models.registry import model_class
-from updraft.models.tensor_parallel import shard_model, splits_tensors
+from updraft.models.tensor_parallel import Shards, shard_model, splits_tensors
 from updraft.parallel.topology import RankPlace
 
 # checkpoint projection -> (fused parameter in the model, index of its slice), the first
@@ -96,51 +96,131 @@ def load_model(
 ) -> nn.Module:
     """The model computing in ``dtype``, its weights kept in ``weights`` (default: the
     compute dtype); with ``place``, only the shard that rank holds
-    (models/tensor_parallel.py)."""
-    model_dir = Path(model_dir)
-    files = weight_files(model_dir)
+    (models/tensor_parallel.py). It is built on the meta device and filled tensor by
+    tensor, each rank reading only what it keeps, each layer packed once its weights
+    are in: at no point does the process hold the whole model in the checkpoint's dtype."""
+    files = weight_files(Path(model_dir))
     fmt = weights or WeightFormat.of(dtype)
-    with building(storage_dtype(fmt, dtype, config), device):
+    pack = packer(fmt, device, dtype)  # refuses a format that cannot run here, first
+    with building(storage_dtype(fmt, dtype, config), "meta"):
         model = model_class(config)(config, max_positions=max_positions)
     # A checkpoint's multi-token prediction layers follow its decoder layers; the model
     # does not run them (models/mtp.py loads them on their own).
     mtp = range(config.num_layers, config.num_layers + config.mtp_layers)
-    load_weights(model, files, select=lambda name: layer_of(name) not in mtp)
-    if splits_tensors(place):
-        shard_model(model, place)
-    return finish_loading(model, fmt, device, dtype)
+    load_weights(
+        model,
+        files,
+        select=lambda name: layer_of(name) not in mtp,
+        device=device,
+        shard=(lambda model: shard_model(model, place)) if splits_tensors(place) else None,
+        loaded=pack,
+    )
+    return model.to(device).eval().requires_grad_(False)  # .to: the rotary tables
 
 
 @torch.no_grad()
 def load_weights(
-    model: nn.Module, files: list[Path], select: Callable[[str], bool] = lambda name: True
+    model: nn.Module,
+    files: list[Path],
+    select: Callable[[str], bool] = lambda name: True,
+    device: torch.device | str = "cpu",
+    shard: Callable[[nn.Module], Shards] | None = None,
+    loaded: Callable[[nn.Module], None] | None = None,
 ) -> None:
     """Fill every parameter slice of ``model`` from the tensors of ``files`` whose names
-    ``select`` accepts: each exactly once, and every one of them somewhere."""
+    ``select`` accepts: each exactly once, and every one of them somewhere. A parameter
+    on the meta device is made on ``device`` as it fills. ``shard`` splits the model
+    (on the meta device) and says what the rank keeps of each parameter: each tensor is
+    read from its memory-mapped file only as far as it is kept. The tensors go one
+    decoder layer at a time, each file open only while its layer reads from it;
+    ``loaded(model)`` follows each layer and the rest."""
     params = dict(model.named_parameters())  # tied weights appear once
     modules = dict(model.named_modules())
-    unfilled = {(name, index) for name, index in _slices(params, modules)}
-    unknown = []
+    unfilled = set(_slices(params, modules))
+    names_in = _checkpoint_names(files)
+    targets, unknown = {}, []
+    for path, names in names_in.items():
+        for checkpoint_name in names:
+            if checkpoint_name.endswith(IGNORED_SUFFIXES) or not select(checkpoint_name):
+                continue
+            target = _target(checkpoint_name, params)
+            if target is None:
+                unknown.append(checkpoint_name)
+            else:
+                targets[checkpoint_name] = (path, target)
+    listed = ", ".join(str(f.name) for f in files)
+    if unknown:
+        raise ValueError(f"unexpected tensors {sorted(unknown)[:8]} in {listed}")
+    kept = shard(model) if shard is not None else {}
+    made = _Made(model, device)
+    by_layer: dict[int | None, list[str]] = {}
+    for checkpoint_name in targets:
+        by_layer.setdefault(layer_of(checkpoint_name), []).append(checkpoint_name)
+    order = [*sorted(key for key in by_layer if key is not None), None]
+    for layer in order:
+        for path in files:
+            names = [n for n in by_layer.get(layer, ()) if targets[n][0] == path]
+            if not names:
+                continue
+            try:
+                with safe_open(str(path), framework="pt", device="cpu") as reader:
+                    for checkpoint_name in names:
+                        target = targets[checkpoint_name]
+                        source = reader.get_slice(checkpoint_name)
+                        _fill(params, modules, target[1], source, kept, made)
+                        unfilled.discard(target[1])
+            except (SafetensorError, OSError, RuntimeError) as error:
+                raise ValueError(f"cannot read weights file {path}: {error}") from error
+        if loaded is not None:
+            loaded(model)
+    if unfilled:
+        missing = sorted(_describe(name, index) for name, index in unfilled)
+        raise ValueError(f"weights missing from {listed}: {missing[:8]}")
+    made.check()
+
+
+def _checkpoint_names(files: list[Path]) -> dict[Path, list[str]]:
+    names = {}
     for path in files:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as reader:
-                for checkpoint_name in reader.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    if checkpoint_name.endswith(IGNORED_SUFFIXES) or not select(checkpoint_name):
-                        continue
-                    target = _target(checkpoint_name, params)
-                    if target is None:
-                        unknown.append(checkpoint_name)
-                        continue
-                    _copy_into(params, modules, target, reader.get_tensor(checkpoint_name))
-                    unfilled.discard(target)
+                names[path] = list(reader.keys())
         except (SafetensorError, OSError, RuntimeError) as error:
             raise ValueError(f"cannot read weights file {path}: {error}") from error
-    names = ", ".join(str(f.name) for f in files)
-    if unknown:
-        raise ValueError(f"unexpected tensors {sorted(unknown)[:8]} in {names}")
-    if unfilled:
-        missing = sorted(_describe(name, index) for name, index in unfilled)
-        raise ValueError(f"weights missing from {names}: {missing[:8]}")
+    return names
+
+
+class _Made:
+    """The real parameters that replace a model's meta ones as they fill: each made
+    once (zeros, so that rows no tensor fills, a padded vocabulary's, are zero) and put
+    in every module that holds it (a tied weight is one parameter)."""
+
+    def __init__(self, model: nn.Module, device: torch.device | str) -> None:
+        self.model = model
+        self.device = device
+        self.holders: dict[int, list[tuple[nn.Module, str]]] = {}
+        for module in model.modules():
+            for name, param in module.named_parameters(recurse=False):
+                self.holders.setdefault(id(param), []).append((module, name))
+        self.real: dict[int, nn.Parameter] = {}
+
+    def __call__(self, param: nn.Parameter) -> tuple[nn.Parameter, nn.Module]:
+        """``param`` made real, and the module that holds it."""
+        holders = self.holders[id(param)]
+        if param.is_meta:
+            if id(param) not in self.real:
+                data = torch.zeros(param.shape, dtype=param.dtype, device=self.device)
+                real = nn.Parameter(data, requires_grad=False)
+                for module, name in holders:
+                    setattr(module, name, real)
+                self.real[id(param)] = real
+            param = self.real[id(param)]
+        return param, holders[0][0]
+
+    def check(self) -> None:
+        left = [name for name, param in self.model.named_parameters() if param.is_meta]
+        if left:
+            raise ValueError(f"parameters no checkpoint tensor filled: {left[:8]}")
 
 
 def _slices(params: dict[str, nn.Parameter], modules: dict[str, nn.Module]):
@@ -186,17 +266,8 @@ def _target(checkpoint_name: str, params: dict[str, nn.Parameter]) -> tuple[str,
     return None
 
 
-def _copy_into(
-    params: dict[str, nn.Parameter],
-    modules: dict[str, nn.Module],
-    target: tuple[str, Slice],
-    tensor: torch.Tensor,
-) -> None:
-    name, index = target
-    if index == -1:
-        return
-    param = params[name]
-    module = modules[name.rpartition(".")[0]]
+def _part(param: torch.Tensor, module: nn.Module, name: str, index: Slice) -> torch.Tensor:
+    """The slice ``index`` of ``param`` (held by ``module`` as ``name``)."""
     if isinstance(index, tuple):  # one expert's gate, up or down rows
         expert, part = index
         param = param[expert]
@@ -206,8 +277,34 @@ def _copy_into(
     elif isinstance(module, FusedLinear):
         start = sum(module.split_sizes[:index])
         param = param.narrow(0, start, module.split_sizes[index])
-    if param.shape != tensor.shape:
-        raise ValueError(
-            f"tensor shape {tuple(tensor.shape)} does not fit {name} {tuple(param.shape)}"
-        )
-    param.copy_(tensor)
+    return param
+
+
+def _fill(
+    params: dict[str, nn.Parameter],
+    modules: dict[str, nn.Module],
+    target: tuple[str, Slice],
+    source,  # a safetensors slice: a tensor not yet read
+    kept: Shards,
+    made: _Made,
+) -> None:
+    name, index = target
+    if index == -1:
+        return
+    param = params[name]
+    whole = _part(param, modules[name.rpartition(".")[0]], name, index)
+    shape = tuple(source.get_shape())
+    if tuple(whole.shape) != shape:
+        raise ValueError(f"tensor shape {shape} does not fit {name} {tuple(whole.shape)}")
+    keep = kept.get(param)
+    own, module = made(keep.param if keep is not None else param)
+    if keep is not None and keep.zeros:
+        return
+    part = _part(own, module, name, index)
+    if keep is None or keep.dim is None:
+        part.copy_(source[:])
+        return
+    rows = keep.parts[index[1] if isinstance(index, tuple) else index]
+    stop = min(rows.stop, shape[keep.dim])  # the last vocabulary shard's padding
+    read = source[rows.start : stop] if keep.dim == 0 else source[:, rows.start : stop]
+    part.narrow(keep.dim, 0, stop - rows.start).copy_(read)

@@ -28,7 +28,9 @@ from updraft.models.deepseek import LatentAttention
 from updraft.models.layers import DecoderLayer, RMSNorm
 from updraft.models.loader import building, load_weights, weight_files
 from updraft.models.moe import DeepseekMoE
-from updraft.models.packing import storage_dtype
+from updraft.models.packing import packer, storage_dtype
+from updraft.models.tensor_parallel import shard_layers, splits_tensors
+from updraft.parallel.topology import RankPlace
 
 # Checkpoints repeat the main model's embedding and LM head inside each MTP layer; the
 # layers share the main model's instead.
@@ -87,17 +89,20 @@ def load_mtp_layers(
     dtype: torch.dtype,
     device: torch.device | str,
     weights: WeightFormat | None = None,
+    place: RankPlace | None = None,
 ) -> MTPLayers:
     """The checkpoint's MTP layers, computing in ``dtype`` on ``device``, their weights
-    in ``weights`` (default: the compute dtype), as yet unpacked; a checkpoint whose
-    config announces MTP layers it does not hold is an error that names the tensors."""
+    in ``weights`` (default: the compute dtype); with ``place``, the shard of each that
+    rank keeps, split like a target layer. A checkpoint whose config announces MTP
+    layers it does not hold is an error that names the tensors."""
     if config.mla is None or config.mtp_layers < 1:
         raise ValueError(
             f"{config.architecture} checkpoint has no multi-token prediction layers "
             "(num_nextn_predict_layers)"
         )
     fmt = weights or WeightFormat.of(dtype)
-    with building(storage_dtype(fmt, dtype, config), device):
+    pack = packer(fmt, device, dtype)
+    with building(storage_dtype(fmt, dtype, config), "meta"):
         layers = MTPLayers(config)
     first = config.num_layers
     prefixes = tuple(f"model.layers.{i}." for i in range(first, first + config.mtp_layers))
@@ -105,5 +110,10 @@ def load_mtp_layers(
         layers,
         weight_files(Path(model_dir)),
         select=lambda name: name.startswith(prefixes) and not name.endswith(SHARED_WITH_MAIN),
+        device=device,
+        shard=(lambda layers: shard_layers(layers.depths(), place))
+        if splits_tensors(place)
+        else None,
+        loaded=pack,
     )
-    return layers.eval().requires_grad_(False)
+    return layers.to(device).eval().requires_grad_(False)

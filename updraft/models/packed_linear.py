@@ -122,15 +122,20 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.format}"
 
 
-def pack_linears(model: nn.Module, fmt: WeightFormat) -> None:
-    """Replace every ``nn.Linear`` of ``model`` (after its weights are loaded) by a
-    ``PackedLinear`` in ``fmt``; a weight tied to an embedding stays for the embedding. A
-    float32 model whose linear weights fit in the last-level cache runs up to
-    ``CACHED_FEW_ROWS`` rows on the panel kernel."""
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    weights = {m.weight.data_ptr(): m.weight.nbytes for m in linears}
-    few_rows = CACHED_FEW_ROWS if sum(weights.values()) <= last_level_cache_bytes() else FEW_ROWS
+def few_rows_for(model: nn.Module) -> int:
+    """Up to how many rows ``model``'s float32 linears run on the panel kernel: more
+    where their weights (all of them, filled or still on the meta device) fit in the
+    last-level cache."""
+    weights = {id(m.weight): m.weight.nbytes for m in model.modules() if isinstance(m, nn.Linear)}
+    return CACHED_FEW_ROWS if sum(weights.values()) <= last_level_cache_bytes() else FEW_ROWS
+
+
+def pack_linears(model: nn.Module, fmt: WeightFormat, few_rows: int | None = None) -> None:
+    """Replace every loaded ``nn.Linear`` of ``model`` (one still on the meta device
+    waits for its weights) by a ``PackedLinear`` in ``fmt``; a weight tied to an
+    embedding stays for the embedding. ``few_rows``: default ``few_rows_for(model)``."""
+    few_rows = few_rows_for(model) if few_rows is None else few_rows
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
+            if isinstance(child, nn.Linear) and not child.weight.is_meta:
                 setattr(module, name, PackedLinear(child, fmt, few_rows))

@@ -1,13 +1,15 @@
 """A loaded model's weights put into the format they are kept in, for float32 compute on
 the CPU.
 
-A model is built and loaded in the dtype its weights arrive in (``storage_dtype``: a
-bfloat16 checkpoint kept in bfloat16 loads as bfloat16, never through float32), then
-``pack_model`` makes it run in float32: every linear layer and the routed experts are
-packed into the weight format (``PackedLinear``, ``PackedExperts``), the embedding table
-stays as loaded and widens the rows it looks up, and every other parameter (norms,
-biases, the router, DeepSeek's absorbed ``kv_b_proj``, which is read as a matrix inside
-attention rather than called as a layer) becomes float32.
+A model is built on the meta device and filled in the dtype its weights arrive in
+(``storage_dtype``: a bfloat16 checkpoint kept in bfloat16 loads as bfloat16, never
+through float32). After each decoder layer fills, ``pack_model`` (through ``Packer``)
+puts what is filled into the form it runs in for float32 compute: every linear layer
+and the routed experts are packed into the weight format (``PackedLinear``,
+``PackedExperts``), the embedding table stays as loaded and widens the rows it looks
+up, and every other parameter (norms, biases, the router, DeepSeek's absorbed
+``kv_b_proj``, which is read as a matrix inside attention rather than called as a
+layer) becomes float32.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from torch import nn
 
 from updraft.config import ModelConfig, WeightFormat, torch_dtype
 from updraft.models.moe import Experts, PackedExperts
-from updraft.models.packed_linear import can_pack, pack_linears
+from updraft.models.packed_linear import can_pack, few_rows_for, pack_linears
 from updraft.models.tensor_parallel import VocabParallelEmbedding
 
 
@@ -49,32 +51,59 @@ class WidenedEmbedding(nn.Module):
 EMBEDDINGS = (nn.Embedding, VocabParallelEmbedding)
 
 
-def pack_model(model: nn.Module, fmt: WeightFormat, compute: torch.dtype) -> None:
-    """Pack, in place, the linears and experts of a loaded ``model`` into ``fmt`` and
-    give every other parameter the compute dtype, an embedding table excepted."""
+def _loaded(module: nn.Module) -> bool:
+    return not any(param.is_meta for param in module.parameters())
+
+
+def pack_model(
+    model: nn.Module, fmt: WeightFormat, compute: torch.dtype, few_rows: int | None = None
+) -> None:
+    """Pack, in place, the loaded linears and experts of ``model`` into ``fmt`` and give
+    every other loaded parameter the compute dtype, an embedding table excepted. Parts
+    still on the meta device are left for a later call, once their weights are in."""
     for module in list(model.modules()):
+        if isinstance(module, WidenedEmbedding):
+            continue  # its table stays as it is
         for name, child in list(module.named_children()):
-            if isinstance(child, Experts):
+            if isinstance(child, Experts) and _loaded(child):
                 setattr(module, name, PackedExperts(child, fmt))
-            elif isinstance(child, EMBEDDINGS) and child.weight.dtype != compute:
+            elif isinstance(child, EMBEDDINGS) and _loaded(child) and child.weight.dtype != compute:
                 setattr(module, name, WidenedEmbedding(child, compute))
-    pack_linears(model, fmt)
+    pack_linears(model, fmt, few_rows)
     tables = {id(m.weight) for m in model.modules() if isinstance(m, EMBEDDINGS)}
     for param in model.parameters():
-        if id(param) not in tables and param.is_floating_point() and param.dtype != compute:
+        if id(param) in tables or param.is_meta or not param.is_floating_point():
+            continue
+        if param.dtype != compute:
             param.data = param.data.to(compute)
 
 
-def finish_loading(
-    model: nn.Module, fmt: WeightFormat, device: torch.device | str, compute: torch.dtype
-) -> nn.Module:
-    """The loaded ``model`` ready to run: packed where it computes in float32 on the
-    CPU; elsewhere its weights must be in the compute dtype already."""
+class Packer:
+    """Packs a model as its loading goes (``packer(model)`` after each decoder layer's
+    weights are in), so that a layer's weights in the checkpoint's dtype live only until
+    the layer is packed. How many rows the panel kernel takes is decided once, from the
+    whole model."""
+
+    def __init__(self, fmt: WeightFormat, compute: torch.dtype) -> None:
+        self.fmt = fmt
+        self.compute = compute
+        self.few_rows: int | None = None
+
+    def __call__(self, model: nn.Module) -> None:
+        if self.few_rows is None:
+            self.few_rows = few_rows_for(model)
+        pack_model(model, self.fmt, self.compute, self.few_rows)
+
+
+def packer(fmt: WeightFormat, device: torch.device | str, compute: torch.dtype) -> Packer | None:
+    """What packs a model computing in ``compute`` on ``device`` with weights in
+    ``fmt`` as it loads; None where its weights run as loaded. A format that cannot run
+    there is refused by name."""
     if can_pack(torch.device(device), compute, fmt):
-        pack_model(model, fmt, compute)
-    elif fmt != WeightFormat.of(compute):
+        return Packer(fmt, compute)
+    if fmt != WeightFormat.of(compute):
         raise ValueError(
             f"{fmt} weights run on the CPU with float32 compute, not on {device} in "
             f"{str(compute).removeprefix('torch.')}"
         )
-    return model.eval().requires_grad_(False)
+    return None

@@ -78,8 +78,12 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inverse_frequencies(rope, head_dim))
+        # A model built on the meta device (its weights filled from the checkpoint
+        # afterwards) still needs its tables: they are made on the CPU and move with it.
+        device = torch.get_default_device()
+        with torch.device("cpu" if device.type == "meta" else device):
+            positions = torch.arange(max_positions, dtype=torch.float32)
+            freqs = torch.outer(positions, inverse_frequencies(rope, head_dim))
         angles = torch.cat([freqs, freqs], dim=-1)
         scale = attention_factor(rope)
         self.register_buffer("cos", angles.cos() * scale, persistent=False)

@@ -1,8 +1,9 @@
-"""Tensor parallelism for the Llama family and DeepSeek: one rank's shard of a loaded
-model.
+"""Tensor parallelism for the Llama family and DeepSeek: one rank's shard of a model.
 
-Every rank loads the whole checkpoint, then keeps its part (``shard_model``), before
-the linears are prepacked:
+``shard_model`` splits a model built on the meta device (models/loader.py) and says, for
+each parameter, what the rank keeps of the checkpoint tensors that fill it (``Kept``), so
+that each rank reads only its own rows and columns; on a loaded model it keeps the shard
+of the weights it holds. The split, before the linears are packed:
 
 * q/k/v and gate/up are column-parallel: rank r keeps its heads (and its slice of the
   MLP's intermediate rows) of every fused part. KV heads split like the query heads;
@@ -26,7 +27,8 @@ hidden states for a proposer) is as in one process. Collectives are the ops of
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -38,6 +40,23 @@ from updraft.models.llama import Attention
 from updraft.models.moe import DeepseekMoE
 from updraft.parallel import collectives  # noqa: F401 (registers the collective ops)
 from updraft.parallel.topology import GroupRank, ParallelSizes, RankPlace
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What a rank keeps of the checkpoint tensors of one parameter: its own parameter
+    ``param``, and of each part (a fused projection's parts; an expert's gate and up) the
+    index range along ``dim`` (``dim`` None: all of it). A range may run past the
+    tensor's end (the last vocabulary shard), its rows left zero. ``zeros``: the rank
+    holds zeros (a row-parallel bias, which rank 0 alone adds)."""
+
+    param: nn.Parameter
+    dim: int | None = None
+    parts: tuple[slice, ...] = ()
+    zeros: bool = False
+
+
+Shards = dict[nn.Parameter, Kept]  # an unsplit parameter -> what one rank keeps of it
 
 
 def check_parallel(
@@ -153,34 +172,47 @@ def _rows(weight: torch.Tensor, parts: list[int], keep: list[slice]) -> torch.Te
     ).contiguous()
 
 
-def _shard_fused(linear: FusedLinear, keep: list[slice]) -> FusedLinear:
+def _keep(
+    kept: Shards, old: nn.Parameter, new: torch.Tensor, dim: int | None = None, *parts: slice
+) -> nn.Parameter:
+    """``new`` as the rank's parameter in place of ``old``, recorded in ``kept``."""
+    param = nn.Parameter(new, requires_grad=False)
+    kept[old] = Kept(param, dim, parts)
+    return param
+
+
+def _shard_fused(linear: FusedLinear, keep: list[slice], kept: Shards) -> FusedLinear:
     weight = _rows(linear.weight.detach(), linear.split_sizes, keep)
     sizes = [rows.stop - rows.start for rows in keep]
     with torch.device("meta"):  # its parameters are replaced right away
         sharded = FusedLinear(linear.in_features, sizes, bias=linear.bias is not None)
-    sharded.weight = nn.Parameter(weight, requires_grad=False)
+    sharded.weight = _keep(kept, linear.weight, weight, 0, *keep)
     if linear.bias is not None:
-        sharded.bias = nn.Parameter(
-            _rows(linear.bias.detach(), linear.split_sizes, keep), requires_grad=False
-        )
+        bias = _rows(linear.bias.detach(), linear.split_sizes, keep)
+        sharded.bias = _keep(kept, linear.bias, bias, 0, *keep)
     return sharded
 
 
-def _row_slice(linear: nn.Linear, columns: slice, rank: GroupRank) -> nn.Linear:
+def _row_slice(linear: nn.Linear, columns: slice, rank: GroupRank, kept: Shards) -> nn.Linear:
     """This rank's input columns of ``linear``; the caller sums the outputs."""
     sharded = nn.Linear(
         columns.stop - columns.start, linear.out_features, bias=False, device="meta"
     )
     weight = linear.weight.detach()[:, columns].contiguous()
-    sharded.weight = nn.Parameter(weight, requires_grad=False)
+    sharded.weight = _keep(kept, linear.weight, weight, 1, columns)
     if linear.bias is not None:  # added once, by rank 0
-        bias = linear.bias.detach() if rank.rank == 0 else torch.zeros_like(linear.bias)
-        sharded.bias = nn.Parameter(bias, requires_grad=False)
+        if rank.rank == 0:
+            sharded.bias = _keep(kept, linear.bias, linear.bias.detach())
+        else:
+            sharded.bias = nn.Parameter(torch.zeros_like(linear.bias), requires_grad=False)
+            kept[linear.bias] = Kept(sharded.bias, zeros=True)
     return sharded
 
 
-def _row_parallel(linear: nn.Linear, columns: slice, rank: GroupRank) -> SummedOverRanks:
-    return SummedOverRanks(_row_slice(linear, columns, rank), rank.group)
+def _row_parallel(
+    linear: nn.Linear, columns: slice, rank: GroupRank, kept: Shards
+) -> SummedOverRanks:
+    return SummedOverRanks(_row_slice(linear, columns, rank, kept), rank.group)
 
 
 def _share(count: int, rank: GroupRank) -> slice:
@@ -188,7 +220,7 @@ def _share(count: int, rank: GroupRank) -> slice:
     return slice(rank.rank * per_rank, (rank.rank + 1) * per_rank)
 
 
-def _shard_attention(attention: Attention, place: RankPlace) -> None:
+def _shard_attention(attention: Attention, place: RankPlace, kept: Shards) -> None:
     dim, rank, kv_rank = attention.head_dim, place.tensor, place.kv_heads
     heads = _share(attention.num_heads, rank)
     if attention.num_kv_heads >= kv_rank.size:
@@ -199,28 +231,28 @@ def _shard_attention(attention: Attention, place: RankPlace) -> None:
         kv_heads = slice(kv_head, kv_head + 1)
     q_rows = slice(heads.start * dim, heads.stop * dim)
     kv_rows = slice(kv_heads.start * dim, kv_heads.stop * dim)
-    attention.qkv_proj = _shard_fused(attention.qkv_proj, [q_rows, kv_rows, kv_rows])
-    attention.o_proj = _row_parallel(attention.o_proj, q_rows, rank)
+    attention.qkv_proj = _shard_fused(attention.qkv_proj, [q_rows, kv_rows, kv_rows], kept)
+    attention.o_proj = _row_parallel(attention.o_proj, q_rows, rank, kept)
     attention.num_heads = heads.stop - heads.start
     attention.num_kv_heads = kv_heads.stop - kv_heads.start
 
 
-def _shard_mlp(mlp: MLP, rank: GroupRank, reduce: bool = True) -> None:
+def _shard_mlp(mlp: MLP, rank: GroupRank, kept: Shards, reduce: bool = True) -> None:
     """``reduce``: the down projection's all-reduce; without it, the caller sums."""
     rows = _share(mlp.down_proj.in_features, rank)
-    mlp.gate_up_proj = _shard_fused(mlp.gate_up_proj, [rows, rows])
-    down = _row_slice(mlp.down_proj, rows, rank)
+    mlp.gate_up_proj = _shard_fused(mlp.gate_up_proj, [rows, rows], kept)
+    down = _row_slice(mlp.down_proj, rows, rank, kept)
     mlp.down_proj = SummedOverRanks(down, rank.group) if reduce else down
 
 
-def _column(linear: nn.Linear, rows: slice) -> nn.Linear:
+def _column(linear: nn.Linear, rows: slice, kept: Shards) -> nn.Linear:
     """A linear keeping output rows ``rows``."""
     sharded = nn.Linear(linear.in_features, rows.stop - rows.start, bias=False, device="meta")
-    sharded.weight = nn.Parameter(linear.weight.detach()[rows].contiguous(), requires_grad=False)
+    sharded.weight = _keep(kept, linear.weight, linear.weight.detach()[rows].contiguous(), 0, rows)
     return sharded
 
 
-def _shard_latent_attention(attention: LatentAttention, place: RankPlace) -> None:
+def _shard_latent_attention(attention: LatentAttention, place: RankPlace, kept: Shards) -> None:
     """Heads split; the latent down-projections, the latent cache and DSA's indexer are
     whole on every rank (each writes the same rows and selects the same context), or,
     under decode context parallelism, the cache keeps the rank's positions."""
@@ -229,33 +261,35 @@ def _shard_latent_attention(attention: LatentAttention, place: RankPlace) -> Non
     qk, per_head = attention.qk_head_dim, mla.qk_nope_head_dim + mla.v_head_dim
     q_rows = slice(heads.start * qk, heads.stop * qk)
     if mla.q_lora_rank is not None:
-        attention.q_b_proj = _column(attention.q_b_proj, q_rows)
+        attention.q_b_proj = _column(attention.q_b_proj, q_rows, kept)
     else:  # the query is the first part of the fused down-projection
         latent = attention.down_sizes[1]
-        attention.qkv_a_proj = _shard_fused(attention.qkv_a_proj, [q_rows, slice(0, latent)])
+        keep = [q_rows, slice(0, latent)]
+        attention.qkv_a_proj = _shard_fused(attention.qkv_a_proj, keep, kept)
         attention.down_sizes = [q_rows.stop - q_rows.start, latent]
-    up = attention.kv_b_proj.weight.detach()[heads.start * per_head : heads.stop * per_head]
-    attention.kv_b_proj.weight = nn.Parameter(up.contiguous(), requires_grad=False)
+    up_rows = slice(heads.start * per_head, heads.stop * per_head)
+    up = attention.kv_b_proj.weight
+    attention.kv_b_proj.weight = _keep(kept, up, up.detach()[up_rows].contiguous(), 0, up_rows)
     v_rows = slice(heads.start * mla.v_head_dim, heads.stop * mla.v_head_dim)
-    attention.o_proj = _row_parallel(attention.o_proj, v_rows, rank)
+    attention.o_proj = _row_parallel(attention.o_proj, v_rows, rank, kept)
     attention.num_heads = heads.stop - heads.start
 
 
-def _shard_moe(moe: DeepseekMoE, rank: GroupRank) -> SummedOverRanks:
+def _shard_moe(moe: DeepseekMoE, rank: GroupRank, kept: Shards) -> SummedOverRanks:
     """Every expert's intermediate rows split (the router whole on every rank, so each
-    routes alike); each rank's partial output is summed once."""
+    routes alike); each rank's partial output is summed once. An expert's checkpoint
+    tensors are its gate and up [I, H] (rows kept) and down [H, I] (columns kept)."""
     experts = moe.experts
     size = experts.down_proj.shape[2]
     rows = _share(size, rank)
-    gate, up = experts.gate_up_proj.detach().split(size, dim=1)
-    experts.gate_up_proj = nn.Parameter(
-        torch.cat([gate[:, rows], up[:, rows]], dim=1).contiguous(), requires_grad=False
-    )
-    experts.down_proj = nn.Parameter(
-        experts.down_proj.detach()[:, :, rows].contiguous(), requires_grad=False
-    )
+    old_gate_up, old_down = experts.gate_up_proj, experts.down_proj
+    gate, up = old_gate_up.detach().split(size, dim=1)
+    gate_up = torch.cat([gate[:, rows], up[:, rows]], dim=1).contiguous()
+    experts.gate_up_proj = _keep(kept, old_gate_up, gate_up, 0, rows, rows)
+    down = old_down.detach()[:, :, rows].contiguous()
+    experts.down_proj = _keep(kept, old_down, down, 1, rows)
     if moe.shared_experts is not None:
-        _shard_mlp(moe.shared_experts, rank, reduce=False)
+        _shard_mlp(moe.shared_experts, rank, kept, reduce=False)
     return SummedOverRanks(moe, rank.group)
 
 
@@ -273,23 +307,33 @@ def _padded_rows(weight: torch.Tensor, first: int, count: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def shard_model(model: CausalLM, place: RankPlace) -> None:
-    """Keep, in place, the shard of every layer of a loaded model that the rank at
-    ``place`` holds."""
-    rank = place.tensor
+def shard_model(model: CausalLM, place: RankPlace) -> Shards:
+    """Keep, in place, the shard of every layer of ``model`` (loaded, or on the meta
+    device) that the rank at ``place`` holds; what it keeps of each parameter."""
+    rank, kept = place.tensor, {}
     vocab_size = model.model.embed_tokens.num_embeddings
     first, count = _vocab_rows(vocab_size, rank)
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
-    embedding = _padded_rows(model.model.embed_tokens.weight, first, count)
+    rows = slice(first, first + count)
+    old_embedding, old_head = model.model.embed_tokens.weight, model.lm_head.weight
+    embedding = _padded_rows(old_embedding, first, count)
     head = nn.Linear(model.lm_head.in_features, count, bias=False, device="meta")
-    head.weight = nn.Parameter(
-        embedding if tied else _padded_rows(model.lm_head.weight, first, count),
-        requires_grad=False,
-    )
     model.model.embed_tokens = VocabParallelEmbedding(embedding, first, rank.group)
+    kept[old_embedding] = Kept(model.model.embed_tokens.weight, 0, (rows,))
+    if old_head is old_embedding:  # tied
+        head.weight = model.model.embed_tokens.weight
+    else:
+        head.weight = _keep(kept, old_head, _padded_rows(old_head, first, count), 0, rows)
     model.lm_head = VocabParallelHead(head, vocab_size, rank)
-    for layer in model.model.layers:
-        shard_layer(layer, place)
+    kept.update(shard_layers(model.model.layers, place))
+    return kept
+
+
+def shard_layers(layers: Iterable[DecoderLayer], place: RankPlace) -> Shards:
+    """``shard_layer`` of each of ``layers``; what the rank keeps of their parameters."""
+    kept: Shards = {}
+    for layer in layers:
+        kept.update(shard_layer(layer, place))
+    return kept
 
 
 def splits_tensors(place: RankPlace | None) -> bool:
@@ -298,14 +342,17 @@ def splits_tensors(place: RankPlace | None) -> bool:
 
 
 @torch.no_grad()
-def shard_layer(layer: DecoderLayer, place: RankPlace) -> None:
+def shard_layer(layer: DecoderLayer, place: RankPlace) -> Shards:
     """Keep, in place, the rank's shard of one decoder layer (a target's, or a draft
-    head's, which splits like a target layer of its kind)."""
+    head's, which splits like a target layer of its kind); what it keeps of each
+    parameter."""
+    kept: Shards = {}
     if isinstance(layer.self_attn, LatentAttention):
-        _shard_latent_attention(layer.self_attn, place)
+        _shard_latent_attention(layer.self_attn, place, kept)
     else:
-        _shard_attention(layer.self_attn, place)
+        _shard_attention(layer.self_attn, place, kept)
     if isinstance(layer.mlp, DeepseekMoE):
-        layer.mlp = _shard_moe(layer.mlp, place.tensor)
+        layer.mlp = _shard_moe(layer.mlp, place.tensor, kept)
     else:
-        _shard_mlp(layer.mlp, place.tensor)
+        _shard_mlp(layer.mlp, place.tensor, kept)
+    return kept
