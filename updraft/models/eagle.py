@@ -21,16 +21,15 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from updraft.attention.metadata import AttentionMetadata
 from updraft.config import LLAMA_ARCHITECTURES, ModelConfig, WeightFormat
 from updraft.models.layers import MLP, DecoderLayer
 from updraft.models.llama import Attention
-from updraft.models.loader import building, load_weights, weight_files
-from updraft.models.packing import packer, storage_dtype
-from updraft.models.tensor_parallel import shard_layers, splits_tensors
+from updraft.models.loader import building, checkpoint_names, fill, weight_files
+from updraft.models.packing import storage_dtype
+from updraft.models.tensor_parallel import shard_layers
 from updraft.parallel.topology import RankPlace
 
 SHARED_WITH_TARGET = ("embed_tokens.", "lm_head.")
@@ -107,24 +106,21 @@ def load_eagle_head(
     ``place``, the shard of its layers that rank keeps (fc is whole on every rank, like
     the residual stream)."""
     files = weight_files(Path(head_dir))
-    names = set()
-    for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as reader:
-            names.update(reader.keys())
+    names = {name for held in checkpoint_names(files).values() for name in held}
     weights = weights or WeightFormat.of(dtype)
-    pack = packer(weights, device, dtype)
     with building(storage_dtype(weights, dtype, config), "meta"):
         head = EagleHead(
             config,
             fc_bias="fc.bias" in names,
             first_input_norm="layers.0.input_layernorm.weight" in names,
         )
-    load_weights(
+    return fill(
         head,
         files,
+        weights,
+        dtype,
+        device,
         select=lambda name: not name.startswith(SHARED_WITH_TARGET),
-        device=device,
-        shard=(lambda head: shard_layers(head.layers, place)) if splits_tensors(place) else None,
-        loaded=pack,
+        place=place,
+        split=lambda head, place: shard_layers(head.layers, place),
     )
-    return head.to(device).eval().requires_grad_(False)

@@ -99,22 +99,39 @@ def load_model(
     (models/tensor_parallel.py). It is built on the meta device and filled tensor by
     tensor, each rank reading only what it keeps, each layer packed once its weights
     are in: at no point does the process hold the whole model in the checkpoint's dtype."""
-    files = weight_files(Path(model_dir))
     fmt = weights or WeightFormat.of(dtype)
-    pack = packer(fmt, device, dtype)  # refuses a format that cannot run here, first
     with building(storage_dtype(fmt, dtype, config), "meta"):
         model = model_class(config)(config, max_positions=max_positions)
     # A checkpoint's multi-token prediction layers follow its decoder layers; the model
     # does not run them (models/mtp.py loads them on their own).
     mtp = range(config.num_layers, config.num_layers + config.mtp_layers)
-    load_weights(
+    return fill(
         model,
-        files,
+        weight_files(Path(model_dir)),
+        fmt,
+        dtype,
+        device,
         select=lambda name: layer_of(name) not in mtp,
-        device=device,
-        shard=(lambda model: shard_model(model, place)) if splits_tensors(place) else None,
-        loaded=pack,
+        place=place,
     )
+
+
+def fill(
+    model: nn.Module,
+    files: list[Path],
+    fmt: WeightFormat,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    select: Callable[[str], bool] = lambda name: True,
+    place: RankPlace | None = None,
+    split: Callable[[nn.Module, RankPlace], Shards] = shard_model,
+) -> nn.Module:
+    """``model``, built on the meta device, filled from ``files`` (``load_weights``),
+    packed into ``fmt`` as it fills where it computes in ``dtype`` on the CPU, and ready
+    to run on ``device``; with ``place``, ``split`` keeps the rank's shard of it."""
+    pack = packer(fmt, device, dtype)  # refuses a format that cannot run here, first
+    shard = (lambda model: split(model, place)) if splits_tensors(place) else None
+    load_weights(model, files, select, device, shard, loaded=pack)
     return model.to(device).eval().requires_grad_(False)  # .to: the rotary tables
 
 
@@ -137,9 +154,8 @@ def load_weights(
     params = dict(model.named_parameters())  # tied weights appear once
     modules = dict(model.named_modules())
     unfilled = set(_slices(params, modules))
-    names_in = _checkpoint_names(files)
     targets, unknown = {}, []
-    for path, names in names_in.items():
+    for path, names in checkpoint_names(files).items():
         for checkpoint_name in names:
             if checkpoint_name.endswith(IGNORED_SUFFIXES) or not select(checkpoint_name):
                 continue
@@ -179,7 +195,8 @@ def load_weights(
     made.check()
 
 
-def _checkpoint_names(files: list[Path]) -> dict[Path, list[str]]:
+def checkpoint_names(files: list[Path]) -> dict[Path, list[str]]:
+    """The names of the tensors each of ``files`` holds (read from its header only)."""
     names = {}
     for path in files:
         try:

@@ -26,10 +26,10 @@ from updraft.attention.metadata import AttentionMetadata
 from updraft.config import ModelConfig, WeightFormat
 from updraft.models.deepseek import LatentAttention
 from updraft.models.layers import DecoderLayer, RMSNorm
-from updraft.models.loader import building, load_weights, weight_files
+from updraft.models.loader import building, fill, weight_files
 from updraft.models.moe import DeepseekMoE
-from updraft.models.packing import packer, storage_dtype
-from updraft.models.tensor_parallel import shard_layers, splits_tensors
+from updraft.models.packing import storage_dtype
+from updraft.models.tensor_parallel import shard_layers
 from updraft.parallel.topology import RankPlace
 
 # Checkpoints repeat the main model's embedding and LM head inside each MTP layer; the
@@ -101,19 +101,17 @@ def load_mtp_layers(
             "(num_nextn_predict_layers)"
         )
     fmt = weights or WeightFormat.of(dtype)
-    pack = packer(fmt, device, dtype)
     with building(storage_dtype(fmt, dtype, config), "meta"):
         layers = MTPLayers(config)
     first = config.num_layers
     prefixes = tuple(f"model.layers.{i}." for i in range(first, first + config.mtp_layers))
-    load_weights(
+    return fill(
         layers,
         weight_files(Path(model_dir)),
+        fmt,
+        dtype,
+        device,
         select=lambda name: name.startswith(prefixes) and not name.endswith(SHARED_WITH_MAIN),
-        device=device,
-        shard=(lambda layers: shard_layers(layers.depths(), place))
-        if splits_tensors(place)
-        else None,
-        loaded=pack,
+        place=place,
+        split=lambda layers, place: shard_layers(layers.depths(), place),
     )
-    return layers.to(device).eval().requires_grad_(False)
