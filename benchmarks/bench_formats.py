@@ -19,7 +19,6 @@ import argparse
 import importlib.util
 import json
 import math
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,11 +27,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import transformers
-from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from benchmarks.bench_peers import prepare_model
-from benchmarks.common import markdown_table
+from benchmarks.common import markdown_table, stored_in, updraft_weight_bytes
 from benchmarks.peers import workload
 from benchmarks.peers.workload import best_time
 from updraft import LLM, SamplingParams
@@ -64,19 +62,6 @@ def train_demo_module():
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
-
-
-def stored_in(model: Path, dtype: torch.dtype, work: Path) -> Path:
-    """A copy of ``model`` whose tensors are stored in ``dtype``."""
-    out = work / f"{model.name}-{str(dtype).removeprefix('torch.')}"
-    if not out.is_dir():
-        shutil.copytree(model, out)
-        tensors = load_file(out / "model.safetensors")
-        save_file({k: v.to(dtype) for k, v in tensors.items()}, out / "model.safetensors")
-        config = json.loads((out / "config.json").read_text())
-        config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
-        (out / "config.json").write_text(json.dumps(config))
-    return out
 
 
 def checkpoint_for(name: str, model: Path, work: Path) -> Path:
@@ -164,22 +149,6 @@ def memory(model: Path, vocab: int, engine: dict) -> dict[str, float]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def weight_bytes(model: Path, engine: dict) -> int:
-    """Bytes a decode step reads: every packed linear's codes, scales and zeros."""
-    from updraft.models.packed_linear import PackedLinear
-
-    llm = LLM(model, num_kv_blocks=16, enforce_eager=True, **engine)
-    runner = llm.engine._runner  # noqa: SLF001 - a benchmark's look inside
-    total = 0
-    for module in runner.model.modules():
-        if isinstance(module, PackedLinear):
-            total += sum(
-                t.nbytes for t in (module.codes, module.scales, module.zeros) if t is not None
-            )
-    llm.engine.close()
-    return total
-
-
 def measured_bandwidth() -> float:
     """Bytes per second a large copy moves (read and write), best of five."""
     source = torch.empty(2**28 // 4)
@@ -216,7 +185,7 @@ def main() -> None:
             checkpoint, engine = checkpoint_for(fmt, model, args.work_dir), FORMATS[fmt][0]
             decode = [r[0] for r in results[fmt]]
             mixed = [r[1] for r in results[fmt]]
-            floor = bandwidth / weight_bytes(checkpoint, engine)
+            floor = bandwidth / updraft_weight_bytes(checkpoint, engine)
             rss = memory(checkpoint, vocab, engine)
             rows.append(
                 [

@@ -15,22 +15,33 @@ and the range. Every engine's tokens are compared with updraft's.
 
     bash benchmarks/peers/setup_vllm.sh; bash benchmarks/peers/setup_llamacpp.sh
     .venv/bin/python -m benchmarks.bench_peers [--model demo|100m] [--rounds 3] \\
-        [--contention] [--ngram]
+        [--format float32|bfloat16|float16|int4] [--contention] [--ngram]
+
+``--format`` runs each engine on the weights users would download or make in that
+format (FORMATS below); every run's floor is its own weight bytes per token.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from benchmarks.common import make_random_qwen3, markdown_table, stream_bandwidth
+from benchmarks.common import (
+    make_random_qwen3,
+    markdown_table,
+    stored_in,
+    stream_bandwidth,
+    updraft_weight_bytes,
+)
 from updraft.demo import DEMO_MODEL_DIR
 
 PEERS = Path(__file__).parent / "peers"
@@ -58,15 +69,91 @@ NGRAM_OPTIONS = {
 }
 
 
-def float32_weight_bytes(model_dir: Path) -> int:
-    """Bytes of the weights in float32, as every engine here computes."""
-    total = 0
-    for path in model_dir.glob("*.safetensors"):
+# What each engine runs in each --format: (label, engine, its checkpoint, its settings).
+# A checkpoint is the float32 directory, a copy stored in bfloat16 or float16, or a GGUF
+# file of that type, written from the float32 file by llama.cpp's own quantizer.
+FORMATS: dict[str, list[tuple[str, str, str, list[str]]]] = {
+    "float32": [
+        ("updraft", "updraft", "float32", []),
+        ("vllm", "vllm", "float32", []),
+        ("llama.cpp", "llama.cpp", "F32", []),
+        ("transformers", "transformers", "float32", []),
+    ],
+    "bfloat16": [
+        ("updraft bf16", "updraft", "bfloat16", ["dtype='auto'"]),
+        ("vllm bf16", "vllm", "bfloat16", ["dtype='bfloat16'"]),
+        ("llama.cpp BF16", "llama.cpp", "BF16", []),
+    ],
+    "float16": [
+        ("updraft fp16", "updraft", "float16", ["dtype='auto'"]),
+        ("llama.cpp F16", "llama.cpp", "F16", []),
+    ],
+    "int4": [
+        (
+            "updraft int4-g32",
+            "updraft",
+            "float32",
+            ["quantization='int4'", "quantization_group_size=32"],
+        ),
+        (
+            "updraft int4-g128",
+            "updraft",
+            "float32",
+            ["quantization='int4'", "quantization_group_size=128"],
+        ),
+        ("llama.cpp Q4_0", "llama.cpp", "Q4_0", []),
+    ],
+}
+
+
+@dataclass(frozen=True)
+class Contender:
+    label: str
+    engine: str
+    checkpoint: Path
+    options: list[str]
+
+
+def contenders(fmt: str, engines: list[str], model: Path, work: Path) -> list[Contender]:
+    """The runs of ``fmt`` by the engines asked for, their checkpoints made."""
+    out = []
+    for label, engine, kind, options in FORMATS[fmt]:
+        if engine not in engines:
+            continue
+        if engine == "llama.cpp":
+            checkpoint = prepare_gguf(model, work, kind)
+        elif kind == "float32":
+            checkpoint = model
+        else:
+            checkpoint = stored_in(model, getattr(torch, kind), work)
+        out.append(Contender(label, engine, checkpoint, options))
+    return out
+
+
+def decode_bytes(contender: Contender) -> int:
+    """Weight bytes one batch-1 decode step of ``contender`` reads."""
+    if contender.engine == "llama.cpp":
+        done = subprocess.run(
+            [PYTHONS["llama.cpp"], PEERS / "gguf_file.py", "bytes", contender.checkpoint],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return int(done.stdout.split()[-1])
+    settings = workload_options(contender.options)
+    if contender.engine == "updraft":
+        return updraft_weight_bytes(contender.checkpoint, {"dtype": "float32"} | settings)
+    total = 0  # vLLM and transformers: the checkpoint's tensors in the compute dtype
+    itemsize = torch.empty(0, dtype=getattr(torch, settings.get("dtype", "float32"))).itemsize
+    for path in contender.checkpoint.glob("*.safetensors"):
         with safe_open(path, "pt") as file:
             for name in file.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                shape = file.get_slice(name).get_shape()
-                total += 4 * int(torch.Size(shape).numel())
+                total += itemsize * int(torch.Size(file.get_slice(name).get_shape()).numel())
     return total
+
+
+def workload_options(options: list[str]) -> dict[str, object]:
+    return {k: ast.literal_eval(v) for k, _, v in (o.partition("=") for o in options)}
 
 
 def run_worker(
@@ -107,11 +194,19 @@ def prepare_model(name: str, work: Path) -> tuple[Path, int]:
     return make_random_qwen3(work / "qwen3-100m"), 32000
 
 
-def prepare_gguf(model: Path, work: Path) -> Path:
-    out = work / f"{model.name}-f32.gguf"
-    if not out.is_file():
+def prepare_gguf(model: Path, work: Path, file_type: str = "F32") -> Path:
+    """``model`` as a GGUF file of ``file_type``: F32 written by make_gguf.py, the others
+    quantized from it by llama.cpp."""
+    out = work / f"{model.name}-{file_type.lower()}.gguf"
+    if out.is_file():
+        return out
+    python = str(PYTHONS["llama.cpp"])
+    if file_type == "F32":
+        subprocess.run([python, str(PEERS / "make_gguf.py"), str(model), str(out)], check=True)
+    else:
+        source = str(prepare_gguf(model, work))
         subprocess.run(
-            [str(PYTHONS["llama.cpp"]), str(PEERS / "make_gguf.py"), str(model), str(out)],
+            [python, str(PEERS / "gguf_file.py"), "quantize", source, str(out), file_type],
             check=True,
         )
     return out
@@ -129,6 +224,7 @@ def main() -> None:
     parser.add_argument("--model", choices=["demo", "100m"], default="100m")
     parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "peers")
     parser.add_argument("--engines", default="updraft,vllm,llama.cpp,transformers")
+    parser.add_argument("--format", choices=list(FORMATS), default="float32")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--contention", action="store_true", help="also run beside a busy loop")
     parser.add_argument("--quick", action="store_true", help="short workloads, one round")
@@ -140,85 +236,95 @@ def main() -> None:
     if missing:
         print(f"skipping {sorted(missing)}: run benchmarks/peers/setup_*.sh first")
     model, vocab = prepare_model(args.model, args.work_dir)
-    models = {e: model for e in engines}
-    if "llama.cpp" in engines:
-        models["llama.cpp"] = prepare_gguf(model, args.work_dir)
+    runs = contenders(args.format, engines, model, args.work_dir)
+    labels = [run.label for run in runs]
 
     bandwidth = stream_bandwidth()
-    weight_bytes = float32_weight_bytes(model)
-    floor = bandwidth / weight_bytes
-    print(f"stream read {bandwidth / 1e9:.1f} GB/s; float32 weights {weight_bytes / 1e6:.0f} MB")
+    floors = {run.label: bandwidth / decode_bytes(run) for run in runs}
+    print(f"stream read {bandwidth / 1e9:.1f} GB/s")
 
     conditions = [False, True] if args.contention else [False]
     results: dict[tuple[str, str, bool], list[dict]] = {}
     rounds = 1 if args.quick else args.rounds
     for round_index in range(rounds):
-        order = engines[round_index % len(engines) :] + engines[: round_index % len(engines)]
-        for engine in order:
+        order = runs[round_index % len(runs) :] + runs[: round_index % len(runs)]
+        for run in order:
             variants = [("batch1", []), ("mixed", [])]
-            if args.ngram and engine in NGRAM_OPTIONS:
-                variants += [(f"{w} ngram", NGRAM_OPTIONS[engine]) for w in ("batch1", "mixed")]
+            if args.ngram and run.engine in NGRAM_OPTIONS:
+                variants += [(f"{w} ngram", NGRAM_OPTIONS[run.engine]) for w in ("batch1", "mixed")]
             for workload, options in variants:
-                if workload.startswith("mixed") and engine in BATCH1_ONLY:
+                if workload.startswith("mixed") and run.engine in BATCH1_ONLY:
                     continue
                 for contended in conditions if not options else [False]:
                     report = run_worker(
-                        engine, models[engine], workload, vocab, args.quick, contended, options
+                        run.engine,
+                        run.checkpoint,
+                        workload,
+                        vocab,
+                        args.quick,
+                        contended,
+                        run.options + options,
                     )
-                    results.setdefault((engine, workload, contended), []).append(report)
+                    results.setdefault((run.label, workload, contended), []).append(report)
                     print(
-                        f"round {round_index + 1} {engine:12s} {workload:12s} "
+                        f"round {round_index + 1} {run.label:18s} {workload:12s} "
                         f"{'busy ' if contended else ''}{report['tokens_per_second']:8.1f} tok/s "
                         f"rss {report['peak_rss_mib']:.0f} MiB",
                         flush=True,
                     )
 
-    def rates(engine: str, workload: str, contended: bool = False) -> list[float]:
-        return [r["tokens_per_second"] for r in results.get((engine, workload, contended), [])]
+    def rates(label: str, workload: str, contended: bool = False) -> list[float]:
+        return [r["tokens_per_second"] for r in results.get((label, workload, contended), [])]
 
-    def best(engine: str, workload: str, contended: bool = False) -> float:
-        return max(rates(engine, workload, contended), default=float("nan"))
+    def best(label: str, workload: str, contended: bool = False) -> float:
+        return max(rates(label, workload, contended), default=float("nan"))
 
-    def row(measure: str, cell, floor_cell: str = "") -> list[str]:
-        return [measure, *[cell(e) for e in engines], floor_cell]
+    def row(measure: str, cell) -> list[str]:
+        return [measure, *[cell(label) for label in labels]]
 
-    def slowdown(engine: str, workload: str) -> str:
-        if not rates(engine, workload, True):
+    def slowdown(label: str, workload: str) -> str:
+        if not rates(label, workload, True):
             return "-"
-        busy = best(engine, workload, True)
-        return f"{busy:.1f} ({best(engine, workload) / busy:.2f}x slower)"
+        busy = best(label, workload, True)
+        return f"{busy:.1f} ({best(label, workload) / busy:.2f}x slower)"
 
-    def peak_rss(engine: str) -> str:
+    def peak_rss(label: str) -> str:
         return (
-            f"{max(r['peak_rss_mib'] for k, v in results.items() if k[0] == engine for r in v):.0f}"
+            f"{max(r['peak_rss_mib'] for k, v in results.items() if k[0] == label for r in v):.0f}"
         )
 
-    reference = {k[1]: v[0]["tokens"] for k, v in results.items() if k[0] == "updraft"}
+    # every run's tokens against the first run's (updraft's, in this format)
+    reference = {k[1]: v[0]["tokens"] for k, v in results.items() if k[0] == labels[0]}
 
-    def same_tokens(engine: str, workloads: tuple[str, ...] = ("batch1", "mixed")) -> str:
-        """Requests whose tokens equal plain (unspeculated) updraft's."""
+    def same_tokens(label: str, workloads: tuple[str, ...] = ("batch1", "mixed")) -> str:
+        """Requests whose tokens equal the first run's plain (unspeculated) ones."""
         verdicts = []
         for workload in workloads:
             plain = reference.get(workload.split()[0])
-            if (engine, workload, False) in results and plain is not None:
-                theirs = results[(engine, workload, False)][0]["tokens"]
+            if (label, workload, False) in results and plain is not None:
+                theirs = results[(label, workload, False)][0]["tokens"]
                 equal = sum(a == b for a, b in zip(theirs, plain, strict=True))
                 verdicts.append(f"{equal}/{len(theirs)}")
         return " + ".join(verdicts) or "-"
 
-    def versus_vllm(engine: str) -> str:
-        if engine == "vllm" or "vllm" not in engines:
+    vllm = next((run.label for run in runs if run.engine == "vllm"), None)
+
+    def versus_vllm(label: str) -> str:
+        if vllm is None or label == vllm:
             return ""
-        ratios = [best(engine, w) / best("vllm", w) for w in ["batch1", "mixed"]]
+        ratios = [best(label, w) / best(vllm, w) for w in ["batch1", "mixed"]]
         return " / ".join("-" if r != r else f"{r:.2f}x" for r in ratios)
 
     rows = [
-        row("decode tokens/s, batch 1", lambda e: summary(rates(e, "batch1")), f"{floor:.1f}"),
-        row("  fraction of the floor", lambda e: f"{best(e, 'batch1') / floor:.2f}", "1"),
-        row("output tokens/s, 32 mixed requests", lambda e: summary(rates(e, "mixed"))),
+        row("decode tokens/s, batch 1", lambda label: summary(rates(label, "batch1"))),
+        row("  bandwidth floor, tokens/s", lambda label: f"{floors[label]:.1f}"),
+        row(
+            "  fraction of the floor", lambda label: f"{best(label, 'batch1') / floors[label]:.2f}"
+        ),
+        row("output tokens/s, 32 mixed requests", lambda label: summary(rates(label, "mixed"))),
         row("vs vLLM, batch 1 / mixed", versus_vllm),
         row("peak RSS MiB (1 GiB KV cache)", peak_rss),
-        row("requests with updraft's tokens, batch 1 + mixed", same_tokens),
+        row(f"requests with {labels[0]}'s tokens, batch 1 + mixed", same_tokens),
     ]
     if args.ngram:
         rows += [
@@ -227,7 +333,7 @@ def main() -> None:
             ),
             row("32 mixed requests, n-gram k=3", lambda e: summary(rates(e, "mixed ngram"))),
             row(
-                "n-gram requests with plain updraft's tokens",
+                f"n-gram requests with plain {labels[0]}'s tokens",
                 lambda e: same_tokens(e, ("batch1 ngram", "mixed ngram")),
             ),
         ]
@@ -236,11 +342,12 @@ def main() -> None:
             row("batch 1 beside a busy loop, tokens/s", lambda e: slowdown(e, "batch1")),
             row("mixed beside a busy loop, tokens/s", lambda e: slowdown(e, "mixed")),
         ]
-    title = f"peers, {args.model} model ({weight_bytes / 1e6:.0f} MB float32), best of {rounds}"
+    title = f"peers, {args.model} model, {args.format} weights, best of {rounds}"
     print()
-    print(markdown_table(title, ["measure", *engines, "floor"], rows))
+    print(markdown_table(title, ["measure", *labels], rows))
     print(
-        f"\nfloor: {bandwidth / 1e9:.1f} GB/s stream read / {weight_bytes / 1e6:.0f} MB of weights"
+        f"\nfloor: {bandwidth / 1e9:.1f} GB/s stream read / the weight bytes each run reads "
+        "per token"
     )
 
 

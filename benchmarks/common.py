@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import platform
+import shutil
 import socket
 import time
 from datetime import date
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 
 def make_random_qwen3(directory: Path, seed: int = 0, max_positions: int = 4096) -> Path:
@@ -69,3 +72,34 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def stored_in(model: Path, dtype: torch.dtype, work: Path) -> Path:
+    """A copy of ``model`` whose tensors are stored in ``dtype``."""
+    out = work / f"{model.name}-{str(dtype).removeprefix('torch.')}"
+    if not out.is_dir():
+        shutil.copytree(model, out)
+        tensors = load_file(out / "model.safetensors")
+        save_file({k: v.to(dtype) for k, v in tensors.items()}, out / "model.safetensors")
+        config = json.loads((out / "config.json").read_text())
+        config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
+        (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def updraft_weight_bytes(model: Path, engine: dict) -> int:
+    """Bytes an updraft decode step reads: every packed linear's codes, scales and zeros
+    (``engine``: LLM settings)."""
+    from updraft import LLM
+    from updraft.models.packed_linear import PackedLinear
+
+    llm = LLM(model, num_kv_blocks=16, enforce_eager=True, **engine)
+    runner = llm.engine._runner  # noqa: SLF001 - a benchmark's look inside
+    total = 0
+    for module in runner.model.modules():
+        if isinstance(module, PackedLinear):
+            total += sum(
+                t.nbytes for t in (module.codes, module.scales, module.zeros) if t is not None
+            )
+    llm.engine.close()
+    return total

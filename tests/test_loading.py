@@ -13,7 +13,7 @@ import transformers
 from safetensors import safe_open
 from torch import nn
 
-from benchmarks.bench_formats import stored_in
+from benchmarks.common import stored_in
 from updraft.config import ModelConfig, WeightFormat
 from updraft.kernels.ops import kernel_builds
 from updraft.models import loader

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.bench_formats import stored_in
+from benchmarks.common import stored_in
 from tests.helpers import greedy
 from updraft import LLM
 from updraft.config import ModelConfig, WeightFormat

@@ -15,14 +15,13 @@ from updraft import LLM, SamplingParams
 def main() -> None:
     args = workload.parse_args(__doc__)
     start = time.perf_counter()
-    llm = LLM(
-        args.model,
-        dtype="float32",
-        kv_cache_memory_gib=workload.KV_CACHE_GIB,
-        max_num_seqs=workload.MAX_NUM_SEQS,
-        max_num_batched_tokens=workload.MAX_NUM_BATCHED_TOKENS,
-        **workload.options(args),
-    )
+    settings = {
+        "dtype": "float32",
+        "kv_cache_memory_gib": workload.KV_CACHE_GIB,
+        "max_num_seqs": workload.MAX_NUM_SEQS,
+        "max_num_batched_tokens": workload.MAX_NUM_BATCHED_TOKENS,
+    }
+    llm = LLM(args.model, **(settings | workload.options(args)))
     load_seconds = time.perf_counter() - start
 
     def generate(prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:

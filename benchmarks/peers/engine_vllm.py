@@ -23,15 +23,14 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(
-        model=args.model,
-        skip_tokenizer_init=True,
-        dtype="float32",
-        max_num_seqs=workload.MAX_NUM_SEQS,
-        max_num_batched_tokens=workload.MAX_NUM_BATCHED_TOKENS,
-        seed=0,
-        **workload.options(args),
-    )
+    settings = {
+        "skip_tokenizer_init": True,
+        "dtype": "float32",
+        "max_num_seqs": workload.MAX_NUM_SEQS,
+        "max_num_batched_tokens": workload.MAX_NUM_BATCHED_TOKENS,
+        "seed": 0,
+    }
+    llm = LLM(model=args.model, **(settings | workload.options(args)))
     load_seconds = time.perf_counter() - start
 
     def generate(prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:

@@ -1,0 +1,41 @@
+"""A GGUF file in another type through llama.cpp's own quantizer, and the bytes of a GGUF
+file a decode step reads. Runs in benchmarks/peers/.venv-llamacpp (setup_llamacpp.sh).
+
+    python gguf_file.py quantize IN.gguf OUT.gguf TYPE    TYPE: F16, BF16, Q8_0 or Q4_0
+    python gguf_file.py bytes FILE.gguf                   prints the bytes, one number
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+FILE_TYPES = {"F16": "F16", "BF16": "BF16", "Q8_0": "Q8_0", "Q4_0": "Q4_0"}
+
+
+def quantize(source: str, target: str, file_type: str) -> None:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{FILE_TYPES[file_type]}")
+    params.nthread = 0  # every core
+    failed = llama_cpp.llama_model_quantize(source.encode(), target.encode(), ctypes.byref(params))
+    if failed:
+        raise SystemExit(f"llama.cpp could not quantize {source} to {file_type}")
+
+
+def decode_bytes(path: str) -> int:
+    """Bytes of every tensor a decode step reads whole: all of them but the token
+    embedding (one row a token), which is read whole only as a tied output head."""
+    import gguf
+
+    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    untied = "output.weight" in tensors
+    return sum(n for name, n in tensors.items() if not (untied and name == "token_embd.weight"))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "quantize":
+        quantize(*sys.argv[2:5])
+    else:
+        print(decode_bytes(sys.argv[2]))
