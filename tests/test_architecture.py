@@ -91,6 +91,12 @@ def test_a_request_holds_no_draft_state():
     assert not [name for name in names if "draft" in name], names
 
 
+def test_a_request_holds_no_grammar_state():
+    """A constrained request's grammar lives in the engine's Grammars alone."""
+    names = {field.name for field in dataclasses.fields(Request)}
+    assert not [n for n in names if any(w in n for w in ("grammar", "matcher", "structured"))]
+
+
 def test_only_the_scheduler_allocates_and_frees_kv_blocks(tiny_llama, monkeypatch):
     """A speculative run tight enough to preempt, with aborts: every call into the KV
     block manager comes from the scheduler."""

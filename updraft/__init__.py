@@ -9,8 +9,16 @@ if TYPE_CHECKING:
     from updraft.engine.workers import WorkerPool
     from updraft.outputs import CompletionOutput, RequestOutput
     from updraft.sampling_params import SamplingParams
+    from updraft.structured_outputs import StructuredOutputsParams
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "WorkerPool"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "WorkerPool",
+]
 __version__ = "0.1.0"
 
 # Loaded on first use, so that importing a leaf module (``updraft.request``, say) does
@@ -20,6 +28,7 @@ _EXPORTS = {
     "CompletionOutput": "updraft.outputs",
     "RequestOutput": "updraft.outputs",
     "SamplingParams": "updraft.sampling_params",
+    "StructuredOutputsParams": "updraft.structured_outputs",
     "WorkerPool": "updraft.engine.workers",
 }
 

@@ -64,13 +64,22 @@ class ChatTemplate:
             source = named.get("default")
         return cls(source or SIMPLE_CHAT_TEMPLATE, special_tokens)
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """``template_kwargs``: more variables for the template (Qwen3's
+        ``enable_thinking``); they cannot replace the messages or the special tokens."""
         try:
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
+            variables = {
+                **(template_kwargs or {}),
+                "messages": messages,
+                "add_generation_prompt": add_generation_prompt,
                 **self.special_tokens,
-            )
+            }
+            return self._template.render(**variables)
         # Any failure here is about the messages or the template, never the server.
         except Exception as error:
             raise ChatTemplateError(

@@ -433,6 +433,11 @@ class EngineConfig:
         "keeps every core",
     )
     seed: int = setting(0, "seed of the sampling of requests that have no seed of their own")
+    overlap_grammar_masks: bool = setting(
+        True,
+        "compute the token masks of requests with structured outputs in a thread while "
+        "the step's forward runs (--no-overlap-grammar-masks: after it)",
+    )
     block_size: int = setting(16, "tokens per KV cache block")
     kv_cache_memory_gib: float = setting(1.0, "KV cache budget in GiB")
     num_kv_blocks: int | None = setting(None, "KV cache blocks; overrides kv_cache_memory_gib")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import reprlib
 from dataclasses import dataclass, field
 
+from updraft.structured_outputs import StructuredOutputsParams
+
 GREEDY_BELOW = 1e-5
 # Stop conditions are checked at every token of a request: bound what one request may
 # ask for, so that it cannot slow down the others.
@@ -36,6 +38,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
+    # The output must match a schema, a regex, a choice or a grammar (None: free text).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,6 +75,11 @@ class SamplingParams:
             ),
             "ignore_eos": (isinstance(self.ignore_eos, bool), "a bool"),
             "logprobs": (isinstance(self.logprobs, bool), "a bool"),
+            "structured_outputs": (
+                self.structured_outputs is None
+                or isinstance(self.structured_outputs, StructuredOutputsParams),
+                "a StructuredOutputsParams or None",
+            ),
         }
         for name, (ok, expected) in rules.items():
             if not ok:

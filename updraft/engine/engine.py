@@ -20,12 +20,16 @@ import itertools
 import time
 import weakref
 from collections.abc import Sequence
+from concurrent import futures
 from dataclasses import replace
+from pathlib import Path
 
 from updraft.config import EngineConfig, ModelConfig
+from updraft.engine.grammar_compiler import GrammarCompiler
+from updraft.engine.grammars import Grammars
 from updraft.engine.kv_blocks import BlockPool, KVCacheManager
 from updraft.engine.scheduler import Scheduler
-from updraft.engine.stats import EngineStats, StepClock, snapshot_report
+from updraft.engine.stats import EngineStats, StepClock, StructuredStats, snapshot_report
 from updraft.engine.workers import (
     ParallelWorkers,
     Rendezvous,
@@ -45,6 +49,10 @@ from updraft.speculative.registry import ProposerContext, check_method, make_pro
 from updraft.step.inputs import StepInputs
 from updraft.step.plan import Draft
 from updraft.tokenizer import Detokenizer, Tokenizer
+
+# While only constrained requests wait for their grammars, a step waits this long for
+# one to compile before it returns (the caller's loop then looks at its own work).
+COMPILE_POLL_SECONDS = 0.01
 
 
 class Engine:
@@ -94,12 +102,16 @@ class Engine:
         # A sequence never holds more tokens than the cache can, so one request alone
         # always fits and preemption always makes progress.
         self.max_model_len = min(self.context_len, pool.num_blocks * pool.block_size)
+        self._grammars = self._make_grammars(config)
+        # Constrained requests whose grammar is still compiling: scheduled once it has.
+        self._compiling: dict[str, tuple[Request, futures.Future]] = {}
         self._scheduler = Scheduler(
             KVCacheManager(pool),
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.max_model_len,
             num_lookahead_tokens=k,
+            grammars=self._grammars,
         )
         self._proposer = make_proposer(
             ProposerContext(config, self._runner, self.max_model_len, send)
@@ -114,6 +126,17 @@ class Engine:
             and self._workers is None  # each rank keeps its share of the cores
         )
         self._ids = itertools.count()
+
+    def _make_grammars(self, config: EngineConfig) -> Grammars | None:
+        """Structured outputs need the tokenizer: llguidance reads its vocabulary."""
+        if self.tokenizer is None:
+            return None
+        compiler = GrammarCompiler(
+            Path(config.model) / "tokenizer.json",
+            max(self.model_config.vocab_size, self.tokenizer.vocab_size),
+            self.model_config.eos_token_ids,
+        )
+        return Grammars(compiler, overlap=config.overlap_grammar_masks)
 
     def _context_len(self, config: EngineConfig) -> int:
         """The longest sequence: ``max_model_len``, or the positions the model was
@@ -163,6 +186,8 @@ class Engine:
         for runner in (self._runner, self._proposer and self._proposer.runner):
             if runner is not None:
                 runner.close()
+        if self._grammars is not None:
+            self._grammars.close()
 
     # -- requests ----------------------------------------------------------------------
 
@@ -177,7 +202,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self._scheduler.requests:
+        if request_id in self._scheduler.requests or request_id in self._compiling:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         if text is None and len(prompt) >= self.max_model_len:
@@ -191,12 +216,48 @@ class Engine:
         request = Request(
             request_id, text, token_ids, params, eos, time.perf_counter(), detokenizer
         )
+        spec = params.structured_outputs
+        if error is None and spec is not None and self._grammars is None:
+            error = (
+                f"structured outputs need a tokenizer; {self.config.model} has no tokenizer.json"
+            )
         if error is not None:
             request.error = error
             self._pending_outputs.append(self._scheduler.finish(request, FinishReason.ERROR))
+        elif spec is not None:
+            self._compiling[request_id] = (request, self._grammars.compiler.submit(spec))
         else:
             self._scheduler.add(request)
         return request_id
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler | None:
+        """What compiles structured-output specs (None without a tokenizer). Safe to use
+        from any thread: a server compiles a request's spec before it adds the request,
+        and the engine then finds it in the compiler's cache."""
+        return None if self._grammars is None else self._grammars.compiler
+
+    def _admit_compiled(self, wait: bool) -> list[RequestOutput]:
+        """Schedule the constrained requests whose grammar has compiled (with ``wait``,
+        after waiting a moment for one when nothing else would run); a spec that did not
+        compile ends its request with the compiler's message."""
+        if wait and self._compiling:
+            pending = [future for _, future in self._compiling.values()]
+            futures.wait(pending, timeout=COMPILE_POLL_SECONDS, return_when=futures.FIRST_COMPLETED)
+        outputs = []
+        for request_id, (request, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            try:
+                matcher = future.result()
+            except Exception as error:  # a spec the compiler refused, or failed on
+                request.error = str(error) if isinstance(error, ValueError) else repr(error)
+                outputs.append(self._scheduler.finish(request, FinishReason.ERROR))
+                continue
+            self._grammars.start(request_id, matcher)
+            self._scheduler.add(request)
+        return outputs
 
     def _prompt_token_ids(self, prompt: str | Sequence[int]) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
@@ -228,6 +289,11 @@ class Engine:
         return f"prompt of {num_prompt_tokens} tokens leaves no room to generate within {limit}"
 
     def abort(self, request_id: str) -> bool:
+        if request_id in self._compiling:
+            request, future = self._compiling.pop(request_id)
+            future.cancel()
+            self._pending_outputs.append(self._scheduler.finish(request, FinishReason.ABORT))
+            return True
         request = self._scheduler.requests.get(request_id)
         if request is None:
             return False
@@ -236,7 +302,9 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self._scheduler.has_unfinished or bool(self._pending_outputs)
+        return (
+            self._scheduler.has_unfinished or bool(self._pending_outputs) or bool(self._compiling)
+        )
 
     # -- stepping ----------------------------------------------------------------------
 
@@ -244,6 +312,8 @@ class Engine:
         """Run one step; returns an output for every request that produced text or
         finished since the last call."""
         outputs, self._pending_outputs = self._pending_outputs, []
+        if self._compiling:
+            outputs += self._admit_compiled(wait=not self._scheduler.has_unfinished)
         clock = self._clock.start()
         plan = self._scheduler.schedule(self._drafts)
         clock.lap("schedule")
@@ -252,7 +322,10 @@ class Engine:
         self._threads.adjust()
         inputs = StepInputs.build(plan, self.config.positions_per_block, self._wants_hidden_states)
         clock.lap("build")
-        result = self._runner.execute(inputs)
+        allowed = None
+        if self._grammars is not None and len(self._grammars):
+            allowed = self._grammars.masks(inputs)  # while the forward runs
+        result = self._runner.execute(inputs, allowed)
         clock.lap("sample", forward_seconds=result.forward_seconds)
         outputs += self._scheduler.update(plan, result)
         clock.lap("update")
@@ -283,4 +356,12 @@ class Engine:
             num_steps=self._runner.step_modes.total(),
             phase_seconds=dict(self._clock.seconds),
             rank_messages=None if self._workers is None else dict(self._workers.messages),
+            structured=None
+            if self._grammars is None
+            else StructuredStats(
+                num_constrained=len(self._grammars),
+                num_compiling=len(self._compiling),
+                masked_rows=self._grammars.num_masked_rows,
+                speculative=scheduler.constrained_speculative.copy(),
+            ),
         )

@@ -24,12 +24,16 @@ import time
 from collections import deque
 from collections.abc import Mapping
 
+from updraft.engine.grammars import Grammars, Verdict
 from updraft.engine.kv_blocks import KVCacheManager
 from updraft.engine.stop import stop_condition
 from updraft.outputs import RequestOutput, SpeculativeMetrics
 from updraft.request import FinishReason, Request, RequestStatus
 from updraft.step.output import StepOutput
 from updraft.step.plan import Draft, ScheduledRequest, StepPlan
+
+# What the error of a request whose grammar broke while it ran begins with.
+STRUCTURED_ERROR = "structured_outputs: "
 
 
 class Scheduler:
@@ -40,8 +44,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         num_lookahead_tokens: int = 0,
+        grammars: Grammars | None = None,
     ) -> None:
+        """``grammars``: the state of constrained requests, advanced here as a step's
+        tokens are appended and dropped when a request ends."""
         self.kv = kv_manager
+        self.grammars = grammars
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -50,6 +58,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.speculative = SpeculativeMetrics()
+        self.constrained_speculative = SpeculativeMetrics()  # the rounds of constrained ones
 
     @property
     def has_unfinished(self) -> bool:
@@ -163,6 +172,8 @@ class Scheduler:
             if item.num_drafts:
                 request.speculative.record(item.num_drafts, accepted)
                 self.speculative.record(item.num_drafts, accepted)
+                if self.grammars is not None and request.request_id in self.grammars:
+                    self.constrained_speculative.record(item.num_drafts, accepted)
             logprobs = None if output.logprobs is None else output.logprobs[row]
             new_tokens, new_logprobs = self._append(request, output.token_ids[row], logprobs, now)
             outputs.append(
@@ -177,16 +188,31 @@ class Scheduler:
         if request.first_token_time is None:
             request.first_token_time = now
         keep_logprobs = logprobs is not None and request.sampling_params.logprobs
+        constrained = self.grammars is not None and request.request_id in self.grammars
         for count, token_id in enumerate(token_ids, start=1):
             request.token_ids.append(token_id)
             if keep_logprobs:
                 request.logprobs.append(logprobs[count - 1])
             reason = stop_condition(request, token_id, self.max_model_len)
+            if reason is None and constrained:
+                reason = self._advance_grammar(request, token_id)
             if reason is not None:
                 self._end(request, reason)
                 token_ids = token_ids[:count]
                 break
         return token_ids, logprobs[: len(token_ids)] if keep_logprobs else None
+
+    def _advance_grammar(self, request: Request, token_id: int) -> FinishReason | None:
+        """Advance a constrained request's grammar by one appended token: token by
+        token, so a request ends where its grammar completes however many tokens its
+        step emitted."""
+        verdict, error = self.grammars.accept(request.request_id, [token_id])
+        if verdict is Verdict.COMPLETE:
+            return FinishReason.STOP
+        if verdict is Verdict.BROKEN:
+            request.error = f"{STRUCTURED_ERROR}{error}"
+            return FinishReason.ERROR
+        return None
 
     def finish(self, request: Request, reason: FinishReason) -> RequestOutput | None:
         """End a request (aborted, or refused before it ran) and free its blocks; returns
@@ -202,6 +228,8 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request)
+        if self.grammars is not None:
+            self.grammars.remove(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finish_time = time.perf_counter()

@@ -36,6 +36,16 @@ class StepClock:
 
 
 @dataclass(frozen=True)
+class StructuredStats:
+    """Requests whose output a grammar constrains (structured outputs)."""
+
+    num_constrained: int  # running or waiting with a compiled grammar
+    num_compiling: int  # waiting for their grammar to compile
+    masked_rows: int  # logits rows masked so far (one per sampled token or verified draft)
+    speculative: SpeculativeMetrics  # the verify rounds of constrained requests
+
+
+@dataclass(frozen=True)
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -53,6 +63,7 @@ class EngineStats:
     # Over several ranks: the messages rank 0 sent the others, by kind
     # (runner/rank_messages.py: RankStep, RankLoop).
     rank_messages: dict[str, int] | None = None
+    structured: StructuredStats | None = None  # None: the model has no tokenizer
 
     def describe_steps(self) -> str:
         return describe_steps(self.steps)

@@ -37,10 +37,14 @@ class VerifyResult:
 
 
 def verify_step(
-    logits: torch.Tensor, inputs: SamplingInputs, generator: torch.Generator | None = None
+    logits: torch.Tensor,
+    inputs: SamplingInputs,
+    generator: torch.Generator | None = None,
+    raw_logits: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Verify the drafts of a step's sampling requests. ``logits`` are the rows at
-    ``inputs.logits_indices``: per request, its last known token, then its drafts."""
+    ``inputs.logits_indices``: per request, its last known token, then its drafts.
+    ``raw_logits``: the model's own, where ``logits`` were masked (for logprobs)."""
     num_drafts = inputs.num_drafts
     widest = max(num_drafts, default=0)
     per_row = 1 + torch.tensor(num_drafts, dtype=torch.long)
@@ -50,6 +54,9 @@ def verify_step(
     positions = torch.minimum(torch.arange(widest + 1)[None], per_row[:, None] - 1)
     index = (first[:, None] + positions).flatten().to(logits.device)
     target_logits = logits.index_select(0, index).view(len(num_drafts), widest + 1, -1)
+    raw_target_logits = None
+    if raw_logits is not None and inputs.batch.want_logprobs:
+        raw_target_logits = raw_logits.index_select(0, index).view(target_logits.shape)
     draft_probs = None
     if any(probs is not None for probs in inputs.draft_probs):
         vocab = logits.shape[-1]
@@ -60,7 +67,13 @@ def verify_step(
             else:  # a deterministic draft: q is one-hot at it
                 draft_probs[row, torch.arange(n), inputs.draft_token_ids[row, :n]] = 1.0
     return verify(
-        target_logits, inputs.draft_token_ids, num_drafts, draft_probs, inputs.batch, generator
+        target_logits,
+        inputs.draft_token_ids,
+        num_drafts,
+        draft_probs,
+        inputs.batch,
+        generator,
+        raw_target_logits,
     )
 
 
@@ -71,6 +84,7 @@ def verify(
     draft_probs: torch.Tensor | None,
     batch: SamplingBatch,
     generator: torch.Generator | None = None,
+    raw_target_logits: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Accept or reject each request's drafts and emit one more token.
 
@@ -80,6 +94,8 @@ def verify(
     draft_probs [B, K, V]: the distribution each draft was drawn from, or None for a
     deterministic proposer (then q is one-hot at the draft).
     generator: the randomness of rows that have no generator of their own.
+    raw_target_logits: the model's own logits where ``target_logits`` were masked; the
+    logprobs are read from them.
     """
     batch_size, num_positions, vocab = target_logits.shape
     k = num_positions - 1
@@ -139,8 +155,9 @@ def verify(
     token_ids = [row[:n] for row, n in zip(token_rows, lengths, strict=True)]
     logprobs = None
     if batch.want_logprobs:
-        raw = target_logits.gather(-1, emitted[..., None])[..., 0]
-        raw = raw - target_logits.logsumexp(dim=-1)
+        model = target_logits if raw_target_logits is None else raw_target_logits
+        raw = model.gather(-1, emitted[..., None])[..., 0]
+        raw = raw - model.logsumexp(dim=-1)
         logprobs = [row[:n] for row, n in zip(raw.tolist(), lengths, strict=True)]
     return VerifyResult(token_ids, [n - 1 for n in lengths], logprobs)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from concurrent.futures import Future
 from typing import NamedTuple
 
 import torch
@@ -37,6 +38,8 @@ from updraft.runner.probe import Probe
 from updraft.runner.rank_messages import HiddenRows, Send, loop_message, step_message
 from updraft.runner.rejection_sampler import verify_step
 from updraft.runner.sampler import sample
+from updraft.runner.token_mask import mask_logits
+from updraft.step.allowed_tokens import AllowedTokens
 from updraft.step.inputs import GRAPH_INPUTS, ForwardInputs, GraphInput, SamplingInputs, StepInputs
 from updraft.step.output import StepOutput
 from updraft.step.prefill_split import PrefillSplit, split_step, splits
@@ -179,13 +182,20 @@ class Runner:
         return num_blocks
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs) -> StepOutput:
+    def execute(
+        self, inputs: StepInputs, allowed: Future[AllowedTokens | None] | None = None
+    ) -> StepOutput:
+        """The step's forward, then its tokens; ``allowed``: the tokens its constrained
+        rows may take (computed while the forward runs), applied before any filtering,
+        sampling or verification. Logprobs stay those of the model's own logits."""
         start = time.perf_counter()
         forward = self.forward(inputs)
         if self.device.type == "cuda":  # sampling waits for the forward anyway
             torch.cuda.synchronize(self.device)
         forward_seconds = time.perf_counter() - start
-        tokens = self.sample(forward.logits, inputs.sampling)
+        constraint = None if allowed is None else allowed.result()
+        logits = forward.logits if constraint is None else mask_logits(forward.logits, constraint)
+        tokens = self.sample(logits, inputs.sampling, forward.logits)
         request_ids = [inputs.request_ids[row] for row in inputs.sampling.rows]
         if self.probe is not None:
             rows = [1 + n for n in inputs.sampling.num_drafts]
@@ -266,14 +276,17 @@ class Runner:
             replayed = None if bucket is None else (bucket, self.captured.graphs[bucket])
             self.probe.step(mode, request_ids, step, replayed)
 
-    def sample(self, logits: torch.Tensor, sampling: SamplingInputs) -> Tokens:
+    def sample(
+        self, logits: torch.Tensor, sampling: SamplingInputs, raw_logits: torch.Tensor | None = None
+    ) -> Tokens:
         """Tokens of every request that samples: verified against its drafts when it
         carries any (a request without drafts in such a step is verified with none,
-        which samples exactly as the plain sampler does)."""
+        which samples exactly as the plain sampler does). Logprobs are read from
+        ``raw_logits`` (the model's, where ``logits`` were masked) when given."""
         if any(sampling.num_drafts):
-            result = verify_step(logits, sampling, self.generator)
+            result = verify_step(logits, sampling, self.generator, raw_logits)
             return Tokens(result.token_ids, result.num_accepted, result.logprobs)
-        tokens, logprobs = sample(logits, sampling.batch, self.generator)
+        tokens, logprobs = sample(logits, sampling.batch, self.generator, raw_logits)
         return Tokens(
             [[token] for token in tokens.tolist()],
             [0] * len(sampling.batch),

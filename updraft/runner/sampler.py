@@ -101,10 +101,14 @@ def exponential_noise(
 
 
 def sample(
-    logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    generator: torch.Generator | None = None,
+    raw_logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits [B, V] float32 -> (token ids [B], logprobs of those tokens under the raw
-    model distribution, or None when no request asked for them)."""
+    model distribution, ``raw_logits`` where given, or None when no request asked for
+    them)."""
     greedy = logits.argmax(dim=-1)
     if batch.all_greedy:
         tokens = greedy
@@ -115,5 +119,6 @@ def sample(
         tokens = torch.where(batch.temperature.to(logits.device) > 0, sampled, greedy)
     logprobs = None
     if batch.want_logprobs:
-        logprobs = logits.log_softmax(dim=-1).gather(-1, tokens[:, None])[:, 0]
+        raw = logits if raw_logits is None else raw_logits
+        logprobs = raw.log_softmax(dim=-1).gather(-1, tokens[:, None])[:, 0]
     return tokens, logprobs

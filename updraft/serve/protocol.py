@@ -5,6 +5,11 @@ ignored, as OpenAI-compatible servers commonly do, so clients that send fields u
 has no use for (``user``, ``metadata``) still work. Known OpenAI fields that updraft
 cannot honour (``n > 1``, penalties, ``logit_bias``, ``echo``, tools) are refused with a
 400 naming the field rather than silently ignored.
+
+Structured outputs come in three shapes, all on both routes: OpenAI's
+``response_format`` (``json_object``, ``json_schema``), vLLM's ``structured_outputs``
+object, and vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+``guided_grammar`` fields. A request names at most one of them.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from updraft.sampling_params import SamplingParams
 from updraft.serve.errors import APIError
+from updraft.structured_outputs import StructuredOutputsParams
 
 # torch.Generator.manual_seed takes any 64-bit value, signed or unsigned.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -65,6 +71,12 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
     def check_supported(self) -> None:
         if self.n != 1:
@@ -81,6 +93,40 @@ class _Request(BaseModel):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def structured_outputs_field(self) -> str | None:
+        """The field that asks for structured outputs, if any; two are a 400."""
+        given = [name for name in GUIDED_FIELDS if getattr(self, name) is not None]
+        if self.structured_outputs is not None:
+            given.append("structured_outputs")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            given.append("response_format")
+        if len(given) > 1:
+            raise APIError(
+                400,
+                f"{given[1]}: only one way of asking for structured outputs per request, "
+                f"got {', '.join(given)}",
+                param=given[1],
+            )
+        return given[0] if given else None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        field = self.structured_outputs_field()
+        if field is None:
+            if self.response_format is not None:
+                _response_format(self.response_format)  # a text one, checked all the same
+            return None
+        if field == "response_format":
+            values = _response_format(self.response_format)
+        elif field == "structured_outputs":
+            values = _structured_outputs(self.structured_outputs)
+        else:
+            values = {GUIDED_FIELDS[field]: getattr(self, field)}
+        try:
+            return StructuredOutputsParams(**values)
+        except ValueError as error:
+            message = str(error).removeprefix("structured_outputs")
+            raise APIError(400, f"{field}{message}", param=field) from error
 
     def sampling_params(
         self, default_max_tokens: int, max_tokens_limit: int, logprobs: bool
@@ -103,11 +149,13 @@ class _Request(BaseModel):
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
         )
+        structured_outputs = self.structured_outputs_params()
         try:
             return SamplingParams(
                 **{name: value for name, value in values.items() if value is not None},
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
+                structured_outputs=structured_outputs,
             )
         except ValueError as error:
             # SamplingParams names the field as "SamplingParams.<field> must be ...".
@@ -180,23 +228,67 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    # More variables for the chat template, such as Qwen3's enable_thinking.
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.tools:
             raise APIError(400, "tools: tool calling is not supported", param="tools")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise APIError(
-                400,
-                "response_format: only text output is supported",
-                param="response_format",
-            )
 
     def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
+
+
+# vLLM's older fields, and the StructuredOutputsParams field each one is.
+GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+# vLLM's structured_outputs keys that choose among its backends: nothing to choose here.
+IGNORED_STRUCTURED_KEYS = {"disable_fallback"}
+
+
+def _response_format(value: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's response_format as StructuredOutputsParams fields."""
+    kind = value.get("type")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise APIError(
+                400,
+                "response_format.json_schema.schema: a JSON schema object is required",
+                param="response_format",
+            )
+        return {"json": schema}
+    raise APIError(
+        400,
+        f"response_format.type: must be text, json_object or json_schema, got {kind!r}",
+        param="response_format",
+    )
+
+
+def _structured_outputs(value: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's structured_outputs object as StructuredOutputsParams fields."""
+    known = {"json", "json_object", "regex", "choice", "grammar"}
+    unknown = sorted(set(value) - known - IGNORED_STRUCTURED_KEYS)
+    if unknown:
+        raise APIError(
+            400,
+            f"structured_outputs.{unknown[0]}: not supported (supported: "
+            f"{', '.join(sorted(known))})",
+            param="structured_outputs",
+        )
+    return {k: v for k, v in value.items() if k in known and v not in (None, False)}
 
 
 # -- responses ---------------------------------------------------------------------------

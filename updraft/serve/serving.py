@@ -18,6 +18,8 @@ from starlette.responses import StreamingResponse
 from starlette.types import Send
 
 from updraft.chat_template import ChatTemplate, ChatTemplateError
+from updraft.engine.grammar_compiler import GrammarError
+from updraft.engine.scheduler import STRUCTURED_ERROR
 from updraft.outputs import RequestOutput
 from updraft.sampling_params import SamplingParams
 from updraft.serve.engine_loop import AsyncEngine, EngineDeadError, ShuttingDownError
@@ -98,9 +100,11 @@ class OpenAIServing:
         params = body.sampling_params(
             COMPLETIONS_DEFAULT_MAX_TOKENS, self.max_tokens_limit, body.logprobs is not None
         )
+        structured_field = body.structured_outputs_field()
+        await self._compile(params, structured_field)
         prompt = await self._tokenized(body.single_prompt(), "prompt")
         request_id = new_id("cmpl")
-        outputs, first = await self._start(request_id, prompt, params, "prompt")
+        outputs, first = await self._start(request_id, prompt, params, "prompt", structured_field)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
             events = self._completion_events(
@@ -129,15 +133,19 @@ class OpenAIServing:
         self._check_model(body.model)
         body.check_supported()
         params = body.sampling_params(self.max_tokens_limit, self.max_tokens_limit, body.logprobs)
+        structured_field = body.structured_outputs_field()
+        await self._compile(params, structured_field)
         messages = [m.for_template() for m in body.messages]
         try:
             # Off the event loop: a template over a megabyte of messages takes a while.
-            prompt = await asyncio.to_thread(self.chat_template.render, messages)
+            prompt = await asyncio.to_thread(
+                self.chat_template.render, messages, True, body.chat_template_kwargs
+            )
         except ChatTemplateError as error:
             raise APIError(400, f"messages: {error}", param="messages") from error
         prompt = await self._tokenized(prompt, "messages")
         request_id = new_id("chatcmpl")
-        outputs, first = await self._start(request_id, prompt, params, "messages")
+        outputs, first = await self._start(request_id, prompt, params, "messages", structured_field)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
             events = self._chat_events(request_id, body.model, first, outputs, include_usage)
@@ -173,6 +181,24 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
+    async def _compile(self, params: SamplingParams, field: str | None) -> None:
+        """Compile the request's structured-output spec before the request is added, in
+        the compiler's own threads (never on the event loop or the engine's thread), so
+        that one that cannot compile is a 400 naming ``field``; the engine then finds it
+        compiled."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        compiler = self.engine.engine.grammar_compiler
+        if compiler is None:
+            raise APIError(
+                400, f"{field}: structured outputs need the model's tokenizer", param=field
+            )
+        try:
+            await asyncio.wrap_future(compiler.submit(spec))
+        except GrammarError as error:
+            raise APIError(400, f"{field}: {error.detail}", param=field) from error
+
     async def _tokenized(self, prompt: str | list[int], field: str) -> str | list[int]:
         """Token ids for a text prompt, tokenized in a worker thread: the engine thread,
         which steps every running request, never tokenizes (``tokenizers`` releases the
@@ -189,9 +215,16 @@ class OpenAIServing:
         return await asyncio.to_thread(self.tokenizer.encode, prompt)
 
     async def _start(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, field: str
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        field: str,
+        structured_field: str | None = None,
     ) -> tuple[AsyncIterator[RequestOutput], RequestOutput]:
-        """Admit the request and wait for its first output; a refused prompt is a 400."""
+        """Admit the request and wait for its first output; a refused prompt is a 400
+        naming ``field``, a grammar that failed as it ran one naming
+        ``structured_field``."""
         if not self.engine.is_alive:
             raise APIError(503, "the engine has stopped; see the server log")
         if self.engine.num_waiting >= self.settings.max_waiting:
@@ -210,7 +243,10 @@ class OpenAIServing:
             raise APIError(503, str(error)) from error
         if first.error is not None:
             await outputs.aclose()
-            message = first.error if first.error.startswith(field) else f"{field}: {first.error}"
+            error = first.error
+            if structured_field is not None and error.startswith(STRUCTURED_ERROR):
+                field, error = structured_field, error.removeprefix(STRUCTURED_ERROR)
+            message = error if error.startswith(field) else f"{field}: {error}"
             raise APIError(400, message, param=field)
         return outputs, first
 

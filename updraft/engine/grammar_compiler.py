@@ -1,0 +1,127 @@
+"""Structured-output specs to llguidance matchers: compiled once per distinct spec, off
+the engine's thread, bounded in time and memory.
+
+A compiled spec is kept as a pristine matcher in a small LRU cache; each request gets a
+deep copy (cheap: the grammar and its lexer are shared). llguidance drops the GIL while
+it builds a grammar, and its parser limits bound the work: the lexer's regex budget, the
+Earley items per step and the grammar's size (a hostile schema fails to compile with a
+message, it does not hang the compiler).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import llguidance
+
+from updraft.structured_outputs import StructuredOutputsParams
+
+# Distinct specs kept compiled; past it the least recently used one is compiled again.
+CACHE_SIZE = 256
+COMPILE_THREADS = 2
+# llguidance's own defaults, written out: what one compile and one mask step may cost.
+LIMITS = dict(
+    max_items_in_row=2000,
+    initial_lexer_fuel=1_000_000,  # about 20 ms of regex analysis
+    step_lexer_fuel=200_000,  # about 15 ms per mask
+    step_max_items=50_000,
+    max_lexer_states=250_000,  # 1-2 kB each
+    max_grammar_size=500_000,
+    verbose_errors=False,  # a message, not the parser's state
+)
+MAX_ERROR_CHARS = 600
+# How each kind of spec reaches llguidance (its grammar_from formats).
+FORMATS = {
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",  # Lark, or GBNF, which llguidance converts
+}
+# JSON as json.dumps writes it, on one line: with whitespace free between tokens a small
+# model sampled at temperature 1 can emit spaces and newlines until max_tokens.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(ValueError):
+    """A spec that cannot be compiled: ``detail`` is the compiler's message, and the
+    error's own names the kind of spec too."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        self.detail = _short(detail)
+        super().__init__(f"structured_outputs.{kind}: {self.detail}")
+
+
+class GrammarCompiler:
+    """Compiles specs for one tokenizer (a checkpoint's ``tokenizer.json``) whose tokens
+    are the first of the model's ``vocab_size`` logits; ``eos_token_ids`` end a
+    constrained output where its grammar is complete."""
+
+    def __init__(self, tokenizer_json: Path, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        self.vocab_size = vocab_size
+        self._tokenizer_json = tokenizer_json
+        self._eos_token_ids = list(eos_token_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()  # the cache and the tokenizer, across threads
+        self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="updraft-grammar")
+
+    def submit(self, spec: StructuredOutputsParams) -> Future[llguidance.LLMatcher]:
+        """A fresh matcher for ``spec``, compiled in a worker thread (the future raises
+        ``GrammarError`` if it cannot be)."""
+        return self._pool.submit(self.matcher, spec)
+
+    def matcher(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """A fresh matcher for ``spec``, compiled in this thread unless cached."""
+        key = spec.key
+        with self._lock:
+            pristine = self._cache.get(key)
+            if pristine is not None:
+                self._cache.move_to_end(key)
+                return pristine.deep_copy()
+        pristine = self._compile(*key)
+        with self._lock:
+            self._cache[key] = pristine
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return pristine.deep_copy()
+
+    def cached_keys(self) -> list[tuple[str, str]]:
+        """The specs compiled and kept, least recently used first."""
+        with self._lock:
+            return list(self._cache)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _compile(self, kind: str, text: str) -> llguidance.LLMatcher:
+        try:
+            if kind in ("json", "json_object"):
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(text, JSON_OPTIONS)
+            else:
+                grammar = llguidance.grammar_from(FORMATS[kind], text)
+        except ValueError as error:  # not JSON, or GBNF that does not convert
+            raise GrammarError(kind, str(error)) from None
+        matcher = llguidance.LLMatcher(
+            self.tokenizer(), grammar, log_level=0, limits=llguidance.LLParserLimits(**LIMITS)
+        )
+        if matcher.is_error():
+            raise GrammarError(kind, matcher.get_error())
+        return matcher
+
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        """The tokenizer, read on first use (a large vocabulary takes a moment)."""
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.LLTokenizer(
+                    str(self._tokenizer_json),
+                    n_vocab=self.vocab_size,
+                    eos_token=self._eos_token_ids or None,
+                )
+            return self._tokenizer
+
+
+def _short(message: str) -> str:
+    message = message.strip()
+    return message if len(message) <= MAX_ERROR_CHARS else message[:MAX_ERROR_CHARS] + " ..."

@@ -1,0 +1,109 @@
+"""The grammar state of every constrained request, and the masks of each step.
+
+``Grammars`` is the one owner of that state: a request's matcher enters when its spec has
+compiled, advances only through ``accept`` (the scheduler's update, with the tokens a
+step appended: accepted drafts and one more), and leaves when the request ends. A
+preempted request keeps its matcher, since its tokens stay; nothing of it lives on the
+``Request``.
+
+Each step, ``masks`` computes which tokens every constrained sampling row may take: at a
+request's last known token, and after each of its drafts in turn (each mask from the
+state the drafts before it lead to; past a draft the grammar forbids nothing is computed,
+since verification stops there anyway). llguidance's executor drops the GIL, so with
+``overlap`` the masks are computed in a thread while the forward runs.
+"""
+
+from __future__ import annotations
+
+import enum
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import llguidance
+import torch
+
+from updraft.engine.grammar_compiler import GrammarCompiler
+from updraft.step.allowed_tokens import AllowedTokens
+from updraft.step.inputs import StepInputs
+
+
+class Verdict(enum.Enum):
+    GOING = "going"  # the output may go on
+    COMPLETE = "complete"  # the grammar takes nothing more: the output is done
+    BROKEN = "broken"  # a token the grammar forbids was appended (never by a masked row)
+
+
+class Grammars:
+    def __init__(self, compiler: GrammarCompiler, overlap: bool = True) -> None:
+        self.compiler = compiler
+        self._matchers: dict[str, llguidance.LLMatcher] = {}
+        self._executor = llguidance.LLExecutor(1)
+        self._thread = (
+            ThreadPoolExecutor(1, thread_name_prefix="updraft-masks") if overlap else None
+        )
+        self.num_masked_rows = 0  # mask rows computed, over the engine's life
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._matchers
+
+    def __len__(self) -> int:
+        return len(self._matchers)
+
+    def start(self, request_id: str, matcher: llguidance.LLMatcher) -> None:
+        self._matchers[request_id] = matcher
+
+    def remove(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+
+    def accept(self, request_id: str, token_ids: list[int]) -> tuple[Verdict, str | None]:
+        """Advance ``request_id``'s grammar over tokens appended to its output; the
+        verdict, and the matcher's message when it broke."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None:
+            return Verdict.GOING, None
+        if not matcher.consume_tokens(token_ids):
+            return Verdict.BROKEN, matcher.get_error() or "a token the grammar forbids"
+        return (Verdict.COMPLETE if matcher.is_stopped() else Verdict.GOING), None
+
+    def masks(self, inputs: StepInputs) -> Future[AllowedTokens | None]:
+        """The allowed tokens of this step's constrained logits rows (None when no
+        sampling row is constrained), computed in the mask thread when there is one."""
+        if self._thread is not None:
+            return self._thread.submit(self.allowed_tokens, inputs)
+        done: Future[AllowedTokens | None] = Future()
+        done.set_result(self.allowed_tokens(inputs))
+        return done
+
+    def allowed_tokens(self, inputs: StepInputs) -> AllowedTokens | None:
+        sampling = inputs.sampling
+        jobs, rows, first = [], [], 0
+        drafts = sampling.draft_token_ids.tolist() if any(sampling.num_drafts) else None
+        for index, (row, num_drafts) in enumerate(
+            zip(sampling.rows, sampling.num_drafts, strict=True)
+        ):
+            matcher = self._matchers.get(inputs.request_ids[row])
+            if matcher is not None:
+                tokens = [] if drafts is None else drafts[index][:num_drafts]
+                jobs.append((matcher, len(rows), tokens))
+                rows.extend(range(first, first + 1 + num_drafts))
+            first += 1 + num_drafts
+        if not jobs:
+            return None
+        words = -(-self.compiler.vocab_size // 32)
+        # All ones: a row past a draft the grammar forbids is left as it is.
+        bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
+        pointer, row_bytes = bitmask.data_ptr(), words * 4
+        plain = [(matcher, row) for matcher, row, tokens in jobs if not tokens]
+        drafted = [job for job in jobs if job[2]]
+        if plain:
+            self._executor.unsafe_compute_mask_ptr(plain, pointer, row_bytes, len(rows))
+        if drafted:  # llguidance's call for drafts takes only rows that have some
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(
+                drafted, pointer, row_bytes, len(rows)
+            )
+        self.num_masked_rows += len(rows)
+        return AllowedTokens(torch.tensor(rows, dtype=torch.long), bitmask)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=False, cancel_futures=True)
+        self.compiler.close()

@@ -1,0 +1,20 @@
+"""Which tokens the constrained logits rows of a step may take: a message from the
+engine's grammars to the runner's sampler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AllowedTokens:
+    """Bit ``t % 32`` of ``bitmask[i, t // 32]`` is set when token ``t`` is allowed at
+    logits row ``rows[i]`` (rows as the runner reads them: per sampling request, its last
+    known token, then its drafts). Rows not named are unconstrained; tokens past the
+    bitmask's width (logits of no token of the tokenizer) are never allowed in a named
+    row."""
+
+    rows: torch.Tensor  # [R] int64
+    bitmask: torch.Tensor  # [R, ceil(tokens / 32)] int32
