@@ -19,7 +19,7 @@ from updraft import LLM, SamplingParams
 from updraft.demo import DEMO_DRAFT_DIR
 from updraft.engine.grammar_compiler import GrammarCompiler
 from updraft.engine.grammars import Grammars
-from updraft.runner.token_mask import mask_logits
+from updraft.runner.token_mask import mask_logits, unpacked_mask_logits
 from updraft.speculative.registry import PROPOSERS, register_proposer
 from updraft.step.allowed_tokens import AllowedTokens
 from updraft.step.plan import Draft
@@ -287,7 +287,9 @@ def test_a_blocked_compiler_does_not_stall_other_requests(demo, monkeypatch):
     assert json.loads(finished[waiting].outputs[0].text) is not None
 
 
-def test_the_mask_sets_forbidden_tokens_to_minus_infinity():
+@pytest.mark.parametrize("apply", [mask_logits, unpacked_mask_logits])
+def test_the_mask_sets_forbidden_tokens_to_minus_infinity(apply):
+    """The C kernel and the tensor ops (other devices) alike."""
     torch.manual_seed(0)
     logits = torch.randn(5, 70)
     allowed_sets = {1: {0, 31, 32, 63, 64}, 3: {5, 69}}
@@ -296,7 +298,7 @@ def test_the_mask_sets_forbidden_tokens_to_minus_infinity():
         for token in tokens:
             bits = bitmask[row, token // 32].item() | (1 << (token % 32))
             bitmask[row, token // 32] = bits - (1 << 32) if bits >= 1 << 31 else bits
-    masked = mask_logits(logits, AllowedTokens(torch.tensor([1, 3]), bitmask))
+    masked = apply(logits, AllowedTokens(torch.tensor([1, 3]), bitmask))
     for row in range(5):
         keep = allowed_sets.get(row, set(range(70)))
         for token in range(70):

@@ -4,7 +4,9 @@ A checkpoint's own template comes first: ``chat_template.jinja`` beside the weig
 ``chat_template`` in ``tokenizer_config.json`` (a string, or a list of named templates of
 which ``default`` is used). A checkpoint without one, like the demo model, gets
 ``SIMPLE_CHAT_TEMPLATE``: each message as ``<|role|>``, a newline, its content and a
-newline, then ``<|assistant|>`` and a newline for the reply::
+newline, then ``<|assistant|>`` and a newline for the reply (with tools, a system
+message first that lists them, and calls and their results in Hermes-style
+``<tool_call>`` and ``<tool_response>`` blocks)::
 
     <|system|>
     You write Python.
@@ -26,8 +28,20 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 SIMPLE_CHAT_TEMPLATE = (
+    # With tools: a system message that lists them and says how to call one, in the
+    # Hermes style (<tool_call> blocks) that the server's default parser reads.
+    "{% if tools %}<|system|>\nYou may call these tools. To call one, write\n<tool_call>\n"
+    '{"name": <its name>, "arguments": <its arguments, a JSON object>}\n</tool_call>\n'
+    "<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n{% endif %}"
     "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "<|{{ message['role'] }}|>\n"
+    "{% if message['role'] == 'tool' %}"
+    "<tool_response>\n{{ message['content'] }}\n</tool_response>\n"
+    "{% else %}{{ message['content'] }}\n{% endif %}"
+    "{% for call in message['tool_calls'] or [] %}<tool_call>\n"
+    "{\"name\": {{ call['function']['name'] | tojson }}, "
+    "\"arguments\": {{ call['function']['arguments'] | tojson }}}\n</tool_call>\n"
+    "{% endfor %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
@@ -41,8 +55,13 @@ class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict[str, str] | None = None) -> None:
         self.source = source
         self.special_tokens = special_tokens or {}
-        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        environment = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         environment.globals["raise_exception"] = _raise_exception
+        # As transformers renders templates: JSON as json.dumps writes it, not jinja2's
+        # HTML-safe form (which turns < into \u003c inside a tool's description).
+        environment.filters["tojson"] = _tojson
         self._template = environment.from_string(source)
 
     @classmethod
@@ -69,13 +88,17 @@ class ChatTemplate:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """``template_kwargs``: more variables for the template (Qwen3's
-        ``enable_thinking``); they cannot replace the messages or the special tokens."""
+        """``tools``: the functions the model may call (OpenAI's shape), for templates
+        that describe them; ``template_kwargs``: more variables for the template (Qwen3's
+        ``enable_thinking``), which cannot replace the messages, tools or special
+        tokens."""
         try:
             variables = {
                 **(template_kwargs or {}),
                 "messages": messages,
+                "tools": tools,
                 "add_generation_prompt": add_generation_prompt,
                 **self.special_tokens,
             }
@@ -85,6 +108,18 @@ class ChatTemplate:
             raise ChatTemplateError(
                 f"the chat template cannot render these messages: {error}"
             ) from error
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _raise_exception(message: str) -> None:

@@ -142,6 +142,14 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
         help="seconds a client has to send a whole request (headers and body)",
     )
     http.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json"],
+        default=None,
+        help="how tool calls are read from a reply with tool_choice auto: hermes "
+        "(<tool_call> blocks, Qwen2.5/Qwen3) or llama3_json (Llama 3.x's JSON calls); "
+        "default: the one the model's chat template writes",
+    )
+    http.add_argument(
         "--drain-timeout",
         type=float,
         default=60.0,
@@ -302,6 +310,7 @@ def run_serve(args: argparse.Namespace) -> int:
         drain_timeout=args.drain_timeout,
         max_connections=args.max_connections,
         request_timeout=args.request_timeout,
+        tool_call_parser=args.tool_call_parser,
     )
     return serve(args.model, engine_kwargs(args), settings, args.host, args.port)
 

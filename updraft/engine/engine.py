@@ -17,12 +17,15 @@ they never stop other requests or leave blocks behind.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 import weakref
 from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import replace
 from pathlib import Path
+
+import torch
 
 from updraft.config import EngineConfig, ModelConfig
 from updraft.engine.grammar_compiler import GrammarCompiler
@@ -136,7 +139,11 @@ class Engine:
             max(self.model_config.vocab_size, self.tokenizer.vocab_size),
             self.model_config.eos_token_ids,
         )
-        return Grammars(compiler, overlap=config.overlap_grammar_masks)
+        overlap = config.overlap_grammar_masks
+        if overlap is None:
+            spare_core = (os.cpu_count() or 1) > torch.get_num_threads()
+            overlap = self._runner.device.type != "cpu" or spare_core
+        return Grammars(compiler, overlap=overlap)
 
     def _context_len(self, config: EngineConfig) -> int:
         """The longest sequence: ``max_model_len``, or the positions the model was

@@ -59,6 +59,43 @@ def _attention_library() -> ctypes.CDLL:
     return lib
 
 
+@cache
+def _mask_library() -> ctypes.CDLL:
+    lib = load("token_mask")
+    lib.mask_logits.restype = None
+    lib.mask_logits.argtypes = [_POINTER, _INT, _INT, _POINTER, _INT, _POINTER, _INT, ctypes.c_int]
+    return lib
+
+
+def mask_logits_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: in row ``rows[i]`` of ``logits`` [R, vocab] float32, every token whose
+    bit in ``bitmask[i]`` (int32 words, one bit per token) is clear, or that lies past
+    the bitmask, becomes -inf."""
+    op = "mask_logits"
+    _check(
+        logits.dtype == torch.float32 and logits.is_contiguous() and logits.dim() == 2,
+        op,
+        "contiguous float32 logits [rows, vocab]",
+    )
+    _check(rows.dtype == torch.long and rows.dim() == 1, op, "int64 row indices")
+    _check(
+        bitmask.dtype == torch.int32 and bitmask.is_contiguous() and len(bitmask) == len(rows),
+        op,
+        "a contiguous int32 bitmask row per row index",
+    )
+    rows = rows.contiguous()
+    _mask_library().mask_logits(
+        logits.data_ptr(),
+        logits.shape[0],
+        logits.shape[1],
+        rows.data_ptr(),
+        len(rows),
+        bitmask.data_ptr(),
+        bitmask.shape[1],
+        torch.get_num_threads(),
+    )
+
+
 def _check(condition: bool, op: str, what: str) -> None:
     if not condition:
         raise TypeError(f"updraft::{op} takes {what}")
@@ -385,12 +422,13 @@ _LIBRARY.impl("grouped_mlp", lambda x, *rest: torch.empty_like(x), "Meta")
 _LIBRARIES = {
     "linear": _linear_library,
     "paged_attention": _attention_library,
+    "token_mask": _mask_library,
 }
 
 
 @cache
 def kernel_builds(name: str) -> bool:
-    """Whether kernel ``name`` ("linear", "paged_attention") builds and loads here (a
+    """Whether kernel ``name`` ("linear", "paged_attention", "token_mask") builds and loads here (a
     C compiler is on PATH). Answered once per process: a failed build would otherwise be
     tried again by every caller."""
     try:

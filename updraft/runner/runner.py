@@ -194,12 +194,17 @@ class Runner:
             torch.cuda.synchronize(self.device)
         forward_seconds = time.perf_counter() - start
         constraint = None if allowed is None else allowed.result()
-        logits = forward.logits if constraint is None else mask_logits(forward.logits, constraint)
-        tokens = self.sample(logits, inputs.sampling, forward.logits)
+        logits, raw_logits = forward.logits, None
+        if constraint is not None:
+            # The model's own logits are kept only where logprobs are read from them.
+            keep = inputs.sampling.batch.want_logprobs
+            logits = mask_logits(forward.logits, constraint, in_place=not keep)
+            raw_logits = forward.logits if keep else None
+        tokens = self.sample(logits, inputs.sampling, raw_logits)
         request_ids = [inputs.request_ids[row] for row in inputs.sampling.rows]
         if self.probe is not None:
             rows = [1 + n for n in inputs.sampling.num_drafts]
-            self.probe.sampled(request_ids, forward.logits, rows, tokens.token_ids)
+            self.probe.sampled(request_ids, logits, rows, tokens.token_ids)
         return StepOutput(
             request_ids=request_ids,
             token_ids=tokens.token_ids,

@@ -1,19 +1,34 @@
 """Constrained decoding's one op on the logits: tokens a row's grammar forbids get -inf,
-before any filtering or sampling, outside the captured graph."""
+before any filtering or sampling, outside the captured graph. On the CPU a C kernel
+(``kernels/token_mask.c``) does it in place on a copy, reading each bitmask word once;
+elsewhere, tensor ops unpack the bits."""
 
 from __future__ import annotations
 
 import torch
 
+from updraft.kernels.ops import kernel_builds, mask_logits_
 from updraft.step.allowed_tokens import AllowedTokens
 
 # The value of each bit of an int32 word (bit 31's is the sign bit, -2**31).
 _BIT_VALUES = torch.tensor([1 << bit for bit in range(31)] + [-(1 << 31)], dtype=torch.int32)
 
 
-def mask_logits(logits: torch.Tensor, allowed: AllowedTokens) -> torch.Tensor:
-    """``logits`` [rows, vocab] with every token ``allowed`` forbids in its rows set to
-    -inf (a new tensor; the logits a step returns stay as the model made them)."""
+def mask_logits(
+    logits: torch.Tensor, allowed: AllowedTokens, in_place: bool = False
+) -> torch.Tensor:
+    """``logits`` [rows, vocab] float32 with every token ``allowed`` forbids in its rows
+    set to -inf: a new tensor, or ``logits`` itself with ``in_place`` (when nothing reads
+    the model's own logits after)."""
+    if logits.device.type == "cpu" and kernel_builds("token_mask") and logits.is_contiguous():
+        masked = logits if in_place else logits.clone()
+        mask_logits_(masked, allowed.rows, allowed.bitmask.contiguous())
+        return masked
+    return unpacked_mask_logits(logits, allowed)
+
+
+def unpacked_mask_logits(logits: torch.Tensor, allowed: AllowedTokens) -> torch.Tensor:
+    """The same with tensor ops, on any device."""
     device = logits.device
     rows = allowed.rows.to(device)
     bits = allowed.bitmask.to(device)

@@ -3,8 +3,8 @@
 Requests are validated strictly (``"5"`` is not a number) and unknown fields are
 ignored, as OpenAI-compatible servers commonly do, so clients that send fields updraft
 has no use for (``user``, ``metadata``) still work. Known OpenAI fields that updraft
-cannot honour (``n > 1``, penalties, ``logit_bias``, ``echo``, tools) are refused with a
-400 naming the field rather than silently ignored.
+cannot honour (``n > 1``, penalties, ``logit_bias``, ``echo``, the legacy ``functions``)
+are refused with a 400 naming the field rather than silently ignored.
 
 Structured outputs come in three shapes, all on both routes: OpenAI's
 ``response_format`` (``json_object``, ``json_schema``), vLLM's ``structured_outputs``
@@ -14,6 +14,7 @@ object, and vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice`` 
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -22,8 +23,11 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from updraft.sampling_params import SamplingParams
 from updraft.serve.errors import APIError
+from updraft.serve.tools import required_spec
 from updraft.structured_outputs import StructuredOutputsParams
 
+# Tools one request may offer: each becomes part of the prompt and of a grammar.
+MAX_TOOLS = 128
 # torch.Generator.manual_seed takes any 64-bit value, signed or unsigned.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # The sampler holds top_k in an int64 tensor; no vocabulary comes near this.
@@ -204,21 +208,101 @@ class TextPart(BaseModel):
     text: Text
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: Text
+    arguments: Text  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # what a tool message answers
 
     def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: content a string, a call's arguments
+        a dict (as transformers hands them), a tool result's call id kept."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _arguments(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+def _arguments(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        value = None
+    if not isinstance(value, dict):
+        raise APIError(
+            400,
+            f"messages: a tool call's arguments must be a JSON object, got {text[:60]!r}",
+            param="messages",
+        )
+    return value
+
+
+# A function name as OpenAI allows it.
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: Text
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Request):
@@ -226,15 +310,69 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    functions: list[Any] | None = None  # OpenAI's legacy form of tools: refused by name
+    function_call: Any = None
     # More variables for the chat template, such as Qwen3's enable_thinking.
     chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise APIError(400, "tools: tool calling is not supported", param="tools")
+        for legacy in ("functions", "function_call"):
+            if getattr(self, legacy) is not None:
+                raise APIError(
+                    400, f"{legacy}: the legacy functions API is not supported; use tools",
+                    param=legacy,
+                )  # fmt: skip
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise APIError(400, "tool_choice: needs tools to choose from", param="tool_choice")
+        if isinstance(choice, NamedToolChoice):
+            names = [tool.function.name for tool in self.tools]
+            if choice.function.name not in names:
+                raise APIError(
+                    400,
+                    f"tool_choice: no tool is named {choice.function.name!r} (tools: "
+                    f"{', '.join(names)})",
+                    param="tool_choice",
+                )
+        if self.calls_required() and self.structured_outputs_field() is not None:
+            raise APIError(
+                400,
+                f"tool_choice: a required tool call and {self.structured_outputs_field()} "
+                "both constrain the reply; send one",
+                param="tool_choice",
+            )
+
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """none, auto, required or a named function (OpenAI's defaults: auto with tools,
+        none without)."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice
+
+    def calls_required(self) -> bool:
+        choice = self.effective_tool_choice()
+        return choice == "required" or isinstance(choice, NamedToolChoice)
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template reads them (none when tool_choice is none)."""
+        if not self.tools or self.effective_tool_choice() == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        if not self.calls_required():
+            return super().structured_outputs_params()
+        choice = self.effective_tool_choice()
+        named = choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
+        tools = [tool.model_dump(exclude_none=True) for tool in self.tools]
+        try:
+            return required_spec(tools, named, self.parallel_tool_calls)
+        except ValueError as error:
+            raise APIError(400, f"tools: {error}", param="tools") from error
 
     def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -346,7 +484,10 @@ class ChatChoiceLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = Field(
+        default=None, exclude_if=lambda calls: calls is None
+    )
 
 
 class ChatChoice(BaseModel):
@@ -368,6 +509,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(BaseModel):

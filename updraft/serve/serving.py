@@ -38,10 +38,13 @@ from updraft.serve.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    NamedToolChoice,
     Usage,
     new_id,
     now,
 )
+from updraft.serve.tool_parsers import ReplyStream, parse, reply_stream
+from updraft.serve.tools import CallStream, default_parser
 from updraft.tokenizer import Tokenizer
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -59,6 +62,7 @@ class ServeSettings:
     drain_timeout: float = 60.0
     max_connections: int = 1024  # open at once; past it the idlest is closed
     request_timeout: float = 30.0  # seconds for a whole request to arrive
+    tool_call_parser: str | None = None  # None: the one the chat template's syntax calls for
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -83,6 +87,7 @@ class OpenAIServing:
         self.engine = engine
         self.settings = settings
         self.chat_template = chat_template
+        self.tool_parser = settings.tool_call_parser or default_parser(chat_template.source)
         self.tokenizer: Tokenizer | None = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
         self.max_tokens_limit = settings.max_tokens_limit or self.max_model_len
@@ -133,13 +138,17 @@ class OpenAIServing:
         self._check_model(body.model)
         body.check_supported()
         params = body.sampling_params(self.max_tokens_limit, self.max_tokens_limit, body.logprobs)
-        structured_field = body.structured_outputs_field()
+        structured_field = "tools" if body.calls_required() else body.structured_outputs_field()
         await self._compile(params, structured_field)
         messages = [m.for_template() for m in body.messages]
         try:
             # Off the event loop: a template over a megabyte of messages takes a while.
             prompt = await asyncio.to_thread(
-                self.chat_template.render, messages, True, body.chat_template_kwargs
+                self.chat_template.render,
+                messages,
+                True,
+                body.chat_template_kwargs,
+                body.template_tools(),
             )
         except ChatTemplateError as error:
             raise APIError(400, f"messages: {error}", param="messages") from error
@@ -147,28 +156,50 @@ class OpenAIServing:
         request_id = new_id("chatcmpl")
         outputs, first = await self._start(request_id, prompt, params, "messages", structured_field)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        replies = self._reply_stream(body)
         if body.stream:
-            events = self._chat_events(request_id, body.model, first, outputs, include_usage)
+            events = self._chat_events(
+                request_id, body.model, first, outputs, include_usage, replies
+            )
             return ClosingStreamingResponse(_sse(events), media_type="text/event-stream")
         final = await _last(first, outputs)
         completion = final.outputs[0]
         logprobs = None
         if body.logprobs:
             logprobs = self._chat_logprobs(completion.token_ids, completion.logprobs)
+        content, calls = completion.text, []
+        if replies is not None:
+            content, calls = parse(replies, completion.text)
         response = ChatCompletionResponse(
             id=request_id,
             created=now(),
             model=body.model,
             choices=[
                 ChatChoice(
-                    message=ChatResponseMessage(content=completion.text),
+                    message=ChatResponseMessage(
+                        content=content if content.strip() or not calls else None,
+                        tool_calls=[call.to_openai() for call in calls] or None,
+                    ),
                     logprobs=logprobs,
-                    finish_reason=completion.finish_reason,
+                    finish_reason=_finish_reason(completion.finish_reason, bool(calls)),
                 )
             ],
             usage=_usage(final),
         )
         return JSONResponse(response.model_dump())
+
+    def _reply_stream(self, body: ChatCompletionRequest) -> ReplyStream | None:
+        """What reads tool calls out of the reply: none without tools or with
+        tool_choice none; the required or named function's JSON; else the model's own
+        syntax through the server's parser."""
+        choice = body.effective_tool_choice()
+        if not body.tools or choice == "none":
+            return None
+        if isinstance(choice, NamedToolChoice):
+            return CallStream(named=choice.function.name)
+        if choice == "required":
+            return CallStream()
+        return reply_stream(self.tool_parser)
 
     # -- shared steps --------------------------------------------------------------------
 
@@ -300,9 +331,11 @@ class OpenAIServing:
         first: RequestOutput,
         outputs: AsyncIterator[RequestOutput],
         include_usage: bool,
+        replies: ReplyStream | None = None,
     ) -> AsyncIterator[str]:
         created = now()
         want_logprobs = first.outputs[0].logprobs is not None
+        called = False
 
         def chunk(delta: ChatDelta, finish_reason: str | None, logprobs=None, usage=None) -> str:
             choices = [] if usage else [ChatChunkChoice(delta=delta, finish_reason=finish_reason)]
@@ -325,9 +358,19 @@ class OpenAIServing:
                 if want_logprobs and completion.delta_token_ids:
                     delta = completion.delta_token_ids
                     logprobs = self._chat_logprobs(delta, completion.delta_logprobs)
-                text = completion.delta_text
-                delta = ChatDelta(content=text) if text else ChatDelta()
-                yield chunk(delta, completion.finish_reason, logprobs)
+                text, tool_calls = completion.delta_text, None
+                if replies is not None:  # calls taken out of the text
+                    reply = replies.feed(text)
+                    if completion.finish_reason is not None:
+                        reply = reply + replies.finish()
+                    text, tool_calls = reply.content, reply.tool_calls or None
+                    called = called or bool(tool_calls)
+                    finish = completion.finish_reason
+                    if not (text or tool_calls or finish or want_logprobs):
+                        continue
+                delta = ChatDelta(content=text or None, tool_calls=tool_calls)
+                finish_reason = _finish_reason(completion.finish_reason, called)
+                yield chunk(delta, finish_reason, logprobs)
                 if output.finished and include_usage:
                     yield chunk(ChatDelta(), None, usage=_usage(output))
 
@@ -397,6 +440,11 @@ async def _last(first: RequestOutput, outputs: AsyncIterator[RequestOutput]) -> 
     except EngineDeadError as error:
         raise APIError(503, str(error)) from error
     return final
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    """OpenAI's tool_calls where a reply that made calls ended on its own."""
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def _usage(output: RequestOutput) -> Usage:
