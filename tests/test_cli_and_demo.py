@@ -116,6 +116,7 @@ def test_every_engine_setting_is_a_flag_that_reaches_the_config():
         "--no-speculative-enforce-eager",
         "--no-adaptive-threads",
         "--no-compile-graphs",
+        "--overlap-grammar-masks",
     ]
     argv = ["doctor", *[part for pair in values.items() for part in pair], *switches]
     args = build_parser().parse_args(argv)
@@ -128,6 +129,7 @@ def test_every_engine_setting_is_a_flag_that_reaches_the_config():
         "quantization_group_size": 32,
         "adaptive_threads": False,
         "seed": 7,
+        "overlap_grammar_masks": True,
         "block_size": 8,
         "kv_cache_memory_gib": 0.5,
         "num_kv_blocks": 77,
