@@ -17,19 +17,21 @@
    Few rows (a decode step): each step along K widens 16 weights in registers (a shift for
    bfloat16, F16C's conversion for half, byte or nibble unpacking for codes) and
    multiply-adds them with up to six rows of x broadcast; a quantized group's zero is
-   subtracted once per group, through x's precomputed sum over the group. Weights are read once, at the
-   memory's speed, and never exist as float32 anywhere. More rows (a batch, a prefill):
+   subtracted once per group, through x's precomputed sum over the group. Weights are
+   read once, at the memory's speed, and never exist as float32 anywhere. More rows (a batch, a prefill):
    each thread widens one panel at a time into a [K][16] float32 buffer of its own, which
    stays in its cache, and runs the float32 panel kernel over every row of x; the
    widening is paid once per panel, not once per six rows.
 
+   A step of 16 weights is one AVX-512 register where the machine has them (built with
+   -march=native), else two AVX2 ones, else plain C; the same kernels serve all three.
    Output panels are split over the OpenMP threads. */
 
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX2__) || defined(__F16C__)
+#if defined(__AVX2__) || defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -42,6 +44,37 @@
 #define PREFETCH_BYTES 2048
 #define MAX_ROWS 6 /* 6 x 2 accumulators + 2 weight vectors + 1 broadcast: 15 of 16 */
 typedef float vec8 __attribute__((vector_size(32)));
+typedef float vec16 __attribute__((vector_size(64)));
+/* One step along K of a panel: its 16 weights as float32, in one AVX-512 register, or
+   in two AVX2 ones. (A 64-byte vector type on AVX2 would be split by the compiler
+   through memory, several times slower: the pair is written out.) The kernels use it
+   only through the few operations below. */
+#if defined(__AVX512F__)
+typedef vec16 pvec;
+static inline pvec psplat(float value) { return (vec16){0} + value; }
+static inline pvec padd(pvec a, pvec b) { return a + b; }
+static inline pvec pmuladd(pvec acc, float a, pvec w) { return acc + a * w; }
+/* (s - zero * x_sum) * scale: a quantized group's sum with its zero taken off */
+static inline pvec pgroup(pvec s, pvec zero, float x_sum, pvec scale) {
+    return (s - zero * x_sum) * scale;
+}
+static inline pvec pscale(pvec w, pvec zero, pvec scale) { return (w - zero) * scale; }
+#else
+typedef struct {
+    vec8 lo, hi;
+} pvec;
+static inline pvec psplat(float value) { return (pvec){(vec8){0} + value, (vec8){0} + value}; }
+static inline pvec padd(pvec a, pvec b) { return (pvec){a.lo + b.lo, a.hi + b.hi}; }
+static inline pvec pmuladd(pvec acc, float a, pvec w) {
+    return (pvec){acc.lo + a * w.lo, acc.hi + a * w.hi};
+}
+static inline pvec pgroup(pvec s, pvec zero, float x_sum, pvec scale) {
+    return (pvec){(s.lo - zero.lo * x_sum) * scale.lo, (s.hi - zero.hi * x_sum) * scale.hi};
+}
+static inline pvec pscale(pvec w, pvec zero, pvec scale) {
+    return (pvec){(w.lo - zero.lo) * scale.lo, (w.hi - zero.hi) * scale.hi};
+}
+#endif
 
 enum format { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, I4 = 4 };
 
@@ -62,6 +95,29 @@ static inline vec8 load8(const float *p) {
     return v;
 }
 
+static inline pvec load16(const float *p) {
+#if defined(__AVX512F__)
+    pvec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+#else
+    return (pvec){load8(p), load8(p + 8)}; /* each half straight into its register */
+#endif
+}
+
+static inline void store16(float *p, pvec v) {
+#if defined(__AVX512F__)
+    memcpy(p, &v, sizeof v);
+#else
+    memcpy(p, &v.lo, sizeof v.lo);
+    memcpy(p + 8, &v.hi, sizeof v.hi);
+#endif
+}
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+static inline pvec joined(__m256 lo, __m256 hi) { return (pvec){(vec8)lo, (vec8)hi}; }
+#endif
+
 static inline float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f,
              mantissa = h & 0x3ff, bits;
@@ -80,66 +136,77 @@ static inline float half_to_float(uint16_t h) {
     return value;
 }
 
-/* The 16 weights of step i of a panel as two float vectors. */
-static inline void widen_f32(const void *w, int64_t i, vec8 *lo, vec8 *hi) {
-    const float *p = (const float *)w + i * PANEL;
-    *lo = load8(p), *hi = load8(p + 8);
+/* The 16 weights of step i of a panel, widened in registers. */
+static inline pvec widen_f32(const void *w, int64_t i) {
+    return load16((const float *)w + i * PANEL);
 }
 
-static inline void widen_bf16(const void *w, int64_t i, vec8 *lo, vec8 *hi) {
+static inline pvec widen_bf16(const void *w, int64_t i) {
     const uint16_t *p = (const uint16_t *)w + i * PANEL;
-#ifdef __AVX2__
+#if defined(__AVX512F__)
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return (pvec)_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+#elif defined(__AVX2__)
     __m256i a = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
     __m256i b = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 8)));
-    *lo = (vec8)_mm256_castsi256_ps(_mm256_slli_epi32(a, 16));
-    *hi = (vec8)_mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
+    return joined(_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)),
+                  _mm256_castsi256_ps(_mm256_slli_epi32(b, 16)));
 #else
     float f[PANEL];
     for (int j = 0; j < PANEL; j++) {
         uint32_t bits = (uint32_t)p[j] << 16;
         memcpy(f + j, &bits, sizeof bits);
     }
-    *lo = load8(f), *hi = load8(f + 8);
+    return load16(f);
 #endif
 }
 
-static inline void widen_f16(const void *w, int64_t i, vec8 *lo, vec8 *hi) {
+static inline pvec widen_f16(const void *w, int64_t i) {
     const uint16_t *p = (const uint16_t *)w + i * PANEL;
-#ifdef __F16C__
-    *lo = (vec8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-    *hi = (vec8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
+#if defined(__AVX512F__)
+    return (pvec)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__AVX2__) && defined(__F16C__)
+    return joined(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)),
+                  _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8))));
 #else
     float f[PANEL];
     for (int j = 0; j < PANEL; j++) f[j] = half_to_float(p[j]);
-    *lo = load8(f), *hi = load8(f + 8);
+    return load16(f);
 #endif
 }
 
-static inline void widen_i8(const void *w, int64_t i, vec8 *lo, vec8 *hi) {
+static inline pvec widen_i8(const void *w, int64_t i) {
     const int8_t *p = (const int8_t *)w + i * PANEL;
-#ifdef __AVX2__
-    *lo = (vec8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-    *hi = (vec8)_mm256_cvtepi32_ps(
-        _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
+#if defined(__AVX512F__)
+    return (pvec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    return joined(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))),
+                  _mm256_cvtepi32_ps(
+                      _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))));
 #else
     float f[PANEL];
     for (int j = 0; j < PANEL; j++) f[j] = (float)p[j];
-    *lo = load8(f), *hi = load8(f + 8);
+    return load16(f);
 #endif
 }
 
-static inline void widen_i4(const void *w, int64_t i, vec8 *lo, vec8 *hi) {
+static inline pvec widen_i4(const void *w, int64_t i) {
     const uint8_t *p = (const uint8_t *)w + i * (PANEL / 2);
-#ifdef __AVX2__
-    /* One widening of the 8 bytes to 32-bit lanes, then each lane's two nibbles: three
-       integer operations for 16 weights. */
+#if defined(__AVX2__)
+    /* One widening of the 8 bytes to 32-bit lanes, then each lane's two nibbles: weight
+       j in byte j's low nibble, weight j + 8 in its high one. */
     const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    *lo = (vec8)_mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0x0f)));
-    *hi = (vec8)_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+    const __m256i low = _mm256_and_si256(bytes, _mm256_set1_epi32(0x0f));
+    const __m256i high = _mm256_srli_epi32(bytes, 4);
+#if defined(__AVX512F__)
+    return (pvec)_mm512_cvtepi32_ps(_mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1));
+#else
+    return joined(_mm256_cvtepi32_ps(low), _mm256_cvtepi32_ps(high));
+#endif
 #else
     float f[PANEL];
     for (int j = 0; j < PANEL / 2; j++) f[j] = (float)(p[j] & 0x0f), f[j + 8] = (float)(p[j] >> 4);
-    *lo = load8(f), *hi = load8(f + 8);
+    return load16(f);
 #endif
 }
 
@@ -155,12 +222,8 @@ typedef struct {
     int64_t groups;
 } groups;
 
-static inline void group_zero(const groups *q, int64_t g, vec8 *lo, vec8 *hi) {
-    if (q->zeros) {
-        *lo = load8(q->zeros + g * PANEL), *hi = load8(q->zeros + g * PANEL + 8);
-    } else {
-        *lo = *hi = (vec8){0} + q->default_zero;
-    }
+static inline pvec group_zero(const groups *q, int64_t g) {
+    return q->zeros ? load16(q->zeros + g * PANEL) : psplat(q->default_zero);
 }
 
 /* y[r][0..cols) = x[r] . panel + bias for ROWS rows of x (row stride k), y row stride n.
@@ -170,51 +233,42 @@ static inline void group_zero(const groups *q, int64_t g, vec8 *lo, vec8 *hi) {
     static void NAME##_##ROWS(const float *restrict x, const void *restrict w, int64_t k,  \
                               const groups *q, const float *bias, float *restrict y,        \
                               int64_t n, int64_t cols) {                                    \
-        vec8 tlo[ROWS], thi[ROWS];                                                         \
-        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) tlo[r] = thi[r] = (vec8){0}; \
+        pvec total[ROWS];                                                                  \
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) total[r] = psplat(0.0f);   \
         const int64_t group = QUANT ? q->group : k;                                        \
         for (int64_t start = 0, g = 0; start < k; start += group, g++) {                   \
             const int64_t end = start + group < k ? start + group : k;                     \
-            vec8 lo[ROWS], hi[ROWS], lo2[ROWS], hi2[ROWS], zlo = {0}, zhi = {0};           \
-            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) lo[r] = hi[r] = lo2[r] = \
-                hi2[r] = (vec8){0};                                                        \
-            if (QUANT) group_zero(q, g, &zlo, &zhi);                                       \
+            pvec sum[ROWS], sum2[ROWS], zero = psplat(0.0f);                               \
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) sum[r] = sum2[r] =      \
+                psplat(0.0f);                                                              \
+            if (QUANT) zero = group_zero(q, g);                                            \
             int64_t i = start;                                                             \
             if (ROWS <= 2) /* too few chains to hide the multiply-add latency: two sets */ \
                 for (; i + 2 <= end; i += 2) {                                             \
-                    vec8 w0, w1, w2, w3;                                                   \
-                    __builtin_prefetch((const char *)w + i * BYTES + PREFETCH_BYTES); \
-                    WIDEN(w, i, &w0, &w1);                                                 \
-                    WIDEN(w, i + 1, &w2, &w3);                                             \
+                    __builtin_prefetch((const char *)w + i * BYTES + PREFETCH_BYTES);      \
+                    const pvec w0 = WIDEN(w, i), w1 = WIDEN(w, i + 1);                     \
                     _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {               \
-                        float a = x[r * k + i], b = x[r * k + i + 1];                      \
-                        lo[r] += a * w0, hi[r] += a * w1, lo2[r] += b * w2, hi2[r] += b * w3; \
+                        sum[r] = pmuladd(sum[r], x[r * k + i], w0);                        \
+                        sum2[r] = pmuladd(sum2[r], x[r * k + i + 1], w1);                  \
                     }                                                                      \
                 }                                                                          \
             for (; i < end; i++) {                                                         \
-                vec8 w0, w1;                                                               \
-                __builtin_prefetch((const char *)w + i * BYTES + PREFETCH_BYTES);   \
-                WIDEN(w, i, &w0, &w1);                                                     \
-                _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                   \
-                    float a = x[r * k + i];                                                \
-                    lo[r] += a * w0, hi[r] += a * w1;                                      \
-                }                                                                          \
+                __builtin_prefetch((const char *)w + i * BYTES + PREFETCH_BYTES);          \
+                const pvec w0 = WIDEN(w, i);                                               \
+                _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) sum[r] =            \
+                    pmuladd(sum[r], x[r * k + i], w0);                                     \
             }                                                                              \
-            vec8 slo = {0}, shi = {0};                                                     \
-            if (QUANT) slo = load8(q->scales + g * PANEL), shi = load8(q->scales + g * PANEL + 8); \
+            const pvec scale = QUANT ? load16(q->scales + g * PANEL) : psplat(0.0f);       \
             _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                       \
-                vec8 a = lo[r] + lo2[r], b = hi[r] + hi2[r];                               \
-                if (QUANT) {                                                               \
-                    const float sum = q->x_sums[r * q->groups + g];                        \
-                    tlo[r] += (a - zlo * sum) * slo, thi[r] += (b - zhi * sum) * shi;      \
-                } else                                                                     \
-                    tlo[r] += a, thi[r] += b;                                             \
+                const pvec s = padd(sum[r], sum2[r]);                                      \
+                total[r] = padd(total[r], QUANT ? pgroup(s, zero, q->x_sums[r * q->groups + g], \
+                                                         scale)                            \
+                                                : s);                                      \
             }                                                                              \
         }                                                                                  \
         for (int r = 0; r < ROWS; r++) {                                                   \
             float out[PANEL];                                                              \
-            memcpy(out, &tlo[r], sizeof tlo[r]);                                           \
-            memcpy(out + 8, &thi[r], sizeof thi[r]);                                       \
+            store16(out, total[r]);                                                        \
             for (int64_t c = 0; c < cols; c++) y[r * n + c] = out[c] + (bias ? bias[c] : 0.0f); \
         }                                                                                  \
     }
@@ -245,25 +299,20 @@ static void widen_panel(int format, const void *w, int64_t k, const groups *q, f
     const int64_t bytes = step_bytes(format);
     const int64_t group = quantized ? q->group : k;
     for (int64_t start = 0, g = 0; start < k; start += group, g++) {
-        vec8 zlo = {0}, zhi = {0}, slo = (vec8){0} + 1.0f, shi = slo;
-        if (quantized) {
-            group_zero(q, g, &zlo, &zhi);
-            slo = load8(q->scales + g * PANEL), shi = load8(q->scales + g * PANEL + 8);
-        }
+        const pvec zero = group_zero(q, g);
+        const pvec scale = quantized ? load16(q->scales + g * PANEL) : psplat(1.0f);
         const int64_t end = start + group < k ? start + group : k;
         for (int64_t i = start; i < end; i++) {
-            vec8 lo, hi;
             __builtin_prefetch((const char *)w + i * bytes + PREFETCH_BYTES);
+            pvec step;
             switch (format) {
-            case F32: widen_f32(w, i, &lo, &hi); break;
-            case BF16: widen_bf16(w, i, &lo, &hi); break;
-            case F16: widen_f16(w, i, &lo, &hi); break;
-            case I8: widen_i8(w, i, &lo, &hi); break;
-            default: widen_i4(w, i, &lo, &hi); break;
+            case F32: step = widen_f32(w, i); break;
+            case BF16: step = widen_bf16(w, i); break;
+            case F16: step = widen_f16(w, i); break;
+            case I8: step = widen_i8(w, i); break;
+            default: step = widen_i4(w, i); break;
             }
-            lo = (lo - zlo) * slo, hi = (hi - zhi) * shi;
-            memcpy(out + i * PANEL, &lo, sizeof lo);
-            memcpy(out + i * PANEL + 8, &hi, sizeof hi);
+            store16(out + i * PANEL, pscale(step, zero, scale));
         }
     }
 }
