@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from tests.helpers import greedy
 from updraft import LLM
 from updraft.config import ModelConfig, WeightFormat
 from updraft.demo import DEMO_EAGLE_DIR, DEMO_MODEL_DIR
+from updraft.kernels import ops
 from updraft.kernels.ops import kernel_builds
 from updraft.kernels.panels import Panels, pack, pack_stacked, quantize, unpack
 from updraft.models.loader import load_model
@@ -62,6 +64,31 @@ def test_the_panel_kernel_computes_the_product_with_the_weights_the_format_stand
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
     if not fmt.quantized:
         assert torch.equal(dequantized, weight.to(getattr(torch, fmt.name)).float())
+
+
+def cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.mark.parametrize("march", ["haswell", "x86-64"])
+def test_the_kernel_built_for_narrower_instructions_computes_the_same(march):
+    """The AVX2 and plain-C paths of the kernel, which a machine with AVX-512 never runs
+    in its -march=native build, built for those instructions and checked like it."""
+    if march == "haswell" and not {"avx2", "fma", "f16c", "bmi2"} <= cpu_flags():
+        pytest.skip("this CPU cannot run AVX2 code")
+    torch.manual_seed(0)
+    for fmt in FORMATS.values():
+        weight = torch.randn(40, 96)
+        panels = pack(weight, fmt)
+        for rows in (1, 2, 5, 7):
+            x, bias = torch.randn(rows, 96), torch.randn(40)
+            args = (x, panels.codes, panels.scales, panels.zeros, bias, panels.code, panels.group)
+            got = ops.panel_linear(*args, 40, march=march)
+            native = ops.panel_linear(*args, 40)
+            torch.testing.assert_close(got, native, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", [f for f in FORMATS.values() if f.quantized], ids=str)

@@ -31,8 +31,8 @@ _INT = ctypes.c_int64
 
 # Cached: ops call these on every step, and the argument types need setting only once.
 @cache
-def _linear_library() -> ctypes.CDLL:
-    lib = load("linear")
+def _linear_library(march: str = "native") -> ctypes.CDLL:
+    lib = load("linear", march)
     lib.panel_linear.restype = lib.grouped_mlp.restype = None
     lib.panel_linear.argtypes = (
         [_POINTER, _POINTER, ctypes.c_int, _POINTER, _POINTER, _INT, _POINTER, _POINTER]
@@ -133,10 +133,12 @@ def panel_linear(
     fmt: int,
     group: int,
     out_features: int,
+    march: str = "native",
 ) -> torch.Tensor:
     """x [M, K] float32 @ W [N, K]^T + bias -> [M, N] float32, W in the panels of
     ``kernels/panels.py`` in format ``fmt`` (N = ``out_features``; ``group`` K steps per
-    scale when quantized)."""
+    scale when quantized). ``march``: the kernel built for other instructions than the
+    machine's (tests of its narrower paths)."""
     op = "panel_linear"
     _check(x.dtype == torch.float32 and x.device.type == "cpu", op, "float32 x on the CPU")
     _check_codes(op, codes, scales, zeros, fmt, group)
@@ -157,7 +159,7 @@ def panel_linear(
         )
     _check(bias is None or bias.shape == (out_features,), op, "one bias per output row")
     out = torch.empty(rows, out_features, dtype=torch.float32)
-    _linear_library().panel_linear(
+    _linear_library(march).panel_linear(
         x.data_ptr(),
         codes.data_ptr(),
         fmt,
