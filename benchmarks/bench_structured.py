@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.common import free_port, markdown_table
+from benchmarks.common import free_port, make_random_qwen3, markdown_table
 from updraft import LLM, SamplingParams
 from updraft.demo import DEMO_MODEL_DIR
 from updraft.structured_outputs import StructuredOutputsParams
@@ -69,11 +69,7 @@ def train_demo_module():
 
 
 def large_vocab_model(work: Path) -> Path:
-    """A random Qwen3-shaped checkpoint with a ~128k-token BPE tokenizer of its own."""
-    import torch
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
+    """A random Qwen3-shaped checkpoint with a 128k-token BPE tokenizer of its own."""
     out = work / "qwen3-128k-vocab"
     if (out / "tokenizer.json").is_file():
         return out
@@ -85,35 +81,10 @@ def large_vocab_model(work: Path) -> Path:
             break
         texts.append(path.read_bytes().decode("utf-8", errors="replace"))
         size += len(texts[-1])
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=LARGE_VOCAB,
-        min_frequency=2,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer=trainer, length=len(texts))
-    vocab = tokenizer.get_vocab_size()
-    config = transformers.Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        head_dim=64,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        eos_token_id=0,
-        bos_token_id=None,
-    )
-    torch.manual_seed(0)
-    transformers.Qwen3ForCausalLM(config).save_pretrained(out)
+    tokenizer = demo.train_tokenizer(texts, LARGE_VOCAB)
+    make_random_qwen3(out, vocab_size=tokenizer.get_vocab_size(), eos_token_id=demo.EOS_ID)
     tokenizer.save(str(out / "tokenizer.json"))
-    print(f"trained a {vocab}-token tokenizer into {out}", flush=True)
+    print(f"trained a {tokenizer.get_vocab_size()}-token tokenizer into {out}", flush=True)
     return out
 
 

@@ -14,14 +14,21 @@ import torch
 from safetensors.torch import load_file, save_file
 
 
-def make_random_qwen3(directory: Path, seed: int = 0, max_positions: int = 4096) -> Path:
-    """A ~100M-parameter Qwen3-style model with random weights, saved in float32."""
+def make_random_qwen3(
+    directory: Path,
+    seed: int = 0,
+    max_positions: int = 4096,
+    vocab_size: int = 32000,
+    eos_token_id: int | None = None,
+) -> Path:
+    """A ~100M-parameter Qwen3-style model with random weights, saved in float32 (more
+    with a larger vocabulary: its embedding is the head too)."""
     import transformers
 
     if (directory / "config.json").is_file():
         return directory
     config = transformers.Qwen3Config(
-        vocab_size=32000,
+        vocab_size=vocab_size,
         hidden_size=768,
         intermediate_size=2048,
         num_hidden_layers=12,
@@ -30,7 +37,7 @@ def make_random_qwen3(directory: Path, seed: int = 0, max_positions: int = 4096)
         head_dim=64,
         max_position_embeddings=max_positions,
         tie_word_embeddings=True,
-        eos_token_id=None,
+        eos_token_id=eos_token_id,
         bos_token_id=None,
     )
     torch.manual_seed(seed)

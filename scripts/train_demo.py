@@ -127,13 +127,13 @@ def load_corpus(root: Path) -> Corpus:
 # --------------------------------------------------------------------------- tokenizer
 
 
-def train_tokenizer(texts: list[str]) -> Tokenizer:
+def train_tokenizer(texts: list[str], vocab_size: int = VOCAB_SIZE) -> Tokenizer:
     """Train a byte-level BPE tokenizer with ``<|endoftext|>`` as id 0."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         min_frequency=2,
         special_tokens=[EOS_TOKEN],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),

@@ -49,9 +49,13 @@ def _unicode(text: str) -> str:
 Text = Annotated[str, AfterValidator(_unicode)]
 
 
-class StreamOptions(BaseModel):
+class Strict(BaseModel):
+    """A request part: values of the wrong type refused, unknown fields ignored."""
+
     model_config = ConfigDict(extra="ignore", strict=True)
 
+
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
@@ -201,31 +205,23 @@ class CompletionRequest(_Request):
         return prompt[0]
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
+class TextPart(Strict):
     type: Literal["text"]
     text: Text
 
 
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
+class FunctionCall(Strict):
     name: Text
     arguments: Text  # JSON text, as OpenAI sends it
 
 
-class MessageToolCall(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
+class MessageToolCall(Strict):
     id: Text
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
+class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
@@ -276,31 +272,23 @@ def _arguments(text: str) -> dict[str, Any]:
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 
 
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
+class FunctionDefinition(Strict):
     name: Annotated[str, Field(pattern=FUNCTION_NAME)]
     description: Text | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
+class Tool(Strict):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
+class NamedFunction(Strict):
     name: Text
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
+class NamedToolChoice(Strict):
     type: Literal["function"]
     function: NamedFunction
 
