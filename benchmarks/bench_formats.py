@@ -120,17 +120,19 @@ def speeds(model: Path, vocab: int, engine: dict) -> tuple[float, float]:
     return decode, sum(n for _, n in mixed) / seconds
 
 
+# Peaks are VmHWM, not getrusage's ru_maxrss: Linux keeps ru_maxrss across exec, so a
+# child of a large benchmark process would report its parent's peak.
 MEMORY_SCRIPT = """
-import json, resource, sys
+import json, sys
 from benchmarks.peers import workload
 from updraft import LLM, SamplingParams
 model, vocab, engine = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
-def rss():
+def rss(field="VmRSS"):
     for line in open("/proc/self/status"):
-        if line.startswith("VmRSS"):
+        if line.startswith(field):
             return int(line.split()[1]) / 2**10
 llm = LLM(model, kv_cache_memory_gib=workload.KV_CACHE_GIB, **engine)
-load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+load = rss("VmHWM")
 mixed = workload.mixed_requests(vocab)
 params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in mixed]
 llm.generate([p for p, _ in mixed], params)
