@@ -9,7 +9,7 @@ import torch
 from updraft.config import MoEConfig, WeightFormat
 from updraft.graph.recorded import RecordedGraph
 from updraft.kernels.ops import kernel_builds
-from updraft.models.moe import DeepseekMoE
+from updraft.models.moe import SparseMoE
 from updraft.models.packing import pack_model
 
 pytestmark = pytest.mark.skipif(
@@ -43,7 +43,7 @@ def reference_and_ours(seed: int = 0, packed: bool = True):
     # A correction that changes which experts are chosen, not their weights.
     state["gate.e_score_correction_bias"].copy_(torch.randn(8) * 0.5)
     same_names = {name: value for name, value in TINY.items() if name != "n_routed_experts"}
-    ours = DeepseekMoE(MoEConfig(num_experts=TINY["n_routed_experts"], **same_names)).eval()
+    ours = SparseMoE(MoEConfig(num_experts=TINY["n_routed_experts"], **same_names)).eval()
     with torch.no_grad():
         ours.gate.weight.copy_(state["gate.weight"])
         ours.gate.e_score_correction_bias.copy_(state["gate.e_score_correction_bias"])

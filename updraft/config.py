@@ -20,12 +20,16 @@ if TYPE_CHECKING:
     import torch
 
 LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Llama-style attention with a softmax top-k mixture of experts in place of the MLP.
+SPARSE_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 DEEPSEEK_ARCHITECTURES = (
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
     "DeepseekV32ForCausalLM",
 )
-SUPPORTED_ARCHITECTURES = LLAMA_ARCHITECTURES + DEEPSEEK_ARCHITECTURES
+SUPPORTED_ARCHITECTURES = LLAMA_ARCHITECTURES + SPARSE_MOE_ARCHITECTURES + DEEPSEEK_ARCHITECTURES
+# Where a config's sliding_window always applies (Qwen's apply only with use_sliding_window).
+WINDOWED_ARCHITECTURES = ("MixtralForCausalLM",)
 # By name: this module is what `updraft --help` reads, and must not import torch.
 DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZATIONS = ("int8", "int4")
@@ -105,10 +109,11 @@ class MLAConfig:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """DeepSeekMoE: routed experts chosen by a group-limited router, and shared experts
-    every token passes through. V3's router scores with a sigmoid (plus a bias for
-    choosing) and ranks groups by their two best scores; V2's with a softmax, ranking
-    groups by their best."""
+    """A mixture of experts: routed experts chosen by a group-limited router, and shared
+    experts every token passes through. DeepSeek-V3's router scores with a sigmoid (plus
+    a bias for choosing) and ranks groups by their two best scores; V2's with a softmax,
+    ranking groups by their best. Qwen3-MoE and Mixtral are a softmax over one group,
+    with no shared experts."""
 
     hidden_size: int
     moe_intermediate_size: int
@@ -157,10 +162,20 @@ class ModelConfig:
     mla: MLAConfig | None = None
     moe: MoEConfig | None = None
     first_k_dense_replace: int = 0
+    # Qwen3-MoE: layers that keep a dense MLP (mlp_only_layers, decoder_sparse_step).
+    dense_layers: frozenset[int] = frozenset()
     indexer: IndexerConfig | None = None
     # Multi-token prediction layers stored after the decoder layers (DeepSeek's
     # num_nextn_predict_layers): the loader skips them.
     mtp_layers: int = 0
+
+    def has_experts(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` routes to experts rather than one MLP."""
+        return (
+            self.moe is not None
+            and layer >= self.first_k_dense_replace
+            and layer not in self.dense_layers
+        )
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -191,16 +206,20 @@ class ModelConfig:
                 f"quantized checkpoints (quantization_config: {method}) are not supported; "
                 "load one in float32, bfloat16 or float16 (--quantization int8 quantizes at load)"
             )
-        if raw.get("use_sliding_window"):
-            raise ValueError("sliding-window attention (use_sliding_window) is not supported")
+        _refuse_sliding_window(raw, architecture)
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(
+                f"config.json: hidden_act {raw['hidden_act']!r} is not supported (silu is)"
+            )
         num_heads = _positive_int(raw, "num_attention_heads")
         hidden_size = _positive_int(raw, "hidden_size")
         head_dim = raw.get("head_dim") or hidden_size // num_heads
-        deepseek = (
-            _deepseek_parts(raw, architecture) if architecture in DEEPSEEK_ARCHITECTURES else {}
-        )
-        if deepseek:  # the rotary part is what RoPE turns
-            head_dim = deepseek["mla"].qk_rope_head_dim
+        family = {}
+        if architecture in DEEPSEEK_ARCHITECTURES:
+            family = _deepseek_parts(raw, architecture)
+            head_dim = family["mla"].qk_rope_head_dim  # the rotary part is what RoPE turns
+        elif architecture in SPARSE_MOE_ARCHITECTURES:
+            family = _sparse_moe_parts(raw, architecture)
         return cls(
             architecture=architecture,
             vocab_size=_positive_int(raw, "vocab_size"),
@@ -217,20 +236,65 @@ class ModelConfig:
             # Qwen2 always has q/k/v biases; Llama has them only when asked.
             attention_bias=architecture == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
             mlp_bias=raw.get("mlp_bias", False),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             checkpoint_dtype=_dtype_name(raw.get("torch_dtype") or raw.get("dtype")),
             eos_token_ids=eos_token_ids,
-            **deepseek,
+            **family,
         )
+
+
+def _refuse_sliding_window(raw: dict[str, Any], architecture: str) -> None:
+    """A window no layer can reach past (one at least the context long) is no window."""
+    if raw.get("use_sliding_window"):
+        raise ValueError("sliding-window attention (use_sliding_window) is not supported")
+    window = raw.get("sliding_window")
+    positions = raw.get("max_position_embeddings", 2048)
+    if architecture in WINDOWED_ARCHITECTURES and window is not None and window < positions:
+        raise ValueError(
+            f"sliding-window attention (sliding_window {window}, shorter than the "
+            f"{positions} positions of max_position_embeddings) is not supported"
+        )
+
+
+def _sparse_moe_parts(raw: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """Qwen3-MoE and Mixtral: softmax over every expert, the top k kept (renormalised
+    where norm_topk_prob says so; Mixtral always), no shared experts."""
+    layers = _positive_int(raw, "num_hidden_layers")
+    # Published Qwen3-MoE configs say num_experts; transformers 5 writes num_local_experts.
+    key = "num_experts" if raw.get("num_experts") is not None else "num_local_experts"
+    num_experts = _positive_int(raw, key)
+    if architecture == "MixtralForCausalLM":
+        inter, norm, dense = _positive_int(raw, "intermediate_size"), True, frozenset()
+    else:
+        inter = _positive_int(raw, "moe_intermediate_size")
+        norm = bool(raw.get("norm_topk_prob", False))
+        step = raw.get("decoder_sparse_step") or 1
+        only_mlp = set(raw.get("mlp_only_layers") or ())
+        dense = frozenset(i for i in range(layers) if i in only_mlp or (i + 1) % step)
+    moe = MoEConfig(
+        hidden_size=_positive_int(raw, "hidden_size"),
+        moe_intermediate_size=inter,
+        num_experts=num_experts,
+        num_experts_per_tok=_positive_int(raw, "num_experts_per_tok"),
+        n_group=1,
+        topk_group=1,
+        n_shared_experts=0,
+        routed_scaling_factor=1.0,
+        norm_topk_prob=norm,
+        scoring="softmax",
+        group_score="max",
+    )
+    if moe.num_experts_per_tok > num_experts:
+        raise ValueError(
+            f"config.json: num_experts_per_tok {moe.num_experts_per_tok} is more than the "
+            f"{num_experts} experts"
+        )
+    return {"moe": moe, "dense_layers": dense}
 
 
 def _deepseek_parts(raw: dict[str, Any], architecture: str) -> dict[str, Any]:
     if raw.get("attention_bias"):
         raise ValueError("config.json: DeepSeek attention with attention_bias is not supported")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ValueError(
-            f"config.json: hidden_act {raw['hidden_act']!r} is not supported (silu is)"
-        )
     q_lora_rank = raw.get("q_lora_rank")
     if q_lora_rank is not None:
         q_lora_rank = _positive_int(raw, "q_lora_rank")

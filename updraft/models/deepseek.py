@@ -20,7 +20,7 @@ from updraft.attention.loop import AttentionParams
 from updraft.attention.metadata import AttentionMetadata
 from updraft.config import MLAConfig, ModelConfig, RopeConfig
 from updraft.models.layers import MLP, CausalLM, DecoderLayer, FusedLinear, RMSNorm
-from updraft.models.moe import DeepseekMoE
+from updraft.models.moe import SparseMoE
 from updraft.models.rope import apply_rotary
 
 # The latent norms' epsilon: the reference builds them with its default, not the
@@ -165,9 +165,9 @@ class LatentAttention(nn.Module):
 
 def deepseek_layer(config: ModelConfig, index: int) -> DecoderLayer:
     attention = LatentAttention(config, f"model.layers.{index}.self_attn")
-    if index < config.first_k_dense_replace:
+    if not config.has_experts(index):
         return DecoderLayer(config, attention, MLP(config.hidden_size, config.intermediate_size))
-    return DecoderLayer(config, attention, DeepseekMoE(config.moe))
+    return DecoderLayer(config, attention, SparseMoE(config.moe))
 
 
 class DeepseekForCausalLM(CausalLM):

@@ -1,6 +1,6 @@
-"""Llama-family decoder (Llama, Qwen2, Qwen3): grouped-query attention over a paged
-cache, read top to bottom. q/k/v are fused into one matmul (and gate/up, in
-``layers.MLP``); the loader fills their slices.
+"""Llama-family decoder (Llama, Qwen2, Qwen3, and with experts Qwen3-MoE and Mixtral):
+grouped-query attention over a paged cache, read top to bottom. q/k/v are fused into
+one matmul (and gate/up, in ``layers.MLP``); the loader fills their slices.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from updraft.attention.loop import AttentionParams
 from updraft.attention.metadata import AttentionMetadata
 from updraft.config import ModelConfig
 from updraft.models.layers import MLP, CausalLM, DecoderLayer, FusedLinear, RMSNorm
+from updraft.models.moe import SparseMoE
 from updraft.models.rope import apply_rotary
 
 
@@ -60,14 +61,17 @@ class Attention(nn.Module):
 
 def llama_layer(config: ModelConfig, index: int) -> DecoderLayer:
     attention = Attention(config, f"model.layers.{index}.self_attn")
+    if config.has_experts(index):
+        return DecoderLayer(config, attention, SparseMoE(config.moe))
     return DecoderLayer(
         config, attention, MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
     )
 
 
 class LlamaForCausalLM(CausalLM):
-    """Also serves Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm): they differ from
-    Llama only in what ``ModelConfig`` switches on."""
+    """Also serves Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm), Qwen3-MoE and
+    Mixtral (experts in place of the MLP): they differ from Llama only in what
+    ``ModelConfig`` switches on."""
 
     def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__(config, llama_layer, config.head_dim, max_positions)

@@ -37,11 +37,23 @@ FUSED_SLICES = {
     "kv_a_proj_with_mqa": (("qkv_a_proj", 1),),
 }
 # One expert's projection in a checkpoint -> its slice of the stacked expert weights:
-# (parameter, part); gate and up are the two halves of gate_up_proj's rows.
+# (parameter, part); gate and up are the two halves of gate_up_proj's rows. Mixtral's
+# checkpoints call them w1 (gate), w3 (up) and w2 (down).
 EXPERT_TENSOR = re.compile(
-    r"(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight"
+    r"(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)"
+    r"\.weight"
 )
-EXPERT_PARTS = {"gate": ("gate_up_proj", 0), "up": ("gate_up_proj", 1), "down": ("down_proj", 0)}
+EXPERT_PARTS = {
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+    "w1": ("gate_up_proj", 0),
+    "w3": ("gate_up_proj", 1),
+    "w2": ("down_proj", 0),
+}
+# Mixtral's checkpoints hold a layer's experts and router in block_sparse_moe; the model
+# names its mixture mlp, as Qwen3-MoE's checkpoints do.
+RENAMED_MODULES = ((".block_sparse_moe.", ".mlp."),)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
@@ -265,6 +277,8 @@ def _describe(name: str, index: Slice) -> str:
 
 
 def _target(checkpoint_name: str, params: dict[str, nn.Parameter]) -> tuple[str, Slice] | None:
+    for old, new in RENAMED_MODULES:
+        checkpoint_name = checkpoint_name.replace(old, new)
     expert = EXPERT_TENSOR.fullmatch(checkpoint_name)
     if expert is not None:
         param, part = EXPERT_PARTS[expert["proj"]]

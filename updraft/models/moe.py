@@ -1,4 +1,5 @@
-"""DeepSeekMoE: a router with group-limited top-k, routed experts and shared ones.
+"""A mixture of experts: a router with group-limited top-k, routed experts and shared
+ones (DeepSeekMoE; Qwen3-MoE and Mixtral are its one-group, unshared case).
 
 V3's router scores every expert with a sigmoid. For choosing experts only, each score
 gets the checkpoint's ``e_score_correction_bias``; the experts fall into ``n_group``
@@ -6,7 +7,9 @@ groups, a group is worth the sum of its two best corrected scores, and the top-k
 experts are chosen among the ``topk_group`` best groups. The chosen experts' weights are
 their uncorrected scores, normalised to sum to 1 (``norm_topk_prob``), times
 ``routed_scaling_factor``. V2's router is the same with a softmax, no bias, groups
-worth their best score, and no normalising. The shared experts see every token.
+worth their best score, and no normalising. Qwen3-MoE's and Mixtral's is the softmax
+over a single group, normalised where the config says (Mixtral always). The shared
+experts see every token.
 
 Routed experts cost the tokens routed to them, not every expert for every token: the
 (token, expert) pairs are sorted by expert and, on the CPU, ``updraft::grouped_mlp``
@@ -162,7 +165,7 @@ class PackedExperts(RoutedExperts):
         return f"num_experts={self.num_experts}, {self.format}"
 
 
-class DeepseekMoE(nn.Module):
+class SparseMoE(nn.Module):
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
         self.gate = TopKRouter(config)

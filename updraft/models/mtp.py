@@ -27,7 +27,7 @@ from updraft.config import ModelConfig, WeightFormat
 from updraft.models.deepseek import LatentAttention
 from updraft.models.layers import DecoderLayer, RMSNorm
 from updraft.models.loader import building, fill, weight_files
-from updraft.models.moe import DeepseekMoE
+from updraft.models.moe import SparseMoE
 from updraft.models.packing import storage_dtype
 from updraft.models.tensor_parallel import shard_layers
 from updraft.parallel.topology import RankPlace
@@ -49,7 +49,7 @@ class MTPLayer(DecoderLayer):
 
     def __init__(self, config: ModelConfig, index: int) -> None:
         attention = LatentAttention(config, f"model.layers.{index}.self_attn")
-        super().__init__(config, attention, DeepseekMoE(config.moe))
+        super().__init__(config, attention, SparseMoE(config.moe))
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)

@@ -37,7 +37,7 @@ from updraft.config import INT4_GROUP_SIZES, ModelConfig, WeightFormat
 from updraft.models.deepseek import LatentAttention
 from updraft.models.layers import MLP, CausalLM, DecoderLayer, FusedLinear
 from updraft.models.llama import Attention
-from updraft.models.moe import DeepseekMoE
+from updraft.models.moe import SparseMoE
 from updraft.parallel import collectives  # noqa: F401 (registers the collective ops)
 from updraft.parallel.topology import GroupRank, ParallelSizes, RankPlace
 
@@ -275,7 +275,7 @@ def _shard_latent_attention(attention: LatentAttention, place: RankPlace, kept: 
     attention.num_heads = heads.stop - heads.start
 
 
-def _shard_moe(moe: DeepseekMoE, rank: GroupRank, kept: Shards) -> SummedOverRanks:
+def _shard_moe(moe: SparseMoE, rank: GroupRank, kept: Shards) -> SummedOverRanks:
     """Every expert's intermediate rows split (the router whole on every rank, so each
     routes alike); each rank's partial output is summed once. An expert's checkpoint
     tensors are its gate and up [I, H] (rows kept) and down [H, I] (columns kept)."""
@@ -351,7 +351,7 @@ def shard_layer(layer: DecoderLayer, place: RankPlace) -> Shards:
         _shard_latent_attention(layer.self_attn, place, kept)
     else:
         _shard_attention(layer.self_attn, place, kept)
-    if isinstance(layer.mlp, DeepseekMoE):
+    if isinstance(layer.mlp, SparseMoE):
         layer.mlp = _shard_moe(layer.mlp, place.tensor, kept)
     else:
         _shard_mlp(layer.mlp, place.tensor, kept)

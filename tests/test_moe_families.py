@@ -1,0 +1,161 @@
+"""Qwen3-MoE (softmax top-k router, normalised where the config says, dense layers where
+mlp_only_layers and decoder_sparse_step say) and Mixtral (softmax top-2, renormalised,
+its experts as w1/w2/w3 in block_sparse_moe) against transformers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from tests.conftest import TINY
+from tests.helpers import greedy, token_prompts
+from tests.test_reference_models import PROMPTS, assert_logits_match
+from updraft import LLM
+from updraft.config import ModelConfig
+
+MOE = {
+    # layers 0 and 2 dense (mlp_only_layers, then decoder_sparse_step 2 leaves odd ones)
+    "qwen3-moe": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(
+            num_hidden_layers=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            decoder_sparse_step=2,
+            mlp_only_layers=[3],
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen3-moe-unnormalised": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(
+            num_key_value_heads=4,
+            num_experts=6,
+            num_experts_per_tok=3,
+            moe_intermediate_size=24,
+            norm_topk_prob=False,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "mixtral": (
+        transformers.MixtralConfig,
+        transformers.MixtralForCausalLM,
+        dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    ),
+}
+
+
+def make_moe_checkpoint(kind: str, directory, seed: int = 0):
+    config_class, model_class, extra = MOE[kind]
+    torch.manual_seed(seed)
+    config = config_class(**{**TINY, **extra})
+    model = model_class(config).eval()
+    with torch.no_grad():  # routers with sharp, distinct choices
+        for name, param in model.named_parameters():
+            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                param.normal_(0, 1.0)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module", params=sorted(MOE))
+def moe_checkpoint(request, tmp_path_factory):
+    kind = request.param
+    return kind, make_moe_checkpoint(kind, tmp_path_factory.mktemp(kind))
+
+
+@pytest.mark.parametrize("token_budget", [1024, 10], ids=["whole-prefill", "chunked-prefill"])
+def test_logits_match_transformers(moe_checkpoint, token_budget):
+    assert_logits_match(moe_checkpoint[1], token_budget)
+
+
+def test_greedy_equals_transformers_generate_graphs_on_and_off(moe_checkpoint):
+    model_dir = moe_checkpoint[1]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    expected = []
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            out = reference.generate(
+                torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12
+            )
+        expected.append(out[0, len(prompt) :].tolist())
+    for eager in (True, False):
+        llm = LLM(model_dir, enforce_eager=eager, block_size=4, num_kv_blocks=128)
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(12))]
+        assert got == expected, eager
+        if not eager:
+            assert "graph" in llm.engine.stats().steps
+
+
+def test_dense_and_sparse_layers_follow_the_config():
+    config = ModelConfig.from_dict(
+        {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            **{k: v for k, v in TINY.items() if v is not None},
+            "num_hidden_layers": 6,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 8,
+            "decoder_sparse_step": 2,
+            "mlp_only_layers": [5],
+        }
+    )
+    assert [config.has_experts(i) for i in range(6)] == [False, True, False, True, False, False]
+
+
+def test_mixtral_hub_names_are_what_loads(moe_checkpoint):
+    """save_pretrained writes the Hub's layout (per-expert w1/w2/w3 in block_sparse_moe,
+    per-expert gate/up/down_proj in mlp for Qwen3-MoE): that is what the engine reads."""
+    kind, model_dir = moe_checkpoint
+    names = set(load_file(model_dir / "model.safetensors"))
+    if kind == "mixtral":
+        assert "model.layers.0.block_sparse_moe.experts.3.w3.weight" in names
+    else:
+        assert any(n.endswith("mlp.experts.0.gate_proj.weight") for n in names)
+
+
+def test_int8_experts_and_speculation_keep_greedy_output(moe_checkpoint):
+    model_dir = moe_checkpoint[1]
+    prompts = token_prompts(6, seed=3)
+    plain = LLM(model_dir, enforce_eager=True).generate(prompts, greedy(16))
+    drafted = LLM(model_dir, speculative_method="ngram", num_speculative_tokens=3)
+    assert [o.outputs[0].token_ids for o in drafted.generate(prompts, greedy(16))] == [
+        o.outputs[0].token_ids for o in plain
+    ]
+    quantized = LLM(model_dir, quantization="int8", enforce_eager=True)
+    agree = sum(
+        a.outputs[0].token_ids[:4] == b.outputs[0].token_ids[:4]
+        for a, b in zip(quantized.generate(prompts, greedy(16)), plain, strict=True)
+    )
+    assert agree >= 4  # int8's rounding may flip a near tie, not the whole batch
+
+
+def test_a_mixtral_window_shorter_than_the_context_is_refused(tmp_path):
+    make_moe_checkpoint("mixtral", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["sliding_window"] = 128
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="sliding_window 128"):
+        LLM(tmp_path)
+
+
+def test_two_ranks_split_the_experts_and_compute_what_one_process_computes(moe_checkpoint, pool):
+    from tests.helpers import token_ids
+    from tests.test_tensor_parallel import run
+
+    _, model_dir = moe_checkpoint
+    _, plain, plain_logits = run(model_dir)
+    _, split, split_logits = run(model_dir, pool, tensor_parallel_size=2)
+    assert token_ids(split) == token_ids(plain)
+    for ours, reference in zip(split_logits, plain_logits, strict=True):
+        torch.testing.assert_close(ours, reference, atol=1e-4, rtol=0)
