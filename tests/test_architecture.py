@@ -24,6 +24,7 @@ from updraft.attention.metadata import AttentionMetadata, ContextSplit
 from updraft.engine.kv_blocks import KVCacheManager
 from updraft.request import Request
 from updraft.step.inputs import (
+    ALL_GRAPH_INPUTS,
     GRAPH_INPUTS,
     HEAD_GRAPH_INPUTS,
     ForwardInputs,
@@ -185,11 +186,13 @@ def test_no_model_module_sets_a_context_split_and_the_metadata_is_frozen():
 
 
 def test_the_graph_contract_is_a_type():
-    """What a forward reads is ``ForwardInputs``: exactly the declared graph inputs and
-    a draft head's hidden states; attention metadata is built from it alone."""
+    """What a forward reads is ``ForwardInputs``: exactly the declared graph inputs, a
+    draft head's hidden states and a LongRoPE model's rotary rows; attention metadata is
+    built from it alone."""
     fields = {field.name for field in dataclasses.fields(ForwardInputs)}
-    assert fields == {spec.name for spec in HEAD_GRAPH_INPUTS}
-    assert {spec.name for spec in GRAPH_INPUTS} | {"hidden_states"} == fields
+    assert fields == {spec.name for spec in ALL_GRAPH_INPUTS}
+    assert {spec.name for spec in HEAD_GRAPH_INPUTS} | {"rotary_rows"} == fields
+    assert {spec.name for spec in GRAPH_INPUTS} | {"hidden_states", "rotary_rows"} == fields
     for build in (AttentionMetadata.from_step, AttentionMetadata.bind):
         assert typing.get_type_hints(build)["step"] is ForwardInputs
     assert not {field.name for field in dataclasses.fields(SamplingInputs)} & fields

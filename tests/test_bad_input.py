@@ -38,9 +38,9 @@ def test_unknown_architecture_names_the_supported_ones(checkpoint):
 
 def test_unsupported_rope_type_names_the_supported_ones(checkpoint):
     config = json.loads((checkpoint / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0}
+    config["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 10000.0}
     (checkpoint / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"'longrope'.*default, linear, llama3, yarn"):
+    with pytest.raises(ValueError, match=r"'dynamic'.*default, linear, llama3, yarn, longrope"):
         LLM(checkpoint)
 
 
@@ -153,3 +153,11 @@ def test_mismatched_sampling_params_are_refused(tiny_llama):
     with pytest.raises(TypeError, match="SamplingParams"):
         llm.generate([[1]], [dict(max_tokens=3)])
     assert_no_block_in_use(llm)
+
+
+def test_longrope_without_its_factors_is_named(checkpoint):
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0}
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="short_factor and long_factor"):
+        LLM(checkpoint)

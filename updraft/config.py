@@ -19,7 +19,12 @@ from updraft.demo import DEMO_EAGLE_DIR, DEMO_MODEL_DIR
 if TYPE_CHECKING:
     import torch
 
-LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+LLAMA_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",  # fused qkv and gate/up in its checkpoints, LongRoPE
+)
 # Llama-style attention with a softmax top-k mixture of experts in place of the MLP.
 SPARSE_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 DEEPSEEK_ARCHITECTURES = (
@@ -29,7 +34,7 @@ DEEPSEEK_ARCHITECTURES = (
 )
 SUPPORTED_ARCHITECTURES = LLAMA_ARCHITECTURES + SPARSE_MOE_ARCHITECTURES + DEEPSEEK_ARCHITECTURES
 # Where a config's sliding_window always applies (Qwen's apply only with use_sliding_window).
-WINDOWED_ARCHITECTURES = ("MixtralForCausalLM",)
+WINDOWED_ARCHITECTURES = ("MixtralForCausalLM", "Phi3ForCausalLM")
 # By name: this module is what `updraft --help` reads, and must not import torch.
 DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZATIONS = ("int8", "int4")
@@ -78,7 +83,7 @@ class WeightFormat:
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    kind: str = "default"  # default | linear | llama3 | yarn
+    kind: str = "default"  # default | linear | llama3 | yarn | longrope
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -91,6 +96,10 @@ class RopeConfig:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+    # LongRoPE (Phi-3): per-frequency divisors for a sequence within the original
+    # context, and for one past it.
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -157,6 +166,8 @@ class ModelConfig:
     qk_norm: bool
     checkpoint_dtype: str  # one of DTYPES
     eos_token_ids: tuple[int, ...] = ()
+    # The leading dimensions of each head that RoPE turns (Phi-4-mini: 3/4 of them).
+    partial_rotary_factor: float = 1.0
     # DeepSeek: latent attention, experts from layer ``first_k_dense_replace`` on, and
     # (V3.2) the sparse-attention indexer.
     mla: MLAConfig | None = None
@@ -168,6 +179,10 @@ class ModelConfig:
     # Multi-token prediction layers stored after the decoder layers (DeepSeek's
     # num_nextn_predict_layers): the loader skips them.
     mtp_layers: int = 0
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def has_experts(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` routes to experts rather than one MLP."""
@@ -239,6 +254,11 @@ class ModelConfig:
             qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             checkpoint_dtype=_dtype_name(raw.get("torch_dtype") or raw.get("dtype")),
             eos_token_ids=eos_token_ids,
+            partial_rotary_factor=float(
+                (raw.get("rope_parameters") or {}).get("partial_rotary_factor")
+                or raw.get("partial_rotary_factor")
+                or 1.0
+            ),
             **family,
         )
 
@@ -387,6 +407,9 @@ def _dtype_name(value: Any) -> str:
     return name if name in DTYPES else "float32"
 
 
+ROPE_KINDS = ("default", "linear", "llama3", "yarn", "longrope")
+
+
 def _rope_config(raw: dict[str, Any]) -> RopeConfig:
     # transformers 5 writes ``rope_parameters`` (theta inside); older checkpoints write
     # ``rope_theta`` beside an optional ``rope_scaling``.
@@ -394,14 +417,24 @@ def _rope_config(raw: dict[str, Any]) -> RopeConfig:
     params.update(raw.get("rope_parameters") or {})
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ("default", "linear", "llama3", "yarn"):
-        raise ValueError(
-            f"unsupported RoPE type {kind!r}; supported: default, linear, llama3, yarn"
-        )
-    original = int(params.get("original_max_position_embeddings", 8192))
+    if kind not in ROPE_KINDS:
+        raise ValueError(f"unsupported RoPE type {kind!r}; supported: {', '.join(ROPE_KINDS)}")
+    original = int(
+        params.get("original_max_position_embeddings")
+        or raw.get("original_max_position_embeddings")
+        or 8192
+    )
     factor = params.get("factor")
-    if factor is None:  # YaRN without a factor stretches the original context to the new
-        factor = raw.get("max_position_embeddings", original) / original if kind == "yarn" else 1
+    if factor is None and kind in ("yarn", "longrope"):
+        # Without a factor they stretch the original context to the new one.
+        factor = raw.get("max_position_embeddings", original) / original
+    factor = 1 if factor is None else factor
+    factors = {}
+    if kind == "longrope":
+        factors = {
+            name: tuple(float(f) for f in params.get(name) or ())
+            for name in ("short_factor", "long_factor")
+        }
     optional = {
         name: float(params[name]) if params.get(name) is not None else None
         for name in ("mscale", "mscale_all_dim", "attention_factor")
@@ -417,6 +450,7 @@ def _rope_config(raw: dict[str, Any]) -> RopeConfig:
         beta_slow=float(params.get("beta_slow") or 1.0),
         truncate=bool(params.get("truncate", True)),
         **optional,
+        **factors,
     )
 
 

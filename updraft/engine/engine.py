@@ -102,6 +102,7 @@ class Engine:
         pool = BlockPool(
             self._runner.num_blocks, config.positions_per_block, config.enable_prefix_caching
         )
+        self._rotary = self._runner.rotary_switch
         # A sequence never holds more tokens than the cache can, so one request alone
         # always fits and preemption always makes progress.
         self.max_model_len = min(self.context_len, pool.num_blocks * pool.block_size)
@@ -109,12 +110,14 @@ class Engine:
         # Constrained requests whose grammar is still compiling: scheduled once it has.
         self._compiling: dict[str, tuple[Request, futures.Future]] = {}
         self._scheduler = Scheduler(
-            KVCacheManager(pool),
+            # LongRoPE's long sequences are computed otherwise: cached apart.
+            KVCacheManager(pool, None if self._rotary is None else self._rotary.cache_salt),
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.max_model_len,
             num_lookahead_tokens=k,
             grammars=self._grammars,
+            long_context_from=None if self._rotary is None else self._rotary.original,
         )
         self._proposer = make_proposer(
             ProposerContext(config, self._runner, self.max_model_len, send)
@@ -327,7 +330,9 @@ class Engine:
         if not plan.scheduled:
             return outputs
         self._threads.adjust()
-        inputs = StepInputs.build(plan, self.config.positions_per_block, self._wants_hidden_states)
+        inputs = StepInputs.build(
+            plan, self.config.positions_per_block, self._wants_hidden_states, self._rotary
+        )
         clock.lap("build")
         allowed = None
         if self._grammars is not None and len(self._grammars):

@@ -14,7 +14,7 @@ import hashlib
 import sys
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from updraft.request import Request
 
@@ -108,9 +108,12 @@ class BlockPool:
 class KVCacheManager:
     """Per-request block bookkeeping on top of a ``BlockPool``."""
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: BlockPool, salt: Callable[[Request], bytes] | None = None) -> None:
+        """``salt``: per request, what sets its blocks' keys apart from those of a request
+        with the same tokens whose KV differs (nothing, for most models)."""
         self.pool = pool
         self.block_size = pool.block_size
+        self.salt = salt
 
     def cached_prefix(self, request: Request) -> list[int]:
         """Cached blocks matching the start of a request that holds no blocks yet. At
@@ -154,11 +157,16 @@ class KVCacheManager:
         request.block_ids = []
         request.num_registered_blocks = 0
 
+    def _root(self, request: Request) -> BlockKey | None:
+        """The parent key of the request's first block (None: the shared root)."""
+        salt = b"" if self.salt is None else self.salt(request)
+        return ROOT_KEY + salt if salt else None
+
     def _hashes(self, request: Request, num_blocks: int) -> list[BlockKey]:
         hashes = request.block_hashes
         size = self.block_size
         while len(hashes) < num_blocks:
             index = len(hashes)
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else self._root(request)
             hashes.append(hash_block(parent, request.token_ids[index * size : (index + 1) * size]))
         return hashes[:num_blocks]

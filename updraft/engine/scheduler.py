@@ -45,15 +45,20 @@ class Scheduler:
         max_model_len: int,
         num_lookahead_tokens: int = 0,
         grammars: Grammars | None = None,
+        long_context_from: int | None = None,
     ) -> None:
         """``grammars``: the state of constrained requests, advanced here as a step's
-        tokens are appended and dropped when a request ends."""
+        tokens are appended and dropped when a request ends. ``long_context_from``: a
+        LongRoPE model's original context. A sequence longer than it is computed with
+        the long frequencies at every position, so a request that grows past it has its
+        KV recomputed, and no verify step reaches past it from below."""
         self.kv = kv_manager
         self.grammars = grammars
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.num_lookahead_tokens = num_lookahead_tokens
+        self.long_context_from = long_context_from
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -114,7 +119,10 @@ class Scheduler:
         context length, and only for a request that decodes."""
         if draft is None or request.num_tokens - request.num_computed_tokens != 1:
             return None
-        keep = max(0, min(room, self.max_model_len - request.num_tokens))
+        limit = self.max_model_len
+        if self.long_context_from is not None and request.num_tokens <= self.long_context_from:
+            limit = self.long_context_from  # drafts past it would need long frequencies
+        keep = max(0, min(room, limit - request.num_tokens))
         if keep == 0:
             return None
         if keep >= len(draft.token_ids):
@@ -175,7 +183,10 @@ class Scheduler:
                 if self.grammars is not None and request.request_id in self.grammars:
                     self.constrained_speculative.record(item.num_drafts, accepted)
             logprobs = None if output.logprobs is None else output.logprobs[row]
+            was_short = not self._is_long(request)
             new_tokens, new_logprobs = self._append(request, output.token_ids[row], logprobs, now)
+            if was_short and self._is_long(request) and not request.finished:
+                self._recompute(request)
             outputs.append(
                 request.take_output(new_tokens, new_logprobs, bool(self.num_lookahead_tokens))
             )
@@ -234,6 +245,17 @@ class Scheduler:
         request.finish_reason = reason
         request.finish_time = time.perf_counter()
         self.requests.pop(request.request_id, None)
+
+    def _is_long(self, request: Request) -> bool:
+        return self.long_context_from is not None and request.num_tokens > self.long_context_from
+
+    def _recompute(self, request: Request) -> None:
+        """Drop a request's KV (and its blocks' prefix-cache keys, which depended on its
+        length) so that its next steps compute every position again: it grew past a
+        LongRoPE model's original context."""
+        self.kv.free(request)
+        request.block_hashes = []
+        request.num_computed_tokens = 0
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)

@@ -114,10 +114,13 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
+        rotary_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden_size] after the final norm."""
+        """Hidden states [num_tokens, hidden_size] after the final norm. ``rotary_rows``:
+        the row of the rotary table each token reads, where it is not its position
+        (LongRoPE: ``step/inputs.py`` ``RotarySwitch``)."""
         hidden = self.model.embed_tokens(input_ids)
-        rotary = self.rotary.lookup(positions, hidden.dtype)
+        rotary = self.rotary.lookup(positions if rotary_rows is None else rotary_rows, hidden.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden = layer(hidden, rotary, kv_cache, metadata)
         return self.model.norm(hidden)

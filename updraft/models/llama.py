@@ -74,4 +74,4 @@ class LlamaForCausalLM(CausalLM):
     ``ModelConfig`` switches on."""
 
     def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
-        super().__init__(config, llama_layer, config.head_dim, max_positions)
+        super().__init__(config, llama_layer, config.rotary_dim, max_positions)

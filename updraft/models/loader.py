@@ -171,11 +171,11 @@ def load_weights(
         for checkpoint_name in names:
             if checkpoint_name.endswith(IGNORED_SUFFIXES) or not select(checkpoint_name):
                 continue
-            target = _target(checkpoint_name, params)
+            target = _target(checkpoint_name, params, modules)
             if target is None:
                 unknown.append(checkpoint_name)
             else:
-                targets[checkpoint_name] = (path, target)
+                targets[checkpoint_name] = (path, _parts(target, modules))
     listed = ", ".join(str(f.name) for f in files)
     if unknown:
         raise ValueError(f"unexpected tensors {sorted(unknown)[:8]} in {listed}")
@@ -193,10 +193,12 @@ def load_weights(
             try:
                 with safe_open(str(path), framework="pt", device="cpu") as reader:
                     for checkpoint_name in names:
-                        target = targets[checkpoint_name]
                         source = reader.get_slice(checkpoint_name)
-                        _fill(params, modules, target[1], source, kept, made)
-                        unfilled.discard(target[1])
+                        parts = targets[checkpoint_name][1]
+                        _check_fused(checkpoint_name, source, parts, modules)
+                        for target, offset in parts:
+                            _fill(params, modules, target, source, kept, made, offset)
+                            unfilled.discard(target)
             except (SafetensorError, OSError, RuntimeError) as error:
                 raise ValueError(f"cannot read weights file {path}: {error}") from error
         if loaded is not None:
@@ -276,7 +278,9 @@ def _describe(name: str, index: Slice) -> str:
     return f"{name}[{index}]" if index else name
 
 
-def _target(checkpoint_name: str, params: dict[str, nn.Parameter]) -> tuple[str, Slice] | None:
+def _target(
+    checkpoint_name: str, params: dict[str, nn.Parameter], modules: dict[str, nn.Module]
+) -> tuple[str, Slice] | None:
     for old, new in RENAMED_MODULES:
         checkpoint_name = checkpoint_name.replace(old, new)
     expert = EXPERT_TENSOR.fullmatch(checkpoint_name)
@@ -291,10 +295,38 @@ def _target(checkpoint_name: str, params: dict[str, nn.Parameter]) -> tuple[str,
         if name in params:
             return name, index
     if checkpoint_name in params:
-        return checkpoint_name, 0
+        module = modules.get(checkpoint_name.rpartition(".")[0])
+        return checkpoint_name, FUSED if isinstance(module, FusedLinear) else 0
     if checkpoint_name == "lm_head.weight" and "lm_head.weight" not in params:
         return "model.embed_tokens.weight", -1  # tied: the checkpoint repeats the embedding
     return None
+
+
+# A checkpoint tensor's place in the model: one slice, or for a checkpoint that fuses
+# the projections itself (Phi-3's qkv_proj, gate_up_proj) every slice of the fused
+# parameter, each at its row offset in the tensor.
+FUSED = -2
+
+
+def _parts(target: tuple[str, Slice], modules: dict[str, nn.Module]):
+    name, index = target
+    if index != FUSED:
+        return [(target, None)]
+    sizes = modules[name.rpartition(".")[0]].split_sizes
+    return [((name, i), sum(sizes[:i])) for i in range(len(sizes))]
+
+
+def _check_fused(checkpoint_name: str, source, parts, modules) -> None:
+    if parts[0][1] is None:
+        return
+    name = parts[0][0][0]
+    sizes = modules[name.rpartition(".")[0]].split_sizes
+    rows = source.get_shape()[0]
+    if rows != sum(sizes):
+        raise ValueError(
+            f"tensor {checkpoint_name} has {rows} rows; the fused {name} has {sum(sizes)} "
+            f"({' + '.join(map(str, sizes))})"
+        )
 
 
 def _part(param: torch.Tensor, module: nn.Module, name: str, index: Slice) -> torch.Tensor:
@@ -318,6 +350,7 @@ def _fill(
     source,  # a safetensors slice: a tensor not yet read
     kept: Shards,
     made: _Made,
+    offset: int | None = None,  # where this slice's rows start in a fused tensor
 ) -> None:
     name, index = target
     if index == -1:
@@ -325,6 +358,9 @@ def _fill(
     param = params[name]
     whole = _part(param, modules[name.rpartition(".")[0]], name, index)
     shape = tuple(source.get_shape())
+    first = offset or 0
+    if offset is not None:
+        shape = (whole.shape[0], *shape[1:])
     if tuple(whole.shape) != shape:
         raise ValueError(f"tensor shape {shape} does not fit {name} {tuple(whole.shape)}")
     keep = kept.get(param)
@@ -333,9 +369,12 @@ def _fill(
         return
     part = _part(own, module, name, index)
     if keep is None or keep.dim is None:
-        part.copy_(source[:])
+        part.copy_(source[:] if offset is None else source[first : first + shape[0]])
         return
     rows = keep.parts[index[1] if isinstance(index, tuple) else index]
     stop = min(rows.stop, shape[keep.dim])  # the last vocabulary shard's padding
-    read = source[rows.start : stop] if keep.dim == 0 else source[:, rows.start : stop]
+    if keep.dim == 0:
+        read = source[first + rows.start : first + stop]
+    else:
+        read = source[first : first + shape[0], rows.start : stop]
     part.narrow(keep.dim, 0, stop - rows.start).copy_(read)

@@ -9,9 +9,18 @@ import torch
 from updraft.config import RopeConfig
 
 
-def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+def inverse_frequencies(rope: RopeConfig, head_dim: int, long: bool = False) -> torch.Tensor:
+    """``long``: LongRoPE's frequencies for a sequence past its original context."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.kind == "longrope":
+        factors = rope.long_factor if long else rope.short_factor
+        if factors is None or len(factors) != head_dim // 2:
+            raise ValueError(
+                f"LongRoPE needs {head_dim // 2} short_factor and long_factor values, one per "
+                f"frequency of its {head_dim} rotary dimensions"
+            )
+        return inv_freq / torch.tensor(factors, dtype=torch.float32)
     if rope.kind == "linear":
         return inv_freq / rope.factor
     if rope.kind == "llama3":
@@ -22,12 +31,19 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 def attention_factor(rope: RopeConfig) -> float:
-    """YaRN's scale of cos and sin (1 for other kinds): given, or 0.1 ln(factor) + 1,
-    or with DeepSeek's ``mscale``/``mscale_all_dim`` the ratio of two such terms."""
-    if rope.kind != "yarn":
+    """YaRN's and LongRoPE's scale of cos and sin (1 for other kinds): given; for
+    LongRoPE sqrt(1 + ln(factor) / ln(original context)); for YaRN 0.1 ln(factor) + 1, or
+    with DeepSeek's ``mscale``/``mscale_all_dim`` the ratio of two such terms."""
+    if rope.kind not in ("yarn", "longrope"):
         return 1.0
     if rope.attention_factor is not None:
         return rope.attention_factor
+    if rope.kind == "longrope":
+        if rope.factor <= 1:
+            return 1.0
+        return math.sqrt(
+            1 + math.log(rope.factor) / math.log(rope.original_max_position_embeddings)
+        )
 
     def mscale(weight: float) -> float:
         return 1.0 if rope.factor <= 1 else 0.1 * weight * math.log(rope.factor) + 1.0
@@ -81,9 +97,17 @@ class RotaryEmbedding(torch.nn.Module):
         # A model built on the meta device (its weights filled from the checkpoint
         # afterwards) still needs its tables: they are made on the CPU and move with it.
         device = torch.get_default_device()
+        # LongRoPE: the short table's rows, then the long one's (``long_offset`` rows on).
+        kinds = (False, True) if rope.kind == "longrope" else (False,)
+        self.long_offset = max_positions if rope.kind == "longrope" else None
         with torch.device("cpu" if device.type == "meta" else device):
             positions = torch.arange(max_positions, dtype=torch.float32)
-            freqs = torch.outer(positions, inverse_frequencies(rope, head_dim))
+            freqs = torch.cat(
+                [
+                    torch.outer(positions, inverse_frequencies(rope, head_dim, long))
+                    for long in kinds
+                ]
+            )
         angles = torch.cat([freqs, freqs], dim=-1)
         scale = attention_factor(rope)
         self.register_buffer("cos", angles.cos() * scale, persistent=False)
@@ -92,13 +116,19 @@ class RotaryEmbedding(torch.nn.Module):
     def lookup(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of shape [num_tokens, 1, head_dim], broadcast over heads."""
+        """cos and sin of shape [num_tokens, 1, head_dim], broadcast over heads.
+        ``positions``: rows of the table (LongRoPE's long rows are ``long_offset`` on)."""
         cos = self.cos.index_select(0, positions).to(dtype)[:, None]
         sin = self.sin.index_select(0, positions).to(dtype)[:, None]
         return cos, sin
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` turned by ``cos``/``sin`` over its leading ``cos.shape[-1]`` dimensions (all
+    of them, unless RoPE is partial); the rest pass through."""
+    dim = cos.shape[-1]
+    if dim < x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :dim], cos, sin), x[..., dim:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin

@@ -40,7 +40,15 @@ from updraft.runner.rejection_sampler import verify_step
 from updraft.runner.sampler import sample
 from updraft.runner.token_mask import mask_logits
 from updraft.step.allowed_tokens import AllowedTokens
-from updraft.step.inputs import GRAPH_INPUTS, ForwardInputs, GraphInput, SamplingInputs, StepInputs
+from updraft.step.inputs import (
+    GRAPH_INPUTS,
+    ROTARY_GRAPH_INPUTS,
+    ForwardInputs,
+    GraphInput,
+    RotarySwitch,
+    SamplingInputs,
+    StepInputs,
+)
 from updraft.step.output import StepOutput
 from updraft.step.prefill_split import PrefillSplit, split_step, splits
 
@@ -247,6 +255,14 @@ class Runner:
         self._count(mode, inputs.request_ids, step, bucket)
         return Forward(logits, hidden if inputs.return_hidden_states else None, mode)
 
+    @property
+    def rotary_switch(self) -> RotarySwitch | None:
+        """How this model's steps pick rotary rows (LongRoPE), else None."""
+        offset = getattr(getattr(self.model, "rotary", None), "long_offset", None)
+        if offset is None:
+            return None
+        return RotarySwitch(self.model_config.rope.original_max_position_embeddings, offset)
+
     def fits_draft_loop(self, num_reqs: int) -> bool:
         return self.captured is not None and self.captured.loop_bucket_for(num_reqs) is not None
 
@@ -404,6 +420,12 @@ def load_runner(
             "sees no CUDA device; use --device cpu, or install a CUDA build (README)"
         )
     dtype = config.compute_dtype(model_config)
+    longrope = model_config.rope.kind == "longrope"
+    if longrope and name != "target":
+        raise ValueError(
+            f"{config.model}: a {name} model with LongRoPE is not supported (its steps would "
+            "need the target's rotary rows)"
+        )
     model = load_model(
         model_config,
         config.model,
@@ -425,6 +447,7 @@ def load_runner(
         place=place,
         splits_prefills=splits_prefills,
         send=send,
+        inputs=ROTARY_GRAPH_INPUTS if longrope else GRAPH_INPUTS,
     )
 
 

@@ -61,6 +61,35 @@ HEAD_GRAPH_INPUTS = (
     *GRAPH_INPUTS,
     GraphInput("hidden_states", ("tokens", "hidden"), pad=0.0, dtype=None),
 )
+# A LongRoPE model's steps also say which row of its rotary table each token reads
+# (``RotarySwitch``).
+ROTARY_GRAPH_INPUTS = (*GRAPH_INPUTS, GraphInput("rotary_rows", ("tokens",), pad=0))
+# Every input any runner may declare: ForwardInputs' fields.
+ALL_GRAPH_INPUTS = (*HEAD_GRAPH_INPUTS, *ROTARY_GRAPH_INPUTS[len(GRAPH_INPUTS) :])
+
+
+class RotarySwitch(NamedTuple):
+    """LongRoPE's choice between its short and long frequencies, as transformers makes
+    it: a sequence of at most ``original`` tokens uses the short ones; a longer one the
+    long ones at every position, its KV recomputed when it grows past ``original``
+    (``Scheduler``: ``long_context_from``). Long rows of the rotary table start at
+    ``long_offset``."""
+
+    original: int
+    long_offset: int
+
+    def is_long(self, request: Request) -> bool:
+        return request.num_tokens > self.original
+
+    def cache_salt(self, request: Request) -> bytes:
+        """What keeps a long sequence's KV apart in the prefix cache from a short one's
+        with the same first tokens."""
+        return b"long-rope" if self.is_long(request) else b""
+
+    def rows(self, positions: torch.Tensor, long: list[bool], lens: list[int]) -> torch.Tensor:
+        """Each token's row: its position, ``long_offset`` on for a long request's."""
+        per_token = torch.repeat_interleave(torch.tensor(long), torch.tensor(lens))
+        return positions + self.long_offset * per_token
 
 
 def graph_input_shape(spec: GraphInput, sizes: dict[str, int]) -> tuple[int, ...]:
@@ -95,6 +124,8 @@ class ForwardInputs:
     # [num_tokens, hidden]: the target's hidden states a draft head reads beside this
     # step's tokens; None for every other model.
     hidden_states: torch.Tensor | None = None
+    # [num_tokens]: the rotary table's row per token, for a LongRoPE model; else None.
+    rotary_rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -177,7 +208,11 @@ class StepInputs:
 
     @classmethod
     def build(
-        cls, plan: StepPlan, positions_per_block: int, return_hidden_states: bool = False
+        cls,
+        plan: StepPlan,
+        positions_per_block: int,
+        return_hidden_states: bool = False,
+        rotary: RotarySwitch | None = None,
     ) -> StepInputs:
         """The step the scheduler planned: each request's next known tokens from its
         first uncomputed one, then the drafts it verifies. Decodes come first."""
@@ -190,11 +225,15 @@ class StepInputs:
                 tokens += draft.token_ids
             # A plain tuple in Query's field order: this runs for every request per step.
             queries.append((request, start, tokens, draft, item.samples))
-        return cls.from_queries(queries, positions_per_block, return_hidden_states)
+        return cls.from_queries(queries, positions_per_block, return_hidden_states, rotary)
 
     @classmethod
     def from_queries(
-        cls, queries: list[Query], positions_per_block: int, return_hidden_states: bool = False
+        cls,
+        queries: list[Query],
+        positions_per_block: int,
+        return_hidden_states: bool = False,
+        rotary: RotarySwitch | None = None,
     ) -> StepInputs:
         """One forward over ``queries``, in order (a proposer's own draft steps).
 
@@ -234,15 +273,21 @@ class StepInputs:
                 drafts.append(draft)
                 logits_indices.extend(range(end_of_queries - 1 - count, end_of_queries))
         sampled = [queries[row][0] for row in rows]
+        positions = long_tensor(positions)
+        rotary_rows = None
+        if rotary is not None:
+            long = [rotary.is_long(q[0]) for q in queries]
+            rotary_rows = rotary.rows(positions, long, [len(q[2]) for q in queries])
         return cls(
             request_ids=[q[0].request_id for q in queries],
             forward=ForwardInputs(
                 input_ids=long_tensor(input_ids),
-                positions=long_tensor(positions),
+                positions=positions,
                 slot_mapping=long_tensor(slot_mapping),
                 block_table=block_table_of([q[0].block_ids for q in queries]),
                 seq_lens=long_tensor(seq_lens),
                 query_start_loc=long_tensor(query_start_loc),
+                rotary_rows=rotary_rows,
             ),
             sampling=SamplingInputs.of(rows, sampled, drafts, logits_indices),
             return_hidden_states=return_hidden_states,

@@ -74,6 +74,9 @@ def split_step(inputs: ForwardInputs, rank: int, size: int, whole_query_len: int
     mine = long_tensor(taken[rank])
     query_start_loc = torch.zeros(len(lens[rank]) + 1, dtype=torch.long)
     torch.cumsum(long_tensor(lens[rank]), 0, out=query_start_loc[1:])
+    rotary_rows = inputs.rotary_rows
+    if rotary_rows is not None:  # a LongRoPE model's: taken with the tokens
+        rotary_rows = pad(rotary_rows[mine], padded, 0)
     local = replace(
         inputs,
         input_ids=pad(inputs.input_ids[mine], padded, 0),
@@ -82,6 +85,9 @@ def split_step(inputs: ForwardInputs, rank: int, size: int, whole_query_len: int
         block_table=inputs.block_table[long_tensor(rows[rank])],
         seq_lens=long_tensor(ends[rank]),
         query_start_loc=query_start_loc,
+        rotary_rows=None
+        if inputs.rotary_rows is None
+        else pad(inputs.rotary_rows[mine], padded, 0),
     )
     return PrefillSplit(local, list(rows[rank]), torch.cat(slots), order)
 

@@ -1,0 +1,148 @@
+"""Phi-3 and Phi-4-mini against transformers: fused qkv and gate/up projections in the
+checkpoint, LongRoPE's short and long frequencies on both sides of the original
+context (as transformers' generate switches them), partial rotary, tensor parallelism,
+and a prefix cache that keeps long-prompt KV apart."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from tests.conftest import TINY
+from tests.helpers import greedy, token_ids
+from tests.probes import logits_of, probed, records
+from updraft import LLM
+
+ORIGINAL = 32  # the original context: prompts and decodes cross it
+# Prompts inside the original context that decode past it, and prompts already past it.
+PROMPTS = [list(range(3, 20)), [200, 17, 9], list(range(40, 80)), [5] * 30 + [6, 7, 8, 9]]
+NEW_TOKENS = 24
+
+
+def make_phi3(directory, partial: float = 1.0, tied: bool = False, seed: int = 0):
+    head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
+    half = int(head_dim * partial) // 2
+    generator = torch.Generator().manual_seed(seed + 1)
+    short = (1 + torch.rand(half, generator=generator)).tolist()
+    long = (1 + 6 * torch.rand(half, generator=generator)).tolist()
+    config = transformers.Phi3Config(
+        **{**TINY, "pad_token_id": None},
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+        original_max_position_embeddings=ORIGINAL,
+        sliding_window=None,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": short,
+            "long_factor": long,
+            "partial_rotary_factor": partial,
+            "original_max_position_embeddings": ORIGINAL,
+        },
+    )
+    torch.manual_seed(seed)
+    transformers.Phi3ForCausalLM(config).eval().save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module", params=["phi3", "phi4-mini"])
+def phi3(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    if request.param == "phi3":
+        return make_phi3(directory)
+    return make_phi3(directory, partial=0.75, tied=True)
+
+
+def generate_logits(model_dir, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy generate with its cache: the prompt in one forward, then a
+    token at a time, LongRoPE switching as the sequence grows."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        out = model.eval().generate(
+            torch.tensor([prompt]),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits)
+
+
+@pytest.mark.parametrize("token_budget", [1024, 10], ids=["whole-prefill", "chunked-prefill"])
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_logits_match_transformers_generate_on_both_sides_of_the_switch(phi3, token_budget, eager):
+    llm = probed(
+        phi3,
+        block_size=4,
+        num_kv_blocks=128,
+        max_num_batched_tokens=token_budget,
+        enforce_eager=eager,
+    )
+    outputs = llm.generate(PROMPTS, greedy(NEW_TOKENS))
+    seen = records(llm)
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        tokens, expected = generate_logits(phi3, prompt)
+        assert list(output.outputs[0].token_ids) == tokens
+        got = logits_of(seen, output)
+        assert (got - expected).abs().max().item() < 1e-4
+    assert ("graph" in llm.engine.stats().steps) != eager
+
+
+def test_a_short_prompt_does_not_reuse_a_long_prompt_s_cached_blocks(phi3):
+    """The same first 16 tokens: as part of a prompt past the original context their KV
+    used the long frequencies, as a short prompt the short ones."""
+    long_prompt, short_prompt = list(range(100, 140)), list(range(100, 116))
+    alone = probed(phi3, block_size=4, num_kv_blocks=128)
+    (expected,) = alone.generate([short_prompt], greedy(8))
+    expected_logits = logits_of(records(alone), expected)
+    shared = probed(phi3, block_size=4, num_kv_blocks=128)
+    shared.generate([long_prompt], greedy(2))
+    (output,) = shared.generate([short_prompt], greedy(8))
+    assert output.outputs[0].token_ids == expected.outputs[0].token_ids
+    torch.testing.assert_close(logits_of(records(shared), output), expected_logits)
+
+
+def test_two_ranks_split_the_fused_projections_like_one_process(phi3, pool):
+    from tests.test_tensor_parallel import run
+
+    _, plain, plain_logits = run(phi3)
+    _, split, split_logits = run(phi3, pool, tensor_parallel_size=2)
+    assert token_ids(split) == token_ids(plain)
+    for ours, reference in zip(split_logits, plain_logits, strict=True):
+        torch.testing.assert_close(ours, reference, atol=1e-4, rtol=0)
+
+
+def test_a_window_shorter_than_the_context_is_refused(tmp_path):
+    make_phi3(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["sliding_window"] = 255  # as Phi-3-mini-4k: 2047 of 4096
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="sliding_window 255"):
+        LLM(tmp_path)
+
+
+def test_a_fused_tensor_of_the_wrong_size_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    make_phi3(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    tensors[name] = tensors[name][:-4]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="qkv_proj"):
+        LLM(tmp_path, enforce_eager=True)
+
+
+def test_speculation_keeps_greedy_output_across_the_switch(phi3):
+    """n-gram drafts on repetitive prompts that decode past the original context: no
+    verify step reaches past it from below, and the switch recomputes the KV."""
+    prompts = [[7, 8, 9] * 8, [11, 12] * 14, list(range(50, 60)) * 2]
+    plain = LLM(phi3, enforce_eager=True).generate(prompts, greedy(NEW_TOKENS))
+    drafted = LLM(phi3, speculative_method="ngram", num_speculative_tokens=4)
+    outputs = drafted.generate(prompts, greedy(NEW_TOKENS))
+    assert token_ids(outputs) == token_ids(plain)
+    assert drafted.engine.stats().speculative.num_draft_tokens > 0
