@@ -14,7 +14,7 @@ here first. Engines run in rounds, in a rotating order; the table shows the best
 and the range. Every engine's tokens are compared with updraft's.
 
     bash benchmarks/peers/setup_vllm.sh; bash benchmarks/peers/setup_llamacpp.sh
-    .venv/bin/python -m benchmarks.bench_peers [--model demo|100m] [--rounds 3] \\
+    .venv/bin/python -m benchmarks.bench_peers [--model demo|100m|moe] [--rounds 3] \\
         [--format float32|bfloat16|float16|int4] [--contention] [--ngram]
 
 ``--format`` runs each engine on the weights users would download or make in that
@@ -36,7 +36,9 @@ import torch
 from safetensors import safe_open
 
 from benchmarks.common import (
+    active_expert_fraction,
     make_random_qwen3,
+    make_random_qwen3_moe,
     markdown_table,
     stored_in,
     stream_bandwidth,
@@ -143,13 +145,17 @@ def decode_bytes(contender: Contender) -> int:
     settings = workload_options(contender.options)
     if contender.engine == "updraft":
         return updraft_weight_bytes(contender.checkpoint, {"dtype": "float32"} | settings)
-    total = 0  # vLLM and transformers: the checkpoint's tensors in the compute dtype
+    # vLLM and transformers: the checkpoint's tensors in the compute dtype, experts' by
+    # the share a token reads.
+    total = 0.0
     itemsize = torch.empty(0, dtype=getattr(torch, settings.get("dtype", "float32"))).itemsize
+    fraction = active_expert_fraction(contender.checkpoint)
     for path in contender.checkpoint.glob("*.safetensors"):
         with safe_open(path, "pt") as file:
             for name in file.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                total += itemsize * int(torch.Size(file.get_slice(name).get_shape()).numel())
-    return total
+                size = itemsize * int(torch.Size(file.get_slice(name).get_shape()).numel())
+                total += size * (fraction if ".experts." in name else 1.0)
+    return int(total)
 
 
 def workload_options(options: list[str]) -> dict[str, object]:
@@ -191,6 +197,8 @@ def run_worker(
 def prepare_model(name: str, work: Path) -> tuple[Path, int]:
     if name == "demo":
         return DEMO_MODEL_DIR, 4096
+    if name == "moe":
+        return make_random_qwen3_moe(work / "qwen3-moe"), 16000
     return make_random_qwen3(work / "qwen3-100m"), 32000
 
 
@@ -221,7 +229,7 @@ def summary(values: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=["demo", "100m"], default="100m")
+    parser.add_argument("--model", choices=["demo", "100m", "moe"], default="100m")
     parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "peers")
     parser.add_argument("--engines", default="updraft,vllm,llama.cpp,transformers")
     parser.add_argument("--format", choices=list(FORMATS), default="float32")

@@ -45,6 +45,36 @@ def make_random_qwen3(
     return directory
 
 
+def make_random_qwen3_moe(directory: Path, seed: int = 0) -> Path:
+    """A Qwen3-MoE-style model with random weights in float32: 8 experts of which 2 are
+    active per token, sized so that a token reads about 110 MB of weights (hidden 512, 8
+    layers, experts of 512 rows, a 16k vocabulary) out of about 310 MB."""
+    import transformers
+
+    if (directory / "config.json").is_file():
+        return directory
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=16000,
+        hidden_size=512,
+        intermediate_size=1024,
+        moe_intermediate_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
 def stream_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     """Bytes per second of reading a large float32 tensor (a sum over it), best of a few."""
     data = torch.ones(int(gib * 2**30) // 4)
@@ -94,19 +124,31 @@ def stored_in(model: Path, dtype: torch.dtype, work: Path) -> Path:
     return out
 
 
+def active_expert_fraction(model: Path) -> float:
+    """The share of a mixture's expert weights one token reads: top-k of the experts (1
+    for a model without experts)."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    return config["num_experts_per_tok"] / experts if experts else 1.0
+
+
 def updraft_weight_bytes(model: Path, engine: dict) -> int:
-    """Bytes an updraft decode step reads: every packed linear's codes, scales and zeros
-    (``engine``: LLM settings)."""
+    """Bytes an updraft decode step reads: every packed linear's codes, scales and zeros,
+    and the active share of the packed experts' (``engine``: LLM settings)."""
     from updraft import LLM
+    from updraft.models.moe import PackedExperts
     from updraft.models.packed_linear import PackedLinear
 
     llm = LLM(model, num_kv_blocks=16, enforce_eager=True, **engine)
     runner = llm.engine._runner  # noqa: SLF001 - a benchmark's look inside
-    total = 0
+    total = 0.0
     for module in runner.model.modules():
         if isinstance(module, PackedLinear):
             total += sum(
                 t.nbytes for t in (module.codes, module.scales, module.zeros) if t is not None
             )
+        elif isinstance(module, PackedExperts):
+            experts = sum(t.nbytes for t in module.buffers())
+            total += experts * active_expert_fraction(model)
     llm.engine.close()
-    return total
+    return int(total)

@@ -29,9 +29,21 @@ def decode_bytes(path: str) -> int:
     embedding (one row a token), which is read whole only as a tied output head."""
     import gguf
 
-    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: int(t.n_bytes) for t in reader.tensors}
     untied = "output.weight" in tensors
-    return sum(n for name, n in tensors.items() if not (untied and name == "token_embd.weight"))
+    fraction = 1.0  # of a mixture's experts, the top k a token reads
+    fields = {name.rsplit(".", 1)[-1]: field for name, field in reader.fields.items()}
+    if "expert_count" in fields:
+        count, used = (int(fields[k].parts[-1][0]) for k in ("expert_count", "expert_used_count"))
+        fraction = used / count
+    return int(
+        sum(
+            n * (fraction if "_exps." in name else 1.0)
+            for name, n in tensors.items()
+            if not (untied and name == "token_embd.weight")
+        )
+    )
 
 
 if __name__ == "__main__":

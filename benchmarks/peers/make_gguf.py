@@ -1,5 +1,7 @@
-"""Write a Llama or Qwen3 checkpoint directory (config.json + safetensors) as a GGUF F32
-file for llama.cpp, with the ``gguf`` package's writer and tensor-name map.
+"""Write a Llama, Qwen3 or Qwen3-MoE checkpoint directory (config.json + safetensors) as
+a GGUF F32 file for llama.cpp, with the ``gguf`` package's writer and tensor-name map.
+A MoE layer's per-expert projections are stacked into one [experts, rows, columns]
+tensor each, as llama.cpp reads them.
 
 llama.cpp's own converter wants a tokenizer it recognises; the benchmark's checkpoints
 have none (prompts are token ids), so the file carries no vocabulary, only its size.
@@ -10,6 +12,7 @@ have none (prompts are token ids), so the file carries no vocabulary, only its s
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -24,16 +27,39 @@ def halves_to_pairs(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
+EXPERT = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``...mlp.experts.E.gate_proj.weight`` for every E -> ``...mlp.experts.gate_proj.weight``
+    [E, rows, columns]; other tensors unchanged."""
+    out, parts = {}, {}
+    for name, array in tensors.items():
+        match = EXPERT.fullmatch(name)
+        if match is None:
+            out[name] = array
+        else:
+            key = f"{match[1]}.{match[3]}.weight"
+            parts.setdefault(key, {})[int(match[2])] = array
+    for key, by_expert in parts.items():
+        out[key] = np.stack([by_expert[e] for e in sorted(by_expert)])
+    return out
+
+
 def main(model_dir: Path, out: Path) -> None:
     config = json.loads((model_dir / "config.json").read_text())
-    arch = {"qwen3": gguf.MODEL_ARCH.QWEN3, "llama": gguf.MODEL_ARCH.LLAMA}.get(
-        config["model_type"]
-    )
+    arch = {
+        "qwen3": gguf.MODEL_ARCH.QWEN3,
+        "llama": gguf.MODEL_ARCH.LLAMA,
+        "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
+    }.get(config["model_type"])
     if arch is None:
-        raise SystemExit(f"only llama and qwen3 are converted, got {config['model_type']}")
+        raise SystemExit(
+            f"only llama, qwen3 and qwen3_moe are converted, got {config['model_type']}"
+        )
     layers = config["num_hidden_layers"]
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    writer = gguf.GGUFWriter(str(out), config["model_type"])
+    writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(layers)
@@ -46,6 +72,11 @@ def main(model_dir: Path, out: Path) -> None:
     writer.add_rope_freq_base(float(theta))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if arch == gguf.MODEL_ARCH.QWEN3MOE:
+        experts = config.get("num_experts") or config["num_local_experts"]
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     writer.add_tokenizer_model("no_vocab")
     writer.add_vocab_size(config["vocab_size"])
 
@@ -53,6 +84,7 @@ def main(model_dir: Path, out: Path) -> None:
     tensors: dict[str, np.ndarray] = {}
     for path in sorted(model_dir.glob("*.safetensors")):
         tensors.update(load_file(path))
+    tensors = stack_experts(tensors)
     for hf_name, array in tensors.items():
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
