@@ -159,3 +159,15 @@ def test_two_ranks_split_the_experts_and_compute_what_one_process_computes(moe_c
     assert token_ids(split) == token_ids(plain)
     for ours, reference in zip(split_logits, plain_logits, strict=True):
         torch.testing.assert_close(ours, reference, atol=1e-4, rtol=0)
+
+
+def test_a_draft_model_keeps_greedy_output(moe_checkpoint):
+    """The model drafting for itself: every draft accepted, the output unchanged."""
+    model_dir = moe_checkpoint[1]
+    prompts = token_prompts(4, seed=5)
+    plain = LLM(model_dir, enforce_eager=True).generate(prompts, greedy(12))
+    drafted = LLM(model_dir, speculative_model=str(model_dir), num_speculative_tokens=3)
+    outputs = drafted.generate(prompts, greedy(12))
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
+    metrics = drafted.engine.stats().speculative
+    assert metrics.num_draft_tokens > 0 and metrics.num_accepted_tokens == metrics.num_draft_tokens

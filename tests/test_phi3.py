@@ -146,3 +146,39 @@ def test_speculation_keeps_greedy_output_across_the_switch(phi3):
     outputs = drafted.generate(prompts, greedy(NEW_TOKENS))
     assert token_ids(outputs) == token_ids(plain)
     assert drafted.engine.stats().speculative.num_draft_tokens > 0
+
+
+def test_an_eagle_head_keeps_greedy_output_across_the_switch(phi3, tmp_path):
+    """A head reads the target's hidden states; its mirror steps follow the target's,
+    the recompute at the switch included."""
+    from tests.heads import eagle_head_checkpoint
+
+    head = eagle_head_checkpoint(tmp_path / "head", phi3)
+    plain = LLM(phi3, enforce_eager=True).generate(PROMPTS, greedy(NEW_TOKENS))
+    drafted = LLM(
+        phi3, speculative_method="eagle", speculative_model=str(head), num_speculative_tokens=3
+    )
+    assert token_ids(drafted.generate(PROMPTS, greedy(NEW_TOKENS))) == token_ids(plain)
+    assert drafted.engine.stats().speculative.num_draft_tokens > 0
+
+
+def test_the_server_serves_a_phi3_checkpoint(tmp_path):
+    import shutil
+
+    import httpx
+
+    from tests.conftest import add_byte_tokenizer
+    from tests.serving import running_server
+    from updraft.config import EngineConfig
+    from updraft.engine.engine import Engine
+    from updraft.serve.serving import ServeSettings
+
+    model = add_byte_tokenizer(make_phi3(tmp_path / "phi3"))
+    shutil.copy(model / "tokenizer.json", tmp_path)  # the byte tokenizer speaks text
+    engine = Engine(EngineConfig(model=str(model), enforce_eager=True))
+    expected = LLM(model, enforce_eager=True).generate("x" * 40, greedy(12))[0].outputs[0]
+    with running_server(ServeSettings(model_name="phi"), engine) as url:
+        body = {"model": "phi", "prompt": "x" * 40, "max_tokens": 12, "temperature": 0}
+        body["ignore_eos"] = True
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+    assert response["choices"][0]["text"] == expected.text
