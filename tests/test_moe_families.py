@@ -150,15 +150,9 @@ def test_a_mixtral_window_shorter_than_the_context_is_refused(tmp_path):
 
 
 def test_two_ranks_split_the_experts_and_compute_what_one_process_computes(moe_checkpoint, pool):
-    from tests.helpers import token_ids
-    from tests.test_tensor_parallel import run
+    from tests.test_tensor_parallel import assert_two_ranks_compute_like_one_process
 
-    _, model_dir = moe_checkpoint
-    _, plain, plain_logits = run(model_dir)
-    _, split, split_logits = run(model_dir, pool, tensor_parallel_size=2)
-    assert token_ids(split) == token_ids(plain)
-    for ours, reference in zip(split_logits, plain_logits, strict=True):
-        torch.testing.assert_close(ours, reference, atol=1e-4, rtol=0)
+    assert_two_ranks_compute_like_one_process(moe_checkpoint[1], pool)
 
 
 def test_a_draft_model_keeps_greedy_output(moe_checkpoint):

@@ -107,13 +107,9 @@ def test_a_short_prompt_does_not_reuse_a_long_prompt_s_cached_blocks(phi3):
 
 
 def test_two_ranks_split_the_fused_projections_like_one_process(phi3, pool):
-    from tests.test_tensor_parallel import run
+    from tests.test_tensor_parallel import assert_two_ranks_compute_like_one_process
 
-    _, plain, plain_logits = run(phi3)
-    _, split, split_logits = run(phi3, pool, tensor_parallel_size=2)
-    assert token_ids(split) == token_ids(plain)
-    for ours, reference in zip(split_logits, plain_logits, strict=True):
-        torch.testing.assert_close(ours, reference, atol=1e-4, rtol=0)
+    assert_two_ranks_compute_like_one_process(phi3, pool)
 
 
 def test_a_window_shorter_than_the_context_is_refused(tmp_path):

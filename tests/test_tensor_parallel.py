@@ -39,6 +39,15 @@ def run(checkpoint, pool=None, **args):
     return llm, outputs, [logits_of(seen, output) for output in outputs]
 
 
+def assert_two_ranks_compute_like_one_process(checkpoint, pool, **args) -> None:
+    """Greedy tokens identical, logits within 1e-4, over TP=2 and one process."""
+    _, plain, plain_logits = run(checkpoint, **args)
+    _, split, split_logits = run(checkpoint, pool, tensor_parallel_size=2, **args)
+    assert token_ids(split) == token_ids(plain)
+    for ours, reference in zip(split_logits, plain_logits, strict=True):
+        torch.testing.assert_close(ours, reference, atol=1e-4, rtol=0)
+
+
 @pytest.fixture(scope="module")
 def odd_vocabulary(tmp_path_factory):
     """A Llama whose 257-token vocabulary does not split evenly over 2 ranks."""
