@@ -236,7 +236,7 @@ def test_without_drafts_a_seeded_row_samples_what_the_plain_sampler_would():
     logits = torch.randn(4, 100)
     params = [SamplingParams(temperature=0.8, top_p=0.9)] * 4
     seeds = [11, 12, 13, 14]
-    plain, _ = sample(logits, batch_of(params, seeds))
+    plain, *_ = sample(logits, batch_of(params, seeds))
     result = verify(
         logits[:, None], torch.empty(4, 0, dtype=torch.long), [0] * 4, None, batch_of(params, seeds)
     )

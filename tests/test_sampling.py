@@ -31,7 +31,8 @@ from updraft.step.sampling_batch import SamplingBatch
         ("stop", [""]),
         ("stop_token_ids", [-1]),
         ("ignore_eos", "yes"),
-        ("logprobs", 1),
+        ("logprobs", 21),
+        ("logprobs", "5"),
     ],
 )
 def test_invalid_sampling_params_name_the_field(field, value):
@@ -123,7 +124,7 @@ def test_samples_follow_the_filtered_distribution(params):
     trials = 40_000
     batch = batch_of(*[params] * trials)
     expected = filtered_probs(logits, batch_of(params))[0]
-    tokens, _ = sample(logits.expand(trials, -1), batch, torch.Generator().manual_seed(1))
+    tokens, *_ = sample(logits.expand(trials, -1), batch, torch.Generator().manual_seed(1))
     empirical = torch.bincount(tokens, minlength=8).float() / trials
     total_variation = 0.5 * (empirical - expected).abs().sum().item()
     assert total_variation < 0.015
@@ -133,7 +134,7 @@ def test_samples_follow_the_filtered_distribution(params):
 def test_greedy_rows_take_the_argmax():
     logits = torch.randn(3, 10)
     batch = batch_of(SamplingParams(temperature=0), SamplingParams(), SamplingParams(temperature=0))
-    tokens, _ = sample(logits, batch)
+    tokens, *_ = sample(logits, batch)
     assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
 
 

@@ -91,6 +91,7 @@ class OutputSoFar(NamedTuple):
     num_text_pieces: int
     logprobs: list[float] | None
     num_logprobs: int
+    top_logprobs: list[dict[int, float]] | None = None  # as long as logprobs
 
 
 NOTHING_YET = OutputSoFar([], 0, 0, [], 0, None, 0)
@@ -102,6 +103,8 @@ class CompletionOutput:
     delta_text: str = ""  # what is new since the previous output of this request
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[float] | None = None
+    # Per new token: the likeliest tokens and their logprobs (SamplingParams.logprobs=k).
+    delta_top_logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     so_far: OutputSoFar = field(default=NOTHING_YET, repr=False)
@@ -121,6 +124,14 @@ class CompletionOutput:
         if self.so_far.logprobs is None:
             return None
         return self.so_far.logprobs[: self.so_far.num_logprobs]
+
+    @property
+    def top_logprobs(self) -> list[dict[int, float]] | None:
+        """Per output token, the k likeliest tokens (``SamplingParams.logprobs=k``) and
+        their log-probabilities; None unless asked for."""
+        if self.so_far.top_logprobs is None:
+            return None
+        return self.so_far.top_logprobs[: self.so_far.num_logprobs]
 
 
 @dataclass(slots=True)
@@ -153,3 +164,32 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None
+
+
+def merge_outputs(latest: list[RequestOutput]) -> RequestOutput:
+    """One request's sequences (``n > 1``) as one output: each sequence's latest output
+    in ``latest``, any order; the completions come in index order, the output tokens
+    are counted over all of them, and the first error found is the request's."""
+    latest = sorted(latest, key=lambda output: output.outputs[0].index)
+    first = latest[0]
+    if len(latest) == 1:
+        return first
+    times = [o.metrics.first_token_time for o in latest if o.metrics.first_token_time is not None]
+    ends = [o.metrics.finish_time for o in latest if o.metrics.finish_time is not None]
+    metrics = RequestMetrics(
+        arrival_time=first.metrics.arrival_time,
+        first_token_time=min(times, default=None),
+        finish_time=max(ends) if len(ends) == len(latest) else None,
+        num_prompt_tokens=first.metrics.num_prompt_tokens,
+        num_output_tokens=sum(o.metrics.num_output_tokens for o in latest),
+        num_preemptions=sum(o.metrics.num_preemptions for o in latest),
+    )
+    return RequestOutput(
+        request_id=first.request_id,
+        prompt=first.prompt,
+        prompt_token_ids=first.prompt_token_ids,
+        outputs=[o.outputs[0] for o in latest],
+        finished=any(o.finished for o in latest),  # only the last sequence's says so
+        metrics=metrics,
+        error=next((o.error for o in latest if o.error is not None), None),
+    )

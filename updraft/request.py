@@ -45,6 +45,8 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.perf_counter)
     detokenizer: Detokenizer = field(default_factory=lambda: Detokenizer(None, [], []))
+    # bad_words as token sequences: the last token is banned where the rest ends the output.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     token_ids: list[int] = field(init=False)  # prompt then output, appended in place
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
@@ -56,6 +58,7 @@ class Request:
     stop_reason: int | str | None = None
     error: str | None = None
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # when k were asked
     generator: torch.Generator | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -92,11 +95,17 @@ class Request:
         """The output for what is new since the last one: it takes the text decoded
         since then. Whole-sequence fields are read lazily from the append-only lists."""
         delta_text = self.detokenizer.take(self.finished)
-        wants_logprobs = self.sampling_params.logprobs
+        wants_logprobs = self.sampling_params.returns_logprobs
+        wants_top = wants_logprobs and self.sampling_params.num_top_logprobs > 0
         completion = CompletionOutput(
             delta_text=delta_text,
             delta_token_ids=delta_token_ids,
             delta_logprobs=delta_logprobs if wants_logprobs else None,
+            delta_top_logprobs=(
+                self.top_logprobs[len(self.top_logprobs) - len(delta_token_ids) :]
+                if wants_top
+                else None
+            ),
             finish_reason=None if self.finish_reason is None else str(self.finish_reason),
             stop_reason=self.stop_reason,
             so_far=OutputSoFar(
@@ -107,6 +116,7 @@ class Request:
                 len(self.detokenizer.pieces),
                 self.logprobs if wants_logprobs else None,
                 len(self.logprobs),
+                self.top_logprobs if wants_top else None,
             ),
         )
         return RequestOutput(

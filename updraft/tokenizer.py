@@ -45,8 +45,8 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text).ids
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 
 # Ids that still decode to no complete character after this many are invalid bytes: they
@@ -67,11 +67,21 @@ class Detokenizer:
     Stop strings are found by one Aho-Corasick automaton over the new text and the held
     back characters, so a token costs the same whether a request has one stop string or
     many. The first stop string the text completes ends it (the longest, if several end
-    at the same character), and the text is cut just before that string.
+    at the same character), and the text is cut just before that string (after it, with
+    ``include_stop``).
     """
 
-    def __init__(self, tokenizer: Tokenizer | None, prompt_ids: list[int], stop: list[str]):
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        prompt_ids: list[int],
+        stop: list[str],
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
+    ):
         self.tokenizer = tokenizer
+        self.include_stop = include_stop
+        self.skip_special_tokens = skip_special_tokens
         self.stream = None if tokenizer is None else self._stream(prompt_ids)
         self.held: list[int] = []  # ids the stream has not turned into text yet
         self.pending = ""  # decoded text not yet taken
@@ -80,13 +90,15 @@ class Detokenizer:
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.stopped = False  # a stop string was found; nothing more is added
 
-    @staticmethod
-    def _stream(context_ids: list[int]) -> DecodeStream:
-        return DecodeStream(ids=list(context_ids[-CONTEXT_IDS:]), skip_special_tokens=True)
+    def _stream(self, context_ids: list[int]) -> DecodeStream:
+        return DecodeStream(
+            ids=list(context_ids[-CONTEXT_IDS:]), skip_special_tokens=self.skip_special_tokens
+        )
 
-    def add(self, token_id: int) -> str | None:
+    def add(self, token_id: int, find_stops: bool = True) -> str | None:
         """Append one id; returns the stop string if the text now contains one (the text
-        is then cut just before it)."""
+        is then cut there). ``find_stops`` False (before min_tokens): none is looked for
+        in this id's text."""
         if self.stream is None or self.stopped:
             return None
         piece = self.stream.step(self.tokenizer.backend, token_id)
@@ -94,12 +106,12 @@ class Detokenizer:
             self.held.append(token_id)
             if len(self.held) < MAX_PENDING_IDS:
                 return None
-            piece = self.tokenizer.decode(self.held)
+            piece = self.tokenizer.decode(self.held, self.skip_special_tokens)
             self.stream = self._stream(self.held)
         self.held = []
         start = max(len(self.pending) - self.hold, 0)
         self.pending += piece
-        if self.matcher is None:
+        if self.matcher is None or not find_stops:
             return None
         matches = self.matcher.iter(self.pending, start)
         first_end, stop = next(matches, (None, None))
@@ -109,7 +121,7 @@ class Detokenizer:
             if end != first_end:
                 break
             stop = max(stop, other, key=len)
-        self.pending = self.pending[: first_end + 1 - len(stop)]
+        self.pending = self.pending[: first_end + 1 - (0 if self.include_stop else len(stop))]
         self.stopped = True
         return stop
 
@@ -117,7 +129,7 @@ class Detokenizer:
         """New text since the last call, holding back a possible stop-string start. When
         the request has finished, ids held back as incomplete characters are flushed."""
         if finished and self.held and not self.stopped:
-            self.pending += self.tokenizer.decode(self.held)
+            self.pending += self.tokenizer.decode(self.held, self.skip_special_tokens)
             self.held = []
         end = len(self.pending) if finished else max(len(self.pending) - self.hold, 0)
         piece, self.pending = self.pending[:end], self.pending[end:]

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from updraft.config import EngineConfig, ModelConfig
+from updraft.engine.families import Families, child_id
 from updraft.engine.grammar_compiler import GrammarCompiler
 from updraft.engine.grammars import Grammars
 from updraft.engine.kv_blocks import BlockPool, KVCacheManager
@@ -109,6 +110,7 @@ class Engine:
         self._grammars = self._make_grammars(config)
         # Constrained requests whose grammar is still compiling: scheduled once it has.
         self._compiling: dict[str, tuple[Request, futures.Future]] = {}
+        self._families = Families()  # requests with n > 1
         self._scheduler = Scheduler(
             # LongRoPE's long sequences are computed otherwise: cached apart.
             KVCacheManager(pool, None if self._rotary is None else self._rotary.cache_salt),
@@ -208,23 +210,68 @@ class Engine:
         request_id: str | None = None,
     ) -> str:
         """Queue a request; returns its id. A prompt the engine cannot serve finishes at
-        once with an error output instead of raising."""
+        once with an error output instead of raising. With ``params.n > 1`` its n
+        sequences come out under this id, each with its ``index`` (engine/families.py)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self._scheduler.requests or request_id in self._compiling:
+        if self._in_use(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.n == 1:
+            self._add_sequence(prompt, params, request_id)
+            return request_id
+        ids = [child_id(request_id, index) for index in range(params.n)]
+        if any(self._in_use(i) for i in ids):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._families.add(request_id, params.n)
+        # Held until the first has prefilled, so they find its blocks in the prefix cache.
+        hold = self.config.enable_prefix_caching and params.structured_outputs is None
+        for index, sequence_id in enumerate(ids):
+            seed = None if params.seed is None else (params.seed + index) % 2**64
+            sequence = replace(params, n=1, seed=seed)
+            held = self._add_sequence(prompt, sequence, sequence_id, hold=hold and index > 0)
+            if held is not None:
+                self._families.hold(request_id, held)
+        return request_id
+
+    def _in_use(self, request_id: str) -> bool:
+        return (
+            request_id in self._scheduler.requests
+            or request_id in self._compiling
+            or request_id in self._families
+        )
+
+    def _add_sequence(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        hold: bool = False,
+    ) -> Request | None:
+        """Make and queue one sequence's request; with ``hold``, return it instead of
+        scheduling it (when it is servable)."""
         text = prompt if isinstance(prompt, str) else None
         if text is None and len(prompt) >= self.max_model_len:
             # Refused at the cost of len(), before a look at each of a huge list's ids.
             token_ids, error = [], self._check_length(len(prompt))
         else:
             token_ids, error = self._prompt_token_ids(prompt)
+            if params.truncate_prompt_tokens is not None:
+                token_ids = token_ids[-params.truncate_prompt_tokens :]
             error = error or self._check_length(len(token_ids))
+        error = error or self._check_token_fields(params)
+        bad_words, bad_words_error = self._bad_words_token_ids(params.bad_words)
+        error = error or bad_words_error
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
-        detokenizer = Detokenizer(self.tokenizer, token_ids, params.stop)
+        detokenizer = Detokenizer(
+            self.tokenizer,
+            token_ids,
+            params.stop,
+            params.include_stop_str_in_output,
+            params.skip_special_tokens,
+        )
         request = Request(
-            request_id, text, token_ids, params, eos, time.perf_counter(), detokenizer
+            request_id, text, token_ids, params, eos, time.perf_counter(), detokenizer, bad_words
         )
         spec = params.structured_outputs
         if error is None and spec is not None and self._grammars is None:
@@ -236,9 +283,11 @@ class Engine:
             self._pending_outputs.append(self._scheduler.finish(request, FinishReason.ERROR))
         elif spec is not None:
             self._compiling[request_id] = (request, self._grammars.compiler.submit(spec))
+        elif hold:
+            return request
         else:
             self._scheduler.add(request)
-        return request_id
+        return None
 
     @property
     def grammar_compiler(self) -> GrammarCompiler | None:
@@ -288,6 +337,36 @@ class Engine:
             return [], "prompt is empty"
         return token_ids, None
 
+    def _check_token_fields(self, params: SamplingParams) -> str | None:
+        """Token ids a request names must be in the model's vocabulary."""
+        vocab = self.model_config.vocab_size
+        for name, ids in (
+            ("logit_bias", params.logit_bias or ()),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                return f"{name}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+        return None
+
+    def _bad_words_token_ids(
+        self, words: list[str]
+    ) -> tuple[tuple[tuple[int, ...], ...], str | None]:
+        """Each bad word as the model would write it, alone and after a space (as vLLM
+        does: a word inside a sentence tokenizes with its leading space)."""
+        if not words:
+            return (), None
+        if self.tokenizer is None:
+            return (), f"bad_words: {self.config.model} has no tokenizer.json to spell them"
+        sequences = []
+        for word in words:
+            for spelling in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(spelling))
+                if ids and ids not in sequences and max(ids) < self.model_config.vocab_size:
+                    sequences.append(ids)
+        return tuple(sequences), None
+
     def _check_length(self, num_prompt_tokens: int) -> str | None:
         if num_prompt_tokens < self.max_model_len:
             return None
@@ -299,6 +378,11 @@ class Engine:
         return f"prompt of {num_prompt_tokens} tokens leaves no room to generate within {limit}"
 
     def abort(self, request_id: str) -> bool:
+        if request_id in self._families:
+            for request in self._families.take_held(request_id):
+                self._pending_outputs.append(self._scheduler.finish(request, FinishReason.ABORT))
+            aborted = [self.abort(child) for child in self._families.children(request_id)]
+            return any(aborted)
         if request_id in self._compiling:
             request, future = self._compiling.pop(request_id)
             future.cancel()
@@ -313,7 +397,10 @@ class Engine:
     @property
     def has_unfinished(self) -> bool:
         return (
-            self._scheduler.has_unfinished or bool(self._pending_outputs) or bool(self._compiling)
+            self._scheduler.has_unfinished
+            or bool(self._pending_outputs)
+            or bool(self._compiling)
+            or bool(self._families.num_held)
         )
 
     # -- stepping ----------------------------------------------------------------------
@@ -324,11 +411,13 @@ class Engine:
         outputs, self._pending_outputs = self._pending_outputs, []
         if self._compiling:
             outputs += self._admit_compiled(wait=not self._scheduler.has_unfinished)
+        for request in self._families.released(self._scheduler.requests):
+            self._scheduler.add(request)
         clock = self._clock.start()
         plan = self._scheduler.schedule(self._drafts)
         clock.lap("schedule")
         if not plan.scheduled:
-            return outputs
+            return self._families.relabel(outputs)
         self._threads.adjust()
         inputs = StepInputs.build(
             plan, self.config.positions_per_block, self._wants_hidden_states, self._rotary
@@ -344,7 +433,7 @@ class Engine:
         if self._proposer is not None:
             self._drafts = self._proposer.propose(inputs, result, self._scheduler.drafting())
             clock.lap("propose")
-        return outputs
+        return self._families.relabel(outputs)
 
     def stats(self) -> EngineStats:
         """A snapshot: queue lengths, KV blocks, how steps ran, speculative acceptance."""

@@ -12,7 +12,7 @@ from updraft.config import EngineConfig
 from updraft.demo import DEMO_MODEL_DIR
 from updraft.engine.engine import Engine
 from updraft.engine.workers import WorkerPool
-from updraft.outputs import RequestOutput
+from updraft.outputs import RequestOutput, merge_outputs
 from updraft.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -50,13 +50,13 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order."""
-        finals: dict[str, RequestOutput] = {}
+        """Run every prompt to completion; outputs come back in prompt order, each with
+        its ``n`` completions in index order."""
+        latest: dict[str, dict[int, RequestOutput]] = {}
         request_ids = self._add(prompts, sampling_params)
         for output in self._run(request_ids):
-            if output.finished:
-                finals[output.request_id] = output
-        return [finals[request_id] for request_id in request_ids]
+            latest.setdefault(output.request_id, {})[output.outputs[0].index] = output
+        return [merge_outputs(list(latest[request_id].values())) for request_id in request_ids]
 
     def chat(
         self,

@@ -183,8 +183,11 @@ class Scheduler:
                 if self.grammars is not None and request.request_id in self.grammars:
                     self.constrained_speculative.record(item.num_drafts, accepted)
             logprobs = None if output.logprobs is None else output.logprobs[row]
+            top = None if output.top_logprobs is None else output.top_logprobs[row]
             was_short = not self._is_long(request)
-            new_tokens, new_logprobs = self._append(request, output.token_ids[row], logprobs, now)
+            new_tokens, new_logprobs = self._append(
+                request, output.token_ids[row], logprobs, top, now
+            )
             if was_short and self._is_long(request) and not request.finished:
                 self._recompute(request)
             outputs.append(
@@ -193,17 +196,26 @@ class Scheduler:
         return outputs
 
     def _append(
-        self, request: Request, token_ids: list[int], logprobs: list[float] | None, now: float
+        self,
+        request: Request,
+        token_ids: list[int],
+        logprobs: list[float] | None,
+        top: list[dict[int, float]] | None,
+        now: float,
     ) -> tuple[list[int], list[float] | None]:
         """Append tokens in order until one ends the request; returns those appended."""
         if request.first_token_time is None:
             request.first_token_time = now
-        keep_logprobs = logprobs is not None and request.sampling_params.logprobs
+        keep_logprobs = logprobs is not None and request.sampling_params.returns_logprobs
+        k = request.sampling_params.num_top_logprobs
+        keep_top = keep_logprobs and top is not None and k > 0
         constrained = self.grammars is not None and request.request_id in self.grammars
         for count, token_id in enumerate(token_ids, start=1):
             request.token_ids.append(token_id)
             if keep_logprobs:
                 request.logprobs.append(logprobs[count - 1])
+            if keep_top:  # the step's rows carry its largest ask: this request's k first
+                request.top_logprobs.append(dict(list(top[count - 1].items())[:k]))
             reason = stop_condition(request, token_id, self.max_model_len)
             if reason is None and constrained:
                 reason = self._advance_grammar(request, token_id)

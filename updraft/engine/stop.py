@@ -10,15 +10,21 @@ def stop_condition(request: Request, token_id: int, max_model_len: int) -> Finis
     the request ends here; a stop sets ``request.stop_reason`` to what matched (None for
     EOS, the token id, or the stop string)."""
     params = request.sampling_params
-    stop_string = request.detokenizer.add(token_id)
+    # Before min_tokens nothing stops a request but its length (as vLLM: the EOS and
+    # stop tokens are masked then, and stop strings are not looked for).
+    early = request.num_output_tokens < params.min_tokens
+    stop_string = request.detokenizer.add(token_id, find_stops=not early)
+    if early or not (
+        token_id in request.eos_token_ids
+        or token_id in params.stop_token_set
+        or stop_string is not None
+    ):
+        too_long = request.num_output_tokens >= params.max_tokens
+        return FinishReason.LENGTH if too_long or request.num_tokens >= max_model_len else None
     if token_id in request.eos_token_ids:
         request.stop_reason = None
     elif token_id in params.stop_token_set:
         request.stop_reason = token_id
-    elif stop_string is not None:
-        request.stop_reason = stop_string
-    elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:
-        return FinishReason.LENGTH
     else:
-        return None
+        request.stop_reason = stop_string
     return FinishReason.STOP

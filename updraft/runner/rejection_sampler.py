@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from updraft.runner.sampler import exponential_noise, filtered_probs
+from updraft.runner.sampler import TopLogprobs, exponential_noise, filtered_probs, top_logprobs
 from updraft.sampling_params import SamplingParams
 from updraft.step.inputs import SamplingInputs
 from updraft.step.sampling_batch import SamplingBatch
@@ -34,6 +34,8 @@ class VerifyResult:
     num_accepted: list[int]
     # log_softmax of the raw target logits at each emitted token; None unless asked for.
     logprobs: list[list[float]] | None
+    # The likeliest tokens at each emitted token, where some request asked for them.
+    top_logprobs: list[list[TopLogprobs]] | None = None
 
 
 def verify_step(
@@ -153,13 +155,16 @@ def verify(
     lengths = [n + 1 for n in num_accepted.tolist()]
     token_rows = emitted.tolist()
     token_ids = [row[:n] for row, n in zip(token_rows, lengths, strict=True)]
-    logprobs = None
+    logprobs = top = None
     if batch.want_logprobs:
         model = target_logits if raw_target_logits is None else raw_target_logits
         raw = model.gather(-1, emitted[..., None])[..., 0]
         raw = raw - model.logsumexp(dim=-1)
         logprobs = [row[:n] for row, n in zip(raw.tolist(), lengths, strict=True)]
-    return VerifyResult(token_ids, [n - 1 for n in lengths], logprobs)
+        if batch.num_top_logprobs:
+            flat = top_logprobs(model.flatten(0, 1), batch.num_top_logprobs)
+            top = [flat[b * num_positions : b * num_positions + n] for b, n in enumerate(lengths)]
+    return VerifyResult(token_ids, [n - 1 for n in lengths], logprobs, top)
 
 
 def sample_draft(

@@ -34,10 +34,11 @@ from updraft.models.tensor_parallel import local_config
 from updraft.parallel.topology import GroupRank, ParallelSizes, RankPlace, rank_device
 from updraft.runner.captured import Bucket, CapturedSteps
 from updraft.runner.draft_loop import DraftLoopInputs
+from updraft.runner.logits_processors import adjust_logits
 from updraft.runner.probe import Probe
 from updraft.runner.rank_messages import HiddenRows, Send, loop_message, step_message
 from updraft.runner.rejection_sampler import verify_step
-from updraft.runner.sampler import sample
+from updraft.runner.sampler import TopLogprobs, sample
 from updraft.runner.token_mask import mask_logits
 from updraft.step.allowed_tokens import AllowedTokens
 from updraft.step.inputs import (
@@ -63,6 +64,7 @@ class Tokens(NamedTuple):
     token_ids: list[list[int]]
     num_accepted: list[int]
     logprobs: list[list[float]] | None
+    top_logprobs: list[list[TopLogprobs]] | None = None
 
 
 class Runner:
@@ -202,12 +204,18 @@ class Runner:
             torch.cuda.synchronize(self.device)
         forward_seconds = time.perf_counter() - start
         constraint = None if allowed is None else allowed.result()
+        adjustments = inputs.sampling.adjustments
         logits, raw_logits = forward.logits, None
+        # The model's own logits are kept only where logprobs are read from them.
+        keep = inputs.sampling.batch.want_logprobs
         if constraint is not None:
-            # The model's own logits are kept only where logprobs are read from them.
-            keep = inputs.sampling.batch.want_logprobs
-            logits = mask_logits(forward.logits, constraint, in_place=not keep)
-            raw_logits = forward.logits if keep else None
+            logits = mask_logits(logits, constraint, in_place=not keep)
+        if not adjustments.empty:
+            logits = adjust_logits(
+                logits, adjustments, in_place=logits is not forward.logits or not keep
+            )
+        if keep and logits is not forward.logits:
+            raw_logits = forward.logits
         tokens = self.sample(logits, inputs.sampling, raw_logits)
         request_ids = [inputs.request_ids[row] for row in inputs.sampling.rows]
         if self.probe is not None:
@@ -218,6 +226,7 @@ class Runner:
             token_ids=tokens.token_ids,
             num_accepted=tokens.num_accepted,
             logprobs=tokens.logprobs,
+            top_logprobs=tokens.top_logprobs,
             hidden_states=forward.hidden_states,
             forward_seconds=forward_seconds,
             mode=forward.mode,
@@ -306,12 +315,15 @@ class Runner:
         ``raw_logits`` (the model's, where ``logits`` were masked) when given."""
         if any(sampling.num_drafts):
             result = verify_step(logits, sampling, self.generator, raw_logits)
-            return Tokens(result.token_ids, result.num_accepted, result.logprobs)
-        tokens, logprobs = sample(logits, sampling.batch, self.generator, raw_logits)
+            return Tokens(
+                result.token_ids, result.num_accepted, result.logprobs, result.top_logprobs
+            )
+        tokens, logprobs, top = sample(logits, sampling.batch, self.generator, raw_logits)
         return Tokens(
             [[token] for token in tokens.tolist()],
             [0] * len(sampling.batch),
             None if logprobs is None else [[lp] for lp in logprobs.tolist()],
+            None if top is None else [[row] for row in top],
         )
 
     def close(self) -> None:

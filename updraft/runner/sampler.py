@@ -100,15 +100,28 @@ def exponential_noise(
     return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
 
 
+TopLogprobs = list[dict[int, float]]  # per token: the likeliest tokens and their logprobs
+
+
+def top_logprobs(model_logits: torch.Tensor, k: int) -> list[TopLogprobs]:
+    """[N, V] -> per row, the k likeliest tokens and their log-probabilities."""
+    values, ids = model_logits.topk(k, dim=-1)
+    values = values - model_logits.logsumexp(dim=-1, keepdim=True)
+    return [
+        dict(zip(row_ids, row_values, strict=True))
+        for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)
+    ]
+
+
 def sample(
     logits: torch.Tensor,
     batch: SamplingBatch,
     generator: torch.Generator | None = None,
     raw_logits: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None, list[TopLogprobs] | None]:
     """logits [B, V] float32 -> (token ids [B], logprobs of those tokens under the raw
     model distribution, ``raw_logits`` where given, or None when no request asked for
-    them)."""
+    them; the top ``batch.num_top_logprobs`` of that distribution per row, or None)."""
     greedy = logits.argmax(dim=-1)
     if batch.all_greedy:
         tokens = greedy
@@ -117,8 +130,10 @@ def sample(
         noise = exponential_noise(probs.shape, batch, probs.device, generator)
         sampled = (probs / noise).argmax(dim=-1)
         tokens = torch.where(batch.temperature.to(logits.device) > 0, sampled, greedy)
-    logprobs = None
+    logprobs = top = None
     if batch.want_logprobs:
         raw = logits if raw_logits is None else raw_logits
         logprobs = raw.log_softmax(dim=-1).gather(-1, tokens[:, None])[:, 0]
-    return tokens, logprobs
+        if batch.num_top_logprobs:
+            top = top_logprobs(raw, batch.num_top_logprobs)
+    return tokens, logprobs, top

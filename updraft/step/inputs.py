@@ -34,6 +34,11 @@ import torch
 
 from updraft.graph.static_input import LAST, padded
 from updraft.request import Request
+from updraft.step.logits_adjustments import (
+    NO_ADJUSTMENTS,
+    LogitsAdjustments,
+    logits_adjustments,
+)
 from updraft.step.plan import Draft, StepPlan
 from updraft.step.sampling_batch import SamplingBatch
 
@@ -161,6 +166,8 @@ class SamplingInputs:
     draft_token_ids: torch.Tensor  # [sampling requests, most drafts]; 0 past num_drafts
     draft_probs: list[torch.Tensor | None]  # q [num_drafts, vocab], or None: one-hot
     batch: SamplingBatch  # their sampling parameters and generators
+    # What the requests change in their logits rows (penalties, biases, bad words, ...).
+    adjustments: LogitsAdjustments = NO_ADJUSTMENTS
 
     @classmethod
     def of(
@@ -183,6 +190,9 @@ class SamplingInputs:
             draft_probs=[None if draft is None else draft.probs for draft in drafts],
             batch=SamplingBatch(
                 [r.sampling_params for r in requests], [r.generator for r in requests]
+            ),
+            adjustments=logits_adjustments(
+                requests, [[] if draft is None else draft.token_ids for draft in drafts]
             ),
         )
 

@@ -23,3 +23,6 @@ class StepOutput:
     hidden_states: torch.Tensor | None
     forward_seconds: float  # the model forward alone, for host-overhead accounting
     mode: str  # "graph" or "eager (why)"
+    # Per emitted token, the likeliest tokens and their logprobs, where some request
+    # asked for them (as many as the step's largest ask).
+    top_logprobs: list[list[dict[int, float]]] | None = None

@@ -23,7 +23,8 @@ class SamplingBatch:
         self.use_top_k = any(p.top_k > 0 for p in sampled)
         self.use_top_p = any(p.top_p < 1 for p in sampled)
         self.use_min_p = any(p.min_p > 0 for p in sampled)
-        self.want_logprobs = any(p.logprobs for p in params)
+        self.want_logprobs = any(p.returns_logprobs for p in params)
+        self.num_top_logprobs = max((p.num_top_logprobs for p in params), default=0)
 
     def __len__(self) -> int:
         return len(self.params)
