@@ -49,6 +49,12 @@ OPTIONAL_FIELDS = {
     "stream_options": mostly(st.fixed_dictionaries({"include_usage": st.booleans()})),
     "user": mostly(st.text(max_size=8)),
     "ignore_eos": mostly(st.booleans()),
+    "presence_penalty": mostly(st.floats(-3, 3)),
+    "repetition_penalty": mostly(st.floats(-1, 3)),
+    "logit_bias": mostly(st.dictionaries(st.text(max_size=6), st.floats(-200, 200), max_size=3)),
+    "min_tokens": mostly(st.integers(-2, 20)),
+    "bad_words": mostly(st.lists(st.text(max_size=4), max_size=3)),
+    "allowed_token_ids": mostly(st.lists(st.integers(-3, 5000), max_size=3)),
 }
 COMPLETION_FIELDS = {
     "model": mostly(st.just(MODEL)),
@@ -87,6 +93,14 @@ VALID_OPTIONAL = {
     "stop_token_ids": st.lists(st.integers(0, 2**40), max_size=3),
     "stream": st.booleans(),
     "ignore_eos": st.booleans(),
+    "n": st.integers(1, 3),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.01, 3),
+    "logit_bias": st.dictionaries(st.integers(0, 4095).map(str), st.floats(-100, 100), max_size=4),
+    "min_tokens": st.integers(0, 1),
+    "bad_words": st.lists(st.text(min_size=1, max_size=3).filter(str.strip), max_size=2),
+    "allowed_token_ids": st.lists(st.integers(0, 4095), min_size=1, max_size=4),
 }
 VALID_COMPLETION = {
     "model": st.just(MODEL),

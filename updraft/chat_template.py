@@ -89,11 +89,32 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """``tools``: the functions the model may call (OpenAI's shape), for templates
         that describe them; ``template_kwargs``: more variables for the template (Qwen3's
         ``enable_thinking``), which cannot replace the messages, tools or special
-        tokens."""
+        tokens. ``continue_final_message``: the text ends inside the last message, just
+        after its content, so the model goes on with it."""
+        text = self._render(messages, add_generation_prompt, template_kwargs, tools)
+        if not continue_final_message:
+            return text
+        final = messages[-1].get("content") or ""
+        end = text.rfind(final) if final else -1
+        if end < 0:
+            raise ChatTemplateError(
+                "continue_final_message: the final message needs content that the chat "
+                "template writes out"
+            )
+        return text[: end + len(final)]
+
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        template_kwargs: dict[str, Any] | None,
+        tools: list[dict[str, Any]] | None,
+    ) -> str:
         try:
             variables = {
                 **(template_kwargs or {}),

@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from updraft.chat_template import ChatTemplate
 from updraft.engine.engine import Engine
 from updraft.serve.engine_loop import AsyncEngine
-from updraft.serve.errors import error_body, install_error_handlers
+from updraft.serve.errors import APIError, error_body, install_error_handlers
 from updraft.serve.metrics import CONTENT_TYPE, ServerMetrics
 from updraft.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from updraft.serve.serving import OpenAIServing, ServeSettings
@@ -87,6 +87,19 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 @v1.get("/models")
 async def models(request: Request) -> ModelList:
     return ModelList(data=[request.app.state.model_card])
+
+
+@v1.get("/models/{model_id:path}")
+async def model(model_id: str, request: Request) -> ModelCard:
+    card = request.app.state.model_card
+    if model_id != card.id:
+        raise APIError(
+            404,
+            f"model: {model_id[:200]!r} does not exist; this server serves {card.id!r}",
+            param="model",
+            code="model_not_found",
+        )
+    return card
 
 
 @probes.get("/health")

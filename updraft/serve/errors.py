@@ -22,6 +22,7 @@ ERROR_TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     503: "service_unavailable_error",
 }
 
@@ -87,6 +88,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
+        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media_type and media_type != "application/json":
+            message = f"Content-Type must be application/json, got {media_type[:80]!r}"
+            return error_response(APIError(415, message))
         return error_response(validation_error(error))
 
     @app.exception_handler(StarletteHTTPException)

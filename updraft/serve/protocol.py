@@ -1,10 +1,10 @@
 """The OpenAI request and response bodies, as pydantic models.
 
-Requests are validated strictly (``"5"`` is not a number) and unknown fields are
-ignored, as OpenAI-compatible servers commonly do, so clients that send fields updraft
-has no use for (``user``, ``metadata``) still work. Known OpenAI fields that updraft
-cannot honour (``n > 1``, penalties, ``logit_bias``, ``echo``, the legacy ``functions``)
-are refused with a 400 naming the field rather than silently ignored.
+Requests are validated strictly (``"5"`` is not a number). Unknown fields are ignored,
+as OpenAI-compatible servers do, so clients that send fields updraft has no use for
+(``user``, ``metadata``) still work; each unknown name is logged once. Known fields
+that updraft cannot honour (``best_of``, ``suffix``, the legacy ``functions``) are
+refused with a 400 naming the field rather than silently ignored.
 
 Structured outputs come in three shapes, all on both routes: OpenAI's
 ``response_format`` (``json_object``, ``json_schema``), vLLM's ``structured_outputs``
@@ -21,8 +21,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from updraft.sampling_params import SamplingParams
-from updraft.serve.errors import APIError
+from updraft.sampling_params import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
+from updraft.serve.errors import APIError, logger
 from updraft.serve.tools import required_spec
 from updraft.structured_outputs import StructuredOutputsParams
 
@@ -32,6 +32,11 @@ MAX_TOOLS = 128
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # The sampler holds top_k in an int64 tensor; no vocabulary comes near this.
 TOP_K_MAX = 2**31 - 1
+# Sequences one request may start (prompts times n): each holds KV blocks of its own.
+MAX_SEQUENCES = MAX_N
+# Unknown field names are logged once each; past this many distinct names, no more.
+MAX_LOGGED_UNKNOWN = 256
+_logged_unknown: set[str] = set()
 
 
 def _unicode(text: str) -> str:
@@ -57,10 +62,21 @@ class Strict(BaseModel):
 
 class StreamOptions(Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk
+
+
+def log_unknown_fields(names: list[str]) -> None:
+    """Log each unknown request field once (as vLLM warns), bounded against clients
+    that send a new name with every request."""
+    for name in names:
+        if name in _logged_unknown or len(_logged_unknown) >= MAX_LOGGED_UNKNOWN:
+            continue
+        _logged_unknown.add(name)
+        logger.warning("ignoring unknown request field %r (logged once)", name[:80])
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     model: Text
     max_tokens: int | None = None
@@ -72,10 +88,18 @@ class _Request(BaseModel):
     stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = None
+    bad_words: list[Text] | None = None
+    allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    prompt_logprobs: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
@@ -87,13 +111,13 @@ class _Request(BaseModel):
     guided_grammar: Text | None = None
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise APIError(400, "n: only n=1 is supported", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0):
-                raise APIError(400, f"{name}: penalties are not supported", param=name)
-        if self.logit_bias:
-            raise APIError(400, "logit_bias: not supported", param="logit_bias")
+        log_unknown_fields(list(self.model_extra or ()))
+        if self.prompt_logprobs is not None:
+            raise APIError(
+                400,
+                "prompt_logprobs: not supported (logprobs of generated tokens are)",
+                param="prompt_logprobs",
+            )
         if self.stream_options is not None and not self.stream:
             raise APIError(
                 400, "stream_options: only allowed when stream is true", param="stream_options"
@@ -101,6 +125,21 @@ class _Request(BaseModel):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def max_tokens_field(self) -> str:
+        return "max_tokens"
+
+    def token_bias(self) -> dict[int, float] | None:
+        """logit_bias with its keys (token ids written as strings) as ints."""
+        if self.logit_bias is None:
+            return None
+        try:
+            return {int(token): bias for token, bias in self.logit_bias.items()}
+        except ValueError:
+            bad = next(t for t in self.logit_bias if not t.strip().lstrip("-").isdigit())
+            raise APIError(
+                400, f"logit_bias: keys must be token ids, got {bad[:40]!r}", param="logit_bias"
+            ) from None
 
     def structured_outputs_field(self) -> str | None:
         """The field that asks for structured outputs, if any; two are a 400."""
@@ -137,15 +176,16 @@ class _Request(BaseModel):
             raise APIError(400, f"{field}{message}", param=field) from error
 
     def sampling_params(
-        self, default_max_tokens: int, max_tokens_limit: int, logprobs: bool
+        self, default_max_tokens: int, max_tokens_limit: int, logprobs: bool | int
     ) -> SamplingParams:
         max_tokens = self.requested_max_tokens()
         max_tokens = default_max_tokens if max_tokens is None else max_tokens
+        field = self.max_tokens_field()
         if max_tokens > max_tokens_limit:
             raise APIError(
                 400,
-                f"max_tokens: {max_tokens} is more than this server's limit of {max_tokens_limit}",
-                param="max_tokens",
+                f"{field}: {max_tokens} is more than this server's limit of {max_tokens_limit}",
+                param=field,
             )
         values = dict(
             max_tokens=max_tokens,
@@ -156,6 +196,14 @@ class _Request(BaseModel):
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.token_bias(),
+            min_tokens=self.min_tokens,
+            bad_words=self.bad_words,
+            allowed_token_ids=self.allowed_token_ids,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
         structured_outputs = self.structured_outputs_params()
         try:
@@ -164,18 +212,23 @@ class _Request(BaseModel):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 structured_outputs=structured_outputs,
+                n=self.n,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens,
             )
         except ValueError as error:
             # SamplingParams names the field as "SamplingParams.<field> must be ...".
             message = str(error).removeprefix("SamplingParams.")
             param = message.split(" ", 1)[0]
+            if param == "max_tokens":
+                param, message = field, field + message.removeprefix("max_tokens")
             raise APIError(400, message, param=param) from error
 
 
 class CompletionRequest(_Request):
-    # One prompt per request: text, token ids, or a one-element list of either.
+    # Text, token ids, or a list of either: one choice per prompt and per n, in order.
     prompt: Text | list[int] | list[Text] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -185,24 +238,32 @@ class CompletionRequest(_Request):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise APIError(400, "echo: not supported", param="echo")
+        if self.echo and self.logprobs is not None:
+            raise APIError(
+                400,
+                "echo: with logprobs it needs the prompt's logprobs, which are not supported",
+                param="echo",
+            )
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of: only 1 is supported", param="best_of")
         if self.suffix:
             raise APIError(400, "suffix: not supported", param="suffix")
-
-    def single_prompt(self) -> str | list[int]:
-        prompt = self.prompt
-        if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):
-            return prompt
-        if len(prompt) != 1:
+        sequences = len(self.prompts()) * self.n
+        if sequences > MAX_SEQUENCES:
             raise APIError(
                 400,
-                f"prompt: one prompt per request is supported, got a batch of {len(prompt)}",
+                f"prompt: {len(self.prompts())} prompts times n={self.n} are more than the "
+                f"{MAX_SEQUENCES} sequences one request may start",
                 param="prompt",
             )
-        return prompt[0]
+
+    def prompts(self) -> list[str | list[int]]:
+        prompt = self.prompt
+        if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):
+            return [prompt]
+        if not prompt:
+            raise APIError(400, "prompt: the list of prompts is empty", param="prompt")
+        return list(prompt)
 
 
 class TextPart(Strict):
@@ -297,7 +358,9 @@ class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -308,6 +371,15 @@ class ChatCompletionRequest(_Request):
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError(
+                400,
+                "continue_final_message: cannot be true with add_generation_prompt (set it "
+                "to false to continue the final message)",
+                param="continue_final_message",
+            )
         for legacy in ("functions", "function_call"):
             if getattr(self, legacy) is not None:
                 raise APIError(
@@ -366,6 +438,13 @@ class ChatCompletionRequest(_Request):
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
+
+    def max_tokens_field(self) -> str:
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+
+    def logprobs_asked(self) -> bool | int:
+        """SamplingParams.logprobs: False, or the alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else False
 
 
 # vLLM's older fields, and the StructuredOutputsParams field each one is.
@@ -437,8 +516,7 @@ class Usage(BaseModel):
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float] = Field(default_factory=list)
-    # Only the sampled token's log-probability is computed; alternatives are not.
-    top_logprobs: list[dict[str, float]] | None = None
+    top_logprobs: list[dict[str, float]] | None = None  # with logprobs > 0
     text_offset: list[int] = Field(default_factory=list)
 
 
@@ -459,11 +537,17 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
 class ChatLogprob(BaseModel):
     token: str
     logprob: float
     bytes: list[int]
-    top_logprobs: list[dict[str, Any]] = Field(default_factory=list)
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
 class ChatChoiceLogprobs(BaseModel):

@@ -11,7 +11,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi.responses import JSONResponse
 from starlette.responses import StreamingResponse
@@ -20,7 +20,7 @@ from starlette.types import Send
 from updraft.chat_template import ChatTemplate, ChatTemplateError
 from updraft.engine.grammar_compiler import GrammarError
 from updraft.engine.scheduler import STRUCTURED_ERROR
-from updraft.outputs import RequestOutput
+from updraft.outputs import RequestOutput, merge_outputs
 from updraft.sampling_params import SamplingParams
 from updraft.serve.engine_loop import AsyncEngine, EngineDeadError, ShuttingDownError
 from updraft.serve.errors import APIError, error_body
@@ -39,6 +39,8 @@ from updraft.serve.protocol import (
     CompletionRequest,
     CompletionResponse,
     NamedToolChoice,
+    StreamOptions,
+    TopLogprob,
     Usage,
     new_id,
     now,
@@ -102,42 +104,65 @@ class OpenAIServing:
     async def completion(self, body: CompletionRequest) -> JSONResponse | StreamingResponse:
         self._check_model(body.model)
         body.check_supported()
+        explicit = body.requested_max_tokens() is not None
         params = body.sampling_params(
-            COMPLETIONS_DEFAULT_MAX_TOKENS, self.max_tokens_limit, body.logprobs is not None
+            COMPLETIONS_DEFAULT_MAX_TOKENS,
+            self.max_tokens_limit,
+            False if body.logprobs is None else body.logprobs,
         )
         structured_field = body.structured_outputs_field()
         await self._compile(params, structured_field)
-        prompt = await self._tokenized(body.single_prompt(), "prompt")
+        prompts = [await self._tokenized(prompt, "prompt") for prompt in body.prompts()]
         request_id = new_id("cmpl")
-        outputs, first = await self._start(request_id, prompt, params, "prompt", structured_field)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        streams = await self._start_all(
+            request_id,
+            prompts,
+            params,
+            explicit,
+            body.max_tokens_field(),
+            "prompt",
+            structured_field,
+        )
+        echoes = None
+        if body.echo:
+            echoes = [
+                self._echo(text, first, body.truncate_prompt_tokens)
+                for text, (_, first) in zip(body.prompts(), streams, strict=True)
+            ]
+        options = body.stream_options or StreamOptions()
         if body.stream:
             events = self._completion_events(
-                request_id, body.model, first, outputs, include_usage, body.return_token_ids
+                request_id, body.model, streams, body.n, options, body.return_token_ids, echoes
             )
             return ClosingStreamingResponse(_sse(events), media_type="text/event-stream")
-        final = await _last(first, outputs)
-        completion = final.outputs[0]
-        response = CompletionResponse(
-            id=request_id,
-            created=now(),
-            model=body.model,
-            choices=[
-                CompletionChoice(
-                    text=completion.text,
-                    logprobs=self._completion_logprobs(completion.token_ids, completion.logprobs),
-                    finish_reason=completion.finish_reason,
-                    token_ids=list(completion.token_ids) if body.return_token_ids else None,
+        finals = await _finals(streams)
+        choices = []
+        for i, final in enumerate(finals):
+            echo = echoes[i] if echoes else ""
+            for completion in final.outputs:
+                choices.append(
+                    CompletionChoice(
+                        index=i * body.n + completion.index,
+                        text=echo + completion.text,
+                        logprobs=self._completion_logprobs(
+                            completion.token_ids, completion.logprobs, completion.top_logprobs
+                        ),
+                        finish_reason=completion.finish_reason,
+                        token_ids=list(completion.token_ids) if body.return_token_ids else None,
+                    )
                 )
-            ],
-            usage=_usage(final),
+        response = CompletionResponse(
+            id=request_id, created=now(), model=body.model, choices=choices, usage=_usage(finals)
         )
         return JSONResponse(response.model_dump())
 
     async def chat(self, body: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
         self._check_model(body.model)
         body.check_supported()
-        params = body.sampling_params(self.max_tokens_limit, self.max_tokens_limit, body.logprobs)
+        explicit = body.requested_max_tokens() is not None
+        params = body.sampling_params(
+            self.max_tokens_limit, self.max_tokens_limit, body.logprobs_asked()
+        )
         structured_field = "tools" if body.calls_required() else body.structured_outputs_field()
         await self._compile(params, structured_field)
         messages = [m.for_template() for m in body.messages]
@@ -146,36 +171,43 @@ class OpenAIServing:
             prompt = await asyncio.to_thread(
                 self.chat_template.render,
                 messages,
-                True,
+                body.add_generation_prompt,
                 body.chat_template_kwargs,
                 body.template_tools(),
+                body.continue_final_message,
             )
         except ChatTemplateError as error:
             raise APIError(400, f"messages: {error}", param="messages") from error
         prompt = await self._tokenized(prompt, "messages")
         request_id = new_id("chatcmpl")
-        outputs, first = await self._start(request_id, prompt, params, "messages", structured_field)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        replies = self._reply_stream(body)
+        streams = await self._start_all(
+            request_id,
+            [prompt],
+            params,
+            explicit,
+            body.max_tokens_field(),
+            "messages",
+            structured_field,
+        )
+        options = body.stream_options or StreamOptions()
         if body.stream:
-            events = self._chat_events(
-                request_id, body.model, first, outputs, include_usage, replies
-            )
+            events = self._chat_events(request_id, body, streams, options)
             return ClosingStreamingResponse(_sse(events), media_type="text/event-stream")
-        final = await _last(first, outputs)
-        completion = final.outputs[0]
-        logprobs = None
-        if body.logprobs:
-            logprobs = self._chat_logprobs(completion.token_ids, completion.logprobs)
-        content, calls = completion.text, []
-        if replies is not None:
-            content, calls = parse(replies, completion.text)
-        response = ChatCompletionResponse(
-            id=request_id,
-            created=now(),
-            model=body.model,
-            choices=[
+        finals = await _finals(streams)
+        choices = []
+        for completion in finals[0].outputs:
+            logprobs = None
+            if body.logprobs:
+                logprobs = self._chat_logprobs(
+                    completion.token_ids, completion.logprobs, completion.top_logprobs
+                )
+            content, calls = completion.text, []
+            replies = self._reply_stream(body)
+            if replies is not None:
+                content, calls = parse(replies, completion.text)
+            choices.append(
                 ChatChoice(
+                    index=completion.index,
                     message=ChatResponseMessage(
                         content=content if content.strip() or not calls else None,
                         tool_calls=[call.to_openai() for call in calls] or None,
@@ -183,8 +215,9 @@ class OpenAIServing:
                     logprobs=logprobs,
                     finish_reason=_finish_reason(completion.finish_reason, bool(calls)),
                 )
-            ],
-            usage=_usage(final),
+            )
+        response = ChatCompletionResponse(
+            id=request_id, created=now(), model=body.model, choices=choices, usage=_usage(finals)
         )
         return JSONResponse(response.model_dump())
 
@@ -281,98 +314,184 @@ class OpenAIServing:
             raise APIError(400, message, param=field)
         return outputs, first
 
+    async def _start_all(
+        self,
+        request_id: str,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        explicit: bool,
+        max_tokens_field: str,
+        field: str,
+        structured_field: str | None,
+    ) -> list[Started]:
+        """Start one engine request per prompt (each with ``params.n`` sequences); the
+        first refused ends those already started and is the request's 400."""
+        started: list[Started] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                fitted = self._fitted(params, prompt, explicit, max_tokens_field)
+                suffix = "" if len(prompts) == 1 else f"-{i}"
+                started.append(
+                    await self._start(request_id + suffix, prompt, fitted, field, structured_field)
+                )
+        except BaseException:
+            for outputs, _ in started:
+                await outputs.aclose()
+            raise
+        return started
+
+    def _fitted(
+        self, params: SamplingParams, prompt: str | list[int], explicit: bool, field: str
+    ) -> SamplingParams:
+        """``params`` with max_tokens within the context after the prompt: a max_tokens
+        the client gave that does not fit is a 400 naming both numbers; the default one
+        is cut to fit."""
+        if isinstance(prompt, str):
+            return params  # no tokenizer: the engine refuses a text prompt anyway
+        num_prompt = len(prompt)
+        if params.truncate_prompt_tokens is not None:
+            num_prompt = min(num_prompt, params.truncate_prompt_tokens)
+        room = self.max_model_len - num_prompt
+        if room <= 0 or params.max_tokens <= room:
+            return params  # a prompt with no room left is the engine's 400
+        if explicit:
+            raise APIError(
+                400,
+                f"{field}: the prompt's {num_prompt} tokens plus {field}={params.max_tokens} "
+                f"are more than the context length of {self.max_model_len} tokens",
+                param=field,
+            )
+        return replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+
+    def _echo(self, prompt: str | list[int], first: RequestOutput, truncated: int | None) -> str:
+        """The prompt as echoed: the client's text, or its (kept) tokens decoded."""
+        if isinstance(prompt, str) and truncated is None:
+            return prompt
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(first.prompt_token_ids, skip_special_tokens=False)
+
     async def _completion_events(
         self,
         request_id: str,
         model: str,
-        first: RequestOutput,
-        outputs: AsyncIterator[RequestOutput],
-        include_usage: bool,
+        streams: list[Started],
+        n: int,
+        options: StreamOptions,
         return_token_ids: bool,
+        echoes: list[str] | None,
     ) -> AsyncIterator[str]:
         created = now()
-        want_logprobs = first.outputs[0].logprobs is not None
+        want_logprobs = streams[0][1].outputs[0].logprobs is not None
         every_token = want_logprobs or return_token_ids
-        offset = 0
-        async with aclosing(_chain(first, outputs)) as stream:
-            async for output in stream:
+        offsets: dict[int, int] = {}
+        usage = UsageSoFar()
+        async with aclosing(_merged(streams)) as merged:
+            async for i, output in merged:
                 completion = output.outputs[0]
-                if not (completion.delta_text or completion.finish_reason or every_token):
+                index = i * n + completion.index
+                usage.record(i, index, output)
+                text = completion.delta_text
+                if echoes is not None and index not in offsets:
+                    text = echoes[i] + text
+                if not (text or completion.finish_reason or every_token):
                     continue  # text held back: a possible stop string or a partial character
+                offset = offsets.get(index, 0)
                 logprobs = None
                 if want_logprobs and completion.delta_token_ids:
-                    delta = completion.delta_token_ids
-                    logprobs = self._completion_logprobs(delta, completion.delta_logprobs, offset)
-                offset += len(completion.delta_text)
+                    logprobs = self._completion_logprobs(
+                        completion.delta_token_ids,
+                        completion.delta_logprobs,
+                        completion.delta_top_logprobs,
+                        offset + len(text) - len(completion.delta_text),
+                    )
+                offsets[index] = offset + len(text)
                 choice = CompletionChoice(
-                    text=completion.delta_text,
+                    index=index,
+                    text=text,
                     logprobs=logprobs,
                     finish_reason=completion.finish_reason,
                     token_ids=list(completion.delta_token_ids) if return_token_ids else None,
                 )
                 chunk = CompletionResponse(
-                    id=request_id, created=created, model=model, choices=[choice], usage=None
+                    id=request_id,
+                    created=created,
+                    model=model,
+                    choices=[choice],
+                    usage=usage.total() if options.continuous_usage_stats else None,
                 )
                 yield _event(chunk.model_dump())
-                if output.finished and include_usage:
-                    usage = CompletionResponse(
-                        id=request_id,
-                        created=created,
-                        model=model,
-                        choices=[],
-                        usage=_usage(output),
-                    )
-                    yield _event(usage.model_dump())
+        if options.include_usage:
+            last = CompletionResponse(
+                id=request_id, created=created, model=model, choices=[], usage=usage.total()
+            )
+            yield _event(last.model_dump())
 
     async def _chat_events(
         self,
         request_id: str,
-        model: str,
-        first: RequestOutput,
-        outputs: AsyncIterator[RequestOutput],
-        include_usage: bool,
-        replies: ReplyStream | None = None,
+        body: ChatCompletionRequest,
+        streams: list[Started],
+        options: StreamOptions,
     ) -> AsyncIterator[str]:
         created = now()
-        want_logprobs = first.outputs[0].logprobs is not None
-        called = False
+        want_logprobs = streams[0][1].outputs[0].logprobs is not None
+        replies: dict[int, ReplyStream | None] = {}
+        called: set[int] = set()
+        usage = UsageSoFar()
 
-        def chunk(delta: ChatDelta, finish_reason: str | None, logprobs=None, usage=None) -> str:
-            choices = [] if usage else [ChatChunkChoice(delta=delta, finish_reason=finish_reason)]
-            if logprobs is not None:
-                choices[0].logprobs = logprobs
-            body = ChatCompletionChunk(
-                id=request_id, created=created, model=model, choices=choices, usage=usage
+        def chunk(index: int, delta: ChatDelta, finish_reason: str | None, logprobs=None) -> str:
+            choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)
+            choice.logprobs = logprobs
+            body_ = ChatCompletionChunk(
+                id=request_id,
+                created=created,
+                model=body.model,
+                choices=[choice],
+                usage=usage.total() if options.continuous_usage_stats else None,
             ).model_dump()
-            for choice in body["choices"]:  # a delta names only what it changes
-                choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
-            return _event(body)
+            for item in body_["choices"]:  # a delta names only what it changes
+                item["delta"] = {k: v for k, v in item["delta"].items() if v is not None}
+            return _event(body_)
 
-        yield chunk(ChatDelta(role="assistant", content=""), None)
-        async with aclosing(_chain(first, outputs)) as stream:
-            async for output in stream:
+        for index in range(body.n):
+            yield chunk(index, ChatDelta(role="assistant", content=""), None)
+        async with aclosing(_merged(streams)) as merged:
+            async for i, output in merged:
                 completion = output.outputs[0]
+                index = completion.index
+                usage.record(i, index, output)
                 if not (completion.delta_text or completion.finish_reason or want_logprobs):
                     continue
                 logprobs = None
                 if want_logprobs and completion.delta_token_ids:
-                    delta = completion.delta_token_ids
-                    logprobs = self._chat_logprobs(delta, completion.delta_logprobs)
+                    logprobs = self._chat_logprobs(
+                        completion.delta_token_ids,
+                        completion.delta_logprobs,
+                        completion.delta_top_logprobs,
+                    )
                 text, tool_calls = completion.delta_text, None
-                if replies is not None:  # calls taken out of the text
-                    reply = replies.feed(text)
+                if index not in replies:
+                    replies[index] = self._reply_stream(body)
+                parser = replies[index]
+                if parser is not None:  # calls taken out of the text
+                    reply = parser.feed(text)
                     if completion.finish_reason is not None:
-                        reply = reply + replies.finish()
+                        reply = reply + parser.finish()
                     text, tool_calls = reply.content, reply.tool_calls or None
-                    called = called or bool(tool_calls)
+                    if tool_calls:
+                        called.add(index)
                     finish = completion.finish_reason
                     if not (text or tool_calls or finish or want_logprobs):
                         continue
                 delta = ChatDelta(content=text or None, tool_calls=tool_calls)
-                finish_reason = _finish_reason(completion.finish_reason, called)
-                yield chunk(delta, finish_reason, logprobs)
-                if output.finished and include_usage:
-                    yield chunk(ChatDelta(), None, usage=_usage(output))
+                finish_reason = _finish_reason(completion.finish_reason, index in called)
+                yield chunk(index, delta, finish_reason, logprobs)
+        if options.include_usage:
+            last = ChatCompletionChunk(
+                id=request_id, created=created, model=body.model, choices=[], usage=usage.total()
+            )
+            yield _event(last.model_dump())
 
     # -- logprobs ------------------------------------------------------------------------
 
@@ -380,7 +499,11 @@ class OpenAIServing:
         return self.tokenizer.decode([token_id]) if self.tokenizer else str(token_id)
 
     def _completion_logprobs(
-        self, token_ids: Sequence[int], logprobs: list[float] | None, offset: int = 0
+        self,
+        token_ids: Sequence[int],
+        logprobs: list[float] | None,
+        top: list[dict[int, float]] | None,
+        offset: int = 0,
     ) -> CompletionLogprobs | None:
         if logprobs is None:
             return None
@@ -389,20 +512,68 @@ class OpenAIServing:
         for token in tokens:
             offsets.append(offset)
             offset += len(token)
-        return CompletionLogprobs(tokens=tokens, token_logprobs=list(logprobs), text_offset=offsets)
+        top_logprobs = None
+        if top is not None:
+            top_logprobs = [{self._token_text(t): lp for t, lp in row.items()} for row in top]
+        return CompletionLogprobs(
+            tokens=tokens,
+            token_logprobs=list(logprobs),
+            top_logprobs=top_logprobs,
+            text_offset=offsets,
+        )
 
     def _chat_logprobs(
-        self, token_ids: Sequence[int], logprobs: list[float] | None
+        self,
+        token_ids: Sequence[int],
+        logprobs: list[float] | None,
+        top: list[dict[int, float]] | None,
     ) -> ChatChoiceLogprobs | None:
         if logprobs is None:
             return None
         content = []
-        for token_id, logprob in zip(token_ids, logprobs, strict=True):
+        for position, (token_id, logprob) in enumerate(zip(token_ids, logprobs, strict=True)):
             text = self._token_text(token_id)
+            alternatives = []
+            for other, other_logprob in (top[position] if top else {}).items():
+                other_text = self._token_text(other)
+                alternatives.append(
+                    TopLogprob(
+                        token=other_text,
+                        logprob=other_logprob,
+                        bytes=list(other_text.encode("utf-8")),
+                    )
+                )
             content.append(
-                ChatLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
+                ChatLogprob(
+                    token=text,
+                    logprob=logprob,
+                    bytes=list(text.encode("utf-8")),
+                    top_logprobs=alternatives,
+                )
             )
         return ChatChoiceLogprobs(content=content)
+
+
+Started = tuple[AsyncIterator[RequestOutput], RequestOutput]  # the outputs, the first one
+
+
+class UsageSoFar:
+    """Tokens so far over a request's prompts and choices: each prompt counted once,
+    whatever its n."""
+
+    def __init__(self) -> None:
+        self.prompts: dict[int, int] = {}
+        self.outputs: dict[int, int] = {}
+
+    def record(self, prompt: int, choice: int, output: RequestOutput) -> None:
+        self.prompts[prompt] = output.metrics.num_prompt_tokens
+        self.outputs[choice] = output.metrics.num_output_tokens
+
+    def total(self) -> Usage:
+        prompt, completion = sum(self.prompts.values()), sum(self.outputs.values())
+        return Usage(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
 
 
 async def _sse(events: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -431,15 +602,54 @@ async def _chain(
         await outputs.aclose()
 
 
-async def _last(first: RequestOutput, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-    final = first
-    try:
+async def _merged(streams: list[Started]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Every prompt's outputs as they come, with the prompt's position; closing it
+    aborts whatever has not finished."""
+    if len(streams) == 1:
+        outputs, first = streams[0]
         async with aclosing(_chain(first, outputs)) as stream:
             async for output in stream:
-                final = output
+                yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(position: int, outputs: AsyncIterator[RequestOutput], first) -> None:
+        try:
+            async with aclosing(_chain(first, outputs)) as stream:
+                async for output in stream:
+                    queue.put_nowait((position, output))
+        except Exception as error:  # a dead engine: the merged stream raises it
+            queue.put_nowait((position, error))
+        finally:
+            queue.put_nowait((position, None))
+
+    tasks = [asyncio.create_task(pump(i, *started)) for i, started in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            position, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield position, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _finals(streams: list[Started]) -> list[RequestOutput]:
+    """Per prompt, its outputs to the end as one (n completions in index order)."""
+    latest: list[dict[int, RequestOutput]] = [{} for _ in streams]
+    try:
+        async with aclosing(_merged(streams)) as merged:
+            async for position, output in merged:
+                latest[position][output.outputs[0].index] = output
     except EngineDeadError as error:
         raise APIError(503, str(error)) from error
-    return final
+    return [merge_outputs(list(outputs.values())) for outputs in latest]
 
 
 def _finish_reason(reason: str | None, called: bool) -> str | None:
@@ -447,8 +657,9 @@ def _finish_reason(reason: str | None, called: bool) -> str | None:
     return "tool_calls" if called and reason == "stop" else reason
 
 
-def _usage(output: RequestOutput) -> Usage:
-    prompt, completion = output.metrics.num_prompt_tokens, output.metrics.num_output_tokens
+def _usage(finals: list[RequestOutput]) -> Usage:
+    prompt = sum(final.metrics.num_prompt_tokens for final in finals)
+    completion = sum(final.metrics.num_output_tokens for final in finals)
     return Usage(
         prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
     )
