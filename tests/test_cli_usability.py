@@ -155,3 +155,12 @@ def test_chat_renders_the_template_then_generates():
     (reply,) = llm.chat(messages, params)
     assert reply.outputs[0].text == llm.generate(prompt, params)[0].outputs[0].text
     assert len(llm.chat([messages, messages[1:]], params)) == 2
+
+
+def test_generate_says_when_max_tokens_does_not_fit(capsys):
+    argv = ["generate", "--prompt", "import os", "--max-tokens", "100000", "--ignore-eos"]
+    argv += ["--max-model-len", "64", "--repetition-penalty", "1.3"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "--max-tokens 100000 does not fit after the prompt" in err
+    assert "context 64 tokens" in err and "finish: length" in err

@@ -68,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--top-p", type=float, default=1.0)
     sampling.add_argument("--min-p", type=float, default=0.0)
     sampling.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="above 1 discourages any token of the prompt or output (transformers' rule)",
+    )
+    sampling.add_argument("--presence-penalty", type=float, default=0.0, help="-2 to 2")
+    sampling.add_argument("--frequency-penalty", type=float, default=0.0, help="-2 to 2")
+    sampling.add_argument(
         "--stop",
         action="append",
         default=[],
@@ -250,8 +258,18 @@ def run_generate(args: argparse.Namespace) -> int:
         min_p=args.min_p,
         stop=args.stop,
         ignore_eos=args.ignore_eos,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
     )
     llm = load(args.model, engine_kwargs(args))
+    room = llm.engine.max_model_len - _num_prompt_tokens(llm, prompt)
+    if 0 < room < args.max_tokens:
+        print(
+            f"[updraft] --max-tokens {args.max_tokens} does not fit after the prompt: at most "
+            f"{room} tokens will be generated (context {llm.engine.max_model_len} tokens)",
+            file=sys.stderr,
+        )
     start = time.perf_counter()
     final = None
     for output in llm.generate_stream(prompt, params):
@@ -286,6 +304,11 @@ def run_generate(args: argparse.Namespace) -> int:
     if stats.draft_steps is not None:
         print(f"[updraft] draft steps: {stats.describe_draft_steps()}", file=sys.stderr)
     return 0
+
+
+def _num_prompt_tokens(llm, prompt: str) -> int:
+    tokenizer = llm.tokenizer
+    return 0 if tokenizer is None else len(tokenizer.encode(prompt))
 
 
 def run_serve(args: argparse.Namespace) -> int:
