@@ -330,6 +330,52 @@ def test_top_logprobs_are_transformers_log_softmax(demo, hf_model):
     assert len(demo.generate(PROMPT, SamplingParams(logprobs=0))[0].outputs[0].logprobs) == 16
 
 
+def test_prompt_logprobs_are_transformers_log_softmax_chunked_and_preempted(hf_model):
+    """Prompts computed in chunks of 16 tokens, two of them sharing the cache with a
+    plain request, and a draft model mirroring every step."""
+    llm = LLM(
+        capture_sizes=(1, 2),
+        max_num_batched_tokens=16,
+        speculative_model=str(DEMO_DRAFT_DIR),
+        num_speculative_tokens=2,
+    )
+    prompts = [llm.tokenizer.encode(PROMPT * 6), llm.tokenizer.encode("Once upon a time " * 5)]
+    outputs = llm.generate(
+        [prompts[0], prompts[1], prompts[0]],
+        [
+            SamplingParams(max_tokens=4, prompt_logprobs=3),
+            SamplingParams(max_tokens=4, prompt_logprobs=0, n=2),
+            SamplingParams(max_tokens=4),
+        ],
+    )
+    assert outputs[2].prompt_logprobs is None
+    for output, ids, k in zip(outputs, prompts, (3, 0), strict=False):
+        check_prompt_logprobs(hf_model, output.prompt_logprobs, ids, k)
+    assert llm.engine.stats().kv_blocks_used == 0
+    # Preempted mid-prompt, a request computes its prompt again: each position once.
+    small = LLM(block_size=4, num_kv_blocks=40, max_num_batched_tokens=24, enforce_eager=True)
+    many = [[*prompts[1][:30], i] for i in range(8)]
+    outputs = small.generate(many, greedy(40, prompt_logprobs=1))
+    assert sum(o.metrics.num_preemptions for o in outputs) > 0, "nothing was preempted"
+    for output, ids in zip(outputs, many, strict=True):
+        check_prompt_logprobs(hf_model, output.prompt_logprobs, ids, 1)
+
+
+def check_prompt_logprobs(hf_model, scored, ids: list[int], k: int) -> None:
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([ids])).logits[0].log_softmax(-1)
+    assert len(scored) == len(ids) and scored[0] is None
+    for position in range(1, len(ids)):
+        entry = scored[position]
+        assert next(iter(entry)) == ids[position]
+        want = float(expected[position - 1, ids[position]])
+        assert entry[ids[position]] == pytest.approx(want, abs=1e-4)
+        values, tokens = expected[position - 1].topk(k)
+        for token, value in zip(tokens.tolist(), values.tolist(), strict=True):
+            assert entry[token] == pytest.approx(value, abs=1e-4)
+        assert len(entry) <= k + 1
+
+
 # -- n ------------------------------------------------------------------------------------------
 
 

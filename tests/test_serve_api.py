@@ -220,10 +220,9 @@ BAD_REQUESTS = [
     ({"model": MODEL, "prompt": "x", "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens"),
     ({"model": MODEL, "prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),
     ({"model": MODEL, "prompt": "x", "bad_words": ["  "]}, 400, "bad_words"),
-    ({"model": MODEL, "prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ({"model": MODEL, "prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
     ({"model": MODEL, "prompt": "x", "best_of": 2}, 400, "best_of"),
     ({"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix"),
-    ({"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
     ({"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 2047}, 400, "max_tokens"),  # prompt + it
     ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, None),

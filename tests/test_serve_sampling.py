@@ -280,3 +280,41 @@ def test_a_bad_prompt_in_a_batch_ends_the_ones_started(client, server):
         )
     wait_for_idle(server)  # the first prompt's request was aborted, its blocks freed
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices
+
+
+def test_prompt_logprobs_and_echoed_logprobs(client, server, offline):
+    expected = offline.generate(PROMPT, SamplingParams(max_tokens=3, prompt_logprobs=2))[0]
+    ids = expected.prompt_token_ids
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "prompt_logprobs": 2}
+    choice = httpx.post(f"{server}/v1/completions", json=body).json()["choices"][0]
+    scored = choice["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(ids)
+    for entry, want, token in zip(scored[1:], expected.prompt_logprobs[1:], ids[1:], strict=True):
+        assert entry[str(token)]["logprob"] == pytest.approx(want[token], abs=1e-4)
+        assert len(entry) <= 3
+    echoed = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, echo=True, logprobs=2
+    )
+    logprobs = echoed.choices[0].logprobs
+    assert len(logprobs.tokens) == len(ids) + 3
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.token_logprobs[1] == pytest.approx(
+        expected.prompt_logprobs[1][ids[1]], abs=1e-4
+    )
+    assert "".join(logprobs.tokens) == echoed.choices[0].text
+    assert logprobs.text_offset[len(ids)] == len(PROMPT)
+    streamed = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, echo=True, logprobs=2, stream=True
+    )
+    tokens = [t for chunk in streamed for t in chunk.choices[0].logprobs.tokens]
+    assert tokens == logprobs.tokens
+    chat = httpx.post(
+        f"{server}/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 2,
+            "prompt_logprobs": 0,
+        },
+    ).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 2

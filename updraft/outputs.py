@@ -164,6 +164,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None
+    # With SamplingParams.prompt_logprobs: per prompt position, {its token: logprob, then
+    # the likeliest tokens}, None at position 0; complete from the first output with tokens.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 def merge_outputs(latest: list[RequestOutput]) -> RequestOutput:
@@ -192,4 +195,5 @@ def merge_outputs(latest: list[RequestOutput]) -> RequestOutput:
         finished=any(o.finished for o in latest),  # only the last sequence's says so
         metrics=metrics,
         error=next((o.error for o in latest if o.error is not None), None),
+        prompt_logprobs=first.prompt_logprobs,
     )

@@ -59,6 +59,8 @@ class Request:
     error: str | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # when k were asked
+    # Position i: {prompt token i: its logprob, then the likeliest}; None at position 0.
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=lambda: [None])
     generator: torch.Generator | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -123,6 +125,9 @@ class Request:
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=(
+                None if self.sampling_params.prompt_logprobs is None else self.prompt_logprobs
+            ),
             outputs=[completion],
             finished=self.finished,
             metrics=RequestMetrics(

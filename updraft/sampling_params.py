@@ -55,6 +55,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
+    # Each prompt token's logprob given the tokens before it (with the k likeliest); the
+    # prompt is then computed whole, not taken from the prefix cache.
+    prompt_logprobs: int | None = None
     n: int = 1  # sequences drawn from the prompt, sharing its KV blocks
     # The output must match a schema, a regex, a choice or a grammar (None: free text).
     structured_outputs: StructuredOutputsParams | None = None
@@ -155,6 +158,13 @@ class SamplingParams:
                 self.truncate_prompt_tokens is None
                 or (_is_int(self.truncate_prompt_tokens) and self.truncate_prompt_tokens >= 1),
                 "an int >= 1 or None",
+            ),
+            "prompt_logprobs": (
+                self.prompt_logprobs is None
+                or (
+                    _is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
+                ),
+                f"an int in [0, {MAX_TOP_LOGPROBS}] or None",
             ),
             "n": (_is_int(self.n) and 1 <= self.n <= MAX_N, f"an int in [1, {MAX_N}]"),
             "structured_outputs": (

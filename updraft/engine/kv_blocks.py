@@ -117,7 +117,10 @@ class KVCacheManager:
 
     def cached_prefix(self, request: Request) -> list[int]:
         """Cached blocks matching the start of a request that holds no blocks yet. At
-        least one token is always left to compute, because its logits are needed."""
+        least one token is always left to compute, because its logits are needed. A
+        request that asks for its prompt's logprobs computes every prompt token."""
+        if request.sampling_params.prompt_logprobs is not None:
+            return []
         full_blocks = (request.num_tokens - 1) // self.block_size
         return self.pool.lookup(self._hashes(request, full_blocks))
 

@@ -85,7 +85,8 @@ class Scheduler:
             num_known = request.num_tokens - request.num_computed_tokens
             draft = self._fit(drafts.get(request.request_id), request, budget - num_known)
             num_drafts = 0 if draft is None else len(draft.token_ids)
-            item = ScheduledRequest(request, min(num_known + num_drafts, budget), draft)
+            room = _prompt_chunk(request, budget)
+            item = ScheduledRequest(request, min(num_known + num_drafts, room), draft)
             while not self.kv.allocate(request, self._slots(item)):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -103,7 +104,7 @@ class Scheduler:
             request = self.waiting[0]
             cached = self.kv.cached_prefix(request)
             remaining = request.num_tokens - len(cached) * self.kv.block_size
-            num_new = min(remaining, budget)
+            num_new = min(remaining, _prompt_chunk(request, budget))
             computed = len(cached) * self.kv.block_size
             if not self.kv.allocate(request, self._lookahead(computed, num_new, remaining), cached):
                 break
@@ -175,6 +176,8 @@ class Scheduler:
             accepted = 0 if row is None else output.num_accepted[row]
             request.num_computed_tokens += item.num_new_tokens - item.num_drafts + accepted
             self.kv.register_computed(request)
+            if output.prompt_logprobs and request.request_id in output.prompt_logprobs:
+                _record_prompt_logprobs(request, *output.prompt_logprobs[request.request_id])
             if row is None:
                 continue  # a prefill chunk short of the prompt's end: nothing sampled
             if item.num_drafts:
@@ -275,3 +278,27 @@ class Scheduler:
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
+
+
+# A prompt whose logprobs are asked for is computed in chunks of at most this many
+# tokens: each of its tokens then has a logits row over the whole vocabulary.
+PROMPT_LOGPROBS_CHUNK = 512
+
+
+def _prompt_chunk(request: Request, budget: int) -> int:
+    """The tokens ``request`` may compute this step, within ``budget``."""
+    if (
+        request.sampling_params.prompt_logprobs is not None
+        and request.num_computed_tokens < request.num_prompt_tokens
+    ):
+        return min(budget, PROMPT_LOGPROBS_CHUNK)
+    return budget
+
+
+def _record_prompt_logprobs(request: Request, first: int, entries: list[dict[int, float]]) -> None:
+    """Append the prompt positions not recorded yet (a preempted request computes its
+    prompt again)."""
+    recorded = request.prompt_logprobs
+    skip = len(recorded) - first
+    if skip >= 0:
+        recorded.extend(entries[skip:])

@@ -26,6 +26,7 @@ import torch
 
 from updraft.runner.draft_loop import DraftLoopInputs
 from updraft.step.inputs import StepInputs
+from updraft.step.logits_adjustments import NO_ADJUSTMENTS
 from updraft.step.sampling_batch import SamplingBatch
 
 if TYPE_CHECKING:
@@ -71,7 +72,13 @@ Send = Callable[[RankMessage], None]
 def step_message(name: str, inputs: StepInputs, hidden_from: HiddenRows | None) -> RankStep:
     """What another rank needs of a step: its forward's inputs and where its logits are
     read, not the requests' sampling state nor hidden states it holds itself."""
-    sampling = replace(inputs.sampling, batch=SamplingBatch([], []), draft_probs=[])
+    sampling = replace(
+        inputs.sampling,
+        batch=SamplingBatch([], []),
+        draft_probs=[],
+        adjustments=NO_ADJUSTMENTS,
+        prompt_rows=None,
+    )
     forward = replace(inputs.forward, hidden_states=None)
     return RankStep(name, replace(inputs, forward=forward, sampling=sampling), hidden_from)
 

@@ -38,7 +38,7 @@ from updraft.runner.logits_processors import adjust_logits
 from updraft.runner.probe import Probe
 from updraft.runner.rank_messages import HiddenRows, Send, loop_message, step_message
 from updraft.runner.rejection_sampler import verify_step
-from updraft.runner.sampler import TopLogprobs, sample
+from updraft.runner.sampler import TopLogprobs, prompt_logprobs, sample
 from updraft.runner.token_mask import mask_logits
 from updraft.step.allowed_tokens import AllowedTokens
 from updraft.step.inputs import (
@@ -204,19 +204,25 @@ class Runner:
             torch.cuda.synchronize(self.device)
         forward_seconds = time.perf_counter() - start
         constraint = None if allowed is None else allowed.result()
-        adjustments = inputs.sampling.adjustments
-        logits, raw_logits = forward.logits, None
+        sampling = inputs.sampling
+        model_logits = forward.logits[: sampling.num_sampling_rows]
+        scored = None
+        if sampling.prompt_rows is not None:
+            scored = prompt_logprobs(
+                forward.logits[sampling.num_sampling_rows :], sampling.prompt_rows
+            )
+        logits, raw_logits = model_logits, None
         # The model's own logits are kept only where logprobs are read from them.
-        keep = inputs.sampling.batch.want_logprobs
+        keep = sampling.batch.want_logprobs
         if constraint is not None:
             logits = mask_logits(logits, constraint, in_place=not keep)
-        if not adjustments.empty:
+        if not sampling.adjustments.empty:
             logits = adjust_logits(
-                logits, adjustments, in_place=logits is not forward.logits or not keep
+                logits, sampling.adjustments, in_place=logits is not model_logits or not keep
             )
-        if keep and logits is not forward.logits:
-            raw_logits = forward.logits
-        tokens = self.sample(logits, inputs.sampling, raw_logits)
+        if keep and logits is not model_logits:
+            raw_logits = model_logits
+        tokens = self.sample(logits, sampling, raw_logits)
         request_ids = [inputs.request_ids[row] for row in inputs.sampling.rows]
         if self.probe is not None:
             rows = [1 + n for n in inputs.sampling.num_drafts]
@@ -227,6 +233,7 @@ class Runner:
             num_accepted=tokens.num_accepted,
             logprobs=tokens.logprobs,
             top_logprobs=tokens.top_logprobs,
+            prompt_logprobs=scored,
             hidden_states=forward.hidden_states,
             forward_seconds=forward_seconds,
             mode=forward.mode,

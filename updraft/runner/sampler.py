@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from updraft.step.prompt_rows import PromptRows
 from updraft.step.sampling_batch import SamplingBatch
 
 
@@ -111,6 +112,38 @@ def top_logprobs(model_logits: torch.Tensor, k: int) -> list[TopLogprobs]:
         dict(zip(row_ids, row_values, strict=True))
         for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)
     ]
+
+
+PromptLogprobs = dict[str, tuple[int, list[dict[int, float]]]]
+
+
+def prompt_logprobs(logits: torch.Tensor, rows: PromptRows) -> PromptLogprobs:
+    """Per request of ``rows``: the prompt position its first row scores, and for each
+    row the scored prompt token's log-probability followed by the likeliest tokens'
+    (``logits`` [len(rows), V], the model's own)."""
+    normalizer = logits.logsumexp(dim=-1, keepdim=True)
+    scored = (logits.gather(-1, rows.targets[:, None].to(logits.device)) - normalizer)[:, 0]
+    k = max(rows.top)
+    top_ids = top_values = None
+    if k:
+        top_values, top_ids = logits.topk(k, dim=-1)
+        top_ids, top_values = top_ids.tolist(), (top_values - normalizer).tolist()
+    targets, scored = rows.targets.tolist(), scored.tolist()
+    out: PromptLogprobs = {}
+    start = 0
+    for request_id, first, count, top in zip(
+        rows.request_ids, rows.first_positions, rows.counts, rows.top, strict=True
+    ):
+        entries = []
+        for row in range(start, start + count):
+            entry = {targets[row]: scored[row]}
+            if top:
+                for token, value in zip(top_ids[row][:top], top_values[row][:top], strict=True):
+                    entry.setdefault(token, value)
+            entries.append(entry)
+        out[request_id] = (first, entries)
+        start += count
+    return out
 
 
 def sample(

@@ -99,7 +99,7 @@ class _Request(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
@@ -112,12 +112,6 @@ class _Request(BaseModel):
 
     def check_supported(self) -> None:
         log_unknown_fields(list(self.model_extra or ()))
-        if self.prompt_logprobs is not None:
-            raise APIError(
-                400,
-                "prompt_logprobs: not supported (logprobs of generated tokens are)",
-                param="prompt_logprobs",
-            )
         if self.stream_options is not None and not self.stream:
             raise APIError(
                 400, "stream_options: only allowed when stream is true", param="stream_options"
@@ -128,6 +122,9 @@ class _Request(BaseModel):
 
     def max_tokens_field(self) -> str:
         return "max_tokens"
+
+    def prompt_logprobs_asked(self) -> int | None:
+        return self.prompt_logprobs
 
     def token_bias(self) -> dict[int, float] | None:
         """logit_bias with its keys (token ids written as strings) as ints."""
@@ -204,6 +201,7 @@ class _Request(BaseModel):
             bad_words=self.bad_words,
             allowed_token_ids=self.allowed_token_ids,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            prompt_logprobs=self.prompt_logprobs_asked(),
         )
         structured_outputs = self.structured_outputs_params()
         try:
@@ -236,14 +234,14 @@ class CompletionRequest(_Request):
     # so a client of a server without a tokenizer still sees every token arrive.
     return_token_ids: bool = False
 
+    def prompt_logprobs_asked(self) -> int | None:
+        """Echoed logprobs start with the prompt's (as vLLM: as many alternatives)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo and self.logprobs is not None:
-            raise APIError(
-                400,
-                "echo: with logprobs it needs the prompt's logprobs, which are not supported",
-                param="echo",
-            )
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of: only 1 is supported", param="best_of")
         if self.suffix:
@@ -515,9 +513,18 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] | None = None  # with logprobs > 0
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: the first echoed
+    top_logprobs: list[dict[str, float] | None] | None = None  # with logprobs > 0
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    decoded_token: str
+
+
+# vLLM's shape: per prompt position, {token id: its logprob}, null at the first.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(BaseModel):
@@ -526,6 +533,9 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = Field(default=None, exclude_if=lambda ids: ids is None)
+    prompt_logprobs: PromptLogprobs | None = Field(
+        default=None, exclude_if=lambda value: value is None
+    )
 
 
 class CompletionResponse(BaseModel):
@@ -576,6 +586,9 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = Field(
+        default=None, exclude_if=lambda value: value is None
+    )
 
 
 class ChatDelta(BaseModel):
@@ -598,6 +611,9 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(
+        default=None, exclude_if=lambda value: value is None
+    )
 
 
 class ModelCard(BaseModel):

@@ -39,6 +39,8 @@ from updraft.serve.protocol import (
     CompletionRequest,
     CompletionResponse,
     NamedToolChoice,
+    PromptLogprob,
+    PromptLogprobs,
     StreamOptions,
     TopLogprob,
     Usage,
@@ -123,32 +125,34 @@ class OpenAIServing:
             "prompt",
             structured_field,
         )
-        echoes = None
-        if body.echo:
-            echoes = [
-                self._echo(text, first, body.truncate_prompt_tokens)
-                for text, (_, first) in zip(body.prompts(), streams, strict=True)
-            ]
+        heads = [
+            self._head(body, position, text, first)
+            for position, (text, (_, first)) in enumerate(zip(body.prompts(), streams, strict=True))
+        ]
         options = body.stream_options or StreamOptions()
         if body.stream:
             events = self._completion_events(
-                request_id, body.model, streams, body.n, options, body.return_token_ids, echoes
+                request_id, body.model, streams, body.n, options, body.return_token_ids, heads
             )
             return ClosingStreamingResponse(_sse(events), media_type="text/event-stream")
         finals = await _finals(streams)
         choices = []
-        for i, final in enumerate(finals):
-            echo = echoes[i] if echoes else ""
+        for head, final in zip(heads, finals, strict=True):
             for completion in final.outputs:
+                logprobs = self._completion_logprobs(
+                    completion.token_ids,
+                    completion.logprobs,
+                    completion.top_logprobs,
+                    len(head.text),
+                )
                 choices.append(
                     CompletionChoice(
-                        index=i * body.n + completion.index,
-                        text=echo + completion.text,
-                        logprobs=self._completion_logprobs(
-                            completion.token_ids, completion.logprobs, completion.top_logprobs
-                        ),
+                        index=head.position * body.n + completion.index,
+                        text=head.text + completion.text,
+                        logprobs=_joined(head.logprobs, logprobs),
                         finish_reason=completion.finish_reason,
                         token_ids=list(completion.token_ids) if body.return_token_ids else None,
+                        prompt_logprobs=head.prompt_logprobs,
                     )
                 )
         response = CompletionResponse(
@@ -217,7 +221,12 @@ class OpenAIServing:
                 )
             )
         response = ChatCompletionResponse(
-            id=request_id, created=now(), model=body.model, choices=choices, usage=_usage(finals)
+            id=request_id,
+            created=now(),
+            model=body.model,
+            choices=choices,
+            usage=_usage(finals),
+            prompt_logprobs=self._prompt_logprobs(finals[0]),
         )
         return JSONResponse(response.model_dump())
 
@@ -363,13 +372,58 @@ class OpenAIServing:
             )
         return replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
 
-    def _echo(self, prompt: str | list[int], first: RequestOutput, truncated: int | None) -> str:
-        """The prompt as echoed: the client's text, or its (kept) tokens decoded."""
-        if isinstance(prompt, str) and truncated is None:
-            return prompt
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(first.prompt_token_ids, skip_special_tokens=False)
+    def _head(
+        self, body: CompletionRequest, position: int, prompt: str | list[int], first: RequestOutput
+    ) -> PromptHead:
+        """What each choice of the prompt at ``position`` starts with: the echoed prompt
+        (the client's text, or its kept tokens decoded) and its logprobs, and the
+        prompt's logprobs."""
+        text, logprobs = "", None
+        if body.echo:
+            if isinstance(prompt, str) and body.truncate_prompt_tokens is None:
+                text = prompt
+            elif self.tokenizer is not None:
+                text = self.tokenizer.decode(first.prompt_token_ids, skip_special_tokens=False)
+            if body.logprobs is not None:
+                logprobs = self._echo_logprobs(
+                    first.prompt_token_ids, first.prompt_logprobs, body.logprobs
+                )
+        scored = self._prompt_logprobs(first) if body.prompt_logprobs is not None else None
+        return PromptHead(position, text, logprobs, scored)
+
+    def _prompt_logprobs(self, output: RequestOutput) -> PromptLogprobs | None:
+        if output.prompt_logprobs is None:
+            return None
+        return [
+            None
+            if entry is None
+            else {
+                str(token): PromptLogprob(logprob=value, decoded_token=self._token_text(token))
+                for token, value in entry.items()
+            }
+            for entry in output.prompt_logprobs
+        ]
+
+    def _echo_logprobs(
+        self, prompt_ids: list[int], scored: list[dict[int, float] | None], k: int
+    ) -> CompletionLogprobs:
+        """The echoed prompt's tokens as completions logprobs: none for the first token,
+        then each token's and its position's k likeliest."""
+        tokens = [self._token_text(t) for t in prompt_ids]
+        offsets, offset = [], 0
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        top: list[dict[str, float] | None] = [None]
+        for entry in scored[1:]:
+            likeliest = sorted(entry.items(), key=lambda item: -item[1])[:k]
+            top.append({self._token_text(t): v for t, v in likeliest})
+        return CompletionLogprobs(
+            tokens=tokens,
+            token_logprobs=[None] + [e[t] for e, t in zip(scored[1:], prompt_ids[1:], strict=True)],
+            top_logprobs=top if k else None,
+            text_offset=offsets,
+        )
 
     async def _completion_events(
         self,
@@ -379,7 +433,7 @@ class OpenAIServing:
         n: int,
         options: StreamOptions,
         return_token_ids: bool,
-        echoes: list[str] | None,
+        heads: list[PromptHead],
     ) -> AsyncIterator[str]:
         created = now()
         want_logprobs = streams[0][1].outputs[0].logprobs is not None
@@ -392,8 +446,9 @@ class OpenAIServing:
                 index = i * n + completion.index
                 usage.record(i, index, output)
                 text = completion.delta_text
-                if echoes is not None and index not in offsets:
-                    text = echoes[i] + text
+                opening = index not in offsets  # the choice's first chunk carries the head
+                if opening:
+                    text = heads[i].text + text
                 if not (text or completion.finish_reason or every_token):
                     continue  # text held back: a possible stop string or a partial character
                 offset = offsets.get(index, 0)
@@ -405,6 +460,8 @@ class OpenAIServing:
                         completion.delta_top_logprobs,
                         offset + len(text) - len(completion.delta_text),
                     )
+                if opening:
+                    logprobs = _joined(heads[i].logprobs, logprobs)
                 offsets[index] = offset + len(text)
                 choice = CompletionChoice(
                     index=index,
@@ -412,6 +469,7 @@ class OpenAIServing:
                     logprobs=logprobs,
                     finish_reason=completion.finish_reason,
                     token_ids=list(completion.delta_token_ids) if return_token_ids else None,
+                    prompt_logprobs=heads[i].prompt_logprobs if opening else None,
                 )
                 chunk = CompletionResponse(
                     id=request_id,
@@ -440,7 +498,9 @@ class OpenAIServing:
         called: set[int] = set()
         usage = UsageSoFar()
 
-        def chunk(index: int, delta: ChatDelta, finish_reason: str | None, logprobs=None) -> str:
+        def chunk(
+            index: int, delta: ChatDelta, finish_reason: str | None, logprobs=None, scored=None
+        ) -> str:
             choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)
             choice.logprobs = logprobs
             body_ = ChatCompletionChunk(
@@ -449,13 +509,16 @@ class OpenAIServing:
                 model=body.model,
                 choices=[choice],
                 usage=usage.total() if options.continuous_usage_stats else None,
+                prompt_logprobs=scored,
             ).model_dump()
             for item in body_["choices"]:  # a delta names only what it changes
                 item["delta"] = {k: v for k, v in item["delta"].items() if v is not None}
             return _event(body_)
 
+        scored = self._prompt_logprobs(streams[0][1])  # complete with the first output
         for index in range(body.n):
-            yield chunk(index, ChatDelta(role="assistant", content=""), None)
+            role = ChatDelta(role="assistant", content="")
+            yield chunk(index, role, None, scored=scored if index == 0 else None)
         async with aclosing(_merged(streams)) as merged:
             async for i, output in merged:
                 completion = output.outputs[0]
@@ -555,6 +618,35 @@ class OpenAIServing:
 
 
 Started = tuple[AsyncIterator[RequestOutput], RequestOutput]  # the outputs, the first one
+
+
+@dataclass(frozen=True)
+class PromptHead:
+    """What every choice of one prompt of a completions request starts with."""
+
+    position: int  # the prompt's, among the request's prompts
+    text: str  # the echoed prompt, or nothing
+    logprobs: CompletionLogprobs | None  # the echoed prompt's, with echo and logprobs
+    prompt_logprobs: PromptLogprobs | None  # vLLM's prompt_logprobs field
+
+
+def _joined(
+    first: CompletionLogprobs | None, second: CompletionLogprobs | None
+) -> CompletionLogprobs | None:
+    """Two runs of completions logprobs as one (the echoed prompt's, then the output's)."""
+    if first is None or second is None:
+        return first or second
+    top = None
+    if first.top_logprobs is not None or second.top_logprobs is not None:
+        top = (first.top_logprobs or [None] * len(first.tokens)) + (
+            second.top_logprobs or [None] * len(second.tokens)
+        )
+    return CompletionLogprobs(
+        tokens=first.tokens + second.tokens,
+        token_logprobs=first.token_logprobs + second.token_logprobs,
+        top_logprobs=top,
+        text_offset=first.text_offset + second.text_offset,
+    )
 
 
 class UsageSoFar:

@@ -40,6 +40,7 @@ from updraft.step.logits_adjustments import (
     logits_adjustments,
 )
 from updraft.step.plan import Draft, StepPlan
+from updraft.step.prompt_rows import PromptRows
 from updraft.step.sampling_batch import SamplingBatch
 
 
@@ -161,20 +162,32 @@ class SamplingInputs:
     tokens are drawn or verified. No forward reads it."""
 
     rows: list[int]  # their index among the step's requests
-    logits_indices: torch.Tensor  # per sampling request: its last known token, its drafts
+    # Per sampling request: its last known token, then its drafts; then prompt_rows.
+    logits_indices: torch.Tensor
     num_drafts: list[int]
     draft_token_ids: torch.Tensor  # [sampling requests, most drafts]; 0 past num_drafts
     draft_probs: list[torch.Tensor | None]  # q [num_drafts, vocab], or None: one-hot
     batch: SamplingBatch  # their sampling parameters and generators
     # What the requests change in their logits rows (penalties, biases, bad words, ...).
     adjustments: LogitsAdjustments = NO_ADJUSTMENTS
+    prompt_rows: PromptRows | None = None  # tokens of prompts whose logprobs are asked for
+
+    @property
+    def num_sampling_rows(self) -> int:
+        """The logits rows sampling and verification read (the prompt rows follow)."""
+        return len(self.logits_indices) - (0 if self.prompt_rows is None else len(self.prompt_rows))
 
     @classmethod
     def of(
-        cls, rows: list[int], requests: list[Request], drafts: list[Draft | None], logits: array
+        cls,
+        rows: list[int],
+        requests: list[Request],
+        drafts: list[Draft | None],
+        logits: array,
+        prompt_rows: PromptRows | None = None,
     ) -> SamplingInputs:
         """The sampling rows ``rows`` of a step: their requests, their drafts and where
-        their logits are read."""
+        their logits are read (``logits`` ends with the prompt rows' indices)."""
         num_drafts = [0 if draft is None else len(draft.token_ids) for draft in drafts]
         widest = max(num_drafts, default=0)
         draft_token_ids = array("q")
@@ -194,6 +207,7 @@ class SamplingInputs:
             adjustments=logits_adjustments(
                 requests, [[] if draft is None else draft.token_ids for draft in drafts]
             ),
+            prompt_rows=prompt_rows,
         )
 
 
@@ -235,7 +249,9 @@ class StepInputs:
                 tokens += draft.token_ids
             # A plain tuple in Query's field order: this runs for every request per step.
             queries.append((request, start, tokens, draft, item.samples))
-        return cls.from_queries(queries, positions_per_block, return_hidden_states, rotary)
+        return cls.from_queries(
+            queries, positions_per_block, return_hidden_states, rotary, prompt_logprobs=True
+        )
 
     @classmethod
     def from_queries(
@@ -244,8 +260,10 @@ class StepInputs:
         positions_per_block: int,
         return_hidden_states: bool = False,
         rotary: RotarySwitch | None = None,
+        prompt_logprobs: bool = False,
     ) -> StepInputs:
-        """One forward over ``queries``, in order (a proposer's own draft steps).
+        """One forward over ``queries``, in order (a proposer's own draft steps); with
+        ``prompt_logprobs``, rows scoring the prompt tokens of requests that ask.
 
         Work is per request and, for slots, per block a request touches: token runs are
         copied with ``extend``, never a Python loop over tokens. Host time here is mostly
@@ -257,6 +275,7 @@ class StepInputs:
         rows: list[int] = []
         next_token_ids: list[int] = []
         drafts: list[Draft | None] = []
+        scored = ScoredPrompts()
         end_of_queries = 0
         per_block = positions_per_block
         for row, (request, start, tokens, draft, samples) in enumerate(queries):
@@ -273,6 +292,8 @@ class StepInputs:
                 first = block_ids[index] * per_block - index * per_block
                 low, high = max(start, index * per_block), min(end, (index + 1) * per_block)
                 slot_mapping.extend(range(first + low, first + high))
+            if prompt_logprobs and request.sampling_params.prompt_logprobs is not None:
+                scored.add(request, start, end, end_of_queries)
             end_of_queries += len(tokens)
             query_start_loc.append(end_of_queries)
             seq_lens.append(end)
@@ -283,6 +304,9 @@ class StepInputs:
                 drafts.append(draft)
                 logits_indices.extend(range(end_of_queries - 1 - count, end_of_queries))
         sampled = [queries[row][0] for row in rows]
+        prompt_rows = scored.rows()
+        if prompt_rows is not None:
+            logits_indices.extend(scored.indices)
         positions = long_tensor(positions)
         rotary_rows = None
         if rotary is not None:
@@ -299,9 +323,41 @@ class StepInputs:
                 query_start_loc=long_tensor(query_start_loc),
                 rotary_rows=rotary_rows,
             ),
-            sampling=SamplingInputs.of(rows, sampled, drafts, logits_indices),
+            sampling=SamplingInputs.of(rows, sampled, drafts, logits_indices, prompt_rows),
             return_hidden_states=return_hidden_states,
             next_token_ids=next_token_ids,
+        )
+
+
+class ScoredPrompts:
+    """Collects a step's prompt rows as its queries are laid out."""
+
+    def __init__(self) -> None:
+        self.indices = array("q")
+        self.targets = array("q")
+        self.request_ids: list[str] = []
+        self.first_positions: list[int] = []
+        self.counts: list[int] = []
+        self.top: list[int] = []
+
+    def add(self, request: Request, start: int, end: int, first_index: int) -> None:
+        """The query's tokens at positions ``start..end - 1`` sit from logits row
+        ``first_index``; those before the prompt's last token score the next one."""
+        stop = min(end, request.num_prompt_tokens - 1)
+        if stop <= start:
+            return
+        self.indices.extend(range(first_index, first_index + stop - start))
+        self.targets.extend(request.token_ids[start + 1 : stop + 1])
+        self.request_ids.append(request.request_id)
+        self.first_positions.append(start + 1)
+        self.counts.append(stop - start)
+        self.top.append(request.sampling_params.prompt_logprobs)
+
+    def rows(self) -> PromptRows | None:
+        if not self.request_ids:
+            return None
+        return PromptRows(
+            self.request_ids, self.first_positions, self.counts, self.top, long_tensor(self.targets)
         )
 
 

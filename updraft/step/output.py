@@ -26,3 +26,7 @@ class StepOutput:
     # Per emitted token, the likeliest tokens and their logprobs, where some request
     # asked for them (as many as the step's largest ask).
     top_logprobs: list[list[dict[int, float]]] | None = None
+    # Per request that asked for its prompt's logprobs and had prompt tokens in this
+    # step: the prompt position scored first, then per position {token: logprob} (the
+    # prompt's token first, then the likeliest).
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] | None = None
