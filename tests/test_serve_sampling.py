@@ -229,6 +229,13 @@ def test_truncated_prompts_and_template_options(client, offline):
         extra_body={"continue_final_message": True, "add_generation_prompt": False},
     )
     assert continued.choices[0].message.content == expected.outputs[0].text
+    offline_reply = offline.chat(
+        messages,
+        SamplingParams(temperature=0, max_tokens=6),
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )
+    assert offline_reply[0].outputs[0].text == expected.outputs[0].text
     with pytest.raises(openai.BadRequestError, match="continue_final_message"):
         client.chat.completions.create(
             model=MODEL, messages=messages, extra_body={"continue_final_message": True}

@@ -62,14 +62,28 @@ class LLM:
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Reply to one conversation (a list of ``{"role", "content"}`` messages) or to
         several; each is rendered with the checkpoint's chat template, or updraft's
-        simple one when it has none, exactly as ``updraft serve`` renders it."""
+        simple one when it has none, exactly as ``updraft serve`` renders it. With
+        ``continue_final_message`` (and ``add_generation_prompt`` False) the reply goes
+        on with the last message instead of starting a new one."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError(
+                "continue_final_message needs add_generation_prompt=False: the reply "
+                "either continues the last message or starts a new one"
+            )
         if self._chat_template is None:
             self._chat_template = ChatTemplate.from_dir(self.engine.config.model)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self._chat_template.render(list(c)) for c in conversations]
+        prompts = [
+            self._chat_template.render(
+                list(c), add_generation_prompt, continue_final_message=continue_final_message
+            )
+            for c in conversations
+        ]
         return self.generate(prompts, sampling_params)
 
     def generate_stream(
