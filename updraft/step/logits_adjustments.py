@@ -14,6 +14,7 @@ applies it with a handful of batched tensor ops (``runner/logits_processors.py``
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -21,13 +22,10 @@ import torch
 from updraft.request import Request
 from updraft.sampling_params import SamplingParams
 
-# A (row, token) pair as one int64, so that torch.unique can merge repeats.
-_ROW_STRIDE = 1 << 32
-
 
 @dataclass(frozen=True)
 class RowTokens:
-    """(row, token) pairs with one value each, no pair twice."""
+    """(row, token) pairs with a value each."""
 
     rows: torch.Tensor  # int64
     tokens: torch.Tensor  # int64
@@ -45,9 +43,10 @@ class RowTokens:
 @dataclass(frozen=True)
 class LogitsAdjustments:
     """Applied in this order (vLLM's): ``allowed`` (rows limited to these tokens), then
-    ``added`` (-inf for bad words and min_tokens' stop tokens, plus logit_bias), then
-    ``repetition`` (a penalty p divides a positive logit by p and multiplies a negative
-    one), then ``subtracted`` (frequency * count + presence)."""
+    ``added`` (-inf for bad words and min_tokens' stop tokens, plus logit_bias; repeated
+    pairs add up), then ``repetition`` (a penalty p divides a positive logit by p and
+    multiplies a negative one; no pair twice), then ``subtracted`` (frequency * count +
+    presence; repeated pairs add up)."""
 
     allowed: list[tuple[torch.Tensor, torch.Tensor]]  # (rows, token ids) per request
     added: RowTokens
@@ -68,8 +67,10 @@ def logits_adjustments(requests: list[Request], drafts: list[list[int]]) -> Logi
     if not any(r.sampling_params.adjusts_logits for r in requests):
         return NO_ADJUSTMENTS
     allowed = []
-    added: list[tuple[int, int, float]] = []
-    repeated, counted = [], []
+    banned: list[tuple[int, int]] = []
+    added: list[RowTokens] = []
+    repeated: list[_Penalised] = []
+    counted: list[_Penalised] = []
     first_row = 0
     for request, draft in zip(requests, drafts, strict=True):
         params = request.sampling_params
@@ -82,24 +83,26 @@ def logits_adjustments(requests: list[Request], drafts: list[list[int]]) -> Logi
         if params.allowed_token_ids is not None:
             ids = torch.tensor(params.allowed_token_ids, dtype=torch.long)
             allowed.append((torch.tensor(rows, dtype=torch.long), ids))
+        stops = {*request.eos_token_ids, *params.stop_token_ids}
         for row, position in zip(rows, range(num_rows), strict=True):
             ahead = draft[:position]
             for word in request.bad_words_token_ids:
                 if _ends_with(output, ahead, word[:-1]):
-                    added.append((row, word[-1], float("-inf")))
+                    banned.append((row, word[-1]))
             if len(output) + position < params.min_tokens:
-                stops = {*request.eos_token_ids, *params.stop_token_ids}
-                added.extend((row, token, float("-inf")) for token in stops)
-            if params.logit_bias:
-                added.extend((row, token, bias) for token, bias in params.logit_bias.items())
+                banned.extend((row, token) for token in stops)
+        if params.logit_bias:
+            tokens = torch.tensor(list(params.logit_bias), dtype=torch.long)
+            values = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
+            added.append(_every_row(rows, tokens, values))
         if params.repetition_penalty != 1:
-            seen = torch.tensor(request.token_ids, dtype=torch.long).unique()
-            repeated.append(_per_row(seen, draft, rows, params.repetition_penalty))
+            repeated.append((request.token_ids, draft, rows, params))
         if params.frequency_penalty or params.presence_penalty:
-            counted.append(_counted(output, draft, rows, params))
-    return LogitsAdjustments(
-        allowed, _merged_added(added), _merged(repeated, keep="first"), _merged(counted)
-    )
+            counted.append((output, draft, rows, params))
+    if banned:
+        rows_t, tokens_t = torch.tensor(banned, dtype=torch.long).unbind(1)
+        added.append(RowTokens(rows_t, tokens_t, torch.full((len(banned),), float("-inf"))))
+    return LogitsAdjustments(allowed, _cat(added), _repeated(repeated), _counted(counted))
 
 
 def _ends_with(output: list[int], ahead: list[int], prefix: tuple[int, ...]) -> bool:
@@ -110,54 +113,108 @@ def _ends_with(output: list[int], ahead: list[int], prefix: tuple[int, ...]) -> 
     return len(tail) >= len(prefix) and tuple(tail[-len(prefix) :]) == prefix
 
 
-def _per_row(seen: torch.Tensor, draft: list[int], rows: range, value: float) -> RowTokens:
-    """``value`` at every token of ``seen`` in each row, and at draft ``i`` in the rows
-    after it; pairs may repeat (merged later)."""
+def _every_row(rows: range, tokens: torch.Tensor, values: torch.Tensor) -> RowTokens:
+    """The same (token, value) pairs in each of ``rows``."""
     num_rows = len(rows)
-    row_ids = torch.arange(rows.start, rows.stop).repeat_interleave(len(seen))
-    tokens = seen.repeat(num_rows)
-    if draft:
-        later, earlier = torch.tril_indices(num_rows, num_rows, offset=-1)
-        row_ids = torch.cat([row_ids, later + rows.start])
-        tokens = torch.cat([tokens, torch.tensor(draft, dtype=torch.long)[earlier]])
-    return RowTokens(row_ids, tokens, torch.full((len(tokens),), float(value)))
+    row_ids = torch.arange(rows.start, rows.stop).repeat_interleave(len(tokens))
+    return RowTokens(row_ids, tokens.repeat(num_rows), values.repeat(num_rows))
 
 
-def _counted(output: list[int], draft: list[int], rows: range, params: SamplingParams) -> RowTokens:
-    """frequency * count + presence at each token of the output (with the drafts before
-    each row), as one value per (row, token)."""
-    tokens, counts = torch.tensor(output, dtype=torch.long).unique(return_counts=True)
-    once = _per_row(tokens, draft, rows, 1.0)
-    counts = torch.cat([counts.float().repeat(len(rows)), once.values[len(rows) * len(tokens) :]])
-    keys, inverse = (once.rows * _ROW_STRIDE + once.tokens).unique(return_inverse=True)
-    total = torch.zeros(len(keys)).index_add_(0, inverse, counts)
-    values = params.frequency_penalty * total + params.presence_penalty
-    return RowTokens(keys // _ROW_STRIDE, keys % _ROW_STRIDE, values)
+# (tokens seen before the first row, drafts, the rows, the request's parameters)
+_Penalised = tuple[list[int], list[int], range, SamplingParams]
+_TOKEN_BITS = 32  # a (request, token) pair as one int64 key
 
 
-def _merged(parts: list[RowTokens], keep: str = "sum") -> RowTokens:
-    """Parts from different requests (whose rows never overlap) as one; with ``keep``
-    "first", repeated pairs within a part keep one value (all equal)."""
+def _distinct(penalised: list[_Penalised]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For all requests at once: each (request, token) among their seen tokens, with how
+    often it was seen; one unique over one flat tensor, however many requests."""
+    flat, lengths = array("q"), []
+    for seen, *_ in penalised:
+        flat.extend(seen)
+        lengths.append(len(seen))
+    tokens = torch.frombuffer(flat, dtype=torch.long) if flat else torch.empty(0, dtype=torch.long)
+    owners = torch.arange(len(penalised)).repeat_interleave(torch.tensor(lengths))
+    keys, counts = ((owners << _TOKEN_BITS) | tokens).unique(return_counts=True)
+    return keys >> _TOKEN_BITS, keys & ((1 << _TOKEN_BITS) - 1), counts
+
+
+def _in_rows(owner: torch.Tensor, penalised: list[_Penalised]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each entry of request ``owner`` repeated in every one of its rows: (the entry's
+    index, its row)."""
+    first = torch.tensor([rows.start for _, _, rows, _ in penalised], dtype=torch.long)
+    width = torch.tensor([len(rows) for _, _, rows, _ in penalised], dtype=torch.long)
+    reps = width[owner]
+    entry = torch.arange(len(owner)).repeat_interleave(reps)
+    starts = torch.cumsum(reps, 0) - reps
+    offset = torch.arange(len(entry)) - starts.repeat_interleave(reps)
+    return entry, first[owner].repeat_interleave(reps) + offset
+
+
+def _repeated(penalised: list[_Penalised]) -> RowTokens:
+    """The repetition penalty at every token seen (prompt, output, and the drafts before
+    each row), each (row, token) once: the penalty scales a logit, so twice would be
+    wrong."""
+    if not penalised:
+        return RowTokens.empty()
+    owner, tokens, _ = _distinct(penalised)
+    penalty = torch.tensor([p.repetition_penalty for *_, p in penalised], dtype=torch.float32)
+    entry, rows = _in_rows(owner, penalised)
+    extra = [], [], []
+    for seen, draft, row_range, params in penalised:
+        known = set(seen) if draft else set()
+        for position, token in enumerate(draft):
+            if token in known:
+                continue  # seen already: penalised once in every row
+            known.add(token)
+            later = range(row_range.start + position + 1, row_range.stop)
+            extra[0].extend(later)
+            extra[1].extend([token] * len(later))
+            extra[2].extend([params.repetition_penalty] * len(later))
+    return _with_extra(RowTokens(rows, tokens[entry], penalty[owner][entry]), extra)
+
+
+def _counted(penalised: list[_Penalised]) -> RowTokens:
+    """frequency * count + presence at each token of the output and of the drafts
+    before each row; a (row, token) may come more than once, its values add up."""
+    if not penalised:
+        return RowTokens.empty()
+    owner, tokens, counts = _distinct(penalised)
+    frequency = torch.tensor([p.frequency_penalty for *_, p in penalised], dtype=torch.float32)
+    presence = torch.tensor([p.presence_penalty for *_, p in penalised], dtype=torch.float32)
+    values = frequency[owner] * counts.float() + presence[owner]
+    entry, rows = _in_rows(owner, penalised)
+    extra = [], [], []
+    for output, draft, row_range, params in penalised:
+        known = set(output) if draft else set()
+        for position, token in enumerate(draft):
+            new = token not in known
+            known.add(token)
+            later = range(row_range.start + position + 1, row_range.stop)
+            extra[0].extend(later)
+            extra[1].extend([token] * len(later))
+            value = params.frequency_penalty + (params.presence_penalty if new else 0.0)
+            extra[2].extend([value] * len(later))
+    return _with_extra(RowTokens(rows, tokens[entry], values[entry]), extra)
+
+
+def _with_extra(base: RowTokens, extra: tuple[list, list, list]) -> RowTokens:
+    rows, tokens, values = extra
+    if not rows:
+        return base
+    return RowTokens(
+        torch.cat([base.rows, torch.tensor(rows, dtype=torch.long)]),
+        torch.cat([base.tokens, torch.tensor(tokens, dtype=torch.long)]),
+        torch.cat([base.values, torch.tensor(values, dtype=torch.float32)]),
+    )
+
+
+def _cat(parts: list[RowTokens]) -> RowTokens:
     if not parts:
         return RowTokens.empty()
-    rows = torch.cat([p.rows for p in parts])
-    tokens = torch.cat([p.tokens for p in parts])
-    values = torch.cat([p.values for p in parts])
-    if keep == "first":
-        keys, inverse = (rows * _ROW_STRIDE + tokens).unique(return_inverse=True)
-        first = torch.full((len(keys),), 0.0).scatter_(0, inverse, values)
-        return RowTokens(keys // _ROW_STRIDE, keys % _ROW_STRIDE, first)
-    return RowTokens(rows, tokens, values)
-
-
-def _merged_added(added: list[tuple[int, int, float]]) -> RowTokens:
-    """Additive entries summed per (row, token): a biased token that is also banned
-    stays -inf."""
-    if not added:
-        return RowTokens.empty()
-    rows, tokens, values = zip(*added, strict=True)
-    rows_t = torch.tensor(rows, dtype=torch.long)
-    tokens_t = torch.tensor(tokens, dtype=torch.long)
-    keys, inverse = (rows_t * _ROW_STRIDE + tokens_t).unique(return_inverse=True)
-    total = torch.zeros(len(keys)).index_add_(0, inverse, torch.tensor(values, dtype=torch.float32))
-    return RowTokens(keys // _ROW_STRIDE, keys % _ROW_STRIDE, total)
+    if len(parts) == 1:
+        return parts[0]
+    return RowTokens(
+        torch.cat([p.rows for p in parts]),
+        torch.cat([p.tokens for p in parts]),
+        torch.cat([p.values for p in parts]),
+    )
