@@ -16,6 +16,7 @@ they never stop other requests or leave blocks behind.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import time
@@ -57,6 +58,18 @@ from updraft.tokenizer import Detokenizer, Tokenizer
 # While only constrained requests wait for their grammars, a step waits this long for
 # one to compile before it returns (the caller's loop then looks at its own work).
 COMPILE_POLL_SECONDS = 0.01
+
+# Bad words whose token spellings are kept (a word is at most 256 characters).
+BAD_WORDS_CACHE = 4096
+
+
+def _spellings(tokenizer: Tokenizer, vocab_size: int, word: str) -> tuple[tuple[int, ...], ...]:
+    spellings = []
+    for spelling in (word.lstrip(), " " + word.lstrip()):
+        ids = tuple(tokenizer.encode(spelling))
+        if ids and max(ids) < vocab_size:
+            spellings.append(ids)
+    return tuple(spellings)
 
 
 class Engine:
@@ -111,6 +124,9 @@ class Engine:
         # Constrained requests whose grammar is still compiling: scheduled once it has.
         self._compiling: dict[str, tuple[Request, futures.Future]] = {}
         self._families = Families()  # requests with n > 1
+        # Over the tokenizer, not the engine: a cache holding the engine would keep it alive.
+        speller = functools.partial(_spellings, self.tokenizer, self.model_config.vocab_size)
+        self._spell = functools.lru_cache(maxsize=BAD_WORDS_CACHE)(speller)
         self._scheduler = Scheduler(
             # LongRoPE's long sequences are computed otherwise: cached apart.
             KVCacheManager(pool, None if self._rotary is None else self._rotary.cache_salt),
@@ -260,8 +276,12 @@ class Engine:
                 token_ids = token_ids[-params.truncate_prompt_tokens :]
             error = error or self._check_length(len(token_ids))
         error = error or self._check_token_fields(params)
-        bad_words, bad_words_error = self._bad_words_token_ids(params.bad_words)
-        error = error or bad_words_error
+        bad_words: tuple[tuple[int, ...], ...] = ()
+        if params.bad_words and error is None:
+            if self.tokenizer is None:
+                error = f"bad_words: {self.config.model} has no tokenizer.json to spell them"
+            else:
+                bad_words = self.bad_words_token_ids(params.bad_words)
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
         detokenizer = Detokenizer(
             self.tokenizer,
@@ -350,22 +370,17 @@ class Engine:
                 return f"{name}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
         return None
 
-    def _bad_words_token_ids(
-        self, words: list[str]
-    ) -> tuple[tuple[tuple[int, ...], ...], str | None]:
+    def bad_words_token_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
         """Each bad word as the model would write it, alone and after a space (as vLLM
-        does: a word inside a sentence tokenizes with its leading space)."""
-        if not words:
-            return (), None
-        if self.tokenizer is None:
-            return (), f"bad_words: {self.config.model} has no tokenizer.json to spell them"
-        sequences = []
+        does: a word inside a sentence tokenizes with its leading space). Spellings are
+        cached: a server spells a request's words in a worker thread before adding it,
+        so the engine thread finds them here instead of tokenizing."""
+        sequences: list[tuple[int, ...]] = []
         for word in words:
-            for spelling in (word.lstrip(), " " + word.lstrip()):
-                ids = tuple(self.tokenizer.encode(spelling))
-                if ids and ids not in sequences and max(ids) < self.model_config.vocab_size:
+            for ids in self._spell(word):
+                if ids not in sequences:
                     sequences.append(ids)
-        return tuple(sequences), None
+        return tuple(sequences)
 
     def _check_length(self, num_prompt_tokens: int) -> str | None:
         if num_prompt_tokens < self.max_model_len:

@@ -336,6 +336,8 @@ class OpenAIServing:
         """Start one engine request per prompt (each with ``params.n`` sequences); the
         first refused ends those already started and is the request's 400."""
         started: list[Started] = []
+        if params.bad_words and self.tokenizer is not None:  # spelled off the engine thread
+            await asyncio.to_thread(self.engine.engine.bad_words_token_ids, params.bad_words)
         try:
             for i, prompt in enumerate(prompts):
                 fitted = self._fitted(params, prompt, explicit, max_tokens_field)
