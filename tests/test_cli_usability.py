@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+import updraft
 from tests.helpers import greedy
 from updraft import LLM
 from updraft.chat_template import ChatTemplate
@@ -123,6 +124,7 @@ def test_ctrl_c_ends_quietly(command):
         assert line or process.poll() is None, seen
         seen += line
         assert time.monotonic() < deadline, seen
+    assert "[updraft] ready in" in seen  # serve says what it does before it listens
     time.sleep(0.5)
     process.send_signal(signal.SIGINT)
     rest = process.communicate(timeout=60)[1]
@@ -164,3 +166,30 @@ def test_generate_says_when_max_tokens_does_not_fit(capsys):
     err = capsys.readouterr().err
     assert "--max-tokens 100000 does not fit after the prompt" in err
     assert "context 64 tokens" in err and "finish: length" in err
+
+
+def test_version_and_a_taken_port_found_before_loading(capsys):
+    import socket
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"updraft {updraft.__version__}"
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        started = time.monotonic()
+        result = subprocess.run(
+            [sys.executable, "-m", "updraft", "serve", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        taken.close()
+    assert result.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "loading the model" not in result.stderr
+    assert time.monotonic() - started < 30

@@ -296,3 +296,18 @@ def test_serve_help_never_prints_the_api_key(monkeypatch, capsys):
         main(["serve", "--help"])
     help_text = capsys.readouterr().out
     assert "--api-key" in help_text and "topsecret" not in help_text
+
+
+def test_every_error_status_is_counted(base_url):
+    def rejected(status: int) -> float:
+        return metric(base_url, "updraft_request_rejected_total", f'status="{status}"')
+
+    before = {status: rejected(status) for status in (400, 404, 413, 415)}
+    url = f"{base_url}/v1/completions"
+    httpx.post(url, json={"model": MODEL, "prompt": "x", "temperature": -1})
+    httpx.post(url, json={"model": "gpt-4", "prompt": "x"})
+    httpx.post(url, json={"model": MODEL, "prompt": "x" * 70_000})  # over 64 KiB
+    httpx.post(url, content=b"prompt=x", headers={"content-type": "text/plain"})
+    httpx.get(f"{base_url}/v1/nothing-here")
+    after = {status: rejected(status) for status in (400, 404, 413, 415)}
+    assert {s: after[s] - before[s] for s in after} == {400: 1, 404: 2, 413: 1, 415: 1}

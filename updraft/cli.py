@@ -14,6 +14,7 @@ from dataclasses import fields
 from pathlib import Path
 
 # Only leaves at import time: `updraft --help` must not wait for torch.
+from updraft import __version__
 from updraft.config import EngineConfig
 from updraft.demo import DEMO_DRAFT_DIR, DEMO_EAGLE_DIR, DEMO_MODEL_DIR
 from updraft.sampling_params import SamplingParams
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="updraft",
         description="updraft: LLM inference with a paged KV cache and continuous batching.",
     )
+    parser.add_argument("--version", action="version", version=f"updraft {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate = commands.add_parser(
         "generate",
@@ -235,12 +237,7 @@ def load(model: str | None, engine_args: dict):
     from updraft.engine.llm import LLM
 
     config = EngineConfig(model=str(model or DEMO_MODEL_DIR), **engine_args)
-    what = "loading the model"
-    if config.use_graphs:
-        what += " and capturing graphs"
-        if config.compiles_graphs and config.device == "cpu":
-            what += " (compiling them: up to a minute at the first start, seconds after)"
-    print(f"[updraft] {what} ...", file=sys.stderr, flush=True)
+    print(f"[updraft] {config.start_up_steps()} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     llm = LLM(model, **engine_args)
     print(f"[updraft] ready in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)

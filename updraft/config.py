@@ -718,6 +718,16 @@ class EngineConfig:
             return self.compile_graphs
         return os.environ.get(COMPILE_GRAPHS_ENV, "1") != "0"
 
+    def start_up_steps(self) -> str:
+        """What building an engine from this config does, for a progress line: loading
+        takes seconds, compiling graphs up to a minute at the first start."""
+        what = "loading the model"
+        if self.use_graphs:
+            what += " and capturing graphs"
+            if self.compiles_graphs and self.device == "cpu":
+                what += " (compiling them: up to a minute at the first start, seconds after)"
+        return what
+
     def compute_dtype(self, model_config: ModelConfig) -> torch.dtype:
         if self.dtype != "auto":
             return torch_dtype(self.dtype)

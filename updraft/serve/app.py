@@ -46,9 +46,13 @@ def build_app(engine: Engine, settings: ServeSettings) -> FastAPI:
     app.state.model_card = ModelCard(
         id=settings.model_name, created=int(time.time()), max_model_len=engine.max_model_len
     )
-    install_error_handlers(app)
+    install_error_handlers(app, metrics.rejected)
     # Middleware added last runs first: the key is checked before the body is read.
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(
+        BodySizeLimit,
+        max_bytes=settings.max_request_bytes,
+        on_refusal=lambda: metrics.rejected(413),
+    )
     if settings.api_key is not None:
         app.add_middleware(
             RequireAPIKey, api_key=settings.api_key, on_refusal=lambda: metrics.rejected(401)
@@ -178,9 +182,10 @@ class BodySizeLimit:
     """413 for a body over ``max_bytes``. The body is read here in full (it is small by
     construction) and replayed to the app, so the limit holds for chunked bodies too."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, on_refusal: Callable[[], None]) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.on_refusal = on_refusal
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -213,6 +218,7 @@ class BodySizeLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.on_refusal()
         message = f"request body is larger than this server's limit of {self.max_bytes} bytes"
         response = JSONResponse(error_body(413, message), status_code=413)
         await response(scope, receive, send)

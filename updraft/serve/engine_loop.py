@@ -64,9 +64,11 @@ class AsyncEngine:
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}  # loop thread only
         self._num_in_flight = 0  # asyncio side only: handlers between add and finish
-        # Each counter has one writer thread, so neither needs a lock.
-        self._adds_sent = 0  # asyncio side
-        self._adds_applied = 0  # loop thread
+        # Asyncio side only (the loop thread reports through call_soon_threadsafe): adds
+        # the loop has not applied, and aborts of applied adds it has not applied. A
+        # request whose client has gone counts in neither, so it holds no waiting place.
+        self._unapplied: set[str] = set()
+        self._aborting: set[str] = set()
         self._stop = False
         self._accepting = True
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -90,8 +92,10 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests accepted but not yet running, including adds the loop has not seen."""
-        return self.stats.num_waiting + self._adds_sent - self._adds_applied
+        """Requests accepted but not yet running, including adds the loop has not seen,
+        and not those whose client has gone."""
+        held = max(0, self.stats.num_waiting - len(self._aborting))
+        return held + len(self._unapplied)
 
     async def shutdown(self, timeout: float) -> None:
         """Stop taking requests, let the running ones finish (up to ``timeout`` seconds),
@@ -118,7 +122,7 @@ class AsyncEngine:
             raise ShuttingDownError("the server is shutting down")
         stream = _Stream(asyncio.Queue(), time.perf_counter())
         self._num_in_flight += 1
-        self._adds_sent += 1
+        self._unapplied.add(request_id)
         self._send(_Add(request_id, prompt, params, stream))
         finished = False
         try:
@@ -131,6 +135,10 @@ class AsyncEngine:
         finally:
             self._num_in_flight -= 1
             if not finished:
+                if request_id in self._unapplied:
+                    self._unapplied.discard(request_id)
+                else:
+                    self._aborting.add(request_id)
                 self._send(_Abort(request_id))
 
     def _send(self, command: _Add | _Abort) -> None:
@@ -163,10 +171,15 @@ class AsyncEngine:
             self._fail_all(EngineDeadError(f"the engine loop failed: {error!r}"))
 
     def _apply_commands(self) -> None:
+        # An add whose abort is queued behind it never reaches the engine: in an abort
+        # storm the engine spends nothing on requests nobody waits for.
+        aborted = {c.request_id for c in self._commands if isinstance(c, _Abort)}
         while self._commands:
             command = self._commands.popleft()
             if isinstance(command, _Add):
-                self._adds_applied += 1
+                self._call_soon(self._unapplied.discard, command.request_id)
+                if command.request_id in aborted:
+                    continue
                 try:
                     self.engine.add_request(command.prompt, command.params, command.request_id)
                 except Exception as error:  # a bug in one request must not stop the loop
@@ -174,10 +187,12 @@ class AsyncEngine:
                     self._call_soon(command.stream.queue.put_nowait, error)
                     continue
                 self._streams[command.request_id] = command.stream
-            elif command.request_id in self._streams:
-                del self._streams[command.request_id]
-                if self.engine.abort(command.request_id) and self.metrics is not None:
-                    self.metrics.finished("abort")
+            else:
+                self._call_soon(self._aborting.discard, command.request_id)
+                if command.request_id in self._streams:
+                    del self._streams[command.request_id]
+                    if self.engine.abort(command.request_id) and self.metrics is not None:
+                        self.metrics.finished("abort")
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()

@@ -7,6 +7,7 @@ Every error the server sends is ``{"error": {"message", "type", "param", "code"}
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -81,24 +82,30 @@ def validation_error(error: RequestValidationError) -> APIError:
     return APIError(400, "; ".join(messages), param=param)
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, counted: Callable[[int], None]) -> None:
+    """Every error becomes an OpenAI error body; ``counted`` sees each one's status."""
+
+    def respond(error: APIError) -> JSONResponse:
+        counted(error.status)
+        return error_response(error)
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
-        return error_response(error)
+        return respond(error)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
         media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if media_type and media_type != "application/json":
             message = f"Content-Type must be application/json, got {media_type[:80]!r}"
-            return error_response(APIError(415, message))
-        return error_response(validation_error(error))
+            return respond(APIError(415, message))
+        return respond(validation_error(error))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        return error_response(APIError(error.status_code, str(error.detail)))
+        return respond(APIError(error.status_code, str(error.detail)))
 
     @app.exception_handler(Exception)
     async def bug(request: Request, error: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(APIError(500, f"internal server error: {type(error).__name__}"))
+        return respond(APIError(500, f"internal server error: {type(error).__name__}"))

@@ -67,7 +67,7 @@ class ServerMetrics:
         )
         self.requests_rejected = Counter(
             "updraft_request_rejected",
-            "Requests refused before reaching the engine, by HTTP status.",
+            "Requests answered with an error status (4xx or 5xx), by status.",
             registry=registry,
             labelnames=["model_name", "status"],
         )

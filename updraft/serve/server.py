@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -63,7 +66,14 @@ def serve(
     quiet_overload_logs()
     model_dir = str(model or DEMO_MODEL_DIR)
     settings = replace(settings, max_connections=raise_descriptor_limit(settings.max_connections))
-    engine = Engine(EngineConfig(model=model_dir, **engine_args))
+    # The address first: a port in use is found before a minute of loading, not after.
+    listener = listening_socket(host, port)
+    config = EngineConfig(model=model_dir, **engine_args)
+    print(f"[updraft] {config.start_up_steps()} ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    engine = Engine(config)
+    print(f"[updraft] ready in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    port = listener.getsockname()[1]
     server = make_server(engine, settings, host, port)
     access = (
         "clients must send its API key"
@@ -81,5 +91,27 @@ def serve(
     # uvicorn drains on SIGTERM and then raises the signal again; with this handler in
     # place that second delivery is a no-op, so a drained server exits 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    server.run()
+    try:
+        server.run(sockets=[listener])
+    finally:
+        listener.close()
     return 0 if server.started else 1
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (uvicorn listens on it), or an OSError that names
+    the address."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        listener = socket.socket(family, kind, proto)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    except OSError as error:
+        raise OSError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+    try:
+        listener.bind(address)
+    except OSError as error:
+        listener.close()
+        raise OSError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+    return listener
