@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import time
 
 import httpx
 import openai
@@ -173,6 +174,40 @@ def test_sigterm_drains_the_running_stream_then_exits_zero():
         log = process.stderr.read().decode()
         assert "serving 'updraft-demo'" in log and f"on http://127.0.0.1:{port}" in log
         assert "it needs no API key" in log
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_a_drain_answers_503_then_cuts_streams_with_an_error_event():
+    env = {name: value for name, value in os.environ.items() if name != "UPDRAFT_API_KEY"}
+    process, base_url = start_server_process("--drain-timeout", "2", env=env)
+    try:
+        body = {"model": MODEL, "prompt": "import os", "max_tokens": 2000, "ignore_eos": True}
+        lines, during = [], {}
+        with httpx.stream(
+            "POST", f"{base_url}/v1/completions", json={**body, "stream": True}, timeout=60
+        ) as response:
+            for line in response.iter_lines():
+                if line and not lines:
+                    process.send_signal(signal.SIGTERM)
+                    time.sleep(0.3)
+                    during["health"] = httpx.get(f"{base_url}/health").status_code
+                    late = httpx.post(f"{base_url}/v1/completions", json=body, timeout=10)
+                    during["late"] = (late.status_code, late.json()["error"]["message"])
+                if line:
+                    lines.append(line)
+        assert during["health"] == 503
+        assert during["late"][0] == 503 and "shutting down" in during["late"][1]
+        assert lines[-1] == "data: [DONE]"
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert "cut after the 2 s drain" in error["message"]
+        assert len(lines) < 1500, "the stream ran to its end: nothing was cut"
+        assert process.wait(timeout=60) == 0
+        log = process.stderr.read().decode()
+        assert "Traceback" not in log and "CancelledError" not in log, log
+        assert "drain timeout: cutting 1 requests" in log
     finally:
         if process.poll() is None:
             process.kill()

@@ -111,6 +111,8 @@ async def health(request: Request) -> Response:
     engine = getattr(request.app.state, "engine", None)
     if engine is None or not engine.is_alive:
         return JSONResponse(error_body(503, "the engine loop has stopped"), status_code=503)
+    if not engine.accepting:
+        return JSONResponse(error_body(503, "the server is shutting down"), status_code=503)
     return Response(status_code=200)
 
 

@@ -55,12 +55,19 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Cut:
+    """End every running request with ``error`` (the drain's timeout has passed)."""
+
+    error: BaseException
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
         self.stats: EngineStats = engine.stats()
-        self._commands: collections.deque[_Add | _Abort] = collections.deque()
+        self._commands: collections.deque[_Add | _Abort | _Cut] = collections.deque()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}  # loop thread only
         self._num_in_flight = 0  # asyncio side only: handlers between add and finish
@@ -89,6 +96,18 @@ class AsyncEngine:
     @property
     def num_in_flight(self) -> int:
         return self._num_in_flight
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    def stop_accepting(self) -> None:
+        """New requests get ShuttingDownError from now on (a drain has begun)."""
+        self._accepting = False
+
+    def cut(self, error: BaseException) -> None:
+        """End every request the loop serves with ``error``, aborting it in the engine."""
+        self._send(_Cut(error))
 
     @property
     def num_waiting(self) -> int:
@@ -141,7 +160,7 @@ class AsyncEngine:
                     self._aborting.add(request_id)
                 self._send(_Abort(request_id))
 
-    def _send(self, command: _Add | _Abort) -> None:
+    def _send(self, command: _Add | _Abort | _Cut) -> None:
         self._commands.append(command)
         self._wakeup.set()
 
@@ -187,6 +206,11 @@ class AsyncEngine:
                     self._call_soon(command.stream.queue.put_nowait, error)
                     continue
                 self._streams[command.request_id] = command.stream
+            elif isinstance(command, _Cut):
+                for request_id, stream in self._streams.items():
+                    self.engine.abort(request_id)
+                    self._call_soon(stream.queue.put_nowait, command.error)
+                self._streams.clear()
             else:
                 self._call_soon(self._aborting.discard, command.request_id)
                 if command.request_id in self._streams:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import socket
@@ -9,6 +10,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -23,6 +25,7 @@ from updraft.serve.connections import (
     quiet_overload_logs,
     raise_descriptor_limit,
 )
+from updraft.serve.engine_loop import AsyncEngine, ShuttingDownError
 from updraft.serve.serving import ServeSettings
 
 logger = logging.getLogger("updraft.serve")
@@ -34,25 +37,82 @@ def default_model_name(model: str | None) -> str:
     return DEMO_MODEL_NAME if model is None else Path(model).expanduser().resolve().name
 
 
+# After the drain, what uvicorn waits for responses still being written.
+CLOSE_TIMEOUT = 5.0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, draining first. At the first SIGTERM or SIGINT the server keeps its port
+    open while new requests and /health get 503 and running requests finish; at the
+    drain timeout, streams still running end with an error event and ``data: [DONE]``
+    (a request that does not stream gets a 503). Only then does uvicorn shut down, with
+    nothing left to cancel. A second SIGINT exits at once, as uvicorn does."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout: float):
+        super().__init__(config)
+        self.engine = engine
+        self.drain_timeout = drain_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._draining or self._loop is None or not self.started:
+            super().handle_exit(sig, frame)
+            return
+        self._draining = True
+        # A signal handler may run in the middle of the loop's own code: hand over.
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain(sig)))
+
+    async def _drain(self, sig: int) -> None:
+        engine = self.engine
+        engine.stop_accepting()
+        logger.info(
+            "draining: %d requests running, up to %g s; new requests get 503",
+            engine.num_in_flight,
+            self.drain_timeout,
+        )
+        deadline = time.monotonic() + self.drain_timeout
+        while engine.num_in_flight and engine.is_alive and time.monotonic() < deadline:
+            if self.should_exit:  # a second signal: uvicorn is shutting down anyway
+                return
+            await asyncio.sleep(0.05)
+        if engine.num_in_flight:
+            logger.info("drain timeout: cutting %d requests", engine.num_in_flight)
+            engine.cut(
+                ShuttingDownError(
+                    f"the server shut down: the request was cut after the {self.drain_timeout:g} s "
+                    "drain; retry elsewhere or later"
+                )
+            )
+            end = time.monotonic() + CLOSE_TIMEOUT
+            while engine.num_in_flight and time.monotonic() < end:
+                await asyncio.sleep(0.05)
+        super().handle_exit(sig, None)
+
+
 def make_server(
     engine: Engine,
     settings: ServeSettings,
     host: str = "127.0.0.1",
     port: int = 8000,
     **uvicorn_args: Any,
-) -> uvicorn.Server:
+) -> DrainingServer:
     app = build_app(engine, settings)
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
-        # uvicorn waits this long for open responses after SIGTERM before cancelling them.
-        timeout_graceful_shutdown=settings.drain_timeout,
+        # The drain has ended every response by then; this bounds a slow client's last read.
+        timeout_graceful_shutdown=CLOSE_TIMEOUT,
         http=guarded_protocol(settings.max_connections, settings.request_timeout),
         backlog=ACCEPT_BURST,
         **{"log_level": "info", **uvicorn_args},
     )
-    return uvicorn.Server(config)
+    return DrainingServer(config, app.state.engine, settings.drain_timeout)
 
 
 def serve(

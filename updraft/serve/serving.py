@@ -677,7 +677,7 @@ async def _sse(events: AsyncIterator[str]) -> AsyncIterator[str]:
         try:
             async for event in events:
                 yield event
-        except EngineDeadError as error:
+        except (EngineDeadError, ShuttingDownError) as error:
             yield _event(error_body(503, str(error)))
     yield "data: [DONE]\n\n"
 
@@ -741,7 +741,7 @@ async def _finals(streams: list[Started]) -> list[RequestOutput]:
         async with aclosing(_merged(streams)) as merged:
             async for position, output in merged:
                 latest[position][output.outputs[0].index] = output
-    except EngineDeadError as error:
+    except (EngineDeadError, ShuttingDownError) as error:
         raise APIError(503, str(error)) from error
     return [merge_outputs(list(outputs.values())) for outputs in latest]
 
