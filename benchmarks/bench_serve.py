@@ -9,6 +9,13 @@ once more all at once without streaming. It measures, from the client's side:
 * end-to-end latency, request throughput and output tokens/s over the whole run.
 
     .venv/bin/python benchmarks/bench_serve.py [--quick]
+
+With ``--hostile`` it measures instead what clients that send huge text prompts cost a
+stream: a canary stream's tokens/s alone, then while six clients loop over prompts of
+86,000 characters (under the server's character bound, over the context, so each is
+tokenized and answered 400).
+
+    .venv/bin/python -m benchmarks.bench_serve --hostile [--rounds 3]
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import random
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -155,11 +163,79 @@ def start_server(max_num_seqs: int) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("updraft serve did not start")
 
 
+def canary_rate(base_url: str, tokens: int = 256) -> float:
+    """Tokens/s of one greedy stream, from its first chunk to its last."""
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": tokens, "ignore_eos": True}
+    body.update(stream=True, return_token_ids=True, temperature=0)
+    first = last = None
+    count = 0
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=600) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                count += len(json.loads(line[6:])["choices"][0]["token_ids"])
+                last = time.perf_counter()
+                first = first or last
+    return (count - 1) / (last - first)
+
+
+def hostile(rounds: int, clients: int = 6) -> str:
+    process, base_url = start_server(64)
+    huge = ("def handler(request):\n    return request.body  # " + "x" * 40 + "\n") * 900
+    huge = huge[:86_000]
+    rows, sent = [], [0]
+    try:
+        canary_rate(base_url, 32)  # warm-up
+        alone, attacked = [], []
+        for _ in range(rounds):
+            alone.append(canary_rate(base_url))
+            stop = threading.Event()
+
+            def attack(stop: threading.Event = stop) -> None:
+                body = {"model": MODEL, "prompt": huge, "max_tokens": 1}
+                with httpx.Client(base_url=base_url, timeout=120) as client:
+                    while not stop.is_set():
+                        assert client.post("/v1/completions", json=body).status_code == 400
+                        sent[0] += 1
+
+            threads = [threading.Thread(target=attack) for _ in range(clients)]
+            for thread in threads:
+                thread.start()
+            try:
+                attacked.append(canary_rate(base_url))
+            finally:
+                stop.set()
+                for thread in threads:
+                    thread.join()
+    finally:
+        process.terminate()
+        process.wait(60)
+    rows.append(["alone", f"{max(alone):.1f}", f"{min(alone):.1f}-{max(alone):.1f}", "-"])
+    rows.append(
+        [
+            f"beside {clients} clients of 86k-character prompts",
+            f"{max(attacked):.1f}",
+            f"{min(attacked):.1f}-{max(attacked):.1f}",
+            str(sent[0]),
+        ]
+    )
+    rows.append(["ratio (best)", f"{max(attacked) / max(alone):.2f}x", "", ""])
+    return markdown_table(
+        f"updraft serve, demo model: a canary stream of 256 tokens, best of {rounds}",
+        ["canary", "tokens/s", "range", "hostile prompts answered"],
+        rows,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests, for a smoke run")
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--hostile", action="store_true", help="huge prompts beside a stream")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    if args.hostile:
+        print(hostile(args.rounds))
+        return
     num_requests = 16 if args.quick else 64
     max_tokens = 32 if args.quick else 64
     scenarios = [(4.0, True), (16.0, True), (float("inf"), True), (float("inf"), False)]

@@ -90,3 +90,38 @@ def test_the_first_stop_string_completed_ends_the_text_and_the_longest_wins_a_ti
     assert stop_at("a = bcd", ["bcd", "cd", "d"]) == ("bcd", "a = ")
     many = [f"never{i}" for i in range(31)] + ["three"]
     assert stop_at("one two three four", many) == ("three", "one two ")
+
+
+def test_a_long_text_is_tokenized_without_holding_the_gil():
+    """With a switch interval of a second, another thread runs during ``encode`` only if
+    the tokenizer lets go of the GIL: counted, not timed."""
+    import sys
+    import threading
+    import time
+
+    from updraft.demo import DEMO_MODEL_DIR
+    from updraft.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(DEMO_MODEL_DIR)
+    text = "def add(a, b):\n    return a + b\n" * 3000  # about 100,000 characters
+    count, stop = [0], threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            count[0] += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)
+    spinner = threading.Thread(target=spin)
+    try:
+        spinner.start()
+        time.sleep(0.01)  # hands the GIL to the spinner, which keeps it up to a second
+        before = count[0]
+        ids = tokenizer.encode(text)
+        during = count[0] - before
+    finally:
+        stop.set()
+        spinner.join()
+        sys.setswitchinterval(interval)
+    assert ids == tokenizer.backend.encode(text).ids
+    assert during > 1000, f"the other thread ran {during} times while the text was tokenized"

@@ -71,6 +71,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     finally:
         # uvicorn has already waited for open responses; this bounds what is left.
         await state.engine.shutdown(state.settings.drain_timeout)
+        state.serving.close()
         del state.serving, state.engine
 
 

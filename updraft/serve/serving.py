@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Sequence
+import os
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from fastapi.responses import JSONResponse
 from starlette.responses import StreamingResponse
@@ -52,6 +55,10 @@ from updraft.serve.tools import CallStream, default_parser
 from updraft.tokenizer import Tokenizer
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+# Threads that tokenize prompts and render chat templates: half the cores, so that the
+# engine keeps the rest however many clients send huge prompts.
+PREPARE_THREADS = max(1, (os.cpu_count() or 2) // 2)
+T = TypeVar("T")
 
 
 @dataclass
@@ -95,11 +102,21 @@ class OpenAIServing:
         self.tokenizer: Tokenizer | None = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
         self.max_tokens_limit = settings.max_tokens_limit or self.max_model_len
+        # Tokenizing and template rendering run in these threads, never on the event
+        # loop, and no more of them than this at once: a flood of huge prompts then
+        # waits its turn instead of taking every core from the engine.
+        self._workers = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="updraft-prepare")
         # A longer text cannot fit in the context whatever it tokenizes to: refused
         # before any tokenizing.
         self.max_prompt_chars = (
             None if self.tokenizer is None else self.max_model_len * self.tokenizer.max_token_chars
         )
+
+    async def _off_loop(self, function: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._workers, function, *args)
+
+    def close(self) -> None:
+        self._workers.shutdown(wait=False, cancel_futures=True)
 
     # -- the two endpoints ---------------------------------------------------------------
 
@@ -172,7 +189,7 @@ class OpenAIServing:
         messages = [m.for_template() for m in body.messages]
         try:
             # Off the event loop: a template over a megabyte of messages takes a while.
-            prompt = await asyncio.to_thread(
+            prompt = await self._off_loop(
                 self.chat_template.render,
                 messages,
                 body.add_generation_prompt,
@@ -274,8 +291,9 @@ class OpenAIServing:
 
     async def _tokenized(self, prompt: str | list[int], field: str) -> str | list[int]:
         """Token ids for a text prompt, tokenized in a worker thread: the engine thread,
-        which steps every running request, never tokenizes (``tokenizers`` releases the
-        GIL while it works). A text too long for any context is refused unread."""
+        which steps every running request, never tokenizes, and a long text is encoded
+        without the GIL (``Tokenizer.encode``). A text too long for any context is
+        refused unread."""
         if isinstance(prompt, list) or self.tokenizer is None:
             return prompt
         if len(prompt) > self.max_prompt_chars:
@@ -285,7 +303,7 @@ class OpenAIServing:
                 "the context length, can hold",
                 param=field,
             )
-        return await asyncio.to_thread(self.tokenizer.encode, prompt)
+        return await self._off_loop(self.tokenizer.encode, prompt)
 
     async def _start(
         self,
@@ -337,7 +355,7 @@ class OpenAIServing:
         first refused ends those already started and is the request's 400."""
         started: list[Started] = []
         if params.bad_words and self.tokenizer is not None:  # spelled off the engine thread
-            await asyncio.to_thread(self.engine.engine.bad_words_token_ids, params.bad_words)
+            await self._off_loop(self.engine.engine.bad_words_token_ids, params.bad_words)
         try:
             for i, prompt in enumerate(prompts):
                 fitted = self._fitted(params, prompt, explicit, max_tokens_field)
