@@ -58,6 +58,9 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        if sockets and not self.should_exit:  # uvicorn says where only for its own sockets
+            host, port = sockets[0].getsockname()[:2]
+            logger.info("Uvicorn running on http://%s:%d (Ctrl-C drains, then quits)", host, port)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._draining or self._loop is None or not self.started:

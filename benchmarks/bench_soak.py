@@ -1,0 +1,108 @@
+"""Soak: `updraft serve` on the demo model under varied traffic, its memory over time.
+
+Clients send completions with random prompt lengths (token ids, 1 to 1,500), random
+output lengths (1 to 200 tokens), streamed or not, and cut a fifth of their streams
+early. The server's resident memory (VmRSS) is read every few seconds: after warm-up it
+should stay flat, since what grows with new step shapes (compiled graphs, allocator
+pools, caches) is bounded.
+
+    .venv/bin/python -m benchmarks.bench_soak [--minutes 10] [--clients 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks.common import free_port, markdown_table
+
+MODEL = "updraft-demo"
+VOCAB = 4096  # the demo model's
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def client(base_url: str, seed: int, stop: threading.Event, done: list[int]) -> None:
+    rng = random.Random(seed)
+    with httpx.Client(base_url=base_url, timeout=300) as http:
+        while not stop.is_set():
+            prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 1500))]
+            body = {
+                "model": MODEL,
+                "prompt": prompt,
+                "max_tokens": rng.randint(1, 200),
+                "temperature": rng.choice([0.0, 0.8]),
+                "ignore_eos": True,
+            }
+            if rng.random() < 0.5:
+                http.post("/v1/completions", json=body).raise_for_status()
+            else:
+                cut = rng.random() < 0.2
+                with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                    for index, _ in enumerate(r.iter_lines()):
+                        if cut and index >= 3:
+                            break  # the client goes away mid-stream
+            done[0] += 1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--every", type=float, default=30.0, help="seconds between samples")
+    parser.add_argument("--kv-cache-mib", type=int, default=64)
+    args = parser.parse_args()
+    port = free_port()
+    command = [sys.executable, "-m", "updraft", "serve", "--port", str(port)]
+    command += ["--kv-cache-memory-gib", str(args.kv_cache_mib / 1024)]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base_url = f"http://127.0.0.1:{port}"
+    stop, done, rows = threading.Event(), [0], []
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(f"{base_url}/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        rows.append(["ready", "0", f"{rss_mib(server.pid):.0f}"])
+        clients = [
+            threading.Thread(target=client, args=(base_url, seed, stop, done), daemon=True)
+            for seed in range(args.clients)
+        ]
+        for thread in clients:
+            thread.start()
+        start = time.monotonic()
+        while time.monotonic() - start < args.minutes * 60:
+            time.sleep(args.every)
+            minutes = (time.monotonic() - start) / 60
+            rows.append([f"{minutes:.1f} min", str(done[0]), f"{rss_mib(server.pid):.0f}"])
+            print(" | ".join(rows[-1]), flush=True)
+        stop.set()
+        for thread in clients:
+            thread.join(300)
+    finally:
+        server.terminate()
+        server.wait(120)
+    title = (
+        f"updraft serve, demo model, {args.clients} clients of random prompts (1-1,500 "
+        f"tokens) and outputs (1-200), a fifth of streams cut, {args.kv_cache_mib} MiB KV"
+    )
+    print(markdown_table(title, ["time", "requests done", "server RSS, MiB"], rows))
+
+
+if __name__ == "__main__":
+    main()
