@@ -144,10 +144,12 @@ def ms(value: float) -> str:
     return "-" if value != value else f"{value * 1000:.0f}"
 
 
-def start_server(max_num_seqs: int) -> tuple[subprocess.Popen, str]:
+def start_server(max_num_seqs: int, *extra: str) -> tuple[subprocess.Popen, str]:
+    """``updraft serve`` on the demo model on a free port (``extra``: more flags), once
+    /health answers."""
     port = free_port()
     command = [sys.executable, "-m", "updraft", "serve", "--port", str(port)]
-    command += ["--max-num-seqs", str(max_num_seqs), "--max-waiting", "100000"]
+    command += ["--max-num-seqs", str(max_num_seqs), "--max-waiting", "100000", *extra]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base_url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120

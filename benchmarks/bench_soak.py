@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import argparse
 import random
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 
-from benchmarks.common import free_port, markdown_table
+from benchmarks.bench_serve import start_server
+from benchmarks.common import markdown_table
 
 MODEL = "updraft-demo"
 VOCAB = 4096  # the demo model's
@@ -64,20 +63,9 @@ def main() -> None:
     parser.add_argument("--every", type=float, default=30.0, help="seconds between samples")
     parser.add_argument("--kv-cache-mib", type=int, default=64)
     args = parser.parse_args()
-    port = free_port()
-    command = [sys.executable, "-m", "updraft", "serve", "--port", str(port)]
-    command += ["--kv-cache-memory-gib", str(args.kv_cache_mib / 1024)]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base_url = f"http://127.0.0.1:{port}"
+    server, base_url = start_server(64, "--kv-cache-memory-gib", str(args.kv_cache_mib / 1024))
     stop, done, rows = threading.Event(), [0], []
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"{base_url}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
         rows.append(["ready", "0", f"{rss_mib(server.pid):.0f}"])
         clients = [
             threading.Thread(target=client, args=(base_url, seed, stop, done), daemon=True)

@@ -239,7 +239,7 @@ class Engine:
         ids = [child_id(request_id, index) for index in range(params.n)]
         if any(self._in_use(i) for i in ids):
             raise ValueError(f"request id {request_id!r} is already in use")
-        self._families.add(request_id, params.n)
+        self._families.add(request_id, ids)
         # Held until the first has prefilled, so they find its blocks in the prefix cache.
         hold = self.config.enable_prefix_caching and params.structured_outputs is None
         for index, sequence_id in enumerate(ids):

@@ -37,13 +37,11 @@ class Families:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._families
 
-    def add(self, request_id: str, n: int) -> list[str]:
-        """A new family of ``n``; returns its children's ids."""
-        ids = [child_id(request_id, index) for index in range(n)]
+    def add(self, request_id: str, ids: list[str]) -> None:
+        """A new family: ``request_id``'s sequences, ``child_id`` of each index."""
         self._families[request_id] = _Family(ids, set(ids))
         for index, child in enumerate(ids):
             self._parent[child] = (request_id, index)
-        return ids
 
     def hold(self, request_id: str, request: Request) -> None:
         self._families[request_id].held.append(request)

@@ -104,10 +104,15 @@ def exponential_noise(
 TopLogprobs = list[dict[int, float]]  # per token: the likeliest tokens and their logprobs
 
 
-def top_logprobs(model_logits: torch.Tensor, k: int) -> list[TopLogprobs]:
-    """[N, V] -> per row, the k likeliest tokens and their log-probabilities."""
+def top_logprobs(
+    model_logits: torch.Tensor, k: int, normalizer: torch.Tensor | None = None
+) -> list[TopLogprobs]:
+    """[N, V] -> per row, the k likeliest tokens and their log-probabilities
+    (``normalizer``: the rows' logsumexp [N, 1], where the caller has it)."""
+    if normalizer is None:
+        normalizer = model_logits.logsumexp(dim=-1, keepdim=True)
     values, ids = model_logits.topk(k, dim=-1)
-    values = values - model_logits.logsumexp(dim=-1, keepdim=True)
+    values = values - normalizer
     return [
         dict(zip(row_ids, row_values, strict=True))
         for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)
@@ -124,10 +129,7 @@ def prompt_logprobs(logits: torch.Tensor, rows: PromptRows) -> PromptLogprobs:
     normalizer = logits.logsumexp(dim=-1, keepdim=True)
     scored = (logits.gather(-1, rows.targets[:, None].to(logits.device)) - normalizer)[:, 0]
     k = max(rows.top)
-    top_ids = top_values = None
-    if k:
-        top_values, top_ids = logits.topk(k, dim=-1)
-        top_ids, top_values = top_ids.tolist(), (top_values - normalizer).tolist()
+    likeliest = top_logprobs(logits, k, normalizer) if k else None
     targets, scored = rows.targets.tolist(), scored.tolist()
     out: PromptLogprobs = {}
     start = 0
@@ -137,8 +139,8 @@ def prompt_logprobs(logits: torch.Tensor, rows: PromptRows) -> PromptLogprobs:
         entries = []
         for row in range(start, start + count):
             entry = {targets[row]: scored[row]}
-            if top:
-                for token, value in zip(top_ids[row][:top], top_values[row][:top], strict=True):
+            if top:  # the step's rows hold its largest ask, likeliest first
+                for token, value in list(likeliest[row].items())[:top]:
                     entry.setdefault(token, value)
             entries.append(entry)
         out[request_id] = (first, entries)

@@ -429,21 +429,11 @@ class OpenAIServing:
     ) -> CompletionLogprobs:
         """The echoed prompt's tokens as completions logprobs: none for the first token,
         then each token's and its position's k likeliest."""
-        tokens = [self._token_text(t) for t in prompt_ids]
-        offsets, offset = [], 0
-        for token in tokens:
-            offsets.append(offset)
-            offset += len(token)
-        top: list[dict[str, float] | None] = [None]
-        for entry in scored[1:]:
-            likeliest = sorted(entry.items(), key=lambda item: -item[1])[:k]
-            top.append({self._token_text(t): v for t, v in likeliest})
-        return CompletionLogprobs(
-            tokens=tokens,
-            token_logprobs=[None] + [e[t] for e, t in zip(scored[1:], prompt_ids[1:], strict=True)],
-            top_logprobs=top if k else None,
-            text_offset=offsets,
-        )
+        logprobs = [None] + [e[t] for e, t in zip(scored[1:], prompt_ids[1:], strict=True)]
+        top = None
+        if k:  # a position's entry holds its own token first, then the likeliest
+            top = [None] + [dict(sorted(e.items(), key=lambda i: -i[1])[:k]) for e in scored[1:]]
+        return self._completion_logprobs(prompt_ids, logprobs, top)
 
     async def _completion_events(
         self,
@@ -584,8 +574,8 @@ class OpenAIServing:
     def _completion_logprobs(
         self,
         token_ids: Sequence[int],
-        logprobs: list[float] | None,
-        top: list[dict[int, float]] | None,
+        logprobs: list[float | None] | None,
+        top: list[dict[int, float] | None] | None,
         offset: int = 0,
     ) -> CompletionLogprobs | None:
         if logprobs is None:
@@ -597,7 +587,10 @@ class OpenAIServing:
             offset += len(token)
         top_logprobs = None
         if top is not None:
-            top_logprobs = [{self._token_text(t): lp for t, lp in row.items()} for row in top]
+            top_logprobs = [
+                None if row is None else {self._token_text(t): lp for t, lp in row.items()}
+                for row in top
+            ]
         return CompletionLogprobs(
             tokens=tokens,
             token_logprobs=list(logprobs),

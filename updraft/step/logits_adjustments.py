@@ -15,6 +15,7 @@ applies it with a handful of batched tensor ops (``runner/logits_processors.py``
 from __future__ import annotations
 
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +46,7 @@ class LogitsAdjustments:
     """Applied in this order (vLLM's): ``allowed`` (rows limited to these tokens), then
     ``added`` (-inf for bad words and min_tokens' stop tokens, plus logit_bias; repeated
     pairs add up), then ``repetition`` (a penalty p divides a positive logit by p and
-    multiplies a negative one; no pair twice), then ``subtracted`` (frequency * count +
+    multiplies a negative one; each pair once), then ``subtracted`` (frequency * count +
     presence; repeated pairs add up)."""
 
     allowed: list[tuple[torch.Tensor, torch.Tensor]]  # (rows, token ids) per request
@@ -152,25 +153,16 @@ def _in_rows(owner: torch.Tensor, penalised: list[_Penalised]) -> tuple[torch.Te
 
 def _repeated(penalised: list[_Penalised]) -> RowTokens:
     """The repetition penalty at every token seen (prompt, output, and the drafts before
-    each row), each (row, token) once: the penalty scales a logit, so twice would be
-    wrong."""
+    each row), each (row, token) once: the scaled logits are written, not added, so a
+    repeat would change nothing but cost a write."""
     if not penalised:
         return RowTokens.empty()
     owner, tokens, _ = _distinct(penalised)
     penalty = torch.tensor([p.repetition_penalty for *_, p in penalised], dtype=torch.float32)
     entry, rows = _in_rows(owner, penalised)
-    extra = [], [], []
-    for seen, draft, row_range, params in penalised:
-        known = set(seen) if draft else set()
-        for position, token in enumerate(draft):
-            if token in known:
-                continue  # seen already: penalised once in every row
-            known.add(token)
-            later = range(row_range.start + position + 1, row_range.stop)
-            extra[0].extend(later)
-            extra[1].extend([token] * len(later))
-            extra[2].extend([params.repetition_penalty] * len(later))
-    return _with_extra(RowTokens(rows, tokens[entry], penalty[owner][entry]), extra)
+    # A draft seen already is penalised once in every row: only new ones are added.
+    drafted = _after_drafts(penalised, lambda p, new: p.repetition_penalty if new else None)
+    return _cat([RowTokens(rows, tokens[entry], penalty[owner][entry]), drafted])
 
 
 def _counted(penalised: list[_Penalised]) -> RowTokens:
@@ -183,28 +175,33 @@ def _counted(penalised: list[_Penalised]) -> RowTokens:
     presence = torch.tensor([p.presence_penalty for *_, p in penalised], dtype=torch.float32)
     values = frequency[owner] * counts.float() + presence[owner]
     entry, rows = _in_rows(owner, penalised)
-    extra = [], [], []
-    for output, draft, row_range, params in penalised:
-        known = set(output) if draft else set()
+    drafted = _after_drafts(
+        penalised, lambda p, new: p.frequency_penalty + (p.presence_penalty if new else 0.0)
+    )
+    return _cat([RowTokens(rows, tokens[entry], values[entry]), drafted])
+
+
+def _after_drafts(
+    penalised: list[_Penalised], value: Callable[[SamplingParams, bool], float | None]
+) -> RowTokens:
+    """Each draft in every row after it, with ``value(params, new)`` (new: not among
+    the tokens seen nor the drafts before it); a value of None adds nothing."""
+    rows, tokens, values = [], [], []
+    for seen, draft, row_range, params in penalised:
+        known = set(seen) if draft else set()
         for position, token in enumerate(draft):
-            new = token not in known
+            found = value(params, token not in known)
             known.add(token)
+            if found is None:
+                continue
             later = range(row_range.start + position + 1, row_range.stop)
-            extra[0].extend(later)
-            extra[1].extend([token] * len(later))
-            value = params.frequency_penalty + (params.presence_penalty if new else 0.0)
-            extra[2].extend([value] * len(later))
-    return _with_extra(RowTokens(rows, tokens[entry], values[entry]), extra)
-
-
-def _with_extra(base: RowTokens, extra: tuple[list, list, list]) -> RowTokens:
-    rows, tokens, values = extra
-    if not rows:
-        return base
+            rows.extend(later)
+            tokens.extend([token] * len(later))
+            values.extend([found] * len(later))
     return RowTokens(
-        torch.cat([base.rows, torch.tensor(rows, dtype=torch.long)]),
-        torch.cat([base.tokens, torch.tensor(tokens, dtype=torch.long)]),
-        torch.cat([base.values, torch.tensor(values, dtype=torch.float32)]),
+        torch.tensor(rows, dtype=torch.long),
+        torch.tensor(tokens, dtype=torch.long),
+        torch.tensor(values, dtype=torch.float32),
     )
 
 
