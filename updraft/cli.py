@@ -165,6 +165,13 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
         default=60.0,
         help="seconds SIGTERM waits for running requests before aborting them",
     )
+    http.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="API processes in front of the one engine process: each parses, tokenizes "
+        "and decodes for its share of the connections (more help with many clients)",
+    )
     add_engine_arguments(serve)
 
 
@@ -332,7 +339,9 @@ def run_serve(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout,
         tool_call_parser=args.tool_call_parser,
     )
-    return serve(args.model, engine_kwargs(args), settings, args.host, args.port)
+    return serve(
+        args.model, engine_kwargs(args), settings, args.host, args.port, args.api_server_count
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -24,7 +24,6 @@ import weakref
 from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
@@ -155,9 +154,10 @@ class Engine:
         """Structured outputs need the tokenizer: llguidance reads its vocabulary."""
         if self.tokenizer is None:
             return None
-        compiler = GrammarCompiler(
-            Path(config.model) / "tokenizer.json",
-            max(self.model_config.vocab_size, self.tokenizer.vocab_size),
+        compiler = GrammarCompiler.for_model(
+            config.model,
+            self.model_config.vocab_size,
+            self.tokenizer,
             self.model_config.eos_token_ids,
         )
         overlap = config.overlap_grammar_masks
@@ -224,17 +224,20 @@ class Engine:
         prompt: str | Sequence[int],
         params: SamplingParams,
         request_id: str | None = None,
+        detokenize: bool = True,
     ) -> str:
         """Queue a request; returns its id. A prompt the engine cannot serve finishes at
         once with an error output instead of raising. With ``params.n > 1`` its n
-        sequences come out under this id, each with its ``index`` (engine/families.py)."""
+        sequences come out under this id, each with its ``index`` (engine/families.py).
+        ``detokenize`` False: the outputs carry tokens but no text, and stop strings are
+        the caller's to find (a server's API process decodes, off the engine's GIL)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         request_id = str(next(self._ids)) if request_id is None else request_id
         if self._in_use(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.n == 1:
-            self._add_sequence(prompt, params, request_id)
+            self._add_sequence(prompt, params, request_id, detokenize=detokenize)
             return request_id
         ids = [child_id(request_id, index) for index in range(params.n)]
         if any(self._in_use(i) for i in ids):
@@ -245,7 +248,9 @@ class Engine:
         for index, sequence_id in enumerate(ids):
             seed = None if params.seed is None else (params.seed + index) % 2**64
             sequence = replace(params, n=1, seed=seed)
-            held = self._add_sequence(prompt, sequence, sequence_id, hold=hold and index > 0)
+            held = self._add_sequence(
+                prompt, sequence, sequence_id, hold=hold and index > 0, detokenize=detokenize
+            )
             if held is not None:
                 self._families.hold(request_id, held)
         return request_id
@@ -263,6 +268,7 @@ class Engine:
         params: SamplingParams,
         request_id: str,
         hold: bool = False,
+        detokenize: bool = True,
     ) -> Request | None:
         """Make and queue one sequence's request; with ``hold``, return it instead of
         scheduling it (when it is servable)."""
@@ -284,7 +290,7 @@ class Engine:
                 bad_words = self.bad_words_token_ids(params.bad_words)
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
         detokenizer = Detokenizer(
-            self.tokenizer,
+            self.tokenizer if detokenize else None,
             token_ids,
             params.stop,
             params.include_stop_str_in_output,

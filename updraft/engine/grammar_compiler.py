@@ -18,6 +18,7 @@ from pathlib import Path
 import llguidance
 
 from updraft.structured_outputs import StructuredOutputsParams
+from updraft.tokenizer import Tokenizer
 
 # Distinct specs kept compiled; past it the least recently used one is compiled again.
 CACHE_SIZE = 256
@@ -66,6 +67,16 @@ class GrammarCompiler:
         self._lock = threading.Lock()  # the cache and the tokenizer, across threads
         self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="updraft-grammar")
+
+    @classmethod
+    def for_model(
+        cls, model: str, vocab_size: int, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...]
+    ) -> GrammarCompiler:
+        """The compiler for a checkpoint's tokenizer, over the larger of the model's and
+        the tokenizer's vocabularies (either may pad the other)."""
+        return cls(
+            Path(model) / "tokenizer.json", max(vocab_size, tokenizer.vocab_size), eos_token_ids
+        )
 
     def submit(self, spec: StructuredOutputsParams) -> Future[llguidance.LLMatcher]:
         """A fresh matcher for ``spec``, compiled in a worker thread (the future raises

@@ -13,7 +13,7 @@ def stop_condition(request: Request, token_id: int, max_model_len: int) -> Finis
     # Before min_tokens nothing stops a request but its length (as vLLM: the EOS and
     # stop tokens are masked then, and stop strings are not looked for).
     early = request.num_output_tokens < params.min_tokens
-    stop_string = request.detokenizer.add(token_id, find_stops=not early)
+    stop_string = find_stop_string(request, token_id)
     if early or not (
         token_id in request.eos_token_ids
         or token_id in params.stop_token_set
@@ -28,3 +28,10 @@ def stop_condition(request: Request, token_id: int, max_model_len: int) -> Finis
     else:
         request.stop_reason = stop_string
     return FinishReason.STOP
+
+
+def find_stop_string(request: Request, token_id: int) -> str | None:
+    """Feed the newly appended ``token_id`` to the request's detokenizer; returns the
+    stop string its text now contains, if any (none is looked for before min_tokens)."""
+    early = request.num_output_tokens < request.sampling_params.min_tokens
+    return request.detokenizer.add(token_id, find_stops=not early)

@@ -19,32 +19,31 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from updraft.chat_template import ChatTemplate
-from updraft.engine.engine import Engine
-from updraft.serve.engine_loop import AsyncEngine
+from updraft.serve.engine_client import CoreLink, EngineClient
+from updraft.serve.engine_core import EngineInfo
 from updraft.serve.errors import APIError, error_body, install_error_handlers
 from updraft.serve.metrics import CONTENT_TYPE, ServerMetrics
 from updraft.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from updraft.serve.serving import OpenAIServing, ServeSettings
+from updraft.tokenizer import Tokenizer
 
 T = TypeVar("T")
 
 
-def build_app(engine: Engine, settings: ServeSettings) -> FastAPI:
-    """The app over ``engine``. Routes are module-level functions that find the engine
-    through ``request.app.state``, and the lifespan drops it there at shutdown: FastAPI
-    keeps route callables in module-wide caches, and a closure over the engine would
-    keep its weights and KV cache alive after the server stops."""
+def build_app(link: CoreLink, info: EngineInfo, settings: ServeSettings) -> FastAPI:
+    """The app in front of the engine core ``link`` reaches. Routes are module-level
+    functions that find the client through ``request.app.state``, and the lifespan drops
+    it there at shutdown: FastAPI keeps route callables in module-wide caches, and a
+    closure over the client would outlive the server."""
     metrics = ServerMetrics(settings.model_name)
-    async_engine = AsyncEngine(engine, metrics)
+    engine = EngineClient(link, Tokenizer.from_dir(info.model), metrics)
     app = FastAPI(title="updraft", version="0.1.0", lifespan=_lifespan)
     app.state.settings = settings
     app.state.metrics = metrics
-    app.state.engine = async_engine
-    app.state.serving = OpenAIServing(
-        async_engine, settings, ChatTemplate.from_dir(engine.config.model)
-    )
+    app.state.engine = engine
+    app.state.serving = OpenAIServing(engine, info, settings, ChatTemplate.from_dir(info.model))
     app.state.model_card = ModelCard(
-        id=settings.model_name, created=int(time.time()), max_model_len=engine.max_model_len
+        id=settings.model_name, created=int(time.time()), max_model_len=info.max_model_len
     )
     install_error_handlers(app, metrics.rejected)
     # Middleware added last runs first: the key is checked before the body is read.

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:
-    from updraft.engine.stats import EngineStats
+    from updraft.serve.wire import CoreStats
 
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
@@ -85,16 +85,15 @@ class ServerMetrics:
         )
         self._model_name = model_name
 
-    def publish(self, stats: EngineStats) -> None:
+    def publish(self, stats: CoreStats) -> None:
         self.requests_running.set(stats.num_running)
         self.requests_waiting.set(stats.num_waiting)
         self.kv_blocks_used.set(stats.kv_blocks_used)
         self.kv_blocks_total.set(stats.kv_blocks_total)
         self.kv_usage.set(stats.kv_blocks_used / max(stats.kv_blocks_total, 1))
-        speculative = stats.speculative
         for gauge, counts in (
-            (self.drafts_proposed, speculative.proposed if speculative else []),
-            (self.drafts_accepted, speculative.accepted if speculative else []),
+            (self.drafts_proposed, stats.drafts_proposed),
+            (self.drafts_accepted, stats.drafts_accepted),
         ):
             for position, count in enumerate(counts):
                 gauge.labels(model_name=self._model_name, position=str(position)).set(count)

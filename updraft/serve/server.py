@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
+import multiprocessing.synchronize
+import os
 import signal
 import socket
 import sys
@@ -25,7 +28,14 @@ from updraft.serve.connections import (
     quiet_overload_logs,
     raise_descriptor_limit,
 )
-from updraft.serve.engine_loop import AsyncEngine, ShuttingDownError
+from updraft.serve.engine_client import CoreLink, EngineClient, ShuttingDownError
+from updraft.serve.engine_core import (
+    CoreAddresses,
+    CoreProcess,
+    CoreThread,
+    EngineInfo,
+    engine_info,
+)
 from updraft.serve.serving import ServeSettings
 
 logger = logging.getLogger("updraft.serve")
@@ -48,7 +58,7 @@ class DrainingServer(uvicorn.Server):
     (a request that does not stream gets a 503). Only then does uvicorn shut down, with
     nothing left to cancel. A second SIGINT exits at once, as uvicorn does."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout: float):
+    def __init__(self, config: uvicorn.Config, engine: EngineClient, drain_timeout: float):
         super().__init__(config)
         self.engine = engine
         self.drain_timeout = drain_timeout
@@ -104,7 +114,22 @@ def make_server(
     port: int = 8000,
     **uvicorn_args: Any,
 ) -> DrainingServer:
-    app = build_app(engine, settings)
+    """A server over an engine already built, its core in a thread of this process."""
+    core = CoreThread(engine)
+    link = CoreLink(core.addresses, 0, core.start, core.is_alive, core.join)
+    return server_over(link, engine_info(engine), settings, host, port, **uvicorn_args)
+
+
+def server_over(
+    link: CoreLink,
+    info: EngineInfo,
+    settings: ServeSettings,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    **uvicorn_args: Any,
+) -> DrainingServer:
+    """A server in front of the engine core that ``link`` reaches."""
+    app = build_app(link, info, settings)
     config = uvicorn.Config(
         app,
         host=host,
@@ -124,7 +149,12 @@ def serve(
     settings: ServeSettings,
     host: str,
     port: int,
+    api_server_count: int = 1,
 ) -> int:
+    """The engine in a process of its own, and ``api_server_count`` API processes in
+    front of it on one port (the first is this process when there is one)."""
+    if api_server_count < 1:
+        raise ValueError(f"--api-server-count must be at least 1, got {api_server_count}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     quiet_overload_logs()
     model_dir = str(model or DEMO_MODEL_DIR)
@@ -134,31 +164,106 @@ def serve(
     config = EngineConfig(model=model_dir, **engine_args)
     print(f"[updraft] {config.start_up_steps()} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    engine = Engine(config)
+    core = CoreProcess(config, api_server_count)
+    try:
+        info = core.start()
+    except RuntimeError as error:
+        listener.close()
+        raise ValueError(str(error)) from None
     print(f"[updraft] ready in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     port = listener.getsockname()[1]
-    server = make_server(engine, settings, host, port)
     access = (
         "clients must send its API key"
         if settings.api_key
         else "it needs no API key: anyone who can reach this address can use it"
     )
     logger.info(
-        "serving %r (from %s) on http://%s:%d; %s",
+        "serving %r (from %s) on http://%s:%d with %d API process%s; %s",
         settings.model_name,
         model_dir,
         host,
         port,
+        api_server_count,
+        "" if api_server_count == 1 else "es",
         access,
     )
-    # uvicorn drains on SIGTERM and then raises the signal again; with this handler in
-    # place that second delivery is a no-op, so a drained server exits 0.
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
-        server.run(sockets=[listener])
+        if api_server_count == 1:
+            link = CoreLink(core.addresses, 0, None, core.is_alive, core.join)
+            server = server_over(link, info, settings, host, port)
+            # uvicorn drains on SIGTERM and then raises the signal again; with this
+            # handler in place that second delivery is a no-op, so a drained server
+            # exits 0.
+            signal.signal(signal.SIGTERM, lambda signum, frame: None)
+            server.run(sockets=[listener])
+            return 0 if server.started else 1
+        return supervise_api_processes(core, info, settings, listener, host, api_server_count)
     finally:
         listener.close()
-    return 0 if server.started else 1
+        if core.is_alive():  # the API process stopped without stopping it
+            core.shutdown()
+
+
+def supervise_api_processes(
+    core: CoreProcess,
+    info: EngineInfo,
+    settings: ServeSettings,
+    listener: socket.socket,
+    host: str,
+    count: int,
+) -> int:
+    """Run ``count`` API processes on ``listener`` and wait for them. Signals are passed
+    on (each process drains on the first, quits on the second; they sit in their own
+    process group, so a terminal's Ctrl-C reaches them once, through here); once all
+    have exited, the engine is stopped. If the engine dies, they are told: /health
+    then answers 503 and requests fail at once."""
+    context = multiprocessing.get_context("spawn")
+    engine_dead = context.Event()
+    processes = [
+        context.Process(
+            target=run_api_process,
+            args=(index, core.addresses, info, settings, listener, host, engine_dead),
+            name=f"updraft-api-{index}",
+        )
+        for index in range(count)
+    ]
+    for process in processes:
+        process.start()
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        for process in processes:
+            if process.is_alive():
+                os.kill(process.pid, signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    while any(process.is_alive() for process in processes):
+        if not engine_dead.is_set() and not core.is_alive():
+            logger.error("the engine process exited; the API processes now answer 503")
+            engine_dead.set()
+        time.sleep(0.2)
+    return 0 if all(process.exitcode == 0 for process in processes) else 1
+
+
+def run_api_process(
+    index: int,
+    addresses: CoreAddresses,
+    info: EngineInfo,
+    settings: ServeSettings,
+    listener: socket.socket,
+    host: str,
+    engine_dead: multiprocessing.synchronize.Event,
+) -> None:
+    """One of several API processes: a server on the shared listening socket, client
+    ``index`` of the engine core."""
+    os.setpgrp()  # signals come from the supervising process, not the terminal
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    quiet_overload_logs()
+    link = CoreLink(addresses, index, None, lambda: not engine_dead.is_set(), None)
+    server = server_over(link, info, settings, host, listener.getsockname()[1])
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    server.run(sockets=[listener])
+    sys.exit(0 if server.started else 1)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

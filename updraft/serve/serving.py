@@ -21,11 +21,12 @@ from starlette.responses import StreamingResponse
 from starlette.types import Send
 
 from updraft.chat_template import ChatTemplate, ChatTemplateError
-from updraft.engine.grammar_compiler import GrammarError
+from updraft.engine.grammar_compiler import GrammarCompiler, GrammarError
 from updraft.engine.scheduler import STRUCTURED_ERROR
 from updraft.outputs import RequestOutput, merge_outputs
 from updraft.sampling_params import SamplingParams
-from updraft.serve.engine_loop import AsyncEngine, EngineDeadError, ShuttingDownError
+from updraft.serve.engine_client import EngineClient, EngineDeadError, ShuttingDownError
+from updraft.serve.engine_core import EngineInfo
 from updraft.serve.errors import APIError, error_body
 from updraft.serve.protocol import (
     ChatChoice,
@@ -93,14 +94,28 @@ class ClosingStreamingResponse(StreamingResponse):
 
 class OpenAIServing:
     def __init__(
-        self, engine: AsyncEngine, settings: ServeSettings, chat_template: ChatTemplate
+        self,
+        engine: EngineClient,
+        info: EngineInfo,
+        settings: ServeSettings,
+        chat_template: ChatTemplate,
     ) -> None:
         self.engine = engine
+        self.info = info
         self.settings = settings
         self.chat_template = chat_template
         self.tool_parser = settings.tool_call_parser or default_parser(chat_template.source)
-        self.tokenizer: Tokenizer | None = engine.engine.tokenizer
-        self.max_model_len = engine.engine.max_model_len
+        self.tokenizer: Tokenizer | None = engine.tokenizer
+        self.max_model_len = info.max_model_len
+        # The engine compiles each spec again in its own process; this one makes a spec
+        # that cannot compile a 400 naming its field, before the request is admitted.
+        self._compiler = (
+            None
+            if self.tokenizer is None
+            else GrammarCompiler.for_model(
+                info.model, info.vocab_size, self.tokenizer, info.eos_token_ids
+            )
+        )
         self.max_tokens_limit = settings.max_tokens_limit or self.max_model_len
         # Tokenizing and template rendering run in these threads, never on the event
         # loop, and no more of them than this at once: a flood of huge prompts then
@@ -117,6 +132,8 @@ class OpenAIServing:
 
     def close(self) -> None:
         self._workers.shutdown(wait=False, cancel_futures=True)
+        if self._compiler is not None:
+            self._compiler.close()
 
     # -- the two endpoints ---------------------------------------------------------------
 
@@ -274,12 +291,11 @@ class OpenAIServing:
     async def _compile(self, params: SamplingParams, field: str | None) -> None:
         """Compile the request's structured-output spec before the request is added, in
         the compiler's own threads (never on the event loop or the engine's thread), so
-        that one that cannot compile is a 400 naming ``field``; the engine then finds it
-        compiled."""
+        that one that cannot compile is a 400 naming ``field``."""
         spec = params.structured_outputs
         if spec is None:
             return
-        compiler = self.engine.engine.grammar_compiler
+        compiler = self._compiler
         if compiler is None:
             raise APIError(
                 400, f"{field}: structured outputs need the model's tokenizer", param=field
@@ -354,8 +370,6 @@ class OpenAIServing:
         """Start one engine request per prompt (each with ``params.n`` sequences); the
         first refused ends those already started and is the request's 400."""
         started: list[Started] = []
-        if params.bad_words and self.tokenizer is not None:  # spelled off the engine thread
-            await self._off_loop(self.engine.engine.bad_words_token_ids, params.bad_words)
         try:
             for i, prompt in enumerate(prompts):
                 fitted = self._fitted(params, prompt, explicit, max_tokens_field)

@@ -1,0 +1,335 @@
+"""The engine core: one loop that owns the engine, fed by every API process.
+
+``updraft serve`` runs it in a process of its own, so nothing an API process does (parse
+JSON, tokenize a huge prompt, render a chat template, decode text) holds the GIL the
+engine steps under; tests run the same loop in a thread beside the server. Either way
+the API side talks to it only through ZeroMQ sockets (serve/wire.py):
+
+* one PULL socket takes the adds, aborts and the shutdown of every API process;
+* one PUSH socket per API process carries its requests' outputs and the engine's stats.
+
+Sends never block (no high-water mark): the engine never waits on an API process. Adds
+and aborts are applied between steps, all that have arrived at once; an add whose abort
+arrived with it never reaches the engine. The engine does not decode text for these
+requests: detokenizing and stop strings are the API process's (serve/outputs.py), which
+aborts a request its stop string has ended.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+from updraft.config import EngineConfig
+from updraft.engine.engine import Engine
+from updraft.engine.families import child_id
+from updraft.serve import wire
+
+logger = logging.getLogger("updraft.serve")
+
+# While idle, how often the loop looks whether the process that started it is gone.
+IDLE_POLL_MS = 500
+# How long an engine told to stop may take (it finishes its step and closes its ranks).
+JOIN_SECONDS = 30
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an API process needs to know of the engine it serves, sent once it is up."""
+
+    model: str  # the checkpoint directory: its tokenizer and chat template
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+def engine_info(engine: Engine) -> EngineInfo:
+    return EngineInfo(
+        engine.config.model,
+        engine.max_model_len,
+        engine.model_config.vocab_size,
+        tuple(engine.model_config.eos_token_ids),
+    )
+
+
+@dataclass(frozen=True)
+class CoreAddresses:
+    """ZeroMQ endpoints: the core's input, and one output per API process."""
+
+    input: str
+    outputs: tuple[str, ...]
+
+    @classmethod
+    def in_directory(cls, directory: str, num_clients: int) -> CoreAddresses:
+        return cls(
+            f"ipc://{directory}/engine-input",
+            tuple(f"ipc://{directory}/engine-output-{i}" for i in range(num_clients)),
+        )
+
+
+class EngineCore:
+    def __init__(self, engine: Engine, addresses: CoreAddresses) -> None:
+        self.engine = engine
+        self.context = zmq.Context()
+        self.input = self.context.socket(zmq.PULL)
+        self.input.setsockopt(zmq.RCVHWM, 0)
+        self.input.bind(addresses.input)
+        self.outputs = []
+        for address in addresses.outputs:
+            socket = self.context.socket(zmq.PUSH)
+            socket.setsockopt(zmq.SNDHWM, 0)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.connect(address)
+            self.outputs.append(socket)
+        self._client_of: dict[str, int] = {}  # running request -> its API process
+        self._num_sequences: dict[str, int] = {}  # running request -> its n
+        self._applied: list[list[str]] = [[] for _ in self.outputs]
+        self._aborted: list[list[str]] = [[] for _ in self.outputs]
+
+    def run(self, keep_going: Callable[[], bool] = lambda: True) -> bool:
+        """Step until a shutdown arrives (or ``keep_going`` says no while idle); False
+        after an error, which is logged and told to every API process."""
+        try:
+            while True:
+                busy = self.engine.has_unfinished
+                if self.input.poll(0 if busy else IDLE_POLL_MS) and not self._apply_commands():
+                    self._abort_all()
+                    return True
+                outputs = self.engine.step() if self.engine.has_unfinished else []
+                if outputs or busy or any(self._applied) or any(self._aborted):
+                    self._send(outputs)
+                if not busy and not self.engine.has_unfinished and not keep_going():
+                    return True
+        except Exception as error:
+            logger.exception("the engine core failed; failing every request")
+            for socket in self.outputs:
+                socket.send(
+                    wire.pack(["failed", f"the engine loop failed: {error!r}"]), zmq.NOBLOCK
+                )
+            return False
+        finally:
+            for socket in (self.input, *self.outputs):
+                socket.close(linger=0)
+            self.context.term()
+
+    def _apply_commands(self) -> bool:
+        """Apply every command that has arrived; False on a shutdown."""
+        commands = []
+        while True:
+            try:
+                commands.append(wire.unpack(self.input.recv(zmq.NOBLOCK)))
+            except zmq.Again:
+                break
+        aborted = {rid for c in commands if c[0] == "abort" for rid in c[2]}
+        for command in commands:
+            kind = command[0]
+            if kind == "shutdown":
+                return False
+            if kind == "add":
+                self._add(*command[1:], skip=command[2] in aborted)
+            elif kind == "abort":
+                client, request_ids = command[1:]
+                self._aborted[client] += request_ids
+                for request_id in request_ids:
+                    self._abort(request_id)
+            elif kind == "stop":
+                for request_id, index in command[1]:
+                    self._stop(request_id, index)
+        return True
+
+    def _abort_all(self) -> None:
+        """Leave the engine with nothing running (an engine in this process may serve
+        again): every request still held is aborted, and their last outputs dropped."""
+        for request_id in list(self._client_of):
+            self._abort(request_id)
+        while self.engine.has_unfinished:
+            self.engine.step()
+
+    def _abort(self, request_id: str) -> None:
+        if self._client_of.pop(request_id, None) is not None:
+            del self._num_sequences[request_id]
+            self.engine.abort(request_id)
+
+    def _stop(self, request_id: str, index: int) -> None:
+        """A stop string ended sequence ``index``: the engine stops computing it. Its
+        request stays the client's until its last sequence ends."""
+        n = self._num_sequences.get(request_id)
+        if n is None:
+            return
+        if n == 1:
+            del self._client_of[request_id], self._num_sequences[request_id]
+            self.engine.abort(request_id)
+        else:
+            self.engine.abort(child_id(request_id, index))
+
+    def _add(self, client: int, request_id: str, prompt, fields: dict, skip: bool) -> None:
+        self._applied[client].append(request_id)
+        if skip:  # its client left before the engine saw it
+            return
+        try:
+            params = wire.params_from_wire(fields)
+            self.engine.add_request(prompt, params, request_id, detokenize=False)
+        except Exception as error:  # a bad request must not stop the loop
+            logger.exception("cannot add request %s", request_id)
+            self._fail_request(client, request_id, error)
+            return
+        self._client_of[request_id] = client
+        self._num_sequences[request_id] = params.n
+
+    def _fail_request(self, client: int, request_id: str, error: Exception) -> None:
+        delta = wire.SequenceDelta(
+            request_id, 0, [], None, None, "error", None, str(error), None, None, None, 0, None
+        )
+        self.outputs[client].send(wire.pack(["step", [delta], self._stats(), [], []]))
+
+    def _send(self, outputs: list) -> None:
+        by_client: list[list[wire.SequenceDelta]] = [[] for _ in self.outputs]
+        for output in outputs:
+            client = self._client_of.get(output.request_id)
+            if client is None:  # aborted: its API process no longer listens
+                continue
+            completion = output.outputs[0]
+            first_with_tokens = output.metrics.num_output_tokens == len(
+                completion.delta_token_ids
+            ) and bool(completion.delta_token_ids or completion.finish_reason)
+            by_client[client].append(wire.delta_of(output, first_with_tokens))
+            if output.finished:
+                del self._client_of[output.request_id], self._num_sequences[output.request_id]
+        stats = self._stats()
+        for client, socket in enumerate(self.outputs):
+            socket.send(
+                wire.pack(
+                    ["step", by_client[client], stats, self._applied[client], self._aborted[client]]
+                ),
+                zmq.NOBLOCK,
+            )
+            self._applied[client] = []
+            self._aborted[client] = []
+
+    def _stats(self) -> wire.CoreStats:
+        stats = self.engine.stats()
+        speculative = stats.speculative
+        return wire.CoreStats(
+            stats.num_running,
+            stats.num_waiting,
+            stats.kv_blocks_used,
+            stats.kv_blocks_total,
+            [] if speculative is None else speculative.proposed,
+            [] if speculative is None else speculative.accepted,
+        )
+
+
+class CoreThread:
+    """The core over an engine already built, in a thread of this process (tests, and
+    callers that hold an ``Engine``)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._directory = tempfile.mkdtemp(prefix="updraft-core-")
+        self.addresses = CoreAddresses.in_directory(self._directory, 1)
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        core = EngineCore(self.engine, self.addresses)  # bound before this returns
+        self._thread = threading.Thread(target=core.run, name="updraft-engine", daemon=True)
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join(JOIN_SECONDS)
+        shutil.rmtree(self._directory, ignore_errors=True)
+
+
+class CoreProcess:
+    """The core in a process of its own that builds the engine from ``config``; its
+    sockets live in a directory only this user can open, removed when it ends."""
+
+    def __init__(self, config: EngineConfig, num_clients: int = 1) -> None:
+        self._directory = tempfile.mkdtemp(prefix="updraft-core-")
+        self.addresses = CoreAddresses.in_directory(self._directory, num_clients)
+        context = multiprocessing.get_context("spawn")  # a fork would copy this process's threads
+        self._ready, ready = context.Pipe(duplex=False)
+        self.process = context.Process(
+            target=run_core_process, args=(config, self.addresses, ready), name="updraft-engine"
+        )
+        self._ready_end = ready
+
+    def start(self) -> EngineInfo:
+        """Start the process and wait until its engine is built; raises RuntimeError with
+        the engine's own message if it could not be."""
+        self.process.start()
+        self._ready_end.close()
+        try:
+            kind, value = self._ready.recv()
+        except EOFError:
+            self.join()
+            raise RuntimeError(
+                f"the engine process exited with code {self.process.exitcode} before it was ready"
+            ) from None
+        if kind == "error":
+            self.join()
+            raise RuntimeError(value)
+        return value
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def shutdown(self) -> None:
+        """Tell the core to stop (from a process that is not one of its clients), then
+        wait for it."""
+        context = zmq.Context()
+        socket = context.socket(zmq.PUSH)
+        socket.connect(self.addresses.input)
+        socket.send(wire.pack(["shutdown"]))
+        socket.close(linger=1000)
+        context.term()
+        self.join()
+
+    def join(self) -> None:
+        """Wait for the process to end (it was told to), then make sure it has."""
+        self.process.join(JOIN_SECONDS)
+        if self.process.is_alive():
+            logger.warning("the engine process did not stop; killing it")
+            self.process.kill()
+            self.process.join()
+        shutil.rmtree(self._directory, ignore_errors=True)
+
+
+def run_core_process(
+    config: EngineConfig,
+    addresses: CoreAddresses,
+    ready: multiprocessing.connection.Connection,
+) -> None:
+    """The engine process: build the engine, say so over ``ready`` (its EngineInfo, or
+    the error that stopped it), and serve until a shutdown arrives or the process that
+    started this one is gone."""
+    # Ctrl-C reaches the whole process group: the API process drains, then says when.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+    try:
+        engine = Engine(config)
+    except Exception as error:
+        ready.send(("error", f"{type(error).__name__}: {error}"))
+        return
+    try:
+        core = EngineCore(engine, addresses)
+        ready.send(("ready", engine_info(engine)))
+        ready.close()
+        served = core.run(keep_going=lambda: os.getppid() == parent)
+    finally:
+        engine.close()
+    if not served:
+        raise SystemExit(1)

@@ -1,0 +1,115 @@
+"""A request as its API process sees it: the engine core sends tokens, this turns them
+into the outputs the engine would have made in the same process.
+
+Each sequence keeps a ``Request`` record (its tokens, logprobs and detokenizer) that
+only this process writes. Text is decoded here, off the engine's GIL, and stop strings
+are found here: a sequence a stop string ends is finished at once, its tokens past the
+stop dropped, and the engine core is told to stop computing it (``ServedRequest.apply``
+says which). The engine ends sequences on everything else (EOS, stop token ids,
+max_tokens, the context, grammars, errors), as it would in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+
+from updraft.engine.stop import find_stop_string
+from updraft.outputs import RequestOutput, SpeculativeMetrics
+from updraft.request import FinishReason, Request, RequestStatus
+from updraft.sampling_params import SamplingParams
+from updraft.serve.wire import SequenceDelta
+from updraft.tokenizer import Detokenizer, Tokenizer
+
+
+class ServedRequest:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer | None,
+    ) -> None:
+        self.request_id = request_id
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.arrival_time = time.perf_counter()
+        self.last_token_time: float | None = None
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = [] if text is not None else list(prompt)
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens :]
+        # No seed: the record draws nothing, and a generator would cost for nothing.
+        record_params = replace(params, n=1, seed=None)
+        self.sequences = [
+            Request(
+                request_id,
+                text,
+                token_ids,
+                record_params,
+                (),
+                self.arrival_time,
+                Detokenizer(
+                    tokenizer,
+                    token_ids,
+                    params.stop,
+                    params.include_stop_str_in_output,
+                    params.skip_special_tokens,
+                ),
+            )
+            for _ in range(params.n)
+        ]
+
+    @property
+    def finished(self) -> bool:
+        return all(sequence.finished for sequence in self.sequences)
+
+    def apply(self, delta: SequenceDelta) -> tuple[RequestOutput | None, bool]:
+        """The output for what the engine sent of one sequence, and whether a stop
+        string ended the sequence here (the engine is still computing it). None when the
+        sequence had already ended here."""
+        sequence = self.sequences[delta.index]
+        if sequence.finished:
+            return None, False
+        tokens, logprobs, top = delta.token_ids, delta.logprobs, delta.top_logprobs
+        stop_string = None
+        for count, token_id in enumerate(tokens, start=1):
+            sequence.token_ids.append(token_id)
+            if logprobs is not None:
+                sequence.logprobs.append(logprobs[count - 1])
+            if top is not None:
+                sequence.top_logprobs.append(top[count - 1])
+            stop_string = find_stop_string(sequence, token_id)
+            if stop_string is not None:
+                tokens = tokens[:count]
+                break
+        reason, stop_reason = delta.finish_reason, delta.stop_reason
+        # The engine's own stop on the same token wins (EOS or a stop token id), as in
+        # the engine's stop_condition.
+        stopped_here = stop_string is not None and not (
+            len(tokens) == len(delta.token_ids) and reason == FinishReason.STOP
+        )
+        if stopped_here:
+            reason, stop_reason = FinishReason.STOP, stop_string
+        if delta.prompt_logprobs is not None:
+            sequence.prompt_logprobs = delta.prompt_logprobs
+        sequence.first_token_time = delta.first_token_time
+        sequence.num_preemptions = delta.num_preemptions
+        if delta.speculative is not None:
+            sequence.speculative = SpeculativeMetrics(*delta.speculative)
+        sequence.error = delta.error
+        if reason is not None:
+            sequence.status = RequestStatus.FINISHED
+            sequence.finish_reason = FinishReason(reason)
+            sequence.stop_reason = stop_reason
+            sequence.finish_time = delta.finish_time or time.perf_counter()
+        output = sequence.take_output(
+            tokens,
+            None if logprobs is None else logprobs[: len(tokens)],
+            delta.speculative is not None,
+        )
+        output.outputs[0].index = delta.index
+        output.finished = self.finished
+        early_stop = stopped_here and delta.finish_reason is None
+        return output, early_stop

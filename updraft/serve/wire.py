@@ -1,0 +1,119 @@
+"""What the API processes and the engine core send each other, packed with msgpack.
+
+Why msgpack and not pickle: a message is lists, numbers and strings, decoded without
+running any code, so whoever can reach the socket cannot make either process run theirs;
+and it packs a step's outputs for a hundred requests in tens of microseconds.
+
+API process -> engine core (one PULL socket, every API process pushes to it):
+    ["add", client, request_id, prompt token ids (or text), sampling params]
+    ["abort", client, request ids]
+    ["stop", [[request id, sequence index], ...]]   (a stop string ended these sequences)
+    ["shutdown"]
+Engine core -> one API process (a PULL socket of its own; the core pushes):
+    ["step", outputs, CoreStats, request ids applied, aborts applied]
+    ["failed", message]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import msgpack
+
+from updraft.outputs import RequestOutput, SpeculativeMetrics
+from updraft.sampling_params import SamplingParams
+from updraft.structured_outputs import StructuredOutputsParams
+
+
+class CoreStats(NamedTuple):
+    """What the API processes need of the engine's state: admission control and metrics."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    drafts_proposed: list[int] = []  # noqa: RUF012 (never mutated; a NamedTuple default)
+    drafts_accepted: list[int] = []  # noqa: RUF012
+
+
+class SequenceDelta(NamedTuple):
+    """One engine output of one sequence: what is new since its previous one. The engine
+    does not decode text for served requests; the API process does (serve/outputs.py)."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    stop_reason: int | None
+    error: str | None
+    # Sent with the sequence's first output that has tokens or ends it.
+    prompt_logprobs: list[dict[int, float] | None] | None
+    first_token_time: float | None
+    finish_time: float | None
+    num_preemptions: int
+    speculative: tuple[list[int], list[int], list[int], int, int] | None
+
+
+def pack(message: Sequence[Any]) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack(data: bytes) -> list[Any]:
+    # Integer keys: logit_bias and the top-logprob maps are keyed by token id.
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def params_to_wire(params: SamplingParams) -> dict[str, Any]:
+    fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+    spec = params.structured_outputs
+    if spec is not None:
+        fields["structured_outputs"] = {
+            f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)
+        }
+    return fields
+
+
+def params_from_wire(fields: dict[str, Any]) -> SamplingParams:
+    spec = fields.get("structured_outputs")
+    if spec is not None:
+        fields = {**fields, "structured_outputs": StructuredOutputsParams(**spec)}
+    return SamplingParams(**fields)
+
+
+def delta_of(output: RequestOutput, send_prompt_logprobs: bool) -> SequenceDelta:
+    completion = output.outputs[0]
+    metrics = output.metrics
+    speculative = metrics.speculative
+    return SequenceDelta(
+        output.request_id,
+        completion.index,
+        completion.delta_token_ids,
+        completion.delta_logprobs,
+        completion.delta_top_logprobs,
+        completion.finish_reason,
+        completion.stop_reason if isinstance(completion.stop_reason, int) else None,
+        output.error,
+        output.prompt_logprobs if send_prompt_logprobs else None,
+        metrics.first_token_time,
+        metrics.finish_time,
+        metrics.num_preemptions,
+        None
+        if speculative is None
+        else (
+            speculative.proposed,
+            speculative.accepted,
+            speculative.reached,
+            speculative.rounds,
+            speculative.emitted,
+        ),
+    )
+
+
+def speculative_from_wire(
+    fields: tuple[list[int], list[int], list[int], int, int] | None,
+) -> SpeculativeMetrics | None:
+    return None if fields is None else SpeculativeMetrics(*fields)
