@@ -26,7 +26,7 @@ import httpx
 
 from benchmarks.bench_peers import PYTHONS, prepare_model
 from benchmarks.bench_serve import SUMMARY_HEADER, run_load, summarize
-from benchmarks.common import free_port, markdown_table
+from benchmarks.common import free_port, markdown_table, process_tree, status_mib
 from benchmarks.peers import workload
 
 NAME = "bench"
@@ -62,18 +62,7 @@ def server_command(
 
 def tree_peak_rss_mib(pid: int) -> float:
     """Peak resident memory summed over a process and its descendants, MiB."""
-    total = 0.0
-    pending = [pid]
-    while pending:
-        current = pending.pop()
-        try:
-            status = Path(f"/proc/{current}/status").read_text()
-            total += next(int(x.split()[1]) for x in status.splitlines() if x.startswith("VmHWM"))
-            for task in Path(f"/proc/{current}/task").iterdir():
-                pending += [int(c) for c in (task / "children").read_text().split()]
-        except (FileNotFoundError, StopIteration, ProcessLookupError):
-            continue
-    return total / 1024
+    return sum(status_mib(p, "VmHWM") for p in process_tree(pid))
 
 
 def start(

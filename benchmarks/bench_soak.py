@@ -2,7 +2,8 @@
 
 Clients send completions with random prompt lengths (token ids, 1 to 1,500), random
 output lengths (1 to 200 tokens), streamed or not, and cut a fifth of their streams
-early. The server's resident memory (VmRSS) is read every few seconds: after warm-up it
+early. The resident memory (VmRSS) of the API process and of the engine process (with
+multiprocessing's resource tracker, a few MiB) is read every few seconds: after warm-up it
 should stay flat, since what grows with new step shapes (compiled graphs, allocator
 pools, caches) is bounded.
 
@@ -15,22 +16,23 @@ import argparse
 import random
 import threading
 import time
-from pathlib import Path
 
 import httpx
 
 from benchmarks.bench_serve import start_server
-from benchmarks.common import markdown_table
+from benchmarks.common import markdown_table, process_tree, status_mib
 
 MODEL = "updraft-demo"
 VOCAB = 4096  # the demo model's
 
 
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+def rss_row(pid: int) -> list[str]:
+    """Resident MiB of the server's API process, of its engine process (and any of the
+    engine's own), and their sum."""
+    api, *others = process_tree(pid)
+    api_mib = status_mib(api, "VmRSS")
+    engine_mib = sum(status_mib(p, "VmRSS") for p in others)
+    return [f"{api_mib:.0f}", f"{engine_mib:.0f}", f"{api_mib + engine_mib:.0f}"]
 
 
 def client(base_url: str, seed: int, stop: threading.Event, done: list[int]) -> None:
@@ -66,7 +68,7 @@ def main() -> None:
     server, base_url = start_server(64, "--kv-cache-memory-gib", str(args.kv_cache_mib / 1024))
     stop, done, rows = threading.Event(), [0], []
     try:
-        rows.append(["ready", "0", f"{rss_mib(server.pid):.0f}"])
+        rows.append(["ready", "0", *rss_row(server.pid)])
         clients = [
             threading.Thread(target=client, args=(base_url, seed, stop, done), daemon=True)
             for seed in range(args.clients)
@@ -77,7 +79,7 @@ def main() -> None:
         while time.monotonic() - start < args.minutes * 60:
             time.sleep(args.every)
             minutes = (time.monotonic() - start) / 60
-            rows.append([f"{minutes:.1f} min", str(done[0]), f"{rss_mib(server.pid):.0f}"])
+            rows.append([f"{minutes:.1f} min", str(done[0]), *rss_row(server.pid)])
             print(" | ".join(rows[-1]), flush=True)
         stop.set()
         for thread in clients:
@@ -89,7 +91,8 @@ def main() -> None:
         f"updraft serve, demo model, {args.clients} clients of random prompts (1-1,500 "
         f"tokens) and outputs (1-200), a fifth of streams cut, {args.kv_cache_mib} MiB KV"
     )
-    print(markdown_table(title, ["time", "requests done", "server RSS, MiB"], rows))
+    header = ["time", "requests done", "API process MiB", "engine process MiB", "total MiB"]
+    print(markdown_table(title, header, rows))
 
 
 if __name__ == "__main__":

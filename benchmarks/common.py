@@ -152,3 +152,28 @@ def updraft_weight_bytes(model: Path, engine: dict) -> int:
             total += experts * active_expert_fraction(model)
     llm.engine.close()
     return int(total)
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its live descendants, parents first."""
+    tree, pending = [], [pid]
+    while pending:
+        current = pending.pop(0)
+        tree.append(current)
+        try:
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return tree
+
+
+def status_mib(pid: int, field: str) -> float:
+    """A /proc/<pid>/status memory field (VmRSS, VmHWM, ...) in MiB; 0 if the process
+    is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    line = next((x for x in status.splitlines() if x.startswith(field + ":")), None)
+    return 0.0 if line is None else int(line.split()[1]) / 1024
