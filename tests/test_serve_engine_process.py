@@ -223,12 +223,13 @@ def test_a_dead_engine_process_is_a_503_and_a_dead_server_takes_it_along():
     finally:
         process.kill()
         process.wait()
-    # A server killed outright: its engine process sees its parent gone and exits.
-    process, base_url = start_server_process("--enforce-eager", env=ENV)
+    # A server killed outright: its engine and API processes see it gone and exit.
+    process, base_url = start_server_process("--api-server-count", "2", "--enforce-eager", env=ENV)
     try:
         children = _children(process.pid)
         assert _complete(base_url).status_code == 200
     finally:
         process.kill()
         process.wait()
-    assert _gone(children, 10), "the engine process outlived its killed server"
+    assert len(children) == 4, children
+    assert _gone(children, 10), "a process outlived its killed server"

@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -49,6 +50,8 @@ def default_model_name(model: str | None) -> str:
 
 # After the drain, what uvicorn waits for responses still being written.
 CLOSE_TIMEOUT = 5.0
+# How often an API process of several looks whether its supervising process is gone.
+PARENT_POLL_SECONDS = 0.5
 
 
 class DrainingServer(uvicorn.Server):
@@ -257,6 +260,7 @@ def run_api_process(
     """One of several API processes: a server on the shared listening socket, client
     ``index`` of the engine core."""
     os.setpgrp()  # signals come from the supervising process, not the terminal
+    _exit_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     quiet_overload_logs()
     link = CoreLink(addresses, index, None, lambda: not engine_dead.is_set(), None)
@@ -264,6 +268,19 @@ def run_api_process(
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     server.run(sockets=[listener])
     sys.exit(0 if server.started else 1)
+
+
+def _exit_with_parent() -> None:
+    """End this process at once if the one that started it is gone (killed outright: it
+    had no chance to stop this one, and the engine process has gone with it)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_SECONDS)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="updraft-parent-watch", daemon=True).start()
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
