@@ -203,6 +203,7 @@ def test_two_api_processes_serve_one_engine_and_leave_nothing_behind():
 
 
 def test_a_dead_engine_process_is_a_503_and_a_dead_server_takes_it_along():
+    before = _socket_dirs()
     process, base_url = start_server_process("--enforce-eager", env=ENV)
     try:
         assert _complete(base_url).status_code == 200
@@ -220,9 +221,12 @@ def test_a_dead_engine_process_is_a_503_and_a_dead_server_takes_it_along():
         response = _complete(base_url)
         assert response.status_code == 503, response.text
         assert "engine" in response.json()["error"]["message"]
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
     finally:
-        process.kill()
-        process.wait()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
     # A server killed outright: its engine and API processes see it gone and exit.
     process, base_url = start_server_process("--api-server-count", "2", "--enforce-eager", env=ENV)
     try:
@@ -233,3 +237,4 @@ def test_a_dead_engine_process_is_a_503_and_a_dead_server_takes_it_along():
         process.wait()
     assert len(children) == 4, children
     assert _gone(children, 10), "a process outlived its killed server"
+    assert _socket_dirs() <= before, "the engine's sockets were left behind"

@@ -64,14 +64,17 @@ def engine_info(engine: Engine) -> EngineInfo:
 
 @dataclass(frozen=True)
 class CoreAddresses:
-    """ZeroMQ endpoints: the core's input, and one output per API process."""
+    """ZeroMQ endpoints: the core's input, and one output per API process, as sockets
+    in ``directory``."""
 
+    directory: str
     input: str
     outputs: tuple[str, ...]
 
     @classmethod
     def in_directory(cls, directory: str, num_clients: int) -> CoreAddresses:
         return cls(
+            directory,
             f"ipc://{directory}/engine-input",
             tuple(f"ipc://{directory}/engine-output-{i}" for i in range(num_clients)),
         )
@@ -263,7 +266,9 @@ class CoreProcess:
         context = multiprocessing.get_context("spawn")  # a fork would copy this process's threads
         self._ready, ready = context.Pipe(duplex=False)
         self.process = context.Process(
-            target=run_core_process, args=(config, self.addresses, ready), name="updraft-engine"
+            target=run_core_process,
+            args=(config, self.addresses, ready, os.getpid()),
+            name="updraft-engine",
         )
         self._ready_end = ready
 
@@ -312,13 +317,14 @@ def run_core_process(
     config: EngineConfig,
     addresses: CoreAddresses,
     ready: multiprocessing.connection.Connection,
+    parent: int,
 ) -> None:
     """The engine process: build the engine, say so over ``ready`` (its EngineInfo, or
     the error that stopped it), and serve until a shutdown arrives or the process that
-    started this one is gone."""
+    started this one, ``parent``, is gone (its pid is passed in: read here, it could
+    already be init's)."""
     # Ctrl-C reaches the whole process group: the API process drains, then says when.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    parent = os.getppid()
     try:
         engine = Engine(config)
     except Exception as error:
@@ -331,5 +337,7 @@ def run_core_process(
         served = core.run(keep_going=lambda: os.getppid() == parent)
     finally:
         engine.close()
+    if os.getppid() != parent:  # killed outright, the parent left its sockets behind
+        shutil.rmtree(addresses.directory, ignore_errors=True)
     if not served:
         raise SystemExit(1)

@@ -225,7 +225,7 @@ def supervise_api_processes(
     processes = [
         context.Process(
             target=run_api_process,
-            args=(index, core.addresses, info, settings, listener, host, engine_dead),
+            args=(index, core.addresses, info, settings, listener, host, engine_dead, os.getpid()),
             name=f"updraft-api-{index}",
         )
         for index in range(count)
@@ -256,11 +256,12 @@ def run_api_process(
     listener: socket.socket,
     host: str,
     engine_dead: multiprocessing.synchronize.Event,
+    supervisor: int,
 ) -> None:
     """One of several API processes: a server on the shared listening socket, client
     ``index`` of the engine core."""
     os.setpgrp()  # signals come from the supervising process, not the terminal
-    _exit_with_parent()
+    _exit_with_parent(supervisor)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     quiet_overload_logs()
     link = CoreLink(addresses, index, None, lambda: not engine_dead.is_set(), None)
@@ -270,10 +271,10 @@ def run_api_process(
     sys.exit(0 if server.started else 1)
 
 
-def _exit_with_parent() -> None:
-    """End this process at once if the one that started it is gone (killed outright: it
-    had no chance to stop this one, and the engine process has gone with it)."""
-    parent = os.getppid()
+def _exit_with_parent(parent: int) -> None:
+    """End this process at once if ``parent``, the process that started it, is gone
+    (killed outright: it had no chance to stop this one, and the engine process has gone
+    with it). The pid is passed in: read here, it could already be init's."""
 
     def watch() -> None:
         while os.getppid() == parent:
