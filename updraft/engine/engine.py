@@ -287,7 +287,7 @@ class Engine:
             if self.tokenizer is None:
                 error = f"bad_words: {self.config.model} has no tokenizer.json to spell them"
             else:
-                bad_words = self.bad_words_token_ids(params.bad_words)
+                bad_words = self._bad_words_token_ids(params.bad_words)
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
         detokenizer = Detokenizer(
             self.tokenizer if detokenize else None,
@@ -314,13 +314,6 @@ class Engine:
         else:
             self._scheduler.add(request)
         return None
-
-    @property
-    def grammar_compiler(self) -> GrammarCompiler | None:
-        """What compiles structured-output specs (None without a tokenizer). Safe to use
-        from any thread: a server compiles a request's spec before it adds the request,
-        and the engine then finds it in the compiler's cache."""
-        return None if self._grammars is None else self._grammars.compiler
 
     def _admit_compiled(self, wait: bool) -> list[RequestOutput]:
         """Schedule the constrained requests whose grammar has compiled (with ``wait``,
@@ -376,11 +369,10 @@ class Engine:
                 return f"{name}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
         return None
 
-    def bad_words_token_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+    def _bad_words_token_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
         """Each bad word as the model would write it, alone and after a space (as vLLM
         does: a word inside a sentence tokenizes with its leading space). Spellings are
-        cached: a server spells a request's words in a worker thread before adding it,
-        so the engine thread finds them here instead of tokenizing."""
+        cached (``BAD_WORDS_CACHE``): a word sent again costs a lookup."""
         sequences: list[tuple[int, ...]] = []
         for word in words:
             for ids in self._spell(word):

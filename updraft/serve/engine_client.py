@@ -85,15 +85,10 @@ class EngineClient:
         """Connect to the core and start receiving (on the running event loop)."""
         addresses = self.link.addresses
         self._context = zmq.asyncio.Context()
-        self._output = self._context.socket(zmq.PULL)
-        self._output.setsockopt(zmq.RCVHWM, 0)
-        self._output.bind(addresses.outputs[self.link.client])
+        self._output = wire.pull_socket(self._context, addresses.outputs[self.link.client])
         if self.link.start_core is not None:
             self.link.start_core()
-        self._input = self._context.socket(zmq.PUSH)
-        self._input.setsockopt(zmq.SNDHWM, 0)
-        self._input.setsockopt(zmq.LINGER, 0)
-        self._input.connect(addresses.input)
+        self._input = wire.push_socket(self._context, addresses.input)
         self._receiver = asyncio.get_running_loop().create_task(self._receive())
 
     @property
@@ -211,10 +206,7 @@ class EngineClient:
         except BaseException as error:
             logger.error("%s; failing every request", error)
             self.error = error
-            failure = error if isinstance(error, EngineDeadError) else EngineDeadError(repr(error))
-            for served in self._requests.values():
-                served.queue.put_nowait(failure)
-            self._requests.clear()
+            self.cut(error if isinstance(error, EngineDeadError) else EngineDeadError(repr(error)))
 
     def _apply_step(
         self, deltas: list[list], stats: list, applied: list[str], aborted: list[str]

@@ -11,8 +11,8 @@ the API side talks to it only through ZeroMQ sockets (serve/wire.py):
 Sends never block (no high-water mark): the engine never waits on an API process. Adds
 and aborts are applied between steps, all that have arrived at once; an add whose abort
 arrived with it never reaches the engine. The engine does not decode text for these
-requests: detokenizing and stop strings are the API process's (serve/outputs.py), which
-aborts a request its stop string has ended.
+requests: detokenizing and stop strings are the API process's (serve/served_request.py),
+which stops a sequence its stop string has ended.
 """
 
 from __future__ import annotations
@@ -84,16 +84,8 @@ class EngineCore:
     def __init__(self, engine: Engine, addresses: CoreAddresses) -> None:
         self.engine = engine
         self.context = zmq.Context()
-        self.input = self.context.socket(zmq.PULL)
-        self.input.setsockopt(zmq.RCVHWM, 0)
-        self.input.bind(addresses.input)
-        self.outputs = []
-        for address in addresses.outputs:
-            socket = self.context.socket(zmq.PUSH)
-            socket.setsockopt(zmq.SNDHWM, 0)
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.connect(address)
-            self.outputs.append(socket)
+        self.input = wire.pull_socket(self.context, addresses.input)
+        self.outputs = [wire.push_socket(self.context, a) for a in addresses.outputs]
         self._client_of: dict[str, int] = {}  # running request -> its API process
         self._num_sequences: dict[str, int] = {}  # running request -> its n
         self._applied: list[list[str]] = [[] for _ in self.outputs]
@@ -170,8 +162,7 @@ class EngineCore:
         if n is None:
             return
         if n == 1:
-            del self._client_of[request_id], self._num_sequences[request_id]
-            self.engine.abort(request_id)
+            self._abort(request_id)
         else:
             self.engine.abort(child_id(request_id, index))
 
@@ -238,8 +229,7 @@ class CoreThread:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._directory = tempfile.mkdtemp(prefix="updraft-core-")
-        self.addresses = CoreAddresses.in_directory(self._directory, 1)
+        self.addresses = CoreAddresses.in_directory(tempfile.mkdtemp(prefix="updraft-core-"), 1)
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -253,7 +243,7 @@ class CoreThread:
     def join(self) -> None:
         if self._thread is not None:
             self._thread.join(JOIN_SECONDS)
-        shutil.rmtree(self._directory, ignore_errors=True)
+        shutil.rmtree(self.addresses.directory, ignore_errors=True)
 
 
 class CoreProcess:
@@ -261,8 +251,9 @@ class CoreProcess:
     sockets live in a directory only this user can open, removed when it ends."""
 
     def __init__(self, config: EngineConfig, num_clients: int = 1) -> None:
-        self._directory = tempfile.mkdtemp(prefix="updraft-core-")
-        self.addresses = CoreAddresses.in_directory(self._directory, num_clients)
+        self.addresses = CoreAddresses.in_directory(
+            tempfile.mkdtemp(prefix="updraft-core-"), num_clients
+        )
         context = multiprocessing.get_context("spawn")  # a fork would copy this process's threads
         self._ready, ready = context.Pipe(duplex=False)
         self.process = context.Process(
@@ -296,10 +287,9 @@ class CoreProcess:
         """Tell the core to stop (from a process that is not one of its clients), then
         wait for it."""
         context = zmq.Context()
-        socket = context.socket(zmq.PUSH)
-        socket.connect(self.addresses.input)
+        socket = wire.push_socket(context, self.addresses.input)
         socket.send(wire.pack(["shutdown"]))
-        socket.close(linger=1000)
+        socket.close(linger=1000)  # until the core has it
         context.term()
         self.join()
 
@@ -310,7 +300,7 @@ class CoreProcess:
             logger.warning("the engine process did not stop; killing it")
             self.process.kill()
             self.process.join()
-        shutil.rmtree(self._directory, ignore_errors=True)
+        shutil.rmtree(self.addresses.directory, ignore_errors=True)
 
 
 def run_core_process(

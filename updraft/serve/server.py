@@ -158,8 +158,7 @@ def serve(
     front of it on one port (the first is this process when there is one)."""
     if api_server_count < 1:
         raise ValueError(f"--api-server-count must be at least 1, got {api_server_count}")
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    quiet_overload_logs()
+    _configure_logging()
     model_dir = str(model or DEMO_MODEL_DIR)
     settings = replace(settings, max_connections=raise_descriptor_limit(settings.max_connections))
     # The address first: a port in use is found before a minute of loading, not after.
@@ -193,13 +192,7 @@ def serve(
     try:
         if api_server_count == 1:
             link = CoreLink(core.addresses, 0, None, core.is_alive, core.join)
-            server = server_over(link, info, settings, host, port)
-            # uvicorn drains on SIGTERM and then raises the signal again; with this
-            # handler in place that second delivery is a no-op, so a drained server
-            # exits 0.
-            signal.signal(signal.SIGTERM, lambda signum, frame: None)
-            server.run(sockets=[listener])
-            return 0 if server.started else 1
+            return 0 if _run_server(link, info, settings, host, listener) else 1
         return supervise_api_processes(core, info, settings, listener, host, api_server_count)
     finally:
         listener.close()
@@ -262,13 +255,30 @@ def run_api_process(
     ``index`` of the engine core."""
     os.setpgrp()  # signals come from the supervising process, not the terminal
     _exit_with_parent(supervisor)
+    _configure_logging()
+    link = CoreLink(addresses, index, None, lambda: not engine_dead.is_set(), None)
+    sys.exit(0 if _run_server(link, info, settings, host, listener) else 1)
+
+
+def _configure_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     quiet_overload_logs()
-    link = CoreLink(addresses, index, None, lambda: not engine_dead.is_set(), None)
+
+
+def _run_server(
+    link: CoreLink,
+    info: EngineInfo,
+    settings: ServeSettings,
+    host: str,
+    listener: socket.socket,
+) -> bool:
+    """Serve on ``listener`` until a drain ends; whether the server had started."""
     server = server_over(link, info, settings, host, listener.getsockname()[1])
+    # uvicorn drains on SIGTERM and then raises the signal again; with this handler in
+    # place that second delivery is a no-op, so a drained server exits 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     server.run(sockets=[listener])
-    sys.exit(0 if server.started else 1)
+    return server.started
 
 
 def _exit_with_parent(parent: int) -> None:

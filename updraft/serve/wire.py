@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import msgpack
+import zmq
 
 from updraft.outputs import RequestOutput, SpeculativeMetrics
 from updraft.sampling_params import SamplingParams
@@ -56,6 +57,24 @@ class SequenceDelta(NamedTuple):
     finish_time: float | None
     num_preemptions: int
     speculative: tuple[list[int], list[int], list[int], int, int] | None
+
+
+def push_socket(context: zmq.Context, address: str) -> zmq.Socket:
+    """A socket that sends to ``address`` without ever blocking (no high-water mark) and
+    drops what is unsent when closed."""
+    socket = context.socket(zmq.PUSH)
+    socket.setsockopt(zmq.SNDHWM, 0)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(address)
+    return socket
+
+
+def pull_socket(context: zmq.Context, address: str) -> zmq.Socket:
+    """A socket bound at ``address`` that receives from every sender, without a bound."""
+    socket = context.socket(zmq.PULL)
+    socket.setsockopt(zmq.RCVHWM, 0)
+    socket.bind(address)
+    return socket
 
 
 def pack(message: Sequence[Any]) -> bytes:
