@@ -311,3 +311,26 @@ def test_every_error_status_is_counted(base_url):
     httpx.get(f"{base_url}/v1/nothing-here")
     after = {status: rejected(status) for status in (400, 404, 413, 415)}
     assert {s: after[s] - before[s] for s in after} == {400: 1, 404: 2, 413: 1, 415: 1}
+
+
+def test_a_text_longer_than_any_context_is_refused_before_it_is_tokenized(monkeypatch):
+    from updraft.demo import DEMO_MODEL_DIR
+    from updraft.tokenizer import Tokenizer
+
+    calls = []
+    encode = Tokenizer.encode
+    monkeypatch.setattr(
+        Tokenizer, "encode", lambda self, text: calls.append(text) or encode(self, text)
+    )
+    with running_server(enforce_eager=True) as url:  # the default 1 MiB body limit
+        context = httpx.get(f"{url}/v1/models").json()["data"][0]["max_model_len"]
+        bound = context * Tokenizer.from_dir(DEMO_MODEL_DIR).max_token_chars
+        body = {"model": MODEL, "prompt": "a" * (bound + 1), "max_tokens": 1}
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 400, response.text
+        message = response.json()["error"]["message"]
+        assert f"{bound + 1} characters are more than {context} tokens" in message
+        assert calls == [], "the text was tokenized before it was refused"
+        body["prompt"] = "a" * 100  # a text under the bound is tokenized as before
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+        assert len(calls) == 1
