@@ -112,13 +112,19 @@ def test_two_ranks_split_the_fused_projections_like_one_process(phi3, pool):
     assert_two_ranks_compute_like_one_process(phi3, pool)
 
 
-def test_a_window_shorter_than_the_context_is_refused(tmp_path):
+def test_a_window_shorter_than_the_context_beside_longrope_matches_transformers(tmp_path):
+    """Phi-3-mini-4k's shape: a window (2047 of its 4096 positions) and LongRoPE."""
     make_phi3(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    config["sliding_window"] = 255  # as Phi-3-mini-4k: 2047 of 4096
+    config["sliding_window"] = 9
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="sliding_window 255"):
-        LLM(tmp_path)
+    llm = probed(tmp_path, block_size=4, num_kv_blocks=128, max_num_batched_tokens=10)
+    outputs = llm.generate(PROMPTS, greedy(NEW_TOKENS))
+    seen = records(llm)
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        tokens, expected = generate_logits(tmp_path, prompt)
+        assert list(output.outputs[0].token_ids) == tokens
+        assert (logits_of(seen, output) - expected).abs().max().item() < 1e-4
 
 
 def test_a_fused_tensor_of_the_wrong_size_is_named(tmp_path):

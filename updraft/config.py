@@ -24,6 +24,7 @@ LLAMA_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",  # fused qkv and gate/up in its checkpoints, LongRoPE
+    "MistralForCausalLM",
 )
 # Llama-style attention with a softmax top-k mixture of experts in place of the MLP.
 SPARSE_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
@@ -32,9 +33,42 @@ DEEPSEEK_ARCHITECTURES = (
     "DeepseekV3ForCausalLM",
     "DeepseekV32ForCausalLM",
 )
-SUPPORTED_ARCHITECTURES = LLAMA_ARCHITECTURES + SPARSE_MOE_ARCHITECTURES + DEEPSEEK_ARCHITECTURES
-# Where a config's sliding_window always applies (Qwen's apply only with use_sliding_window).
-WINDOWED_ARCHITECTURES = ("MixtralForCausalLM", "Phi3ForCausalLM")
+# Gemma 3's text models; of the multimodal one, its text tower (text_config).
+GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+SUPPORTED_ARCHITECTURES = (
+    LLAMA_ARCHITECTURES + SPARSE_MOE_ARCHITECTURES + GEMMA3_ARCHITECTURES + DEEPSEEK_ARCHITECTURES
+)
+# Where a config's sliding_window applies to every layer; Qwen's windows apply only with
+# use_sliding_window (Qwen2's and Qwen3's from layer max_window_layers on, Qwen3-MoE's
+# to every layer); Gemma 3's by layer_types.
+EVERY_LAYER_WINDOWED = (
+    "MistralForCausalLM",
+    "MixtralForCausalLM",
+    "Phi3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+QWEN_WINDOWED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+FROM_MAX_WINDOW_LAYERS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+LAYER_TYPES = ("sliding_attention", "full_attention")
+# What a published Gemma 3 text_config leaves out takes transformers' defaults.
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,
+    "tie_word_embeddings": True,
+}
 # By name: this module is what `updraft --help` reads, and must not import torch.
 DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZATIONS = ("int8", "int4")
@@ -179,10 +213,33 @@ class ModelConfig:
     # Multi-token prediction layers stored after the decoder layers (DeepSeek's
     # num_nextn_predict_layers): the loader skips them.
     mtp_layers: int = 0
+    # Per decoder layer, its sliding window (a query at position p sees positions
+    # p - window + 1 .. p), or None for full attention; empty: no layer has one.
+    layer_windows: tuple[int | None, ...] = ()
+    # Gemma 3: the MLP's activation, norms that scale by (1 + weight), the attention
+    # scale (query_pre_attn_scalar ** -0.5), the sliding layers' own RoPE, embeddings
+    # scaled by sqrt(hidden_size), and a tanh cap on the logits.
+    hidden_act: str = "silu"  # silu | gelu_pytorch_tanh
+    norm_offset: float = 0.0
+    attention_scale: float | None = None
+    local_rope: RopeConfig | None = None
+    embedding_multiplier: float | None = None
+    final_logit_softcapping: float | None = None
 
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def window(self, layer: int) -> int | None:
+        """Decoder layer ``layer``'s sliding window, or None (full attention)."""
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def widest_window(self) -> int | None:
+        """The widest window when every layer has one (how far back any layer reads),
+        else None: some layer reads the whole context."""
+        windows = [self.window(layer) for layer in range(self.num_layers)]
+        return None if None in windows else max(windows)
 
     def has_experts(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` routes to experts rather than one MLP."""
@@ -221,15 +278,16 @@ class ModelConfig:
                 f"quantized checkpoints (quantization_config: {method}) are not supported; "
                 "load one in float32, bfloat16 or float16 (--quantization int8 quantizes at load)"
             )
-        _refuse_sliding_window(raw, architecture)
-        if raw.get("hidden_act", "silu") != "silu":
+        family = {}
+        if architecture in GEMMA3_ARCHITECTURES:
+            raw, family = _gemma3_parts(raw, architecture)
+        elif raw.get("hidden_act", "silu") != "silu":
             raise ValueError(
                 f"config.json: hidden_act {raw['hidden_act']!r} is not supported (silu is)"
             )
         num_heads = _positive_int(raw, "num_attention_heads")
         hidden_size = _positive_int(raw, "hidden_size")
         head_dim = raw.get("head_dim") or hidden_size // num_heads
-        family = {}
         if architecture in DEEPSEEK_ARCHITECTURES:
             family = _deepseek_parts(raw, architecture)
             head_dim = family["mla"].qk_rope_head_dim  # the rotary part is what RoPE turns
@@ -251,7 +309,8 @@ class ModelConfig:
             # Qwen2 always has q/k/v biases; Llama has them only when asked.
             attention_bias=architecture == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
             mlp_bias=raw.get("mlp_bias", False),
-            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=architecture
+            in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *GEMMA3_ARCHITECTURES),
             checkpoint_dtype=_dtype_name(raw.get("torch_dtype") or raw.get("dtype")),
             eos_token_ids=eos_token_ids,
             partial_rotary_factor=float(
@@ -259,21 +318,93 @@ class ModelConfig:
                 or raw.get("partial_rotary_factor")
                 or 1.0
             ),
+            layer_windows=_layer_windows(raw, architecture),
             **family,
         )
 
 
-def _refuse_sliding_window(raw: dict[str, Any], architecture: str) -> None:
-    """A window no layer can reach past (one at least the context long) is no window."""
-    if raw.get("use_sliding_window"):
-        raise ValueError("sliding-window attention (use_sliding_window) is not supported")
+def _layer_windows(raw: dict[str, Any], architecture: str) -> tuple[int | None, ...]:
+    """Each layer's sliding window, as transformers applies the config: every layer's
+    for Mistral, Mixtral, Phi-3 and (with use_sliding_window) Qwen3-MoE; for Qwen2 and
+    Qwen3, with use_sliding_window, from max_window_layers on; layer_types where the
+    config lists them (Gemma 3, and the configs transformers 5 writes), else Gemma 3's
+    sliding_window_pattern."""
     window = raw.get("sliding_window")
-    positions = raw.get("max_position_embeddings", 2048)
-    if architecture in WINDOWED_ARCHITECTURES and window is not None and window < positions:
+    if architecture in QWEN_WINDOWED and not raw.get("use_sliding_window"):
+        window = None
+    windowed = EVERY_LAYER_WINDOWED + FROM_MAX_WINDOW_LAYERS + GEMMA3_ARCHITECTURES
+    if window is None or architecture not in windowed:
+        return ()
+    window = _positive_int(raw, "sliding_window")
+    layers = _positive_int(raw, "num_hidden_layers")
+    # Mistral, Mixtral, Phi-3 and Qwen3-MoE window every layer, whatever else is listed.
+    kinds = None if architecture in EVERY_LAYER_WINDOWED else raw.get("layer_types")
+    if kinds is not None:
+        if not isinstance(kinds, list) or len(kinds) != layers or not set(kinds) <= {*LAYER_TYPES}:
+            raise ValueError(
+                f"config.json: layer_types must list one of {', '.join(LAYER_TYPES)} for each "
+                f"of the {layers} layers, got {kinds!r}"
+            )
+        sliding = [kind == "sliding_attention" for kind in kinds]
+    elif architecture in FROM_MAX_WINDOW_LAYERS:
+        first = raw.get("max_window_layers", 28)  # transformers' default
+        sliding = [layer >= first for layer in range(layers)]
+    elif architecture in GEMMA3_ARCHITECTURES:
+        pattern = _positive_int(raw, "sliding_window_pattern")
+        sliding = [bool((layer + 1) % pattern) for layer in range(layers)]
+    else:
+        sliding = [True] * layers
+    return tuple(window if slides else None for slides in sliding)
+
+
+def _gemma3_parts(raw: dict[str, Any], architecture: str) -> tuple[dict[str, Any], dict]:
+    """Gemma 3's text config (with transformers' defaults where a published config is
+    silent) and what sets its layers apart from Llama's. Of the multimodal model only
+    the text tower is served: its config is ``text_config``."""
+    given = raw
+    if architecture == "Gemma3ForConditionalGeneration":
+        given = raw.get("text_config")
+        if not isinstance(given, dict):
+            raise ValueError("config.json: Gemma3ForConditionalGeneration lacks its text_config")
+        top = {"torch_dtype": raw.get("torch_dtype") or raw.get("dtype")}
+        top["tie_word_embeddings"] = raw.get("tie_word_embeddings", True)
+        given = {**top, **given}
+    if "sliding_window" in given and given["sliding_window"] is None:
+        raise ValueError("config.json: Gemma 3 without a sliding_window is not supported")
+    text = {**GEMMA3_TEXT_DEFAULTS, **{k: v for k, v in given.items() if v is not None}}
+    activation = text.get("hidden_activation") or text.get("hidden_act")
+    if activation != "gelu_pytorch_tanh":
         raise ValueError(
-            f"sliding-window attention (sliding_window {window}, shorter than the "
-            f"{positions} positions of max_position_embeddings) is not supported"
+            f"config.json: Gemma 3 hidden_activation {activation!r} is not supported "
+            "(gelu_pytorch_tanh is)"
         )
+    if text.get("attn_logit_softcapping") is not None:
+        raise ValueError("config.json: attention logit soft-capping is not supported")
+    if text.get("use_bidirectional_attention"):
+        raise ValueError("config.json: Gemma 3 bidirectional attention is not supported")
+    # transformers 5 nests each layer kind's RoPE in rope_parameters; published configs
+    # give the global one as rope_theta (and rope_scaling) and the local base apart.
+    nested = text.get("rope_parameters") or {}
+    if not set(nested) <= {*LAYER_TYPES}:
+        nested = {"full_attention": nested}
+    full = {"rope_theta": text["rope_theta"], **(text.get("rope_scaling") or {})}
+    full.update(nested.get("full_attention") or {})
+    local = {"rope_theta": text["rope_local_base_freq"]}
+    local.update(nested.get("sliding_attention") or {})
+    text = {**text, "rope_parameters": full, "rope_scaling": None}
+    family = {
+        "hidden_act": "gelu_pytorch_tanh",
+        "norm_offset": 1.0,
+        "attention_scale": float(text["query_pre_attn_scalar"]) ** -0.5,
+        "local_rope": _rope_config({**text, "rope_parameters": local}),
+        "embedding_multiplier": float(text["hidden_size"]) ** 0.5,
+        # transformers caps the text model's logits but not the multimodal model's
+        # (published Gemma 3 configs set no cap either way).
+        "final_logit_softcapping": None
+        if architecture == "Gemma3ForConditionalGeneration"
+        else text.get("final_logit_softcapping"),
+    }
+    return text, family
 
 
 def _sparse_moe_parts(raw: dict[str, Any], architecture: str) -> dict[str, Any]:

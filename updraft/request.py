@@ -53,6 +53,9 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # keys of full blocks, in order
     num_registered_blocks: int = 0  # blocks offered to the prefix cache
+    # Leading blocks given back because no sliding window reaches them any more; their
+    # ids stay in block_ids (the block table keeps its positions) but are never read.
+    num_released_blocks: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None

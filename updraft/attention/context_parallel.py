@@ -44,13 +44,15 @@ def attention(
     metadata: AttentionMetadata,
     params: AttentionParams,
     selector: ScoredSelector | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """The reader's queries [T, H, D] attended over the step's contexts -> [T, H * Dv].
+    """The reader's queries [T, H, D] attended over the step's contexts (each query's
+    last ``window`` positions, for a sliding-window layer) -> [T, H * Dv].
     The loop is a task (its group shapes change every step) unless the metadata is a
     bucket's (a FULL graph holds it); under decode context parallelism it runs with the
     group's query heads over this rank's positions, between two all-gathers."""
     shard = metadata.context.decode
-    kwargs = {"reader": reader, "metadata": metadata, "selector": selector}
+    kwargs = {"reader": reader, "metadata": metadata, "selector": selector, "window": window}
     if shard is None:
         return attention_op(attend, kwargs, params, metadata)
     tokens, heads, width = reader.query.shape

@@ -30,7 +30,14 @@ class PagedKV(NamedTuple):
 
     def in_place(self, tokens: slice, rows: InPlaceRows, with_lse: bool) -> Attended:
         return torch.ops.updraft.paged_decode_attention(
-            self.query[tokens], self.cache, *rows, self.scale, with_lse
+            self.query[tokens],
+            self.cache,
+            rows.block_table,
+            rows.seq_lens,
+            rows.slots_per_block,
+            self.scale,
+            with_lse,
+            rows.starts,
         )
 
     def gathered(
@@ -61,10 +68,12 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
     params: AttentionParams,
+    window: int | None = None,
 ) -> torch.Tensor:
     """query [T, H, D], key/value [T, Hkv, D] -> [T, H * D]: the step's keys and values
     written (every prefill-context rank's, or this rank's positions only, as the
-    metadata's context split says), then the attention loop over the cache."""
+    metadata's context split says), then the attention loop over the cache (over each
+    query's last ``window`` positions, for a sliding-window layer)."""
     slots, key, value = step_rows(metadata, key, value)
     write_kv(kv_cache, key, value, slots)
-    return attention(PagedKV(query, kv_cache, scale), metadata, params)
+    return attention(PagedKV(query, kv_cache, scale), metadata, params, window=window)

@@ -88,8 +88,16 @@ class LatentRows(NamedTuple):
     def in_place(self, tokens: slice, rows: InPlaceRows, with_lse: bool) -> Attended:
         query = self.query[tokens.start - self.first_token : tokens.stop - self.first_token]
         latent = self.dims.kv_lora_rank
+        assert rows.starts is None, "latent attention has no sliding window"
         return torch.ops.updraft.paged_latent_attention(
-            query, self.cache, *rows, self.scale, latent, with_lse
+            query,
+            self.cache,
+            rows.block_table,
+            rows.seq_lens,
+            rows.slots_per_block,
+            self.scale,
+            latent,
+            with_lse,
         )
 
     def gathered(

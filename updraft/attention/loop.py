@@ -13,8 +13,10 @@ group the loop reads the cache one of two ways:
 What it reads is the ``CacheReader`` it is given: a small tuple of a layer's queries and
 its cache, which knows how to read that kind of cache in place and how to gather it
 (``gqa.py``: paged keys and values; ``latent.py``: MLA's latent rows). A ``Selector``
-(DSA's top-k) narrows each query to the context positions it chooses. Padding tokens of
-a graph bucket, which belong to no group, get output 0 here, once.
+(DSA's top-k) narrows each query to the context positions it chooses. A layer's sliding
+window narrows each query to its last ``window`` positions, on both paths: the kernel
+starts reading there, and the gathered mask drops what lies before. Padding tokens of a
+graph bucket, which belong to no group, get output 0 here, once.
 
 Under decode context parallelism (``metadata.context.decode``) the same loop attends
 over this rank's shard of every context, and returns each head's log-sum-exp beside its
@@ -38,11 +40,13 @@ Attended = tuple[torch.Tensor, torch.Tensor]  # out [t, H, Dv]; lse [t, H], or e
 
 
 class InPlaceRows(NamedTuple):
-    """What the kernel reads for a group: per query token a block-table row and how
-    many positions of it are its context, and how many slots make a block."""
+    """What the kernel reads for a group: per query token a block-table row, how many
+    positions of it are its context and (under a sliding window) the first of them it
+    reads, and how many slots make a block."""
 
     block_table: torch.Tensor  # [t, blocks]
     seq_lens: torch.Tensor  # [t]
+    starts: torch.Tensor | None  # [t]
     slots_per_block: int
 
 
@@ -115,12 +119,18 @@ class Selector(Protocol):
 
 
 def attend(
-    reader: CacheReader, metadata: AttentionMetadata, selector: Selector | None = None
+    reader: CacheReader,
+    metadata: AttentionMetadata,
+    selector: Selector | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """The reader's queries [T, H, D] over each group's context -> [T, H * Dv]; under
-    decode context parallelism [T, H * Dv + H] in float32: the attention over this
-    rank's shard of each context, then each head's log-sum-exp (-inf, or the kernel's
-    -1e30, where the shard holds none of a token's context)."""
+    """The reader's queries [T, H, D] over each group's context (its last ``window``
+    positions, for a sliding-window layer) -> [T, H * Dv]; under decode context
+    parallelism [T, H * Dv + H] in float32: the attention over this rank's shard of each
+    context, then each head's log-sum-exp (-inf, or the kernel's -1e30, where the shard
+    holds none of a token's context)."""
+    if window is not None and selector is not None:
+        raise ValueError("a sliding window and a sparse selection do not combine")
     with_lse = metadata.context.decode is not None
     in_place = reads_cache_in_place(reader.query)
     outputs, lses = [], []
@@ -129,14 +139,16 @@ def attend(
         chosen = None if selector is None else selector.choose(metadata.group(index))
         if in_place and shape.max_query <= IN_PLACE_MAX_QUERY:
             if chosen is None:
-                rows = InPlaceRows(*metadata.in_place_rows(index), metadata.slots_per_block)
+                rows = InPlaceRows(*metadata.in_place_rows(index, window), metadata.slots_per_block)
             else:  # each query token's chosen slots, as blocks of one slot
-                rows = InPlaceRows(*chosen.token_rows(metadata.group(index)), 1)
+                rows = InPlaceRows(*chosen.token_rows(metadata.group(index)), None, 1)
             out, lse = reader.in_place(tokens, rows, with_lse)
         else:
             group = metadata.group(index)
             mask = (
-                group.mask if chosen is None else chosen.columns(group.kv_slots.shape[1])[:, None]
+                metadata.mask(index, window)
+                if chosen is None
+                else chosen.columns(group.kv_slots.shape[1])[:, None]
             )
             out, lse = reader.gathered(tokens, group, mask, with_lse)
         outputs.append(out)

@@ -100,12 +100,21 @@ class AttentionGroup:
     ``kv_slots`` [B, Kmax] names the KV-cache slot of each context position (through the
     block table); ``mask`` [B, 1, Qmax, Kmax] is causal and length-limited;
     ``output_index`` picks the group's real tokens, in order, out of the padded output.
+    ``query_positions`` [B, 1, Qmax, 1] and ``key_positions`` [Kmax] are the positions of
+    each query row and context column, what a sliding window narrows the mask by.
     """
 
     query_index: torch.Tensor
     kv_slots: torch.Tensor
     mask: torch.Tensor
     output_index: torch.Tensor
+    query_positions: torch.Tensor
+    key_positions: torch.Tensor
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """``mask`` narrowed to a sliding window: a query at position p sees the
+        ``window`` positions p - window + 1 .. p (transformers' ``kv > q - window``)."""
+        return self.mask & (self.key_positions > self.query_positions - window)
 
     @classmethod
     def build(
@@ -143,7 +152,8 @@ class AttentionGroup:
         )
         tokens, owner = token_owners(shape, query_start_loc)
         output_index = owner * shape.max_query + tokens - starts.index_select(0, owner)
-        return cls(query_index, kv_slots, mask[:, None], output_index)
+        query_positions = (context_before[:, None] + rows[None])[:, None, :, None]
+        return cls(query_index, kv_slots, mask[:, None], output_index, query_positions, positions)
 
     def batched(
         self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_token: int = 0
@@ -190,7 +200,11 @@ class AttentionGroup:
         # sees nothing of that shard, which the shards' log-sum-exps merge away.
         padding = (seq_lens[:batch] == 0)[:, None, None]
         mask = mask | ((columns == 0) & padding)
-        return cls(query_index, kv_slots, mask[:, None], query_index.flatten())
+        # A padding request's query positions are negative: any window keeps column 0.
+        query_positions = (context_before[:, None] + rows[None])[:, None, :, None]
+        return cls(
+            query_index, kv_slots, mask[:, None], query_index.flatten(), query_positions, positions
+        )
 
 
 @dataclass
@@ -234,8 +248,8 @@ class TokenRows:
 @dataclass(frozen=True, eq=False)
 class AttentionMetadata:
     """Frozen once built. The one exception is its lazy caches (``_groups``,
-    ``_token_rows``): index tensors derived from the fields on the first layer's call
-    and shared by the later layers of the same forward."""
+    ``_token_rows``, ``_window_masks``): index tensors derived from the fields on the
+    first layer's call and shared by the later layers of the same forward."""
 
     slot_mapping: torch.Tensor  # [num_tokens] global slots; -1 writes into the spare slot
     block_table: torch.Tensor  # [num_reqs, max_blocks]
@@ -250,6 +264,7 @@ class AttentionMetadata:
     context: ContextSplit = NO_SPLIT
     _groups: dict[int, AttentionGroup] = field(default_factory=dict, repr=False)
     _token_rows: dict[int, TokenRows] = field(default_factory=dict, repr=False)
+    _window_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def slots_per_block(self) -> int:
@@ -375,12 +390,27 @@ class AttentionMetadata:
             )
         return self._token_rows[index]
 
-    def in_place_rows(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """What the in-place kernel reads for ``shapes[index]``: a block-table row and a
-        context length per query token. Decodes are their requests' own rows; longer
-        queries (verify steps) are their tokens as one-token requests. Under decode
-        context parallelism the lengths are this rank's: of a context of n positions it
-        keeps the first ceil((n - r) / C) slots of its blocks."""
+    def mask(self, index: int, window: int | None = None) -> torch.Tensor:
+        """The padded mask of ``shapes[index]``, narrowed to ``window`` where one is
+        given (built on first use per window, and shared by the layers that have it)."""
+        group = self.group(index)
+        if window is None:
+            return group.mask
+        key = (index, window)
+        if key not in self._window_masks:
+            self._window_masks[key] = group.window_mask(window)
+        return self._window_masks[key]
+
+    def in_place_rows(
+        self, index: int, window: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """What the in-place kernel reads for ``shapes[index]``: a block-table row, a
+        context length and (with a sliding ``window``) the first position read, per
+        query token. Decodes are their requests' own rows; longer queries (verify steps)
+        are their tokens as one-token requests. Under decode context parallelism the
+        lengths are this rank's: of a context of n positions it keeps the first
+        ceil((n - r) / C) slots of its blocks, and of a window from position s on, the
+        slots from ceil((s - r) / C) on."""
         shape = self.shapes[index]
         if shape.max_query == 1:
             first, last = shape.first_req, shape.last_req
@@ -388,14 +418,23 @@ class AttentionMetadata:
         else:
             rows = self.token_rows(index)
             block_table, seq_lens = rows.block_table, rows.seq_lens
+        starts = None if window is None else (seq_lens - window).clamp(min=0)
         shard = self.context.decode
         if shard is not None:
-            seq_lens = (
-                (seq_lens - shard.rank + shard.size - 1)
-                .div(shard.size, rounding_mode="floor")
-                .clamp(min=0)
-            )
-        return block_table, seq_lens
+            seq_lens = _local_count(seq_lens, shard)
+            starts = None if starts is None else _local_count(starts, shard)
+        return block_table, seq_lens, starts
+
+
+def _local_count(positions: torch.Tensor, shard: GroupRank) -> torch.Tensor:
+    """How many of global positions 0 .. n - 1 rank r of C keeps (those r, r + C, ...):
+    ceil((n - r) / C), at least 0. Also the local slot of the first kept position at
+    or after global position n."""
+    return (
+        (positions - shard.rank + shard.size - 1)
+        .div(shard.size, rounding_mode="floor")
+        .clamp(min=0)
+    )
 
 
 def group_shapes(step: ForwardInputs) -> tuple[GroupShape, ...]:

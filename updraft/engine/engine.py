@@ -126,18 +126,22 @@ class Engine:
         # Over the tokenizer, not the engine: a cache holding the engine would keep it alive.
         speller = functools.partial(_spellings, self.tokenizer, self.model_config.vocab_size)
         self._spell = functools.lru_cache(maxsize=BAD_WORDS_CACHE)(speller)
+        self._proposer = make_proposer(
+            ProposerContext(config, self._runner, self.max_model_len, send)
+        )
         self._scheduler = Scheduler(
-            # LongRoPE's long sequences are computed otherwise: cached apart.
-            KVCacheManager(pool, None if self._rotary is None else self._rotary.cache_salt),
+            KVCacheManager(
+                pool,
+                # LongRoPE's long sequences are computed otherwise: cached apart.
+                None if self._rotary is None else self._rotary.cache_salt,
+                window=self._reading_window(),
+            ),
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.max_model_len,
             num_lookahead_tokens=k,
             grammars=self._grammars,
             long_context_from=None if self._rotary is None else self._rotary.original,
-        )
-        self._proposer = make_proposer(
-            ProposerContext(config, self._runner, self.max_model_len, send)
         )
         self._wants_hidden_states = bool(self._proposer and self._proposer.wants_hidden_states)
         self._drafts: dict[str, Draft] = {}  # proposed after a step, verified by the next
@@ -149,6 +153,16 @@ class Engine:
             and self._workers is None  # each rank keeps its share of the cores
         )
         self._ids = itertools.count()
+
+    def _reading_window(self) -> int | None:
+        """How far back any layer that reads the KV blocks looks, when every one has a
+        sliding window: the target's, and the proposer's model's, which pages through
+        the same block ids. None (nothing is given back) where any layer reads all."""
+        configs = [self.model_config]
+        if self._proposer is not None and self._proposer.runner is not None:
+            configs.append(self._proposer.runner.model_config)
+        windows = [config.widest_window for config in configs]
+        return None if None in windows else max(windows)
 
     def _make_grammars(self, config: EngineConfig) -> Grammars | None:
         """Structured outputs need the tokenizer: llguidance reads its vocabulary."""

@@ -6,6 +6,11 @@ with the same prefix reuses them. The key must be collision-resistant: a prompt 
 to collide with another user's prefix would otherwise read that user's KV. A free block
 keeps its key (and its KV) until it is handed out again; free blocks are handed out
 least recently freed first, which is LRU eviction of the prefix cache.
+
+Where every layer that reads the cache (the target's, and a proposer's that pages
+through the same block ids) has a sliding window, a running request's blocks that lie
+wholly before the widest window are given back as the request goes on: its block table
+keeps their ids, but no query reads them again.
 """
 
 from __future__ import annotations
@@ -108,12 +113,20 @@ class BlockPool:
 class KVCacheManager:
     """Per-request block bookkeeping on top of a ``BlockPool``."""
 
-    def __init__(self, pool: BlockPool, salt: Callable[[Request], bytes] | None = None) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        salt: Callable[[Request], bytes] | None = None,
+        window: int | None = None,
+    ) -> None:
         """``salt``: per request, what sets its blocks' keys apart from those of a request
-        with the same tokens whose KV differs (nothing, for most models)."""
+        with the same tokens whose KV differs (nothing, for most models). ``window``: how
+        far back any layer reading the cache looks (a query at position p reads no
+        position before p - window + 1), when every such layer has a window."""
         self.pool = pool
         self.block_size = pool.block_size
         self.salt = salt
+        self.window = window
 
     def cached_prefix(self, request: Request) -> list[int]:
         """Cached blocks matching the start of a request that holds no blocks yet. At
@@ -155,10 +168,30 @@ class KVCacheManager:
             self.pool.register(request.block_ids[index], hashes[index])
         request.num_registered_blocks = max(request.num_registered_blocks, full_blocks)
 
+    def release_outside_window(self, request: Request) -> None:
+        """Give back the request's blocks that no query reads again. Its next query is
+        at position n (its computed tokens) or later, and reads from n - window + 1 on;
+        one position of slack more (a block is released once it ends at or before
+        n - window) spares a proposer that re-reads from the last computed token. Such
+        blocks are full and registered already, so the prefix cache keeps them as
+        evictable until they are handed out again."""
+        if self.window is None:
+            return
+        dead = max(0, request.num_computed_tokens - self.window) // self.block_size
+        dead = min(dead, request.num_registered_blocks, len(request.block_ids))
+        if dead > request.num_released_blocks:
+            self.pool.free(request.block_ids[request.num_released_blocks : dead][::-1])
+            request.num_released_blocks = dead
+
+    def num_held(self, request: Request) -> int:
+        """Blocks the request holds: its block table less those given back."""
+        return len(request.block_ids) - request.num_released_blocks
+
     def free(self, request: Request) -> None:
-        self.pool.free(request.block_ids[::-1])
+        self.pool.free(request.block_ids[request.num_released_blocks :][::-1])
         request.block_ids = []
         request.num_registered_blocks = 0
+        request.num_released_blocks = 0
 
     def _root(self, request: Request) -> BlockKey | None:
         """The parent key of the request's first block (None: the shared root)."""

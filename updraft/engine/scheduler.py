@@ -176,6 +176,7 @@ class Scheduler:
             accepted = 0 if row is None else output.num_accepted[row]
             request.num_computed_tokens += item.num_new_tokens - item.num_drafts + accepted
             self.kv.register_computed(request)
+            self.kv.release_outside_window(request)
             if output.prompt_logprobs and request.request_id in output.prompt_logprobs:
                 _record_prompt_logprobs(request, *output.prompt_logprobs[request.request_id])
             if row is None:

@@ -54,7 +54,7 @@ def _attention_library() -> ctypes.CDLL:
     lib = load("paged_attention")
     lib.paged_decode_attention.restype = None
     lib.paged_decode_attention.argtypes = (
-        [_POINTER] * 7 + [_INT] * 9 + [ctypes.c_float, ctypes.c_int]
+        [_POINTER] * 8 + [_INT] * 9 + [ctypes.c_float, ctypes.c_int]
     )
     return lib
 
@@ -185,11 +185,14 @@ def paged_decode_attention(
     block_size: int,
     scale: float,
     with_lse: bool = False,
+    starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """query [B, H, D] (one token per request), kv_cache [2, slots, Hkv, D], block_table
     [B, max_blocks] and seq_lens [B] int64 -> (out [B, H, D], lse). With ``with_lse``,
     lse [B, H] is each head's log-sum-exp of its scaled scores (-1e30 where the context
-    is empty), what decode context parallelism merges shards by; else it is empty."""
+    is empty), what decode context parallelism merges shards by; else it is empty. With
+    ``starts`` [B] int64, request b reads positions [starts[b], seq_lens[b]) only (a
+    sliding window): earlier blocks are never touched, so they may have been freed."""
     op = "paged_decode_attention"
     _check(kv_cache.is_contiguous(), op, "a contiguous cache")
     _, num_slots, kv_heads, head_dim = kv_cache.shape
@@ -203,6 +206,7 @@ def paged_decode_attention(
         block_size,
         scale,
         with_lse,
+        starts,
     )
 
 
@@ -249,6 +253,7 @@ def _decode_attention(
     block_size: int,
     scale: float,
     with_lse: bool,
+    starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     num_slots, kv_heads, head_dim, value_dim, slot_stride = geometry
     _check(
@@ -257,9 +262,10 @@ def _decode_attention(
         "float32 tensors on the CPU",
     )
     _check(
-        block_table.dtype == seq_lens.dtype == torch.int64,
+        block_table.dtype == seq_lens.dtype == torch.int64
+        and (starts is None or (starts.dtype == torch.int64 and starts.shape == seq_lens.shape)),
         op,
-        "int64 block tables and seq_lens",
+        "int64 block tables and seq_lens (and starts, one per request)",
     )
     requests, heads, query_dim = query.shape
     _check(
@@ -272,6 +278,7 @@ def _decode_attention(
     query = query.contiguous()
     block_table = block_table.contiguous()
     seq_lens = seq_lens.contiguous()
+    starts = None if starts is None else starts.contiguous()
     out = query.new_empty(requests, heads, value_dim)
     lse = query.new_empty((requests, heads) if with_lse else (0,))
     _attention_library().paged_decode_attention(
@@ -280,6 +287,7 @@ def _decode_attention(
         caches[1].data_ptr(),
         block_table.data_ptr(),
         seq_lens.data_ptr(),
+        _pointer(starts),
         out.data_ptr(),
         lse.data_ptr() if with_lse else None,
         requests,
@@ -383,7 +391,8 @@ _LIBRARY.impl(
 )
 _LIBRARY.define(
     "paged_decode_attention(Tensor query, Tensor kv_cache, Tensor block_table, "
-    "Tensor seq_lens, int block_size, float scale, bool with_lse=False) -> (Tensor, Tensor)"
+    "Tensor seq_lens, int block_size, float scale, bool with_lse=False, Tensor? starts=None) "
+    "-> (Tensor, Tensor)"
 )
 _LIBRARY.impl("paged_decode_attention", paged_decode_attention, "CPU")
 _LIBRARY.define(
@@ -402,7 +411,7 @@ def _attention_meta(
     return query.new_empty(*query.shape[:2], value_dim), lse
 
 
-def _gqa_meta(query, cache, table, lens, block_size, scale, with_lse=False):
+def _gqa_meta(query, cache, table, lens, block_size, scale, with_lse=False, starts=None):
     return _attention_meta(query, query.shape[-1], with_lse)
 
 

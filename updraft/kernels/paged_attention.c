@@ -1,6 +1,7 @@
 /* Decode attention over a paged KV cache, read in place.
 
-   One query token per request. Request b's context is positions [0, seq_lens[b]); the
+   One query token per request. Request b's context is positions [0, seq_lens[b]), or
+   [starts[b], seq_lens[b]) where ``starts`` is given (a sliding window's); the
    K/V of position t live at slot block_table[b][t / block_size] * block_size +
    t % block_size of each cache, whose slots are slot_stride floats apart and hold
    kv_heads keys of head_dim and values of value_dim. GQA caches are
@@ -41,7 +42,8 @@ static void axpy(float *restrict y, float a, const float *restrict x, int64_t n)
 
 void paged_decode_attention(const float *query, const float *key_cache,
                             const float *value_cache, const int64_t *block_table,
-                            const int64_t *seq_lens, float *out, float *lse,
+                            const int64_t *seq_lens, const int64_t *starts,
+                            float *out, float *lse,
                             int64_t requests,
                             int64_t heads, int64_t kv_heads, int64_t head_dim,
                             int64_t value_dim, int64_t slot_stride, int64_t max_blocks,
@@ -63,7 +65,9 @@ void paged_decode_attention(const float *query, const float *key_cache,
             const int64_t b = item / split;
             const int64_t first = (item % split) * per_item, last = first + per_item;
             const int64_t item_heads = (last - first) * group;
-            const int64_t context = seq_lens[b] > 0 ? seq_lens[b] : 0;
+            const int64_t start = starts && starts[b] > 0 ? starts[b] : 0;
+            /* positions [start, start + context) are read; score u is position start + u */
+            const int64_t context = seq_lens[b] > start ? seq_lens[b] - start : 0;
             float *o = out + (b * heads + first * group) * value_dim;
             memset(o, 0, sizeof(float) * item_heads * value_dim);
             float *item_lse = lse ? lse + b * heads + first * group : NULL;
@@ -78,13 +82,11 @@ void paged_decode_attention(const float *query, const float *key_cache,
                 capacity = (scores && slots) ? context : 0;
                 if (capacity == 0) continue; /* out of memory: zeros, not a crash */
             }
-            for (int64_t t = 0; t < context; t += block_size) {
-                int64_t block = block_table[b * max_blocks + t / block_size];
-                int64_t end = t + block_size < context ? t + block_size : context;
-                for (int64_t u = t; u < end; u++) {
-                    int64_t slot = block * block_size + (u - t);
-                    slots[u] = (block < 0 || slot >= num_slots) ? -1 : slot;
-                }
+            for (int64_t u = 0; u < context; u++) {
+                const int64_t position = start + u;
+                const int64_t block = block_table[b * max_blocks + position / block_size];
+                const int64_t slot = block * block_size + position % block_size;
+                slots[u] = (block < 0 || slot >= num_slots) ? -1 : slot;
             }
             const float *q = query + (b * heads + first * group) * head_dim;
             /* scores: each K row once, for every head of the item */

@@ -43,7 +43,7 @@ class EagleHead(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(
                 config,
-                Attention(config, f"eagle.layers.{i}.self_attn"),
+                Attention(config, f"eagle.layers.{i}.self_attn", config.window(i)),
                 MLP(size, config.intermediate_size, config.mlp_bias),
             )
             for i in range(config.num_layers)

@@ -21,12 +21,19 @@ from updraft.models.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    """RMSNorm scaling by its weight, or with ``offset`` 1 by (1 + weight) (Gemma's,
+    which also scales in float32 before returning to the compute dtype)."""
+
+    def __init__(self, size: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offset:
+            normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+            return (normed * (self.weight.float() + self.offset)).to(x.dtype)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in float32, as the reference does, then return to the compute dtype.
@@ -42,18 +49,32 @@ class FusedLinear(nn.Linear):
         self.split_sizes = split_sizes
 
 
-class MLP(nn.Module):
-    """The gated SiLU MLP (also DeepSeek's dense layers and shared experts)."""
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+
+class MLP(nn.Module):
+    """The gated MLP: SiLU (also DeepSeek's dense layers and shared experts), or
+    GELU-tanh (Gemma)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        activation: str = "silu",
+    ) -> None:
         super().__init__()
         size = intermediate_size
         self.gate_up_proj = FusedLinear(hidden_size, [size, size], bias=bias)
         self.down_proj = nn.Linear(size, hidden_size, bias=bias)
+        self.activation = ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.activation(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -61,9 +82,9 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = norm(config, config.hidden_size)
         self.self_attn = self_attn
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = norm(config, config.hidden_size)
         self.mlp = mlp
 
     def forward(
@@ -77,12 +98,17 @@ class DecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+def norm(config: ModelConfig, size: int) -> RMSNorm:
+    """The model's RMSNorm over ``size`` values."""
+    return RMSNorm(size, config.rms_norm_eps, config.norm_offset)
+
+
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, layers: list[nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = norm(config, config.hidden_size)
 
 
 class CausalLM(nn.Module):

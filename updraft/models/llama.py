@@ -1,6 +1,7 @@
-"""Llama-family decoder (Llama, Qwen2, Qwen3, and with experts Qwen3-MoE and Mixtral):
-grouped-query attention over a paged cache, read top to bottom. q/k/v are fused into
-one matmul (and gate/up, in ``layers.MLP``); the loader fills their slices.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, and with experts Qwen3-MoE
+and Mixtral): grouped-query attention over a paged cache, read top to bottom. q/k/v are
+fused into one matmul (and gate/up, in ``layers.MLP``); the loader fills their slices.
+A layer with a sliding window attends to the last ``window`` positions only.
 """
 
 from __future__ import annotations
@@ -12,19 +13,20 @@ from updraft.attention.gqa import paged_attention
 from updraft.attention.loop import AttentionParams
 from updraft.attention.metadata import AttentionMetadata
 from updraft.config import ModelConfig
-from updraft.models.layers import MLP, CausalLM, DecoderLayer, FusedLinear, RMSNorm
+from updraft.models.layers import MLP, CausalLM, DecoderLayer, FusedLinear, norm
 from updraft.models.moe import SparseMoE
 from updraft.models.rope import apply_rotary
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, name: str) -> None:
+    def __init__(self, config: ModelConfig, name: str, window: int | None = None) -> None:
         super().__init__()
         self.params = AttentionParams(layer=name)
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale or config.head_dim**-0.5
+        self.window = window
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
         self.qkv_proj = FusedLinear(
@@ -32,8 +34,8 @@ class Attention(nn.Module):
         )
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.q_norm = norm(config, config.head_dim)
+            self.k_norm = norm(config, config.head_dim)
         else:
             self.q_norm = self.k_norm = None
 
@@ -55,12 +57,14 @@ class Attention(nn.Module):
             qk = apply_rotary(torch.cat([q, k], dim=1), *rotary)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, num_qk_heads:]
-        attention = paged_attention(q, k, v, kv_cache, metadata, self.scale, self.params)
+        attention = paged_attention(
+            q, k, v, kv_cache, metadata, self.scale, self.params, self.window
+        )
         return self.o_proj(attention)
 
 
 def llama_layer(config: ModelConfig, index: int) -> DecoderLayer:
-    attention = Attention(config, f"model.layers.{index}.self_attn")
+    attention = Attention(config, f"model.layers.{index}.self_attn", config.window(index))
     if config.has_experts(index):
         return DecoderLayer(config, attention, SparseMoE(config.moe))
     return DecoderLayer(
@@ -69,9 +73,9 @@ def llama_layer(config: ModelConfig, index: int) -> DecoderLayer:
 
 
 class LlamaForCausalLM(CausalLM):
-    """Also serves Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm), Qwen3-MoE and
-    Mixtral (experts in place of the MLP): they differ from Llama only in what
-    ``ModelConfig`` switches on."""
+    """Also serves Mistral, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm), Phi-3,
+    Qwen3-MoE and Mixtral (experts in place of the MLP): they differ from Llama only in
+    what ``ModelConfig`` switches on."""
 
     def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__(config, llama_layer, config.rotary_dim, max_positions)

@@ -54,13 +54,34 @@ EXPERT_PARTS = {
 # Mixtral's checkpoints hold a layer's experts and router in block_sparse_moe; the model
 # names its mixture mlp, as Qwen3-MoE's checkpoints do.
 RENAMED_MODULES = ((".block_sparse_moe.", ".mlp."),)
+# A multimodal checkpoint's text tower (Gemma 3: transformers 5's names, then the older
+# ones) is served as the text model; its vision tower and projector are not read.
+TEXT_TOWER_PREFIXES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+VISION_PREFIXES = (
+    "model.vision_tower.",
+    "vision_tower.",
+    "model.multi_modal_projector.",
+    "multi_modal_projector.",
+)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
+def text_name(checkpoint_name: str) -> str:
+    """A checkpoint tensor's name as the text model calls it."""
+    for prefix, renamed in TEXT_TOWER_PREFIXES:
+        if checkpoint_name.startswith(prefix):
+            return renamed + checkpoint_name[len(prefix) :]
+    return checkpoint_name
+
+
 def layer_of(checkpoint_name: str) -> int | None:
     """The decoder layer a checkpoint tensor belongs to, if any."""
-    match = LAYER.match(checkpoint_name)
+    match = LAYER.match(text_name(checkpoint_name))
     return None if match is None else int(match[1])
 
 
@@ -169,7 +190,11 @@ def load_weights(
     targets, unknown = {}, []
     for path, names in checkpoint_names(files).items():
         for checkpoint_name in names:
-            if checkpoint_name.endswith(IGNORED_SUFFIXES) or not select(checkpoint_name):
+            if (
+                checkpoint_name.endswith(IGNORED_SUFFIXES)
+                or checkpoint_name.startswith(VISION_PREFIXES)
+                or not select(checkpoint_name)
+            ):
                 continue
             target = _target(checkpoint_name, params, modules)
             if target is None:
@@ -281,6 +306,7 @@ def _describe(name: str, index: Slice) -> str:
 def _target(
     checkpoint_name: str, params: dict[str, nn.Parameter], modules: dict[str, nn.Module]
 ) -> tuple[str, Slice] | None:
+    checkpoint_name = text_name(checkpoint_name)
     for old, new in RENAMED_MODULES:
         checkpoint_name = checkpoint_name.replace(old, new)
     expert = EXPERT_TENSOR.fullmatch(checkpoint_name)

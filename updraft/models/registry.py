@@ -6,6 +6,7 @@ from torch import nn
 
 from updraft.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from updraft.models.deepseek import DeepseekForCausalLM
+from updraft.models.gemma import Gemma3ForCausalLM
 from updraft.models.llama import LlamaForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -15,6 +16,9 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     "DeepseekV32ForCausalLM": DeepseekForCausalLM,
