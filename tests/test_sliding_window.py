@@ -258,19 +258,25 @@ def test_ranks_compute_what_one_process_computes(gemma3, layout, pool):
 # -- speculation ---------------------------------------------------------------------------
 
 
-def test_speculation_with_a_window_shorter_than_the_prompt_changes_no_token(mistral, tmp_path):
+@pytest.mark.parametrize("kind", ["mistral", "gemma3"])
+def test_speculation_with_a_window_shorter_than_the_prompt_changes_no_token(
+    kind, request, tmp_path
+):
+    """Every layer windowed (blocks given back, the draft model's too) and Gemma 3's
+    mix (an EAGLE head over its scaled embeddings and capped logits)."""
+    target = request.getfixturevalue(kind)
     prompts = [list(range(3, 40)), [7, 8, 9] * 10, list(range(100, 125))]
     params = [greedy(40) for _ in prompts]
     args = dict(block_size=4, num_kv_blocks=128)
-    plain = token_ids(LLM(mistral, **args).generate(prompts, params))
-    head = eagle_head_checkpoint(tmp_path / "head", mistral)
+    plain = token_ids(LLM(target, **args).generate(prompts, params))
+    head = eagle_head_checkpoint(tmp_path / "head", target)
     proposers = {
         "ngram": dict(speculative_method="ngram"),
-        "draft": dict(speculative_model=str(mistral)),
+        "draft": dict(speculative_model=str(target)),
         "eagle": dict(speculative_method="eagle", speculative_model=str(head)),
     }
     for name, proposer in proposers.items():
-        llm = LLM(mistral, num_speculative_tokens=3, **args, **proposer)
+        llm = LLM(target, num_speculative_tokens=3, **args, **proposer)
         assert token_ids(llm.generate(prompts, params)) == plain, name
         metrics = llm.engine.stats().speculative
         assert metrics.num_draft_tokens > 0, name

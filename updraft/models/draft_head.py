@@ -37,8 +37,12 @@ class DraftHead(nn.Module):
         """``body(embeds, features, rotary, kv_caches, metadata) -> hidden``; RoPE turns
         entry i at position i + ``rope_offset``."""
         super().__init__()
+        # Registered here, so a capture of the head sees them as weights; run through
+        # the target's own embed and compute_logits (Gemma scales the one, caps the other).
         self.embed_tokens = target.model.embed_tokens
         self.lm_head = target.lm_head
+        self.target_embed = target.embed
+        self.target_logits = target.compute_logits
         self.rotary = rotary
         self.rope_offset = rope_offset
         self.body = body
@@ -54,11 +58,11 @@ class DraftHead(nn.Module):
         """Entries ``positions`` of the tokens ``input_ids`` (each one position on from
         its entry) beside ``hidden_states`` -> the head's hidden states."""
         rotary = self.rotary.lookup(positions + self.rope_offset, hidden_states.dtype)
-        embeds = self.embed_tokens(input_ids)
+        embeds = self.target_embed(input_ids)
         return self.body(embeds, hidden_states, rotary, kv_caches, metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.target_logits(hidden)
 
 
 def mtp_head(

@@ -14,7 +14,6 @@ What sets it apart, each switched on by ``ModelConfig``:
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from updraft.attention.metadata import AttentionMetadata
 from updraft.config import ModelConfig
@@ -65,23 +64,17 @@ class Gemma3ForCausalLM(CausalLM):
             for dtype in (torch.float32, torch.bfloat16, torch.float16)
         }
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        metadata: AttentionMetadata,
-        rotary_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
-        hidden = hidden * self.multipliers[hidden.dtype]
-        rows = positions if rotary_rows is None else rotary_rows
-        full = self.rotary.lookup(rows, hidden.dtype)
-        local = self.local_rotary.lookup(rows, hidden.dtype)
-        layers: nn.ModuleList = self.model.layers
-        for layer, kv_cache in zip(layers, kv_caches, strict=True):
-            hidden = layer(hidden, local if layer.sliding else full, kv_cache, metadata)
-        return self.model.norm(hidden)
+        return hidden * self.multipliers[hidden.dtype]
+
+    def layer_rotaries(
+        self, rows: torch.Tensor, dtype: torch.dtype
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The sliding layers' own RoPE, the global layers' the model's."""
+        full = self.rotary.lookup(rows, dtype)
+        local = self.local_rotary.lookup(rows, dtype)
+        return [local if layer.sliding else full for layer in self.model.layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()

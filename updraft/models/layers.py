@@ -145,11 +145,21 @@ class CausalLM(nn.Module):
         """Hidden states [num_tokens, hidden_size] after the final norm. ``rotary_rows``:
         the row of the rotary table each token reads, where it is not its position
         (LongRoPE: ``step/inputs.py`` ``RotarySwitch``)."""
-        hidden = self.model.embed_tokens(input_ids)
-        rotary = self.rotary.lookup(positions if rotary_rows is None else rotary_rows, hidden.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        hidden = self.embed(input_ids)
+        rows = positions if rotary_rows is None else rotary_rows
+        rotaries = self.layer_rotaries(rows, hidden.dtype)
+        for layer, rotary, kv_cache in zip(self.model.layers, rotaries, kv_caches, strict=True):
             hidden = layer(hidden, rotary, kv_cache, metadata)
         return self.model.norm(hidden)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def layer_rotaries(
+        self, rows: torch.Tensor, dtype: torch.dtype
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's cos and sin at the tokens' ``rows``, looked up once per table."""
+        return [self.rotary.lookup(rows, dtype)] * len(self.model.layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
