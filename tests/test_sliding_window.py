@@ -236,20 +236,28 @@ def _run(checkpoint, **args):
     llm = probed(str(checkpoint), **{**ARGS, **args})
     outputs = llm.generate(PROMPTS, PARAMS)
     assert_idle(llm)
+    steps = llm.engine.stats().steps
     seen = records(llm)
-    return token_ids(outputs), [logits_of(seen, output) for output in outputs]
+    return token_ids(outputs), [logits_of(seen, output) for output in outputs], steps
 
 
 @pytest.mark.parametrize(
     "layout",
-    [dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, decode_context_parallel_size=2)],
-    ids=["tp2", "tp2-dcp2"],
+    [
+        dict(tensor_parallel_size=2),
+        dict(tensor_parallel_size=2, decode_context_parallel_size=2),
+        dict(prefill_context_parallel_size=2),
+    ],
+    ids=["tp2", "tp2-dcp2", "pcp2"],
 )
 def test_ranks_compute_what_one_process_computes(gemma3, layout, pool):
     """Gemma 3's mix of sliding and full layers: under DCP each rank keeps every other
-    position, and a window starts at a rank's own first position inside it."""
-    tokens, logits = _run(gemma3)
-    split_tokens, split_logits = _run(gemma3, worker_pool=pool, **layout)
+    position, and a window starts at a rank's own first position inside it; under PCP
+    each rank's prefill chunks attend as continuations, narrowed by the window."""
+    tokens, logits, _ = _run(gemma3)
+    split_tokens, split_logits, steps = _run(gemma3, worker_pool=pool, **layout)
+    split = any("split over 2 ranks" in mode for mode in steps)
+    assert split == ("prefill_context_parallel_size" in layout), steps
     assert split_tokens == tokens
     for mine, theirs in zip(split_logits, logits, strict=True):
         torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=0)
