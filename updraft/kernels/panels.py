@@ -107,16 +107,29 @@ def pack(weight: torch.Tensor, fmt: WeightFormat) -> Panels:
     if not fmt.quantized:
         codes = _to_panels(weight.detach().to(STORAGE[fmt.name]))
         return Panels(codes, None, None, fmt.name, 0, n, k)
-    group = group_size(fmt, k)
     codes, scales, zeros = quantize(weight.detach(), fmt)
+    return pack_codes(codes, scales, zeros, fmt.name, group_size(fmt, k))
+
+
+def pack_codes(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    fmt: str,
+    group: int,
+) -> Panels:
+    """Quantized codes [N, K] (int8, or int4's 0..15 as uint8) with their scales (and
+    zeros) [N, K / group] in panels of ``fmt``: what ``pack`` does after quantizing, and
+    what a checkpoint quantized elsewhere is read into."""
+    n, k = codes.shape
     codes = _to_panels(codes)
-    if fmt.name == "int4":  # byte j: weight j in the low nibble, weight j + 8 in the high
+    if fmt == "int4":  # byte j: weight j in the low nibble, weight j + 8 in the high
         codes = codes[..., : PANEL // 2] | (codes[..., PANEL // 2 :] << 4)
     return Panels(
         codes.contiguous(),
         _to_panels(scales),
         None if zeros is None else _to_panels(zeros),
-        fmt.name,
+        fmt,
         group,
         n,
         k,

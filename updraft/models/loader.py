@@ -17,10 +17,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from updraft.config import ModelConfig, WeightFormat
+from updraft.config import ModelConfig, QuantizedCheckpoint, WeightFormat
+from updraft.kernels.panels import pack_codes
 from updraft.models.layers import FusedLinear
 from updraft.models.moe import Experts
+from updraft.models.packed_linear import PackedLinear
 from updraft.models.packing import packer, storage_dtype
+from updraft.models.prequantized import QuantizedCodes, unpack
 from updraft.models.registry import model_class
 from updraft.models.tensor_parallel import Shards, shard_model, splits_tensors
 from updraft.parallel.topology import RankPlace
@@ -135,18 +138,120 @@ def load_model(
     fmt = weights or WeightFormat.of(dtype)
     with building(storage_dtype(fmt, dtype, config), "meta"):
         model = model_class(config)(config, max_positions=max_positions)
+    files = weight_files(Path(model_dir))
+    quantized = {} if config.quantized is None else make_slots(model, files, config.quantized)
+    owned = {
+        f"{prefix}.{suffix}"
+        for parts in quantized.values()
+        for prefix in parts.values()
+        for suffix in config.quantized.suffixes
+    }
     # A checkpoint's multi-token prediction layers follow its decoder layers; the model
     # does not run them (models/mtp.py loads them on their own).
     mtp = range(config.num_layers, config.num_layers + config.mtp_layers)
-    return fill(
+    model = fill(
         model,
-        weight_files(Path(model_dir)),
+        files,
         fmt,
         dtype,
         device,
-        select=lambda name: layer_of(name) not in mtp,
+        select=lambda name: layer_of(name) not in mtp and name not in owned,
         place=place,
     )
+    if quantized:
+        fill_slots(model, files, config.quantized, quantized)
+    return model
+
+
+# -- linears quantized before they reach here (models/prequantized.py) ------------------
+
+
+class QuantizedSlot(nn.Module):
+    """Where a pre-quantized linear waits while the rest of the model loads: its shape
+    and split, and its bias, which fills like any tensor."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.split_sizes = getattr(linear, "split_sizes", None)
+        self.bias = linear.bias
+
+
+def make_slots(
+    model: nn.Module, files: list[Path], scheme: QuantizedCheckpoint
+) -> dict[str, dict[Slice, str]]:
+    """Put a ``QuantizedSlot`` in place of each linear the checkpoint holds quantized;
+    returns, per linear (module name), the checkpoint prefix of each of its slices."""
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    found: dict[str, dict[Slice, str]] = {}
+    for names in checkpoint_names(files).values():
+        for name in names:
+            prefix, _, suffix = name.rpartition(".")
+            if suffix != scheme.marker or name.startswith(VISION_PREFIXES):
+                continue
+            target = _target(f"{prefix}.weight", params, modules)
+            if target is None or isinstance(target[1], tuple):
+                raise ValueError(
+                    f"{name}: a {scheme.method} tensor of no linear layer here (quantized "
+                    "experts are not read)"
+                )
+            param, index = target
+            found.setdefault(param.removesuffix(".weight"), {})[index] = prefix
+    for module_name in found:
+        parent, _, child = module_name.rpartition(".")
+        setattr(modules[parent], child, QuantizedSlot(modules[module_name]))
+    return found
+
+
+def fill_slots(
+    model: nn.Module,
+    files: list[Path],
+    scheme: QuantizedCheckpoint,
+    slots: dict[str, dict[Slice, str]],
+) -> None:
+    """Read each slot's quantized tensors into int4 panels (codes as they are) and put a
+    ``PackedLinear`` over them in its place."""
+    where = {name: path for path, names in checkpoint_names(files).items() for name in names}
+    modules = dict(model.named_modules())
+    for module_name, parts in slots.items():
+        slot = modules[module_name]
+        sizes = slot.split_sizes or [slot.out_features]
+        order = [FUSED] if FUSED in parts else list(range(len(sizes)))
+        missing = [i for i in order if i not in parts]
+        if missing:
+            raise ValueError(f"{module_name}: no {scheme.marker} for its part(s) {missing}")
+        unpacked = [
+            unpack(scheme, _read(where, parts[i], scheme.suffixes), slot.in_features) for i in order
+        ]
+        codes = QuantizedCodes(
+            torch.cat([part.codes for part in unpacked]),
+            torch.cat([part.scales for part in unpacked]),
+            torch.cat([part.zeros for part in unpacked]),
+            unpacked[0].group,
+        )
+        if codes.codes.shape[0] != slot.out_features:
+            raise ValueError(
+                f"{module_name}: {scheme.method} tensors hold {codes.codes.shape[0]} rows, "
+                f"the layer {slot.out_features}"
+            )
+        panels = pack_codes(codes.codes, codes.scales, codes.zeros, "int4", codes.group)
+        shape = nn.Linear(slot.in_features, slot.out_features, bias=False, device="meta")
+        shape.bias = slot.bias
+        fmt = WeightFormat("int4", codes.group, zero_point=True)
+        parent, _, child = module_name.rpartition(".")
+        setattr(modules[parent], child, PackedLinear(shape, fmt, panels=panels))
+
+
+def _read(where: dict[str, Path], prefix: str, suffixes: tuple[str, ...]) -> dict:
+    tensors = {}
+    for suffix in suffixes:
+        name = f"{prefix}.{suffix}"
+        if name in where:
+            with safe_open(str(where[name]), framework="pt", device="cpu") as reader:
+                tensors[suffix] = reader.get_tensor(name)
+    return tensors
 
 
 def fill(
@@ -282,7 +387,7 @@ class _Made:
 def _slices(params: dict[str, nn.Parameter], modules: dict[str, nn.Module]):
     for name in params:
         module = modules[name.rpartition(".")[0]]
-        if isinstance(module, FusedLinear):
+        if _split(module):
             yield from ((name, index) for index in range(len(module.split_sizes)))
         elif isinstance(module, Experts):
             parts = (0, 1) if name.endswith("gate_up_proj") else (0,)
@@ -293,6 +398,11 @@ def _slices(params: dict[str, nn.Parameter], modules: dict[str, nn.Module]):
 
 
 Slice = int | tuple[int, int]  # a fused slice; or (expert, part) of stacked experts
+
+
+def _split(module: nn.Module | None) -> bool:
+    """Whether ``module``'s parameters stack several checkpoint projections."""
+    return isinstance(module, FusedLinear) or getattr(module, "split_sizes", None) is not None
 
 
 def _describe(name: str, index: Slice) -> str:
@@ -322,7 +432,7 @@ def _target(
             return name, index
     if checkpoint_name in params:
         module = modules.get(checkpoint_name.rpartition(".")[0])
-        return checkpoint_name, FUSED if isinstance(module, FusedLinear) else 0
+        return checkpoint_name, FUSED if _split(module) else 0
     if checkpoint_name == "lm_head.weight" and "lm_head.weight" not in params:
         return "model.embed_tokens.weight", -1  # tied: the checkpoint repeats the embedding
     return None
@@ -363,7 +473,7 @@ def _part(param: torch.Tensor, module: nn.Module, name: str, index: Slice) -> to
         if name.endswith("gate_up_proj"):
             half = param.shape[0] // 2
             param = param.narrow(0, part * half, half)
-    elif isinstance(module, FusedLinear):
+    elif _split(module):
         start = sum(module.split_sizes[:index])
         param = param.narrow(0, start, module.split_sizes[index])
     return param

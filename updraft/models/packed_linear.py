@@ -26,7 +26,7 @@ from torch import nn
 
 from updraft.config import WeightFormat
 from updraft.kernels.ops import kernel_builds
-from updraft.kernels.panels import pack
+from updraft.kernels.panels import Panels, pack
 
 # The row count oneDNN lays a weight out for. Any count runs on the layout, but one laid
 # out for a single row ran 1.2-2x slower from 4 rows up (a batched decode step), while
@@ -78,21 +78,30 @@ def can_pack(device: torch.device, dtype: torch.dtype, fmt: WeightFormat) -> boo
 
 
 class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, fmt: WeightFormat, few_rows: int = FEW_ROWS) -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        fmt: WeightFormat,
+        few_rows: int = FEW_ROWS,
+        panels: Panels | None = None,
+    ) -> None:
+        """``linear`` packed into ``fmt``; or, with ``panels`` (a checkpoint's own
+        quantized codes), those panels, with ``linear`` giving only its shape and bias."""
         super().__init__()
         self.few_rows = few_rows  # up to this many rows, the panel kernel (float32)
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.format = fmt
         weight = linear.weight.detach()
-        panels = pack(weight, fmt) if kernel_builds("linear") else None
+        if panels is None and kernel_builds("linear"):
+            panels = pack(weight, fmt)
         if panels is None and fmt.name != "float32":
             raise RuntimeError(f"{fmt} weights need updraft's linear kernel, which did not build")
         self.code, self.group = (panels.code, panels.group) if panels else (0, 0)
         for name in ("codes", "scales", "zeros"):
             self.register_buffer(name, getattr(panels, name, None), persistent=False)
         packed = None
-        if fmt.name == "float32" and has_onednn():
+        if fmt.name == "float32" and has_onednn() and not weight.is_meta:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.float(), PACKED_FOR_ROWS)
         self.register_buffer("packed_weight", packed, persistent=False)
         self.bias = (

@@ -67,6 +67,11 @@ def check_parallel(
     sizes.check()
     if sizes.world == 1:
         return
+    if config.quantized is not None and sizes.tensor > 1:
+        raise ValueError(
+            f"a {config.quantized.method} checkpoint is not split over tensor-parallel ranks "
+            "yet: run it with tensor_parallel_size 1"
+        )
     size, kv_ranks = sizes.tensor, sizes.tensor // sizes.decode_context
     kv = config.num_kv_heads
     problems = []
