@@ -1,4 +1,4 @@
-"""Write a Llama, Qwen3 or Qwen3-MoE checkpoint directory (config.json + safetensors) as
+"""Write a Llama, Qwen2, Qwen3 or Qwen3-MoE checkpoint directory (config.json + safetensors) as
 a GGUF F32 file for llama.cpp, with the ``gguf`` package's writer and tensor-name map.
 A MoE layer's per-expert projections are stacked into one [experts, rows, columns]
 tensor each, as llama.cpp reads them.
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -46,20 +47,35 @@ def stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def main(model_dir: Path, out: Path) -> None:
+# What a tensor is written as: (its data, its ggml type when not the data's dtype).
+Convert = Callable[[str, np.ndarray], tuple[np.ndarray, "gguf.GGMLQuantizationType | None"]]
+
+
+def as_float32(name: str, array: np.ndarray) -> tuple[np.ndarray, None]:
+    return array.astype(np.float32), None
+
+
+def main(
+    model_dir: Path, out: Path, convert: Convert = as_float32, split_max_tensors: int = 0
+) -> None:
+    """``convert(gguf_name, float32 array)``: each tensor as written (after llama.cpp's
+    q/k permutation); ``split_max_tensors``: split the file into parts of that many."""
     config = json.loads((model_dir / "config.json").read_text())
     arch = {
         "qwen3": gguf.MODEL_ARCH.QWEN3,
+        "qwen2": gguf.MODEL_ARCH.QWEN2,
         "llama": gguf.MODEL_ARCH.LLAMA,
         "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
     }.get(config["model_type"])
     if arch is None:
         raise SystemExit(
-            f"only llama, qwen3 and qwen3_moe are converted, got {config['model_type']}"
+            f"only llama, qwen2, qwen3 and qwen3_moe are converted, got {config['model_type']}"
         )
     layers = config["num_hidden_layers"]
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
+    writer = gguf.GGUFWriter(
+        str(out), gguf.MODEL_ARCH_NAMES[arch], split_max_tensors=split_max_tensors
+    )
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(layers)
@@ -99,12 +115,17 @@ def main(model_dir: Path, out: Path) -> None:
                 else config["num_key_value_heads"]
             )
             array = halves_to_pairs(array, heads)
-        writer.add_tensor(name, np.ascontiguousarray(array))
+        data, raw_dtype = convert(name, np.ascontiguousarray(array))
+        if raw_dtype is None:
+            writer.add_tensor(name, np.ascontiguousarray(data))
+        else:
+            writer.add_tensor(name, data, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    print(f"wrote {out} ({out.stat().st_size / 2**20:.0f} MiB)")
+    if not split_max_tensors:
+        print(f"wrote {out} ({out.stat().st_size / 2**20:.0f} MiB)")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from updraft.config import ModelConfig, QuantizedCheckpoint, WeightFormat
+from updraft.gguf_checkpoint import linked_files
 from updraft.kernels.panels import pack_codes
 from updraft.models.layers import FusedLinear
 from updraft.models.moe import Experts
@@ -135,6 +136,15 @@ def load_model(
     (models/tensor_parallel.py). It is built on the meta device and filled tensor by
     tensor, each rank reading only what it keeps, each layer packed once its weights
     are in: at no point does the process hold the whole model in the checkpoint's dtype."""
+    gguf = linked_files(Path(model_dir))
+    if gguf is not None:
+        from updraft.models.gguf_loader import load_gguf_model
+
+        if splits_tensors(place):
+            raise ValueError("a GGUF file is not split over tensor-parallel ranks yet")
+        if weights is not None and weights != WeightFormat.of(dtype):
+            raise ValueError(f"a GGUF file keeps its own weight types; {weights} was asked")
+        return load_gguf_model(config, gguf, dtype, device, max_positions)
     fmt = weights or WeightFormat.of(dtype)
     with building(storage_dtype(fmt, dtype, config), "meta"):
         model = model_class(config)(config, max_positions=max_positions)

@@ -1,0 +1,265 @@
+"""GGUF files: blocks read where they lie, and a model from a file equal to transformers.
+
+* Each block type's widening equals the ``gguf`` package's numpy dequantization bit for
+  bit (K-quant blocks are random bytes with finite half scales: the package reads them
+  but cannot write them), and the kernel's product with a block weight equals float32's
+  on its dequantization.
+* A Llama GGUF written by ``benchmarks/peers/make_gguf.py`` (which permutes q/k rows as
+  llama.cpp's converter does) gives the safetensors checkpoint's logits; a loader that
+  skips the un-permute does not.
+* Files whose linears and embedding are in each block type (a Q4_K_M-like mix
+  included) give the logits transformers computes on the float32 weights their blocks
+  stand for; a file split in parts loads like one; the loaded weights take about the
+  file's tensor bytes; an architecture, a tensor type or a RoPE table that cannot be read
+  is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType, quants
+from safetensors.torch import save_file
+
+from benchmarks.peers import make_gguf
+from tests.conftest import TINY
+from tests.helpers import greedy, token_ids
+from tests.probes import logits_of, probed, records
+from tests.test_reference_models import PROMPTS
+from updraft import LLM
+from updraft.kernels.gguf_ops import BLOCK_TYPES, BLOCKS
+from updraft.models import gguf_loader
+
+# Where a block holds its half scales: (byte offset, how many halves).
+SCALE_BYTES = {
+    "Q4_0": (0, 1),
+    "Q5_0": (0, 1),
+    "Q8_0": (0, 1),
+    "Q4_1": (0, 2),
+    "Q5_1": (0, 2),
+    "Q4_K": (0, 2),
+    "Q6_K": (208, 1),
+}
+
+
+def random_blocks(
+    kind: str, rows: int, k: int, rng: np.random.Generator, scale: float = 0.02
+) -> np.ndarray:
+    """Random bytes in ``kind``'s blocks [rows, row_bytes], with finite half scales of
+    about ``scale``."""
+    values, size = BLOCKS[BLOCK_TYPES[kind]]
+    blocks = rng.integers(0, 256, size=(rows, k // values, size), dtype=np.uint8)
+    start, count = SCALE_BYTES[kind]
+    scales = rng.normal(0, scale, size=(rows, k // values, count)).astype(np.float16)
+    blocks[..., start : start + 2 * count] = scales.view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", sorted(BLOCK_TYPES))
+def test_blocks_widen_to_the_gguf_package_s_values_bit_for_bit(kind):
+    rng = np.random.default_rng(0)
+    values = BLOCKS[BLOCK_TYPES[kind]][0]
+    blocks = random_blocks(kind, 7, 3 * values, rng)
+    want = quants.dequantize(blocks, GGMLQuantizationType[kind])
+    got = torch.ops.updraft.gguf_dequantize(torch.from_numpy(blocks), BLOCK_TYPES[kind], 3 * values)
+    assert np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32))
+    for rows in (1, 3, 8):  # the kernel; more rows widen chunks of the weight instead
+        x = torch.randn(rows, 3 * values)
+        y = torch.ops.updraft.gguf_linear(
+            x, torch.from_numpy(blocks), None, BLOCK_TYPES[kind], 3 * values
+        )
+        torch.testing.assert_close(y, x @ torch.from_numpy(want).T, atol=1e-4, rtol=1e-5)
+
+
+# -- whole files ---------------------------------------------------------------------------
+
+
+def plain(kind: str, directory, **shape):
+    """A tiny float32 checkpoint without RoPE scaling (make_gguf writes none)."""
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[kind]
+    torch.manual_seed(0)
+    config = config_class(**{**TINY, **shape}, num_key_value_heads=2, tie_word_embeddings=False)
+    model_class(config).eval().save_pretrained(directory)
+    return directory
+
+
+def run(model, **args):
+    llm = probed(str(model), block_size=4, num_kv_blocks=64, **args)
+    outputs = llm.generate(PROMPTS, greedy(8))
+    seen = records(llm)
+    return token_ids(outputs), [logits_of(seen, output) for output in outputs], llm
+
+
+def assert_same(ours, reference, atol=1e-4):
+    assert ours[0] == reference[0]
+    for mine, theirs in zip(ours[1], reference[1], strict=True):
+        torch.testing.assert_close(mine, theirs, atol=atol, rtol=atol)
+
+
+@pytest.fixture(scope="module")
+def llama_f32(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf-llama")
+    checkpoint = plain("llama", root / "hf")
+    make_gguf.main(checkpoint, root / "model.gguf")
+    return checkpoint, root / "model.gguf"
+
+
+def test_a_llama_gguf_gives_the_safetensors_logits_once_q_and_k_are_unpermuted(
+    llama_f32, monkeypatch
+):
+    checkpoint, path = llama_f32
+    reference = run(checkpoint)
+    assert_same(run(path), reference)
+    monkeypatch.setattr(gguf_loader, "unpermute", lambda rows, heads: rows)
+    with pytest.raises(AssertionError):
+        assert_same(run(path), reference)
+
+
+def convert_to(types: dict[str, str], rng: np.random.Generator, reference: dict):
+    """A make_gguf converter writing each tensor in the first type whose pattern its
+    GGUF name contains (float32 otherwise), and recording in ``reference`` the float32
+    values each F16 or block tensor stands for (rows as the file orders them)."""
+
+    def convert(name: str, array: np.ndarray):
+        kind = next((t for pattern, t in types.items() if pattern in name), "F32")
+        if kind == "F32" or array.ndim != 2:
+            return array.astype(np.float32), None
+        if kind == "F16":
+            reference[name] = array.astype(np.float16).astype(np.float32)
+            return array.astype(np.float16), None
+        qtype = GGMLQuantizationType[kind]
+        if kind in ("Q4_K", "Q6_K"):  # the package cannot write K-quants: random blocks
+            # a sub-block scale of up to 63 (Q4_K) or 127 (Q6_K) times codes of up to 15
+            # or 32: half scales small enough that weights stay near the model's own
+            blocks = random_blocks(kind, array.shape[0], array.shape[1], rng, scale=2e-4)
+        else:
+            blocks = quants.quantize(array, qtype)
+        reference[name] = quants.dequantize(blocks, qtype)
+        return blocks, qtype
+
+    return convert
+
+
+MIXES = {
+    "Q8_0": {"": "Q8_0"},
+    "Q4_0-Q4_1": {"attn": "Q4_0", "ffn": "Q4_1", "token_embd": "Q4_0", "output.": "Q8_0"},
+    "Q5_0-Q5_1-F16": {"attn_q": "Q5_0", "attn_k": "Q5_1", "ffn": "Q5_0", "attn_output": "F16"},
+    # Q4_K_M's pattern: v and down in Q6_K, the rest in Q4_K, the output in Q6_K
+    "Q4_K_M": {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output.": "Q6_K", "blk": "Q4_K"},
+}
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_a_file_in_blocks_gives_transformers_logits_on_what_its_blocks_stand_for(
+    tmp_path, kind, mix
+):
+    # K-quants take rows of 256 values: a wider model for them.
+    shape = {"hidden_size": 256, "intermediate_size": 512} if "K" in mix else {}
+    checkpoint = plain(kind, tmp_path / "hf", **shape)
+    stands_for: dict[str, np.ndarray] = {}
+    path = tmp_path / "model.gguf"
+    make_gguf.main(checkpoint, path, convert_to(MIXES[mix], np.random.default_rng(1), stands_for))
+    reference = _reference(checkpoint, tmp_path / "reference", stands_for, kind)
+    ours = run(path)
+    assert_same(ours, run(reference))
+    llm = ours[2]
+    modules = list(llm.engine._runner.model.modules())  # noqa: SLF001
+    assert any(isinstance(m, gguf_loader.GGUFLinear) for m in modules)
+
+
+def _reference(checkpoint, directory, stands_for: dict[str, np.ndarray], kind: str):
+    """``checkpoint`` with each block tensor's weight replaced by what its blocks stand
+    for (q/k rows put back in transformers' order for Llama)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    shutil.copytree(checkpoint, directory)
+    tensors = load_file(directory / "model.safetensors")
+    config = json.loads((directory / "config.json").read_text())
+    for name, values in stands_for.items():
+        hf = gguf_loader.hf_name(name)
+        if kind == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config["num_attention_heads" if "q_proj" in hf else "num_key_value_heads"]
+            values = gguf_loader.unpermute(values, heads)
+        tensors[hf] = torch.from_numpy(np.ascontiguousarray(values))
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+def test_a_split_file_loads_like_one(llama_f32, tmp_path):
+    checkpoint, whole = llama_f32
+    make_gguf.main(checkpoint, tmp_path / "model.gguf", split_max_tensors=5)
+    parts = sorted(tmp_path.glob("model-*-of-*.gguf"))
+    assert len(parts) > 2
+    assert_same(run(parts[1]), run(whole))
+
+
+def test_loaded_weights_take_about_the_file_s_tensor_bytes(tmp_path):
+    from gguf import GGUFReader
+
+    checkpoint = plain("llama", tmp_path / "hf", hidden_size=256, intermediate_size=512)
+    path = tmp_path / "model.gguf"
+    make_gguf.main(checkpoint, path, convert_to(MIXES["Q4_K_M"], np.random.default_rng(2), {}))
+    file_bytes = sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
+    model = LLM(str(path), num_kv_blocks=8).engine._runner.model  # noqa: SLF001
+    held = {  # each tensor once (a tied head shares its blocks), the RoPE tables left out
+        tensor.data_ptr(): tensor.numel() * tensor.element_size()
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+        if "rotary" not in name
+    }
+    loaded = sum(held.values())
+    assert abs(loaded - file_bytes) <= 0.1 * file_bytes, (loaded, file_bytes)
+
+
+def _rewrite(path, out, **change):
+    """``path`` written again with metadata or tensors changed."""
+    from gguf import GGUFReader, GGUFWriter
+
+    reader = GGUFReader(str(path))
+    arch = change.get("arch", reader.fields["general.architecture"].contents())
+    writer = GGUFWriter(str(out), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = field.contents()
+        key = key.replace(reader.fields["general.architecture"].contents() + ".", arch + ".", 1)
+        writer.add_key_value(
+            key, value, field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None
+        )
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data))
+    for name, array in change.get("tensors", {}).items():
+        data, qtype = array
+        writer.add_tensor(name, data, raw_shape=None, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_what_cannot_be_read_is_refused_by_name(llama_f32, tmp_path):
+    _, path = llama_f32
+    gemma = _rewrite(path, tmp_path / "gemma.gguf", arch="gemma3")
+    with pytest.raises(ValueError, match="architecture 'gemma3'"):
+        LLM(str(gemma))
+    q2 = np.zeros((4, 84), dtype=np.uint8)  # four rows of 256 values in Q2_K
+    odd = _rewrite(
+        path, tmp_path / "q2.gguf", tensors={"extra.weight": (q2, GGMLQuantizationType.Q2_K)}
+    )
+    with pytest.raises(ValueError, match="Q2_K"):
+        LLM(str(odd))
+    freqs = (np.ones(8, dtype=np.float32), None)
+    scaled = _rewrite(path, tmp_path / "freqs.gguf", tensors={"rope_freqs.weight": freqs})
+    with pytest.raises(ValueError, match="rope_freqs"):
+        LLM(str(scaled))

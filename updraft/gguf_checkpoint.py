@@ -1,0 +1,168 @@
+"""A GGUF file as a checkpoint directory: ``LLM("model.gguf")`` and ``--model model.gguf``.
+
+The file's metadata becomes the files every other part of updraft reads from a
+checkpoint directory: ``config.json`` (the architecture and sizes, as transformers would
+write them), ``generation_config.json`` (its EOS id) and, where the file carries one,
+``tokenizer_config.json`` with its chat template. They are written once per file into a
+cache directory beside a ``gguf.json`` that names the file (and its split parts); the
+weights stay in the file, memory-mapped, and ``models/gguf_loader.py`` reads them from
+there in their own block layout.
+
+A file of another architecture, or a tensor type the kernels cannot read, is refused
+here, by name, before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+# llama.cpp's architecture name -> transformers' class (Mistral's files say llama).
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# Tensor types read: the float ones as tensors, the rest in their blocks.
+FLOAT_TYPES = ("F32", "F16", "BF16")
+BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
+SPLIT = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf")
+LINK = "gguf.json"
+# Bumped when what is written into a cached directory changes.
+LAYOUT_VERSION = 1
+
+
+def is_gguf(name: str) -> bool:
+    return name.endswith(".gguf") and Path(name).expanduser().is_file()
+
+
+def gguf_parts(path: Path) -> list[Path]:
+    """A file, or every part of a split file (``name-00001-of-00003.gguf``) given any."""
+    match = SPLIT.fullmatch(path.name)
+    if match is None:
+        return [path]
+    stem, count = match[1], int(match[3])
+    parts = [path.with_name(f"{stem}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [str(part) for part in parts if not part.is_file()]
+    if missing:
+        raise FileNotFoundError(f"split GGUF {path.name} lacks its part(s) {missing}")
+    return parts
+
+
+def cache_root() -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
+    return cache / "updraft" / "gguf"
+
+
+def checkpoint_dir(name: str) -> str:
+    """The checkpoint directory that stands for the GGUF file ``name``, written on first
+    use (and again whenever the file changes)."""
+    parts = gguf_parts(Path(name).expanduser().resolve())
+    key = hashlib.sha256(str(LAYOUT_VERSION).encode())
+    for part in parts:
+        stat = part.stat()
+        key.update(f"{part}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+    directory = cache_root() / key.hexdigest()[:24]
+    if not (directory / LINK).is_file():
+        files = describe(parts)
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for file_name, content in files.items():
+            (directory / file_name).write_text(json.dumps(content, indent=1))
+    return str(directory)
+
+
+def linked_files(model_dir: Path) -> list[Path] | None:
+    """The GGUF files a checkpoint directory stands for, or None for an ordinary one."""
+    link = Path(model_dir) / LINK
+    if not link.is_file():
+        return None
+    return [Path(p) for p in json.loads(link.read_text())["files"]]
+
+
+def metadata(parts: list[Path]) -> tuple[dict[str, Any], dict[str, tuple[str, tuple[int, ...]]]]:
+    """The first part's key-value metadata, and every part's tensors: name -> (type
+    name, shape as transformers orders it: rows first)."""
+    from gguf import GGUFReader
+
+    fields: dict[str, Any] = {}
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for index, part in enumerate(parts):
+        reader = GGUFReader(str(part))
+        if index == 0:
+            for key, field in reader.fields.items():
+                if not key.startswith("GGUF."):
+                    fields[key] = field.contents()
+        for tensor in reader.tensors:
+            shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+            tensors[tensor.name] = (tensor.tensor_type.name, shape)
+    return fields, tensors
+
+
+def describe(parts: list[Path]) -> dict[str, Any]:
+    """The files of the checkpoint directory that stands for ``parts``."""
+    fields, tensors = metadata(parts)
+    arch = fields.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"{parts[0].name}: GGUF architecture {arch!r} is not supported "
+            f"({', '.join(ARCHITECTURES)} are)"
+        )
+    unread = sorted({kind for kind, _ in tensors.values()} - {*FLOAT_TYPES, *BLOCK_TYPES})
+    if unread:
+        raise ValueError(
+            f"{parts[0].name}: GGUF tensor type(s) {', '.join(unread)} are not supported "
+            f"({', '.join(FLOAT_TYPES + BLOCK_TYPES)} are)"
+        )
+    if "rope_freqs.weight" in tensors:
+        raise ValueError(
+            f"{parts[0].name}: per-frequency RoPE factors (rope_freqs, Llama 3.1's scaling) "
+            "are not supported in GGUF files yet"
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        return fields.get(f"{arch}.{key}", default)
+
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    config: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": tensors["token_embd.weight"][1][0],
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": int(get("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "torch_dtype": "float32",
+    }
+    scaling = get("rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling not in ("linear", "yarn"):
+            raise ValueError(f"{parts[0].name}: GGUF RoPE scaling {scaling!r} is not supported")
+        config["rope_scaling"] = {
+            "rope_type": scaling,
+            "factor": float(get("rope.scaling.factor", 1.0)),
+            "original_max_position_embeddings": int(
+                get("rope.scaling.original_context_length", config["max_position_embeddings"])
+            ),
+        }
+    for token in ("bos", "eos"):
+        if f"tokenizer.ggml.{token}_token_id" in fields:
+            config[f"{token}_token_id"] = int(fields[f"tokenizer.ggml.{token}_token_id"])
+    files: dict[str, Any] = {
+        LINK: {"files": [str(part) for part in parts], "architecture": arch},
+        "config.json": config,
+    }
+    if "eos_token_id" in config:
+        files["generation_config.json"] = {"eos_token_id": config["eos_token_id"]}
+    return files

@@ -1,0 +1,207 @@
+/* GGUF's quantized blocks, read where they lie: dequantizing rows, and a linear layer
+   for a few rows of x that widens each block in registers as it goes.
+
+   A weight [N, K] of a block type is N rows of K / B blocks of ``block_bytes`` bytes,
+   B = 32 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) or 256 (Q4_K, Q6_K), exactly as in the file.
+   Each block widens to B float32 values the way llama.cpp's reference does: every
+   product of a scale and a code is exact in float32 (a half's 11 significant bits times
+   a code of at most 6 bits and a sub-block scale of at most 7), so fused or separate
+   multiply-adds give the same bits as the ``gguf`` package's numpy dequantization.
+
+   Types are ggml's numbers: Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q6_K 14. */
+
+#include <stdint.h>
+#include <string.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#define MAX_ROWS 8    /* rows of x the linear takes at once */
+#define MAX_BLOCK 256 /* values in the largest block */
+
+static __attribute__((unused)) float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF, bits;
+    if (exponent == 0x1F) {
+        bits = sign | 0x7F800000 | (mantissa << 13);
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        bits = sign;
+    } else { /* a subnormal half is a normal float */
+        exponent = 113;
+        while (!(mantissa & 0x400)) {
+            mantissa <<= 1;
+            exponent--;
+        }
+        bits = sign | (exponent << 23) | ((mantissa & 0x3FF) << 13);
+    }
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+static inline float half_at(const uint8_t *p) {
+    const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#if defined(__F16C__)
+    return _cvtsh_ss(h); /* exact, as the portable conversion below */
+#else
+    return half_to_float(h);
+#endif
+}
+
+int64_t gguf_block_values(int type) { return type == 12 || type == 14 ? 256 : 32; }
+
+int64_t gguf_block_bytes(int type) {
+    switch (type) {
+    case 2: return 18;  /* Q4_0: d, 16 bytes of nibbles */
+    case 3: return 20;  /* Q4_1: d, m, 16 bytes */
+    case 6: return 22;  /* Q5_0: d, 32 high bits, 16 bytes */
+    case 7: return 24;  /* Q5_1: d, m, 32 high bits, 16 bytes */
+    case 8: return 34;  /* Q8_0: d, 32 int8 */
+    case 12: return 144; /* Q4_K: d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes */
+    case 14: return 210; /* Q6_K: 128 bytes low 4 bits, 64 bytes high 2 bits, 16 scales, d */
+    default: return 0;
+    }
+}
+
+/* Q4_K's sub-block j (of 8): its 6-bit scale and min. */
+static void scale_min_k4(int j, const uint8_t *q, int *scale, int *min) {
+    if (j < 4) {
+        *scale = q[j] & 63;
+        *min = q[j + 4] & 63;
+    } else {
+        *scale = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* One block of ``type`` at ``b`` -> its values in ``y``. */
+static void widen_block(int type, const uint8_t *b, float *restrict y) {
+    switch (type) {
+    case 2: { /* low nibbles are values 0..15, high ones 16..31 */
+        const float d = half_at(b);
+        const uint8_t *q = b + 2;
+        for (int j = 0; j < 16; j++) y[j] = d * (float)((int)(q[j] & 0xF) - 8);
+        for (int j = 0; j < 16; j++) y[j + 16] = d * (float)((int)(q[j] >> 4) - 8);
+        break;
+    }
+    case 3: {
+        const float d = half_at(b), m = half_at(b + 2);
+        const uint8_t *q = b + 4;
+        for (int j = 0; j < 16; j++) y[j] = d * (float)(q[j] & 0xF) + m;
+        for (int j = 0; j < 16; j++) y[j + 16] = d * (float)(q[j] >> 4) + m;
+        break;
+    }
+    case 6: { /* bit i of the high word is value i's fifth bit */
+        const float d = half_at(b);
+        const uint8_t *h = b + 2, *qs = b + 6;
+        const uint32_t high = h[0] | (h[1] << 8) | (h[2] << 16) | ((uint32_t)h[3] << 24);
+        for (int j = 0; j < 16; j++) {
+            const int low = (int)((qs[j] & 0xF) | (((high >> j) & 1) << 4));
+            const int top = (int)((qs[j] >> 4) | (((high >> (j + 16)) & 1) << 4));
+            y[j] = d * (float)(low - 16);
+            y[j + 16] = d * (float)(top - 16);
+        }
+        break;
+    }
+    case 7: {
+        const float d = half_at(b), m = half_at(b + 2);
+        const uint8_t *h = b + 4, *qs = b + 8;
+        const uint32_t high = h[0] | (h[1] << 8) | (h[2] << 16) | ((uint32_t)h[3] << 24);
+        for (int j = 0; j < 16; j++) {
+            y[j] = d * (float)((qs[j] & 0xF) | (((high >> j) & 1) << 4)) + m;
+            y[j + 16] = d * (float)((qs[j] >> 4) | (((high >> (j + 16)) & 1) << 4)) + m;
+        }
+        break;
+    }
+    case 8: {
+        const float d = half_at(b);
+        const int8_t *q = (const int8_t *)(b + 2);
+        for (int j = 0; j < 32; j++) y[j] = (float)q[j] * d;  /* as the reference: x * d */
+        break;
+    }
+    case 12: { /* 4 chunks of 64: a chunk's 32 bytes, low nibbles then high */
+        const float d = half_at(b), dmin = half_at(b + 2);
+        const uint8_t *scales = b + 4, *q = b + 16;
+        for (int chunk = 0; chunk < 4; chunk++) {
+            int scale, min;
+            scale_min_k4(2 * chunk, scales, &scale, &min);
+            const float d1 = d * (float)scale, m1 = dmin * (float)min;
+            scale_min_k4(2 * chunk + 1, scales, &scale, &min);
+            const float d2 = d * (float)scale, m2 = dmin * (float)min;
+            const uint8_t *qc = q + 32 * chunk;
+            float *yc = y + 64 * chunk;
+            for (int l = 0; l < 32; l++) yc[l] = d1 * (float)(qc[l] & 0xF) - m1;
+            for (int l = 0; l < 32; l++) yc[32 + l] = d2 * (float)(qc[l] >> 4) - m2;
+        }
+        break;
+    }
+    case 14: { /* 2 halves of 128: value 32c + l of a half from low byte l (c even) or
+                  l + 32 (c odd), its nibble c / 2, and bits 2c, 2c + 1 of high byte l */
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *scales = (const int8_t *)(b + 192);
+        const float d = half_at(b + 208);
+        for (int half = 0; half < 2; half++) {
+            const uint8_t *lo = ql + 64 * half, *hi = lo + 32, *h = qh + 32 * half;
+            const int8_t *sc = scales + 8 * half;
+            float *out = y + 128 * half;
+            for (int c = 0; c < 4; c++) { /* values 32c .. 32c + 31 of the half */
+                const uint8_t *nibbles = c & 1 ? hi : lo;
+                const int shift = c < 2 ? 0 : 4;
+                const float d1 = d * (float)sc[2 * c], d2 = d * (float)sc[2 * c + 1];
+                for (int l = 0; l < 16; l++)
+                    out[32 * c + l] =
+                        d1 * (float)((int)(((nibbles[l] >> shift) & 0xF) |
+                                           (((h[l] >> (2 * c)) & 3) << 4)) - 32);
+                for (int l = 16; l < 32; l++)
+                    out[32 * c + l] =
+                        d2 * (float)((int)(((nibbles[l] >> shift) & 0xF) |
+                                           (((h[l] >> (2 * c)) & 3) << 4)) - 32);
+            }
+        }
+        break;
+    }
+    }
+}
+
+/* rows of ``k`` values each, ``row_bytes`` apart -> out [rows, k] float32. */
+void gguf_dequantize(int type, const uint8_t *w, int64_t rows, int64_t k, int64_t row_bytes,
+                     float *out, int threads) {
+    const int64_t values = gguf_block_values(type), bytes = gguf_block_bytes(type);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t blk = 0; blk < k / values; blk++)
+            widen_block(type, w + r * row_bytes + blk * bytes, out + r * k + blk * values);
+}
+
+/* y [m, n] = x [m, k] @ W^T (+ bias), W's n rows in blocks of ``type``, m <= MAX_ROWS.
+   Each block is widened once, in a buffer of the thread's, and multiplied into every
+   row of x: 32 partial sums per row, reduced once per output. */
+void gguf_linear(int type, const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n,
+                 int64_t row_bytes, const float *bias, float *y, int threads) {
+    const int64_t values = gguf_block_values(type), bytes = gguf_block_bytes(type);
+    const int64_t blocks = k / values;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t o = 0; o < n; o++) {
+        float block[MAX_BLOCK] __attribute__((aligned(64)));
+        float partial[MAX_ROWS][32] __attribute__((aligned(64)));
+        memset(partial, 0, sizeof partial);
+        const uint8_t *row = w + o * row_bytes;
+        for (int64_t blk = 0; blk < blocks; blk++) {
+            widen_block(type, row + blk * bytes, block);
+            const float *xs = x + blk * values;
+            for (int64_t r = 0; r < m; r++)
+                for (int64_t start = 0; start < values; start += 32)
+#pragma omp simd
+                    for (int i = 0; i < 32; i++)
+                        partial[r][i] += xs[r * k + start + i] * block[start + i];
+        }
+        for (int64_t r = 0; r < m; r++) {
+            float total = bias ? bias[o] : 0.0f;
+#pragma omp simd reduction(+ : total)
+            for (int i = 0; i < 32; i++) total += partial[r][i];
+            y[r * n + o] = total;
+        }
+    }
+}

@@ -1,0 +1,249 @@
+"""A model's weights read from a GGUF file (``gguf_checkpoint.py``), in the file's own
+layout.
+
+Float tensors (F32, F16, BF16) fill the model's parameters and are packed like a
+safetensors checkpoint's. Tensors in quantized blocks stay in the file's memory map, as
+the file lays them out: a linear layer becomes a ``GGUFLinear`` over its blocks (a fused
+q/k/v or gate/up keeps one block tensor per part, each of its own type, as a Q4_K_M file
+mixes them) and a quantized embedding a ``GGUFEmbedding``, which widens only the rows it
+looks up. Neither ever holds a float32 copy of its weight.
+
+llama.cpp stores a Llama model's q and k rows permuted for its RoPE, which turns
+interleaved pairs where transformers turns the two halves of each head: they are put
+back in transformers' order here. Its Qwen2 and Qwen3 RoPE is transformers'.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from updraft.config import ModelConfig, WeightFormat
+from updraft.kernels.gguf_ops import BLOCK_TYPES, GGUF_MAX_ROWS
+from updraft.models.loader import FUSED, _part, _split, _target, building
+from updraft.models.packing import pack_model
+from updraft.models.registry import model_class
+
+# llama.cpp's tensor names -> transformers' (the loader's fused slices take it from there)
+NAMES = (
+    (r"token_embd\.weight", "model.embed_tokens.weight"),
+    (r"output_norm\.weight", "model.norm.weight"),
+    (r"output\.weight", "lm_head.weight"),
+    (r"blk\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
+    (r"blk\.(\d+)\.attn_q\.(weight|bias)", r"model.layers.\1.self_attn.q_proj.\2"),
+    (r"blk\.(\d+)\.attn_k\.(weight|bias)", r"model.layers.\1.self_attn.k_proj.\2"),
+    (r"blk\.(\d+)\.attn_v\.(weight|bias)", r"model.layers.\1.self_attn.v_proj.\2"),
+    (r"blk\.(\d+)\.attn_output\.weight", r"model.layers.\1.self_attn.o_proj.weight"),
+    (r"blk\.(\d+)\.attn_q_norm\.weight", r"model.layers.\1.self_attn.q_norm.weight"),
+    (r"blk\.(\d+)\.attn_k_norm\.weight", r"model.layers.\1.self_attn.k_norm.weight"),
+    (r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
+    (r"blk\.(\d+)\.ffn_gate\.weight", r"model.layers.\1.mlp.gate_proj.weight"),
+    (r"blk\.(\d+)\.ffn_up\.weight", r"model.layers.\1.mlp.up_proj.weight"),
+    (r"blk\.(\d+)\.ffn_down\.weight", r"model.layers.\1.mlp.down_proj.weight"),
+)
+FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    for pattern, replacement in NAMES:
+        if re.fullmatch(pattern, gguf_name):
+            return re.sub(pattern, replacement, gguf_name)
+    return None
+
+
+def unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order (each head's rows as interleaved rotary pairs) ->
+    transformers' (the first halves of the pairs, then the second halves)."""
+    n = rows.shape[0]
+    return np.ascontiguousarray(
+        rows.reshape(heads, n // heads // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+    )
+
+
+class Part:
+    """One checkpoint tensor of a linear: in blocks of ggml type ``code`` (uint8 rows),
+    or a float32 weight (``code`` None)."""
+
+    def __init__(self, weight: torch.Tensor, code: int | None) -> None:
+        self.weight = weight
+        self.code = code
+
+
+class GGUFLinear(nn.Module):
+    """y = x W^T (+ bias), W the rows of each part in turn, each read in its own type."""
+
+    def __init__(self, in_features: int, parts: list[Part], bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.codes = [part.code for part in parts]
+        for index, part in enumerate(parts):
+            self.register_buffer(f"part{index}", part.weight, persistent=False)
+        self.out_features = sum(part.weight.shape[0] for part in parts)
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        outs = [self._part(flat, index, code) for index, code in enumerate(self.codes)]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def _part(self, flat: torch.Tensor, index: int, code: int | None) -> torch.Tensor:
+        weight = getattr(self, f"part{index}")
+        if code is None:
+            return F.linear(flat, weight)
+        if flat.shape[0] <= GGUF_MAX_ROWS:
+            return torch.ops.updraft.gguf_linear(flat, weight, None, code, self.in_features)
+        # More rows: widen a chunk of weight rows at a time and multiply it with torch.
+        chunks = [
+            F.linear(flat, torch.ops.updraft.gguf_dequantize(rows, code, self.in_features))
+            for rows in weight.split(WIDEN_ROWS)
+        ]
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+# Weight rows widened at once for a prefill: a few MB of float32.
+WIDEN_ROWS = 1024
+
+
+class GGUFEmbedding(nn.Module):
+    """An embedding table in blocks: the looked-up rows are widened, the table never."""
+
+    def __init__(self, blocks: torch.Tensor, code: int, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("blocks", blocks, persistent=False)
+        self.code = code
+        self.dim = dim
+        self.num_embeddings = blocks.shape[0]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.blocks.index_select(0, input_ids.flatten())
+        out = torch.ops.updraft.gguf_dequantize(rows, self.code, self.dim)
+        return out.view(*input_ids.shape, self.dim)
+
+
+def load_gguf_model(
+    config: ModelConfig,
+    parts: list[Path],
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    max_positions: int | None = None,
+) -> nn.Module:
+    """The model ``config`` describes, its weights read from the GGUF ``parts``."""
+    from gguf import GGUFReader
+
+    if dtype != torch.float32 or torch.device(device).type != "cpu":
+        raise ValueError("a GGUF file runs on the CPU in float32")
+    with building(torch.float32, "meta"):
+        model = model_class(config)(config, max_positions=max_positions)
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    arch = "llama" if config.architecture == "LlamaForCausalLM" else None
+    floats: dict[str, dict[int, torch.Tensor]] = {}
+    blocks: dict[str, dict[int, Part]] = {}
+    float_kinds: Counter[str] = Counter()
+    for path in parts:
+        for tensor in GGUFReader(str(path)).tensors:
+            name = hf_name(tensor.name)
+            if name is None:
+                raise ValueError(f"{path.name}: unexpected GGUF tensor {tensor.name}")
+            target = _target(name, params, modules)
+            if target is None:
+                raise ValueError(f"{path.name}: GGUF tensor {tensor.name} fits no parameter")
+            data = tensor.data
+            if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = config.num_heads if "q_proj" in name else config.num_kv_heads
+                data = unpermute(np.asarray(data), heads)
+            kind = tensor.tensor_type.name
+            param, index = target
+            if kind in FLOAT_DTYPES:
+                floats.setdefault(param, {})[index] = _float(data, kind)
+                if name.endswith(".weight") and np.asarray(data).ndim == 2:
+                    float_kinds[kind] += 1
+            elif tensor.name == "token_embd.weight" or param.endswith(".weight"):
+                with warnings.catch_warnings():  # read-only: the file's map, never written
+                    warnings.simplefilter("ignore", UserWarning)
+                    rows = torch.from_numpy(np.asarray(data))
+                blocks.setdefault(param, {})[index] = Part(rows, BLOCK_TYPES[kind])
+            else:
+                raise ValueError(f"{path.name}: a quantized {tensor.name} is not supported")
+    _place_blocks(model, modules, blocks, floats, config)
+    _fill_floats(model, floats)
+    left = [name for name, param in model.named_parameters() if param.is_meta]
+    if left:
+        raise ValueError(f"{parts[0].name}: no GGUF tensor for {left[:8]}")
+    kind = float_kinds.most_common(1)[0][0] if float_kinds else "F32"
+    fmt = WeightFormat(str(FLOAT_DTYPES[kind]).removeprefix("torch."))
+    pack_model(model, fmt, torch.float32)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def _float(data: np.ndarray, kind: str) -> torch.Tensor:
+    tensor = torch.from_numpy(np.array(data))  # a copy: the map is read-only
+    return tensor.view(torch.bfloat16) if kind == "BF16" else tensor
+
+
+def _place_blocks(model, modules, blocks, floats, config: ModelConfig) -> None:
+    """Put a ``GGUFLinear`` (and a ``GGUFEmbedding``) where tensors came in blocks."""
+    embedding = blocks.pop("model.embed_tokens.weight", None)
+    if embedding is not None:
+        part = embedding[0]
+        model.model.embed_tokens = GGUFEmbedding(part.weight, part.code, config.hidden_size)
+        if config.tie_word_embeddings:  # the LM head reads the same blocks
+            model.lm_head = GGUFLinear(config.hidden_size, [part], None)
+    for param, slices in blocks.items():
+        module_name = param.removesuffix(".weight")
+        module = modules[module_name]
+        count = len(module.split_sizes) if _split(module) else 1
+        indices = [FUSED] if FUSED in slices else list(range(count))
+        mixed = floats.pop(param, {})
+        parts = []
+        for index in indices:
+            if index in slices:
+                parts.append(slices[index])
+            elif index in mixed:  # a part of the fused layer stored as floats
+                parts.append(Part(mixed[index].float(), None))
+            else:
+                raise ValueError(f"no GGUF tensor for part {index} of {module_name}")
+        bias_name = f"{module_name}.bias"
+        bias = None
+        if module.bias is not None:
+            bias_parts = floats.pop(bias_name, {})
+            bias = torch.cat([bias_parts[i] for i in sorted(bias_parts)]).float()
+        parent, _, child = module_name.rpartition(".")
+        setattr(modules[parent], child, GGUFLinear(module.in_features, parts, bias))
+
+
+def _fill_floats(model: nn.Module, floats: dict[str, dict[int, torch.Tensor]]) -> None:
+    """Each float parameter made real, its slices copied in."""
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            holders.setdefault(id(param), []).append((module, name))
+    for name, slices in floats.items():
+        if name not in params:
+            continue  # a tied LM head's own copy of the embedding
+        param = params[name]
+        dtype = next(iter(slices.values())).dtype
+        real = nn.Parameter(torch.zeros(param.shape, dtype=dtype), requires_grad=False)
+        module = modules[name.rpartition(".")[0]]
+        for index, tensor in slices.items():
+            target = real if index == FUSED else _part(real, module, name, index)
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"GGUF tensor of shape {tuple(tensor.shape)} for {name}")
+            target.data.copy_(tensor)
+        for holder, attribute in holders[id(param)]:
+            setattr(holder, attribute, real)
