@@ -263,3 +263,79 @@ def test_what_cannot_be_read_is_refused_by_name(llama_f32, tmp_path):
     scaled = _rewrite(path, tmp_path / "freqs.gguf", tensors={"rope_freqs.weight": freqs})
     with pytest.raises(ValueError, match="rope_freqs"):
         LLM(str(scaled))
+
+
+# -- the tokenizer, chat template and EOS from the file's metadata -------------------------
+
+TEXTS = [
+    "def main():\n    return 42",
+    "Hello, world! It's 2026-12-04; numbers 1234567 and 3.14.",
+    "  leading spaces,\ttabs\n\nand blank lines  ",
+    "unicode: café, naïve, 日本語, emoji 🙂",
+    "<|endoftext|> a special token's text, inline<|endoftext|>",
+]
+CHAT = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}{{ eos_token }}"
+
+
+def as_float16(name: str, array: np.ndarray):
+    return (array.astype(np.float16) if array.ndim == 2 else array.astype(np.float32)), None
+
+
+@pytest.fixture(scope="module")
+def demo_gguf(tmp_path_factory):
+    """The demo model (Llama, float16, tied, byte-level BPE) with a chat template, and
+    its F16 GGUF."""
+    import shutil
+
+    from updraft.demo import DEMO_MODEL_DIR
+
+    root = tmp_path_factory.mktemp("gguf-demo")
+    checkpoint = root / "hf"
+    shutil.copytree(DEMO_MODEL_DIR, checkpoint)
+    settings = json.loads((checkpoint / "tokenizer_config.json").read_text())
+    (checkpoint / "tokenizer_config.json").write_text(
+        json.dumps({**settings, "chat_template": CHAT})
+    )
+    make_gguf.main(checkpoint, root / "demo-f16.gguf", as_float16)
+    return checkpoint, root / "demo-f16.gguf"
+
+
+def test_the_tokenizer_chat_template_and_eos_come_from_the_file(demo_gguf):
+    from updraft.chat_template import ChatTemplate
+    from updraft.checkpoints import local_checkpoint
+    from updraft.config import ModelConfig
+    from updraft.tokenizer import Tokenizer
+
+    checkpoint, path = demo_gguf
+    directory = local_checkpoint(str(path))
+    ours, theirs = Tokenizer.from_dir(directory), Tokenizer.from_dir(checkpoint)
+    for text in TEXTS:
+        assert ours.encode(text) == theirs.encode(text), text
+        assert ours.decode(theirs.encode(text), skip_special_tokens=False) == text
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    rendered = ChatTemplate.from_dir(directory).render(messages, add_generation_prompt=False)
+    assert rendered == ChatTemplate.from_dir(checkpoint).render(
+        messages, add_generation_prompt=False
+    )
+    assert rendered.endswith("<|endoftext|>")
+    assert (
+        ModelConfig.from_dir(directory).eos_token_ids
+        == ModelConfig.from_dir(checkpoint).eos_token_ids
+    )
+
+
+def test_text_prompts_through_a_gguf_give_the_checkpoint_s_output(demo_gguf):
+    checkpoint, path = demo_gguf
+    prompts, params = ["class ", "def fib(n):"], greedy(16, ignore_eos=True)
+    want = LLM(str(checkpoint)).generate(prompts, params)
+    got = LLM(str(path)).generate(prompts, params)
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+
+
+def test_the_generate_command_takes_a_gguf_file(demo_gguf, capsys):
+    from updraft.cli import main
+
+    _, path = demo_gguf
+    argv = ["generate", "--model", str(path), "--prompt", "class ", "--max-tokens", "8"]
+    assert main([*argv, "--ignore-eos"]) == 0
+    assert capsys.readouterr().out.strip()

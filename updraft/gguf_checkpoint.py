@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -33,7 +34,9 @@ BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
 SPLIT = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf")
 LINK = "gguf.json"
 # Bumped when what is written into a cached directory changes.
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
+
+log = logging.getLogger(__name__)
 
 
 def is_gguf(name: str) -> bool:
@@ -165,4 +168,12 @@ def describe(parts: list[Path]) -> dict[str, Any]:
     }
     if "eos_token_id" in config:
         files["generation_config.json"] = {"eos_token_id": config["eos_token_id"]}
+    from updraft.gguf_tokenizer import rebuild, tokenizer_config
+
+    tokenizer, why_not = rebuild(fields)
+    if tokenizer is None:
+        log.warning("%s: no tokenizer (%s); prompts must be token ids", parts[0].name, why_not)
+    else:
+        files["tokenizer.json"] = json.loads(tokenizer)
+    files["tokenizer_config.json"] = tokenizer_config(fields)
     return files

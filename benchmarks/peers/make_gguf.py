@@ -55,6 +55,37 @@ def as_float32(name: str, array: np.ndarray) -> tuple[np.ndarray, None]:
     return array.astype(np.float32), None
 
 
+def add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, config: dict) -> None:
+    """The checkpoint's byte-level BPE tokenizer.json (GPT-2's split, as the demo
+    model's) as llama.cpp stores one: tokens in id order, merges, token types, chat
+    template; none (``no_vocab``) where the checkpoint has no tokenizer."""
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        writer.add_tokenizer_model("no_vocab")
+        writer.add_vocab_size(config["vocab_size"])
+        return
+    tokenizer = json.loads(path.read_text())
+    vocab = dict(tokenizer["model"]["vocab"])
+    special = {added["content"]: added["id"] for added in tokenizer["added_tokens"]}
+    vocab.update(special)
+    tokens = sorted(vocab, key=vocab.get)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_merges(merges)
+    control, normal = gguf.TokenType.CONTROL, gguf.TokenType.NORMAL
+    writer.add_token_types([control if t in special else normal for t in tokens])
+    settings_path = model_dir / "tokenizer_config.json"
+    settings = json.loads(settings_path.read_text()) if settings_path.is_file() else {}
+    for name, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id)):
+        text = settings.get(f"{name}_token")
+        if isinstance(text, str) and text in vocab:
+            add(vocab[text])
+    if settings.get("chat_template"):
+        writer.add_chat_template(settings["chat_template"])
+
+
 def main(
     model_dir: Path, out: Path, convert: Convert = as_float32, split_max_tensors: int = 0
 ) -> None:
@@ -93,8 +124,7 @@ def main(
         writer.add_expert_count(experts)
         writer.add_expert_used_count(config["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
-    writer.add_tokenizer_model("no_vocab")
-    writer.add_vocab_size(config["vocab_size"])
+    add_tokenizer(writer, model_dir, config)
 
     names = gguf.get_tensor_name_map(arch, layers)
     tensors: dict[str, np.ndarray] = {}
