@@ -15,10 +15,11 @@ and the range. Every engine's tokens are compared with updraft's.
 
     bash benchmarks/peers/setup_vllm.sh; bash benchmarks/peers/setup_llamacpp.sh
     .venv/bin/python -m benchmarks.bench_peers [--model demo|100m|moe] [--rounds 3] \\
-        [--format float32|bfloat16|float16|int4] [--contention] [--ngram]
+        [--format float32|bfloat16|float16|int4|gguf] [--contention] [--ngram]
 
 ``--format`` runs each engine on the weights users would download or make in that
-format (FORMATS below); every run's floor is its own weight bytes per token.
+format (FORMATS below); every run's floor is its own weight bytes per token. ``gguf``
+runs updraft and llama.cpp on the same Q8_0, Q4_0 and Q4_K_M files.
 """
 
 from __future__ import annotations
@@ -105,6 +106,15 @@ FORMATS: dict[str, list[tuple[str, str, str, list[str]]]] = {
         ),
         ("llama.cpp Q4_0", "llama.cpp", "Q4_0", []),
     ],
+    # The same GGUF files for both engines, each quantized by llama.cpp's own quantizer.
+    "gguf": [
+        entry
+        for file_type in ("Q8_0", "Q4_0", "Q4_K_M")
+        for entry in (
+            (f"updraft {file_type}", "updraft", f"gguf:{file_type}", []),
+            (f"llama.cpp {file_type}", "llama.cpp", file_type, []),
+        )
+    ],
 }
 
 
@@ -124,6 +134,8 @@ def contenders(fmt: str, engines: list[str], model: Path, work: Path) -> list[Co
             continue
         if engine == "llama.cpp":
             checkpoint = prepare_gguf(model, work, kind)
+        elif kind.startswith("gguf:"):  # updraft on llama.cpp's own file
+            checkpoint = prepare_gguf(model, work, kind.removeprefix("gguf:"))
         elif kind == "float32":
             checkpoint = model
         else:
@@ -134,7 +146,7 @@ def contenders(fmt: str, engines: list[str], model: Path, work: Path) -> list[Co
 
 def decode_bytes(contender: Contender) -> int:
     """Weight bytes one batch-1 decode step of ``contender`` reads."""
-    if contender.engine == "llama.cpp":
+    if contender.checkpoint.suffix == ".gguf":
         done = subprocess.run(
             [PYTHONS["llama.cpp"], PEERS / "gguf_file.py", "bytes", contender.checkpoint],
             capture_output=True,

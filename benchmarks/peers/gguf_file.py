@@ -1,7 +1,7 @@
 """A GGUF file in another type through llama.cpp's own quantizer, and the bytes of a GGUF
 file a decode step reads. Runs in benchmarks/peers/.venv-llamacpp (setup_llamacpp.sh).
 
-    python gguf_file.py quantize IN.gguf OUT.gguf TYPE    TYPE: F16, BF16, Q8_0 or Q4_0
+    python gguf_file.py quantize IN.gguf OUT.gguf TYPE    TYPE: F16, BF16, Q8_0, Q4_0, Q4_K_M
     python gguf_file.py bytes FILE.gguf                   prints the bytes, one number
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import sys
 
-FILE_TYPES = {"F16": "F16", "BF16": "BF16", "Q8_0": "Q8_0", "Q4_0": "Q4_0"}
+FILE_TYPES = {"F16": "F16", "BF16": "BF16", "Q8_0": "Q8_0", "Q4_0": "Q4_0", "Q4_K_M": "Q4_K_M"}
 
 
 def quantize(source: str, target: str, file_type: str) -> None:

@@ -12,7 +12,7 @@
 
 #include <stdint.h>
 #include <string.h>
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -175,19 +175,122 @@ void gguf_dequantize(int type, const uint8_t *w, int64_t rows, int64_t k, int64_
             widen_block(type, w + r * row_bytes + blk * bytes, out + r * k + blk * values);
 }
 
+#if defined(__AVX512F__)
+/* One block's values, 16 at a time in registers, multiplied into each row's 16 partial
+   sums: acc[r] += w * x[r][base + offset .. + 16]. No buffer, no scalar loop. */
+#define ROWS_FMA(w, offset)                                                                   \
+    for (int64_t r = 0; r < m; r++)                                                          \
+        acc[r] = _mm512_fmadd_ps((w), _mm512_loadu_ps(x + r * k + base + (offset)), acc[r]);
+
+
+static void block_fma(int type, const uint8_t *b, const float *x, int64_t k, int64_t base,
+                      int64_t m, __m512 *acc) {
+    const __m512i low4 = _mm512_set1_epi32(0xF);
+    switch (type) {
+    case 2:
+    case 3: { /* Q4_0: d * (q - 8); Q4_1: d * q + m */
+        const int with_min = type == 3;
+        const __m512 d = _mm512_set1_ps(half_at(b));
+        const __m512 add = with_min ? _mm512_set1_ps(half_at(b + 2)) : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (with_min ? 4 : 2))));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, low4));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+        ROWS_FMA(_mm512_fmadd_ps(lo, d, add), 0)
+        ROWS_FMA(_mm512_fmadd_ps(hi, d, add), 16)
+        break;
+    }
+    case 6:
+    case 7: { /* Q5_0: d * (q - 16); Q5_1: d * q + m; bit i of qh is value i's fifth bit */
+        const int with_min = type == 7;
+        const __m512 d = _mm512_set1_ps(half_at(b));
+        const __m512 add = with_min ? _mm512_set1_ps(half_at(b + 2)) : _mm512_mul_ps(d, _mm512_set1_ps(-16.0f));
+        const uint8_t *h = b + (with_min ? 4 : 2);
+        const uint32_t high = h[0] | (h[1] << 8) | (h[2] << 16) | ((uint32_t)h[3] << 24);
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(h + 4)));
+        const __m512i sixteen = _mm512_set1_epi32(16);
+        const __m512i lo = _mm512_mask_add_epi32(_mm512_and_si512(q, low4), (__mmask16)(high & 0xFFFF),
+                                                 _mm512_and_si512(q, low4), sixteen);
+        const __m512i hi = _mm512_mask_add_epi32(_mm512_srli_epi32(q, 4), (__mmask16)(high >> 16),
+                                                 _mm512_srli_epi32(q, 4), sixteen);
+        ROWS_FMA(_mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), d, add), 0)
+        ROWS_FMA(_mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), d, add), 16)
+        break;
+    }
+    case 8: { /* Q8_0: q * d */
+        const __m512 d = _mm512_set1_ps(half_at(b));
+        const __m128i *q = (const __m128i *)(b + 2);
+        ROWS_FMA(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), d), 0)
+        ROWS_FMA(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), d), 16)
+        break;
+    }
+    case 12: { /* Q4_K: 4 chunks of 64, d * sc * q - dmin * min per sub-block of 32 */
+        const float d = half_at(b), dmin = half_at(b + 2);
+        const uint8_t *scales = b + 4, *q = b + 16;
+        for (int chunk = 0; chunk < 4; chunk++) {
+            int scale, min;
+            scale_min_k4(2 * chunk, scales, &scale, &min);
+            const __m512 d1 = _mm512_set1_ps(d * (float)scale), m1 = _mm512_set1_ps(-dmin * (float)min);
+            scale_min_k4(2 * chunk + 1, scales, &scale, &min);
+            const __m512 d2 = _mm512_set1_ps(d * (float)scale), m2 = _mm512_set1_ps(-dmin * (float)min);
+            for (int half = 0; half < 2; half++) {
+                const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 32 * chunk + 16 * half)));
+                const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low4));
+                const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+                ROWS_FMA(_mm512_fmadd_ps(lo, d1, m1), 64 * chunk + 16 * half)
+                ROWS_FMA(_mm512_fmadd_ps(hi, d2, m2), 64 * chunk + 32 + 16 * half)
+            }
+        }
+        break;
+    }
+    case 14: { /* Q6_K: (d * sc) * (q - 32) per sub-block of 16 */
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *scales = (const int8_t *)(b + 192);
+        const float d = half_at(b + 208);
+        const __m512i three = _mm512_set1_epi32(3), bias = _mm512_set1_epi32(32);
+        for (int half = 0; half < 2; half++) {
+            for (int c = 0; c < 4; c++) {
+                const uint8_t *nibbles = ql + 64 * half + (c & 1 ? 32 : 0);
+                const int shift = c < 2 ? 0 : 4;
+                for (int part = 0; part < 2; part++) { /* values 32c + 16 part .. + 16 */
+                    const __m512i lo = _mm512_and_si512(
+                        _mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(nibbles + 16 * part))), shift),
+                        low4);
+                    const __m512i hi = _mm512_slli_epi32(
+                        _mm512_and_si512(_mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qh + 32 * half + 16 * part))), 2 * c), three),
+                        4);
+                    const __m512 q = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(lo, hi), bias));
+                    const __m512 scale = _mm512_set1_ps(d * (float)scales[8 * half + 2 * c + part]);
+                    ROWS_FMA(_mm512_mul_ps(q, scale), 128 * half + 32 * c + 16 * part)
+                }
+            }
+        }
+        break;
+    }
+    }
+}
+#endif
+
 /* y [m, n] = x [m, k] @ W^T (+ bias), W's n rows in blocks of ``type``, m <= MAX_ROWS.
-   Each block is widened once, in a buffer of the thread's, and multiplied into every
-   row of x: 32 partial sums per row, reduced once per output. */
+   With AVX-512 each block is widened 16 values at a time in registers and multiplied
+   into every row of x; otherwise it is widened into a buffer of the thread's. */
 void gguf_linear(int type, const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n,
                  int64_t row_bytes, const float *bias, float *y, int threads) {
     const int64_t values = gguf_block_values(type), bytes = gguf_block_bytes(type);
     const int64_t blocks = k / values;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t o = 0; o < n; o++) {
+        const uint8_t *row = w + o * row_bytes;
+#if defined(__AVX512F__)
+        __m512 acc[MAX_ROWS];
+        for (int64_t r = 0; r < m; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t blk = 0; blk < blocks; blk++)
+            block_fma(type, row + blk * bytes, x, k, blk * values, m, acc);
+        for (int64_t r = 0; r < m; r++)
+            y[r * n + o] = _mm512_reduce_add_ps(acc[r]) + (bias ? bias[o] : 0.0f);
+#else
         float block[MAX_BLOCK] __attribute__((aligned(64)));
         float partial[MAX_ROWS][32] __attribute__((aligned(64)));
         memset(partial, 0, sizeof partial);
-        const uint8_t *row = w + o * row_bytes;
         for (int64_t blk = 0; blk < blocks; blk++) {
             widen_block(type, row + blk * bytes, block);
             const float *xs = x + blk * values;
@@ -203,5 +306,6 @@ void gguf_linear(int type, const float *x, int64_t m, int64_t k, const uint8_t *
             for (int i = 0; i < 32; i++) total += partial[r][i];
             y[r * n + o] = total;
         }
+#endif
     }
 }

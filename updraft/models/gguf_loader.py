@@ -100,9 +100,16 @@ class GGUFLinear(nn.Module):
         weight = getattr(self, f"part{index}")
         if code is None:
             return F.linear(flat, weight)
-        if flat.shape[0] <= GGUF_MAX_ROWS:
+        rows = flat.shape[0]
+        if rows <= GGUF_MAX_ROWS:
             return torch.ops.updraft.gguf_linear(flat, weight, None, code, self.in_features)
-        # More rows: widen a chunk of weight rows at a time and multiply it with torch.
+        if rows <= BLOCK_PASSES_UP_TO:  # a batched decode: a pass over the blocks per 8 rows
+            outs = [
+                torch.ops.updraft.gguf_linear(group, weight, None, code, self.in_features)
+                for group in flat.split(GGUF_MAX_ROWS)
+            ]
+            return torch.cat(outs)
+        # A prefill: widen a chunk of weight rows at a time and multiply it with torch.
         chunks = [
             F.linear(flat, torch.ops.updraft.gguf_dequantize(rows, code, self.in_features))
             for rows in weight.split(WIDEN_ROWS)
@@ -115,6 +122,9 @@ class GGUFLinear(nn.Module):
 
 # Weight rows widened at once for a prefill: a few MB of float32.
 WIDEN_ROWS = 1024
+# Up to this many rows of x, passes of the block kernel over the weight (one per 8 rows)
+# cost less than widening the whole weight to float32 and reading that back.
+BLOCK_PASSES_UP_TO = 64
 
 
 class GGUFEmbedding(nn.Module):
