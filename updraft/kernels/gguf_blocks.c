@@ -183,6 +183,15 @@ void gguf_dequantize(int type, const uint8_t *w, int64_t rows, int64_t k, int64_
         acc[r] = _mm512_fmadd_ps((w), _mm512_loadu_ps(x + r * k + base + (offset)), acc[r]);
 
 
+/* 16 bytes at p as 16 int32 lanes, unsigned or signed */
+static inline __m512i bytes16(const uint8_t *p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+static inline __m512i signed16(const uint8_t *p) {
+    return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+static inline __m512 splat(float value) { return _mm512_set1_ps(value); }
+
 static void block_fma(int type, const uint8_t *b, const float *x, int64_t k, int64_t base,
                       int64_t m, __m512 *acc) {
     const __m512i low4 = _mm512_set1_epi32(0xF);
@@ -190,9 +199,9 @@ static void block_fma(int type, const uint8_t *b, const float *x, int64_t k, int
     case 2:
     case 3: { /* Q4_0: d * (q - 8); Q4_1: d * q + m */
         const int with_min = type == 3;
-        const __m512 d = _mm512_set1_ps(half_at(b));
-        const __m512 add = with_min ? _mm512_set1_ps(half_at(b + 2)) : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
-        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (with_min ? 4 : 2))));
+        const __m512 d = splat(half_at(b));
+        const __m512 add = with_min ? splat(half_at(b + 2)) : splat(-8.0f * half_at(b));
+        const __m512i q = bytes16(b + (with_min ? 4 : 2));
         const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, low4));
         const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
         ROWS_FMA(_mm512_fmadd_ps(lo, d, add), 0)
@@ -202,25 +211,22 @@ static void block_fma(int type, const uint8_t *b, const float *x, int64_t k, int
     case 6:
     case 7: { /* Q5_0: d * (q - 16); Q5_1: d * q + m; bit i of qh is value i's fifth bit */
         const int with_min = type == 7;
-        const __m512 d = _mm512_set1_ps(half_at(b));
-        const __m512 add = with_min ? _mm512_set1_ps(half_at(b + 2)) : _mm512_mul_ps(d, _mm512_set1_ps(-16.0f));
+        const __m512 d = splat(half_at(b));
+        const __m512 add = with_min ? splat(half_at(b + 2)) : splat(-16.0f * half_at(b));
         const uint8_t *h = b + (with_min ? 4 : 2);
         const uint32_t high = h[0] | (h[1] << 8) | (h[2] << 16) | ((uint32_t)h[3] << 24);
-        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(h + 4)));
-        const __m512i sixteen = _mm512_set1_epi32(16);
-        const __m512i lo = _mm512_mask_add_epi32(_mm512_and_si512(q, low4), (__mmask16)(high & 0xFFFF),
-                                                 _mm512_and_si512(q, low4), sixteen);
-        const __m512i hi = _mm512_mask_add_epi32(_mm512_srli_epi32(q, 4), (__mmask16)(high >> 16),
-                                                 _mm512_srli_epi32(q, 4), sixteen);
+        const __m512i q = bytes16(h + 4), sixteen = _mm512_set1_epi32(16);
+        const __m512i lo4 = _mm512_and_si512(q, low4), hi4 = _mm512_srli_epi32(q, 4);
+        const __m512i lo = _mm512_mask_add_epi32(lo4, (__mmask16)(high & 0xFFFF), lo4, sixteen);
+        const __m512i hi = _mm512_mask_add_epi32(hi4, (__mmask16)(high >> 16), hi4, sixteen);
         ROWS_FMA(_mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), d, add), 0)
         ROWS_FMA(_mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), d, add), 16)
         break;
     }
     case 8: { /* Q8_0: q * d */
-        const __m512 d = _mm512_set1_ps(half_at(b));
-        const __m128i *q = (const __m128i *)(b + 2);
-        ROWS_FMA(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), d), 0)
-        ROWS_FMA(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), d), 16)
+        const __m512 d = splat(half_at(b));
+        ROWS_FMA(_mm512_mul_ps(_mm512_cvtepi32_ps(signed16(b + 2)), d), 0)
+        ROWS_FMA(_mm512_mul_ps(_mm512_cvtepi32_ps(signed16(b + 18)), d), 16)
         break;
     }
     case 12: { /* Q4_K: 4 chunks of 64, d * sc * q - dmin * min per sub-block of 32 */
@@ -229,11 +235,11 @@ static void block_fma(int type, const uint8_t *b, const float *x, int64_t k, int
         for (int chunk = 0; chunk < 4; chunk++) {
             int scale, min;
             scale_min_k4(2 * chunk, scales, &scale, &min);
-            const __m512 d1 = _mm512_set1_ps(d * (float)scale), m1 = _mm512_set1_ps(-dmin * (float)min);
+            const __m512 d1 = splat(d * (float)scale), m1 = splat(-dmin * (float)min);
             scale_min_k4(2 * chunk + 1, scales, &scale, &min);
-            const __m512 d2 = _mm512_set1_ps(d * (float)scale), m2 = _mm512_set1_ps(-dmin * (float)min);
+            const __m512 d2 = splat(d * (float)scale), m2 = splat(-dmin * (float)min);
             for (int half = 0; half < 2; half++) {
-                const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 32 * chunk + 16 * half)));
+                const __m512i bytes = bytes16(q + 32 * chunk + 16 * half);
                 const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low4));
                 const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
                 ROWS_FMA(_mm512_fmadd_ps(lo, d1, m1), 64 * chunk + 16 * half)
@@ -252,14 +258,13 @@ static void block_fma(int type, const uint8_t *b, const float *x, int64_t k, int
                 const uint8_t *nibbles = ql + 64 * half + (c & 1 ? 32 : 0);
                 const int shift = c < 2 ? 0 : 4;
                 for (int part = 0; part < 2; part++) { /* values 32c + 16 part .. + 16 */
-                    const __m512i lo = _mm512_and_si512(
-                        _mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(nibbles + 16 * part))), shift),
-                        low4);
-                    const __m512i hi = _mm512_slli_epi32(
-                        _mm512_and_si512(_mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qh + 32 * half + 16 * part))), 2 * c), three),
-                        4);
-                    const __m512 q = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(lo, hi), bias));
-                    const __m512 scale = _mm512_set1_ps(d * (float)scales[8 * half + 2 * c + part]);
+                    const __m512i low = bytes16(nibbles + 16 * part);
+                    const __m512i high = bytes16(qh + 32 * half + 16 * part);
+                    const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(low, shift), low4);
+                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(high, 2 * c), three);
+                    const __m512i code = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 4));
+                    const __m512 q = _mm512_cvtepi32_ps(_mm512_sub_epi32(code, bias));
+                    const __m512 scale = splat(d * (float)scales[8 * half + 2 * c + part]);
                     ROWS_FMA(_mm512_mul_ps(q, scale), 128 * half + 32 * c + 16 * part)
                 }
             }
