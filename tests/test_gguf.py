@@ -344,3 +344,23 @@ def test_the_generate_command_takes_a_gguf_file(demo_gguf, capsys):
     argv = ["generate", "--model", str(path), "--prompt", "class ", "--max-tokens", "8"]
     assert main([*argv, "--ignore-eos"]) == 0
     assert capsys.readouterr().out.strip()
+
+
+def test_updraft_serve_takes_a_gguf_file_and_chats_with_its_template(demo_gguf):
+    import httpx
+
+    from tests.serving import start_server_process
+
+    checkpoint, path = demo_gguf
+    messages = [{"role": "user", "content": "Write a class"}]
+    want = LLM(str(checkpoint)).chat(messages, greedy(12, ignore_eos=True))[0].outputs[0].text
+    process, url = start_server_process("--model", str(path))
+    try:
+        body = {"messages": messages, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        body["model"] = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["content"] == want
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
