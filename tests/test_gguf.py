@@ -33,6 +33,7 @@ from tests.test_reference_models import PROMPTS
 from updraft import LLM
 from updraft.kernels.gguf_ops import BLOCK_TYPES, BLOCKS
 from updraft.models import gguf_loader
+from updraft.models.packed_linear import PackedLinear
 
 # Where a block holds its half scales: (byte offset, how many halves).
 SCALE_BYTES = {
@@ -178,7 +179,11 @@ def test_a_file_in_blocks_gives_transformers_logits_on_what_its_blocks_stand_for
     assert_same(ours, run(reference))
     llm = ours[2]
     modules = list(llm.engine._runner.model.modules())  # noqa: SLF001
-    assert any(isinstance(m, gguf_loader.GGUFLinear) for m in modules)
+    # Q8_0 and Q4_0 go into int8/int4 panels, the other block types stay in blocks
+    in_blocks = [m for m in modules if isinstance(m, gguf_loader.GGUFLinear)]
+    in_panels = [m for m in modules if isinstance(m, PackedLinear) and m.format.quantized]
+    assert in_blocks or in_panels
+    assert bool(in_blocks) == any(t not in ("Q8_0", "Q4_0", "F16") for t in MIXES[mix].values())
 
 
 def _reference(checkpoint, directory, stands_for: dict[str, np.ndarray], kind: str):

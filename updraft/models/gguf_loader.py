@@ -8,6 +8,13 @@ q/k/v or gate/up keeps one block tensor per part, each of its own type, as a Q4_
 mixes them) and a quantized embedding a ``GGUFEmbedding``, which widens only the rows it
 looks up. Neither ever holds a float32 copy of its weight.
 
+Q8_0 and Q4_0 blocks are one scale and 32 codes each, exactly the int8 and int4 panels'
+groups of 32 (``kernels/panels.py``), whose kernel streams them at the memory's speed
+and runs batches on a widened panel: a linear all of whose parts are in one of those
+two types has its codes and scales moved into panels at load, value for value (Q4_0's
+codes 0..15 stand for -8..7, as the int4 panels' own do). A tied LM head stays on the
+embedding's blocks rather than keep a second copy.
+
 llama.cpp stores a Llama model's q and k rows permuted for its RoPE, which turns
 interleaved pairs where transformers turns the two halves of each head: they are put
 back in transformers' order here. Its Qwen2 and Qwen3 RoPE is transformers'.
@@ -27,7 +34,9 @@ from torch import nn
 
 from updraft.config import ModelConfig, WeightFormat
 from updraft.kernels.gguf_ops import BLOCK_TYPES, GGUF_MAX_ROWS
+from updraft.kernels.panels import Panels, pack_codes
 from updraft.models.loader import FUSED, _part, _split, _target, building
+from updraft.models.packed_linear import PackedLinear
 from updraft.models.packing import pack_model
 from updraft.models.registry import model_class
 
@@ -232,7 +241,41 @@ def _place_blocks(model, modules, blocks, floats, config: ModelConfig) -> None:
             bias_parts = floats.pop(bias_name, {})
             bias = torch.cat([bias_parts[i] for i in sorted(bias_parts)]).float()
         parent, _, child = module_name.rpartition(".")
-        setattr(modules[parent], child, GGUFLinear(module.in_features, parts, bias))
+        setattr(modules[parent], child, _linear(module.in_features, parts, bias))
+
+
+# ggml's Q8_0 and Q4_0 -> the panel format that holds their codes and scales as they are
+PANEL_FORMATS = {BLOCK_TYPES["Q8_0"]: "int8", BLOCK_TYPES["Q4_0"]: "int4"}
+
+
+def _linear(in_features: int, parts: list[Part], bias: torch.Tensor | None) -> nn.Module:
+    """A ``PackedLinear`` over panels where every part is Q8_0, or every part Q4_0; else
+    a ``GGUFLinear`` over the blocks."""
+    kinds = {part.code for part in parts}
+    if len(kinds) != 1 or next(iter(kinds)) not in PANEL_FORMATS:
+        return GGUFLinear(in_features, parts, bias)
+    fmt = PANEL_FORMATS[next(iter(kinds))]
+    panels = _block_panels([part.weight for part in parts], fmt, in_features)
+    shape = nn.Linear(in_features, panels.out_features, bias=False, device="meta")
+    if bias is not None:
+        shape.bias = nn.Parameter(bias, requires_grad=False)
+    return PackedLinear(shape, WeightFormat(fmt, 32), panels=panels)
+
+
+def _block_panels(blocks: list[torch.Tensor], fmt: str, k: int) -> Panels:
+    """Q8_0 or Q4_0 rows (stacked parts) -> int8 or int4 panels of the same codes with
+    groups of 32: a block's half scale is its group's scale."""
+    codes, scales = [], []
+    for rows in blocks:
+        array = rows.numpy().reshape(rows.shape[0], k // 32, -1)
+        scales.append(torch.from_numpy(array[..., :2].copy().view(np.float16)[..., 0]).float())
+        quants = array[..., 2:]
+        if fmt == "int8":
+            codes.append(torch.from_numpy(quants.copy().view(np.int8)).reshape(rows.shape[0], k))
+        else:  # low nibbles are values 0..15 of a block, high ones 16..31
+            both = np.concatenate([quants & 0xF, quants >> 4], axis=-1)
+            codes.append(torch.from_numpy(both).reshape(rows.shape[0], k))
+    return pack_codes(torch.cat(codes), torch.cat(scales), None, fmt, 32)
 
 
 def _fill_floats(model: nn.Module, floats: dict[str, dict[int, torch.Tensor]]) -> None:
