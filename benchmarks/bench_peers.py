@@ -4,6 +4,9 @@ Each engine runs in its own process (its own virtual environment for the peers),
 same checkpoint and the same token-id prompts, greedy (benchmarks/peers/workload.py):
 
 * batch-1 decode tokens/s (32-token prompt, 128 new tokens; prefill excluded);
+* cold prefill: prompt tokens/s of the mixed load's 32 prompt lengths (16-256 tokens),
+  with fresh tokens in every run so that no prefix cache can help, one output token
+  each (llama.cpp and transformers take them one at a time, as they serve);
 * output tokens/s of 32 mixed requests (prompts 16-256 tokens, outputs 16-128);
 * peak resident memory of the engine process, each with a 1 GiB KV cache;
 * the same again while a busy loop shares the cores (``--contention``), as a server's
@@ -269,7 +272,7 @@ def main() -> None:
     for round_index in range(rounds):
         order = runs[round_index % len(runs) :] + runs[: round_index % len(runs)]
         for run in order:
-            variants = [("batch1", []), ("mixed", [])]
+            variants = [("batch1", []), ("prefill", []), ("mixed", [])]
             if args.ngram and run.engine in NGRAM_OPTIONS:
                 variants += [(f"{w} ngram", NGRAM_OPTIONS[run.engine]) for w in ("batch1", "mixed")]
             for workload, options in variants:
@@ -340,6 +343,10 @@ def main() -> None:
         row("  bandwidth floor, tokens/s", lambda label: f"{floors[label]:.1f}"),
         row(
             "  fraction of the floor", lambda label: f"{best(label, 'batch1') / floors[label]:.2f}"
+        ),
+        row(
+            "cold prefill, prompt tokens/s (32 fresh prompts, max_tokens 1)",
+            lambda label: summary(rates(label, "prefill")),
         ),
         row("output tokens/s, 32 mixed requests", lambda label: summary(rates(label, "mixed"))),
         row("vs vLLM, batch 1 / mixed", versus_vllm),

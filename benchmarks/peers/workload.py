@@ -47,6 +47,14 @@ def mixed_requests(vocab: int = VOCAB, quick: bool = False) -> list[tuple[list[i
     ]
 
 
+def cold_prompts(vocab: int, run: int, quick: bool = False) -> list[list[int]]:
+    """The mixed load's prompt lengths with fresh tokens for each ``run``: no run can
+    reuse another's prefix cache."""
+    rng = random.Random(1000 + run)
+    lengths = [len(prompt) for prompt, _ in mixed_requests(vocab, quick)]
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
 def peak_rss_mib() -> float:
     """This process's peak resident memory (VmHWM), MiB."""
     with open("/proc/self/status") as status:
@@ -70,7 +78,7 @@ def best_time(fn: Callable[[], object], repeats: int = 1) -> float:
 def parse_args(description: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", required=True, help="checkpoint directory (or GGUF file)")
-    parser.add_argument("--workload", choices=["batch1", "mixed"], required=True)
+    parser.add_argument("--workload", choices=["batch1", "mixed", "prefill"], required=True)
     parser.add_argument("--vocab", type=int, default=VOCAB)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--quick", action="store_true")
@@ -107,6 +115,17 @@ def run_workload(
         first = best_time(lambda: generate([prompt], [1]), args.repeats)
         report["tokens_per_second"] = (new - 1) / (full - first)
         report["tokens"] = generate([prompt], [new])
+    elif args.workload == "prefill":  # cold: fresh prompts every run, one token each
+        runs = iter(range(1 + args.repeats))
+
+        def prefill() -> list[list[int]]:
+            prompts = cold_prompts(args.vocab, next(runs), args.quick)
+            report["prompt_tokens"] = sum(map(len, prompts))
+            return generate(prompts, [1] * len(prompts))
+
+        seconds = best_time(prefill, args.repeats)
+        report["tokens_per_second"] = report["prompt_tokens"] / seconds
+        report["tokens"] = []  # one token each: nothing worth comparing across engines
     else:
         requests = mixed_requests(args.vocab, args.quick)
         prompts = [p for p, _ in requests]
