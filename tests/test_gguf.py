@@ -369,3 +369,15 @@ def test_updraft_serve_takes_a_gguf_file_and_chats_with_its_template(demo_gguf):
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_speculation_over_a_gguf_target_and_draft_changes_no_token(demo_gguf):
+    """The F16 file as its own draft model (every draft accepted), and n-gram drafts."""
+    _, path = demo_gguf
+    prompts, params = ["class ", "def fib(n):"], greedy(24, ignore_eos=True)
+    plain = token_ids(LLM(str(path)).generate(prompts, params))
+    drafted = LLM(str(path), speculative_model=str(path), num_speculative_tokens=3)
+    assert token_ids(drafted.generate(prompts, params)) == plain
+    assert drafted.engine.stats().speculative.acceptance_rate == 1.0
+    ngram = LLM(str(path), speculative_method="ngram", num_speculative_tokens=3)
+    assert token_ids(ngram.generate(prompts, params)) == plain

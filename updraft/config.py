@@ -757,7 +757,7 @@ class EngineConfig:
     Every field is also an ``updraft`` flag (``block_size`` is ``--block-size``), with
     its default, type and help taken from here."""
 
-    model: str = field(metadata={"help": "local Hugging Face checkpoint directory"})
+    model: str = field(metadata={"help": "local Hugging Face checkpoint directory, or a GGUF file"})
     dtype: str = setting(
         "auto",
         "compute dtype; auto is float32 on the CPU with the weights kept in the "
@@ -842,7 +842,7 @@ class EngineConfig:
     )
     speculative_model: str | None = setting(
         None,
-        "draft model checkpoint directory, with the target's tokenizer; or, with "
+        "draft model checkpoint directory or GGUF file, with the target's tokenizer; or, with "
         "--speculative-method eagle, the EAGLE head's directory",
     )
     num_speculative_tokens: int = setting(3, "draft tokens verified per step")
