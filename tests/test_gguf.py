@@ -81,6 +81,20 @@ def test_blocks_widen_to_the_gguf_package_s_values_bit_for_bit(kind):
         assert ((linear(x).double() - expected).abs() <= bound).all(), rows
 
 
+@pytest.mark.parametrize("kind", sorted(BLOCK_TYPES))
+def test_the_portable_path_computes_what_the_avx512_path_does(kind):
+    """The kernel built for a CPU without AVX-512 (haswell) widens each block into a
+    buffer instead; both give the same product."""
+    from updraft.kernels.gguf_ops import gguf_linear
+
+    values = BLOCKS[BLOCK_TYPES[kind]][0]
+    blocks = torch.from_numpy(random_blocks(kind, 20, 2 * values, np.random.default_rng(3)))
+    x = torch.randn(5, 2 * values)
+    native = gguf_linear(x, blocks, None, BLOCK_TYPES[kind], 2 * values)
+    portable = gguf_linear(x, blocks, None, BLOCK_TYPES[kind], 2 * values, march="haswell")
+    torch.testing.assert_close(portable, native, atol=1e-3, rtol=1e-5)
+
+
 # -- whole files ---------------------------------------------------------------------------
 
 

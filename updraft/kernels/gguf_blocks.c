@@ -252,6 +252,43 @@ static void block_fma(int type, const uint8_t *b, const float *x, int64_t k, int
         const uint8_t *ql = b, *qh = b + 128;
         const int8_t *scales = (const int8_t *)(b + 192);
         const float d = half_at(b + 208);
+#if defined(__AVX512BW__)
+        /* A half's 128 six-bit codes assembled 64 bytes at a time: low bytes 0..63 of
+           ql give values 0..63 (their low nibbles) and 64..127 (high nibbles); qh's
+           bit pairs 0, 1 / 2, 3 / 4, 5 / 6, 7 give the fifth and sixth bits of values
+           0..31 / 32..63 / 64..95 / 96..127. */
+        const __m512i nibble = _mm512_set1_epi8(0x0F), pair = _mm512_set1_epi8(3);
+        const __m512i offset = _mm512_set1_epi8(32);
+        for (int half = 0; half < 2; half++) {
+            const __m512i bytes = _mm512_loadu_si512(ql + 64 * half);
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(qh + 32 * half));
+            const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(h), h, 1);
+            /* qh >> 0 for the first 32 bytes and >> 2 for the next: 16-bit lanes shift
+               whole, and the mask keeps each byte's own two bits */
+            const __m512i shift_lo = _mm512_mask_srli_epi16(both, 0xFFFF0000, both, 2);
+            const __m512i high_lo = _mm512_and_si512(shift_lo, pair);
+            const __m512i high_hi = _mm512_and_si512(_mm512_srli_epi16(shift_lo, 4), pair);
+            const __m512i lo = _mm512_or_si512(_mm512_and_si512(bytes, nibble),
+                                               _mm512_slli_epi16(high_lo, 4));
+            const __m512i top = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+            const __m512i hi = _mm512_or_si512(top, _mm512_slli_epi16(high_hi, 4));
+            const __m512i codes[2] = {_mm512_sub_epi8(lo, offset), _mm512_sub_epi8(hi, offset)};
+            for (int part = 0; part < 2; part++) { /* values 64 part .. 64 part + 63 */
+                __m128i quarters[4]; /* sub-blocks of 16 (the lane index is an immediate) */
+                quarters[0] = _mm512_extracti32x4_epi32(codes[part], 0);
+                quarters[1] = _mm512_extracti32x4_epi32(codes[part], 1);
+                quarters[2] = _mm512_extracti32x4_epi32(codes[part], 2);
+                quarters[3] = _mm512_extracti32x4_epi32(codes[part], 3);
+                for (int quarter = 0; quarter < 4; quarter++) {
+                    const __m128i sixteen = quarters[quarter];
+                    const int value = 64 * part + 16 * quarter;
+                    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sixteen));
+                    const __m512 scale = splat(d * (float)scales[8 * half + value / 16]);
+                    ROWS_FMA(_mm512_mul_ps(q, scale), 128 * half + value)
+                }
+            }
+        }
+#else
         const __m512i three = _mm512_set1_epi32(3), bias = _mm512_set1_epi32(32);
         for (int half = 0; half < 2; half++) {
             for (int c = 0; c < 4; c++) {
@@ -269,6 +306,7 @@ static void block_fma(int type, const uint8_t *b, const float *x, int64_t k, int
                 }
             }
         }
+#endif
         break;
     }
     }

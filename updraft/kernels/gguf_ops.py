@@ -28,8 +28,10 @@ _INT = ctypes.c_int64
 
 
 @cache
-def _library() -> ctypes.CDLL:
-    lib = load("gguf_blocks")
+def _library(march: str = "native") -> ctypes.CDLL:
+    """The kernel built for ``march`` (another than the machine's own lets a test run
+    its portable path: ``haswell`` has no AVX-512)."""
+    lib = load("gguf_blocks", march)
     lib.gguf_dequantize.restype = None
     lib.gguf_dequantize.argtypes = [
         ctypes.c_int,
@@ -83,7 +85,12 @@ def gguf_dequantize(blocks: torch.Tensor, block_type: int, k: int) -> torch.Tens
 
 
 def gguf_linear(
-    x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, block_type: int, k: int
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    bias: torch.Tensor | None,
+    block_type: int,
+    k: int,
+    march: str = "native",
 ) -> torch.Tensor:
     """x [M, k] float32 (M <= GGUF_MAX_ROWS) @ the weight in ``blocks`` [N, row_bytes]
     transposed (+ bias) -> [M, N]."""
@@ -95,7 +102,7 @@ def gguf_linear(
     x = x.contiguous()
     n = blocks.shape[0]
     y = x.new_empty(x.shape[0], n)
-    _library().gguf_linear(
+    _library(march).gguf_linear(
         block_type,
         x.data_ptr(),
         x.shape[0],
@@ -121,7 +128,11 @@ _FRAGMENT.impl(
 _FRAGMENT.define(
     "gguf_linear(Tensor x, Tensor blocks, Tensor? bias, int block_type, int k) -> Tensor"
 )
-_FRAGMENT.impl("gguf_linear", gguf_linear, "CPU")
+_FRAGMENT.impl(
+    "gguf_linear",
+    lambda x, blocks, bias, block_type, k: gguf_linear(x, blocks, bias, block_type, k),
+    "CPU",
+)
 _FRAGMENT.impl(
     "gguf_linear",
     lambda x, blocks, bias, block_type, k: x.new_empty(x.shape[0], blocks.shape[0]),
