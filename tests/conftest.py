@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,10 @@ settings.register_profile("ci", derandomize=True)
 # UPDRAFT_COMPILE_GRAPHS=1 runs the whole suite compiled. Set before any engine starts,
 # so the servers and CLIs the tests start inherit it.
 os.environ.setdefault("UPDRAFT_COMPILE_GRAPHS", "0")
+# The directories that stand for the tests' GGUF files go to a folder of the run's own,
+# removed at the end, not into the user's cache.
+os.environ["UPDRAFT_GGUF_CACHE"] = tempfile.mkdtemp(prefix="updraft-gguf-")
+atexit.register(shutil.rmtree, os.environ["UPDRAFT_GGUF_CACHE"], ignore_errors=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 

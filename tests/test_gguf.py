@@ -72,8 +72,9 @@ def test_blocks_widen_to_the_gguf_package_s_values_bit_for_bit(kind):
     linear = gguf_loader.GGUFLinear(3 * values, [part], None)
     # the kernel alone; a pass of it per 8 rows; a chunk of weight rows widened
     weight = torch.from_numpy(want).double()
+    generator = torch.Generator().manual_seed(0)
     for rows in (1, 3, 8, 9, 40, 100):
-        x = torch.randn(rows, 3 * values)
+        x = torch.randn(rows, 3 * values, generator=generator)
         expected = x.double() @ weight.T
         # float32's rounding, on the scale of the terms summed (random blocks make large
         # weights whose products cancel)
@@ -88,11 +89,16 @@ def test_the_portable_path_computes_what_the_avx512_path_does(kind):
     from updraft.kernels.gguf_ops import gguf_linear
 
     values = BLOCKS[BLOCK_TYPES[kind]][0]
-    blocks = torch.from_numpy(random_blocks(kind, 20, 2 * values, np.random.default_rng(3)))
-    x = torch.randn(5, 2 * values)
-    native = gguf_linear(x, blocks, None, BLOCK_TYPES[kind], 2 * values)
-    portable = gguf_linear(x, blocks, None, BLOCK_TYPES[kind], 2 * values, march="haswell")
-    torch.testing.assert_close(portable, native, atol=1e-3, rtol=1e-5)
+    blocks = random_blocks(kind, 20, 2 * values, np.random.default_rng(3))
+    weight = torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType[kind])).double()
+    x = torch.randn(5, 2 * values, generator=torch.Generator().manual_seed(3))
+    native = gguf_linear(x, torch.from_numpy(blocks), None, BLOCK_TYPES[kind], 2 * values)
+    portable = gguf_linear(
+        x, torch.from_numpy(blocks), None, BLOCK_TYPES[kind], 2 * values, march="haswell"
+    )
+    # the two sum in different orders: float32's rounding on the scale of the terms
+    bound = 2e-5 * (x.double().abs() @ weight.abs().T) + 1e-6
+    assert ((portable.double() - native.double()).abs() <= bound).all()
 
 
 # -- whole files ---------------------------------------------------------------------------

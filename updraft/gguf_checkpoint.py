@@ -56,7 +56,14 @@ def gguf_parts(path: Path) -> list[Path]:
     return parts
 
 
+# Where the directories standing for GGUF files are written, when not the default.
+CACHE_ENV = "UPDRAFT_GGUF_CACHE"
+
+
 def cache_root() -> Path:
+    """``$UPDRAFT_GGUF_CACHE``, else ``updraft/gguf`` in the user's cache directory."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
     return cache / "updraft" / "gguf"
 
