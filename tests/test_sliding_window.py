@@ -380,13 +380,13 @@ def test_a_window_off_by_one_fails_the_parity_test(mistral, monkeypatch):
 def test_a_sliding_layer_with_the_global_rope_base_fails_the_parity_test(gemma3, monkeypatch):
     import updraft.models.gemma as gemma
 
-    original = gemma.GemmaDecoderLayer.__init__
+    original = gemma.Gemma3ForCausalLM.__init__
 
-    def global_rope(self, config, index):
-        original(self, config, index)
-        self.sliding = False
+    def global_rope(self, config, max_positions=None):
+        original(self, config, max_positions)
+        self.local_rotary = self.rotary  # the sliding layers' table is the global one
 
-    monkeypatch.setattr(gemma.GemmaDecoderLayer, "__init__", global_rope)
+    monkeypatch.setattr(gemma.Gemma3ForCausalLM, "__init__", global_rope)
     with pytest.raises(AssertionError):
         assert_logits_match(gemma3)
 

@@ -183,10 +183,6 @@ class KVCacheManager:
             self.pool.free(request.block_ids[request.num_released_blocks : dead][::-1])
             request.num_released_blocks = dead
 
-    def num_held(self, request: Request) -> int:
-        """Blocks the request holds: its block table less those given back."""
-        return len(request.block_ids) - request.num_released_blocks
-
     def free(self, request: Request) -> None:
         self.pool.free(request.block_ids[request.num_released_blocks :][::-1])
         request.block_ids = []

@@ -12,13 +12,15 @@ import ctypes
 from functools import cache
 
 import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from updraft import gguf_checkpoint
 from updraft.kernels.build import load
 
-# ggml's type numbers of the block types read here, and (values, bytes) per block.
-BLOCK_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
-BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144)}
-BLOCKS[14] = (256, 210)
+# ggml's type numbers of the block types read here, and (values, bytes) per block, as
+# the gguf package has them (the kernel's own switch must agree: tests/test_gguf.py).
+BLOCK_TYPES = {name: GGMLQuantizationType[name].value for name in gguf_checkpoint.BLOCK_TYPES}
+BLOCKS = {code: GGML_QUANT_SIZES[GGMLQuantizationType(code)] for code in BLOCK_TYPES.values()}
 # Up to this many rows of x the kernel runs (its partial sums live in registers and
 # the stack); more rows widen a chunk of weight rows and multiply it with torch.
 GGUF_MAX_ROWS = 8

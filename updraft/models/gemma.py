@@ -32,7 +32,6 @@ class GemmaDecoderLayer(DecoderLayer):
         super().__init__(config, attention, mlp)
         self.pre_feedforward_layernorm = norm(config, config.hidden_size)
         self.post_feedforward_layernorm = norm(config, config.hidden_size)
-        self.sliding = window is not None
 
     def forward(
         self,
@@ -74,7 +73,8 @@ class Gemma3ForCausalLM(CausalLM):
         """The sliding layers' own RoPE, the global layers' the model's."""
         full = self.rotary.lookup(rows, dtype)
         local = self.local_rotary.lookup(rows, dtype)
-        return [local if layer.sliding else full for layer in self.model.layers]
+        windows = (self.config.window(index) for index in range(len(self.model.layers)))
+        return [full if window is None else local for window in windows]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()

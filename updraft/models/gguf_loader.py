@@ -35,7 +35,7 @@ from torch import nn
 from updraft.config import ModelConfig, WeightFormat
 from updraft.kernels.gguf_ops import BLOCK_TYPES, GGUF_MAX_ROWS
 from updraft.kernels.panels import Panels, pack_codes
-from updraft.models.loader import FUSED, _part, _split, _target, building
+from updraft.models.loader import FUSED, _Made, _part, _split, _target, building
 from updraft.models.packed_linear import PackedLinear
 from updraft.models.packing import pack_model
 from updraft.models.registry import model_class
@@ -256,10 +256,7 @@ def _linear(in_features: int, parts: list[Part], bias: torch.Tensor | None) -> n
         return GGUFLinear(in_features, parts, bias)
     fmt = PANEL_FORMATS[next(iter(kinds))]
     panels = _block_panels([part.weight for part in parts], fmt, in_features)
-    shape = nn.Linear(in_features, panels.out_features, bias=False, device="meta")
-    if bias is not None:
-        shape.bias = nn.Parameter(bias, requires_grad=False)
-    return PackedLinear(shape, WeightFormat(fmt, 32), panels=panels)
+    return PackedLinear.over(panels, bias, WeightFormat(fmt, 32))
 
 
 def _block_panels(blocks: list[torch.Tensor], fmt: str, k: int) -> Panels:
@@ -279,24 +276,15 @@ def _block_panels(blocks: list[torch.Tensor], fmt: str, k: int) -> Panels:
 
 
 def _fill_floats(model: nn.Module, floats: dict[str, dict[int, torch.Tensor]]) -> None:
-    """Each float parameter made real, its slices copied in."""
+    """Each float parameter made real in its tensors' dtype, its slices copied in."""
     params = dict(model.named_parameters())
-    modules = dict(model.named_modules())
-    holders: dict[int, list[tuple[nn.Module, str]]] = {}
-    for module in model.modules():
-        for name, param in module.named_parameters(recurse=False):
-            holders.setdefault(id(param), []).append((module, name))
+    made = _Made(model, "cpu")
     for name, slices in floats.items():
         if name not in params:
             continue  # a tied LM head's own copy of the embedding
-        param = params[name]
-        dtype = next(iter(slices.values())).dtype
-        real = nn.Parameter(torch.zeros(param.shape, dtype=dtype), requires_grad=False)
-        module = modules[name.rpartition(".")[0]]
+        real, module = made(params[name], next(iter(slices.values())).dtype)
         for index, tensor in slices.items():
             target = real if index == FUSED else _part(real, module, name, index)
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(f"GGUF tensor of shape {tuple(tensor.shape)} for {name}")
             target.data.copy_(tensor)
-        for holder, attribute in holders[id(param)]:
-            setattr(holder, attribute, real)

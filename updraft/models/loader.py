@@ -149,7 +149,9 @@ def load_model(
     with building(storage_dtype(fmt, dtype, config), "meta"):
         model = model_class(config)(config, max_positions=max_positions)
     files = weight_files(Path(model_dir))
-    quantized = {} if config.quantized is None else make_slots(model, files, config.quantized)
+    # Pre-quantized linears are found by their tensors' names, read once for both steps.
+    names = {} if config.quantized is None else checkpoint_names(files)
+    quantized = {} if config.quantized is None else make_slots(model, names, config.quantized)
     owned = {
         f"{prefix}.{suffix}"
         for parts in quantized.values()
@@ -169,7 +171,7 @@ def load_model(
         place=place,
     )
     if quantized:
-        fill_slots(model, files, config.quantized, quantized)
+        fill_slots(model, names, config.quantized, quantized)
     return model
 
 
@@ -189,15 +191,16 @@ class QuantizedSlot(nn.Module):
 
 
 def make_slots(
-    model: nn.Module, files: list[Path], scheme: QuantizedCheckpoint
+    model: nn.Module, names: dict[Path, list[str]], scheme: QuantizedCheckpoint
 ) -> dict[str, dict[Slice, str]]:
-    """Put a ``QuantizedSlot`` in place of each linear the checkpoint holds quantized;
-    returns, per linear (module name), the checkpoint prefix of each of its slices."""
+    """Put a ``QuantizedSlot`` in place of each linear the checkpoint (its tensor
+    ``names``, by file) holds quantized; returns, per linear (module name), the
+    checkpoint prefix of each of its slices."""
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     found: dict[str, dict[Slice, str]] = {}
-    for names in checkpoint_names(files).values():
-        for name in names:
+    for held in names.values():
+        for name in held:
             prefix, _, suffix = name.rpartition(".")
             if suffix != scheme.marker or name.startswith(VISION_PREFIXES):
                 continue
@@ -217,13 +220,13 @@ def make_slots(
 
 def fill_slots(
     model: nn.Module,
-    files: list[Path],
+    names: dict[Path, list[str]],
     scheme: QuantizedCheckpoint,
     slots: dict[str, dict[Slice, str]],
 ) -> None:
     """Read each slot's quantized tensors into int4 panels (codes as they are) and put a
     ``PackedLinear`` over them in its place."""
-    where = {name: path for path, names in checkpoint_names(files).items() for name in names}
+    where = {name: path for path, held in names.items() for name in held}
     modules = dict(model.named_modules())
     for module_name, parts in slots.items():
         slot = modules[module_name]
@@ -247,20 +250,20 @@ def fill_slots(
                 f"the layer {slot.out_features}"
             )
         panels = pack_codes(codes.codes, codes.scales, codes.zeros, "int4", codes.group)
-        shape = nn.Linear(slot.in_features, slot.out_features, bias=False, device="meta")
-        shape.bias = slot.bias
         fmt = WeightFormat("int4", codes.group, zero_point=True)
         parent, _, child = module_name.rpartition(".")
-        setattr(modules[parent], child, PackedLinear(shape, fmt, panels=panels))
+        setattr(modules[parent], child, PackedLinear.over(panels, slot.bias, fmt))
 
 
 def _read(where: dict[str, Path], prefix: str, suffixes: tuple[str, ...]) -> dict:
+    """One linear's tensors that the checkpoint holds, by suffix, each file opened once."""
+    wanted = {suffix: f"{prefix}.{suffix}" for suffix in suffixes if f"{prefix}.{suffix}" in where}
     tensors = {}
-    for suffix in suffixes:
-        name = f"{prefix}.{suffix}"
-        if name in where:
-            with safe_open(str(where[name]), framework="pt", device="cpu") as reader:
-                tensors[suffix] = reader.get_tensor(name)
+    for path in {where[name] for name in wanted.values()}:
+        with safe_open(str(path), framework="pt", device="cpu") as reader:
+            for suffix, name in wanted.items():
+                if where[name] == path:
+                    tensors[suffix] = reader.get_tensor(name)
     return tensors
 
 
@@ -375,12 +378,15 @@ class _Made:
                 self.holders.setdefault(id(param), []).append((module, name))
         self.real: dict[int, nn.Parameter] = {}
 
-    def __call__(self, param: nn.Parameter) -> tuple[nn.Parameter, nn.Module]:
-        """``param`` made real, and the module that holds it."""
+    def __call__(
+        self, param: nn.Parameter, dtype: torch.dtype | None = None
+    ) -> tuple[nn.Parameter, nn.Module]:
+        """``param`` made real (in ``dtype``, default its own), and the module that
+        holds it."""
         holders = self.holders[id(param)]
         if param.is_meta:
             if id(param) not in self.real:
-                data = torch.zeros(param.shape, dtype=param.dtype, device=self.device)
+                data = torch.zeros(param.shape, dtype=dtype or param.dtype, device=self.device)
                 real = nn.Parameter(data, requires_grad=False)
                 for module, name in holders:
                     setattr(module, name, real)

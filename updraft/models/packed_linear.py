@@ -110,6 +110,15 @@ class PackedLinear(nn.Module):
             else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
         )
 
+    @classmethod
+    def over(cls, panels: Panels, bias: torch.Tensor | None, fmt: WeightFormat) -> PackedLinear:
+        """A linear over ``panels`` already made (a checkpoint's own quantized codes),
+        with ``bias``."""
+        shape = nn.Linear(panels.in_features, panels.out_features, bias=False, device="meta")
+        if bias is not None:
+            shape.bias = nn.Parameter(bias.detach(), requires_grad=False)
+        return cls(shape, fmt, panels=panels)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features  # a Python int: fixed within a captured step
         if self.codes is not None and (self.packed_weight is None or rows <= self.few_rows):
