@@ -11,7 +11,9 @@ A run is a maximal stretch of recorded ops between two things a run cannot hold:
 * a task (its host-side parameters change per step: it stays a Python call);
 * an op that writes its inputs in place (the KV cache write): inductor would make it a
   functional copy of the whole cache;
-* an op on an opaque oneDNN weight (it has no storage a compiled graph can describe).
+* an op on an opaque oneDNN weight (it has no storage a compiled graph can describe);
+* one of updraft's kernels, which replays as a bound C call (``kernels/bound_calls.py``):
+  inductor would call it through the dispatcher.
 
 The graph's inputs are the very tensors the recorded ops read (weights, the KV cache,
 static input buffers, earlier results), so a replay reads whatever was refreshed into
@@ -37,6 +39,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from updraft.graph.recorded_nodes import OpNode, TaskNode, bind, storage_of, tensors_in
+from updraft.kernels.bound_calls import has_bound_call
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +51,7 @@ _compiled: dict[tuple[Any, ...], Callable[..., Any]] = {}
 
 
 def compilable(node: OpNode) -> bool:
-    return not node.func._schema.is_mutable and not any(
+    return not (node.func._schema.is_mutable or has_bound_call(node.func)) and not any(
         tensor.is_mkldnn for tensor in tensors_in((node.args, node.kwargs))
     )
 

@@ -13,6 +13,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from updraft.graph.tasks import ParamProvider
+from updraft.kernels.bound_calls import bound_call
 
 
 @dataclass
@@ -69,7 +70,12 @@ def storage_of(tensor: torch.Tensor) -> int:
 
 def bind(node: OpNode) -> Callable[[], Any]:
     """One recorded op as a call with no arguments that leaves its result in the
-    captured output tensors. ``_op`` skips the Python wrapper of ``OpOverload``."""
+    captured output tensors: one of updraft's kernels as its C call, bound once
+    (``kernels/bound_calls.py``), any other op through the dispatcher (``_op`` skips
+    the Python wrapper of ``OpOverload``)."""
+    native = bound_call(node.func, node.args, node.kwargs, node.outputs)
+    if native is not None:
+        return native
     if node.out_variant is not None:
         return partial(node.out_variant._op, *node.args, **node.kwargs, out=node.outputs[0])
     run = partial(node.func._op, *node.args, **node.kwargs)

@@ -16,6 +16,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from updraft import gguf_checkpoint
 from updraft.kernels.build import load
+from updraft.kernels.ops import Launch
 
 # ggml's type numbers of the block types read here, and (values, bytes) per block, as
 # the gguf package has them (the kernel's own switch must agree: tests/test_gguf.py).
@@ -96,27 +97,49 @@ def gguf_linear(
 ) -> torch.Tensor:
     """x [M, k] float32 (M <= GGUF_MAX_ROWS) @ the weight in ``blocks`` [N, row_bytes]
     transposed (+ bias) -> [M, N]."""
+    return gguf_linear_launch(x, blocks, bias, block_type, k, march)()[0]
+
+
+def gguf_linear_launch(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    bias: torch.Tensor | None,
+    block_type: int,
+    k: int,
+    march: str = "native",
+    out: tuple[torch.Tensor, ...] | None = None,
+) -> Launch:
+    """``gguf_linear``'s checked call, into ``out`` (else a new tensor)."""
     row_bytes = _check(blocks, block_type, k)
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
         raise TypeError(f"updraft::gguf_linear takes float32 x [rows, {k}]")
     if x.shape[0] > GGUF_MAX_ROWS:
         raise TypeError(f"updraft::gguf_linear takes at most {GGUF_MAX_ROWS} rows")
+    given = (x, bias)
     x = x.contiguous()
+    bias = None if bias is None else bias.contiguous()
     n = blocks.shape[0]
-    y = x.new_empty(x.shape[0], n)
-    _library(march).gguf_linear(
-        block_type,
-        x.data_ptr(),
-        x.shape[0],
-        k,
-        blocks.data_ptr(),
-        n,
-        row_bytes,
-        None if bias is None else bias.contiguous().data_ptr(),
-        y.data_ptr(),
-        torch.get_num_threads(),
+    (y,) = out or (x.new_empty(x.shape[0], n),)
+    if y.shape != (x.shape[0], n) or y.dtype != torch.float32 or not y.is_contiguous():
+        raise TypeError("updraft::gguf_linear writes a contiguous float32 output")
+    return Launch(
+        _library(march).gguf_linear,
+        (
+            block_type,
+            x.data_ptr(),
+            x.shape[0],
+            k,
+            blocks.data_ptr(),
+            n,
+            row_bytes,
+            None if bias is None else bias.data_ptr(),
+            y.data_ptr(),
+            torch.get_num_threads(),
+        ),
+        (y,),
+        (x, blocks, bias),
+        any(a is not b for a, b in zip(given, (x, bias), strict=True)),
     )
-    return y
 
 
 _FRAGMENT = torch.library.Library("updraft", "FRAGMENT")

@@ -7,7 +7,10 @@ records it with its tensors and replays it like any aten op.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 import torch
 
@@ -105,6 +108,36 @@ def _pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
+def _writable(out: torch.Tensor, shape: tuple[int, ...]) -> bool:
+    return out.shape == shape and out.dtype == torch.float32 and out.is_contiguous()
+
+
+def _copied(given: tuple[torch.Tensor | None, ...], used: tuple[torch.Tensor | None, ...]) -> bool:
+    """Whether any tensor the call reads is a copy of the one it was given."""
+    return any(a is not b for a, b in zip(given, used, strict=True))
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel call, checked, with every argument fixed: the addresses of the tensors
+    it reads and writes, and its sizes. An op runs its launch once; a replayed graph
+    re-runs it on the very tensors it was captured with (``kernels/bound_calls.py``),
+    without the dispatcher or the checks. ``reads`` holds every tensor whose address is
+    among the arguments (a contiguous copy made here would otherwise be freed before the
+    call). ``copied_inputs``: the call reads such a copy (an input was not contiguous),
+    so re-running it would read that copy, not the refreshed original."""
+
+    function: Callable[..., None]
+    arguments: tuple[Any, ...]
+    outputs: tuple[torch.Tensor, ...]
+    reads: tuple[torch.Tensor | None, ...]
+    copied_inputs: bool
+
+    def __call__(self) -> Any:
+        self.function(*self.arguments)
+        return self.outputs
+
+
 def _check_codes(op: str, codes: torch.Tensor, scales, zeros, fmt: int, group: int) -> None:
     _check(fmt in CODE_DTYPES, op, f"a format among {sorted(CODE_DTYPES)}")
     _check(
@@ -139,9 +172,26 @@ def panel_linear(
     ``kernels/panels.py`` in format ``fmt`` (N = ``out_features``; ``group`` K steps per
     scale when quantized). ``march``: the kernel built for other instructions than the
     machine's (tests of its narrower paths)."""
+    return panel_linear_launch(x, codes, scales, zeros, bias, fmt, group, out_features, march)()[0]
+
+
+def panel_linear_launch(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor | None,
+    zeros: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    fmt: int,
+    group: int,
+    out_features: int,
+    march: str = "native",
+    out: tuple[torch.Tensor, ...] | None = None,
+) -> Launch:
+    """``panel_linear``'s checked call, into ``out`` (else a new tensor)."""
     op = "panel_linear"
     _check(x.dtype == torch.float32 and x.device.type == "cpu", op, "float32 x on the CPU")
     _check_codes(op, codes, scales, zeros, fmt, group)
+    given = (x, bias)
     x = x.contiguous()
     rows, k = x.shape
     panels = -(-out_features // PANEL)
@@ -158,23 +208,30 @@ def panel_linear(
             f"one scale per output row and group of {group} columns",
         )
     _check(bias is None or bias.shape == (out_features,), op, "one bias per output row")
-    out = torch.empty(rows, out_features, dtype=torch.float32)
-    _linear_library(march).panel_linear(
-        x.data_ptr(),
-        codes.data_ptr(),
-        fmt,
-        _pointer(scales),
-        _pointer(zeros),
-        group,
-        None if bias is None else bias.float().contiguous().data_ptr(),
-        out.data_ptr(),
-        out_features,
-        rows,
-        out_features,
-        k,
-        torch.get_num_threads(),
+    bias = None if bias is None else bias.float().contiguous()
+    (result,) = out or (torch.empty(rows, out_features, dtype=torch.float32),)
+    _check(_writable(result, (rows, out_features)), op, "a contiguous float32 output")
+    return Launch(
+        _linear_library(march).panel_linear,
+        (
+            x.data_ptr(),
+            codes.data_ptr(),
+            fmt,
+            _pointer(scales),
+            _pointer(zeros),
+            group,
+            _pointer(bias),
+            result.data_ptr(),
+            out_features,
+            rows,
+            out_features,
+            k,
+            torch.get_num_threads(),
+        ),
+        (result,),
+        (x, codes, scales, zeros, bias),
+        _copied(given, (x, bias)),
     )
-    return out
 
 
 def paged_decode_attention(
@@ -193,6 +250,24 @@ def paged_decode_attention(
     is empty), what decode context parallelism merges shards by; else it is empty. With
     ``starts`` [B] int64, request b reads positions [starts[b], seq_lens[b]) only (a
     sliding window): earlier blocks are never touched, so they may have been freed."""
+    launch = paged_decode_attention_launch(
+        query, kv_cache, block_table, seq_lens, block_size, scale, with_lse, starts
+    )
+    return launch()
+
+
+def paged_decode_attention_launch(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    with_lse: bool = False,
+    starts: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, ...] | None = None,
+) -> Launch:
+    """``paged_decode_attention``'s checked call, into ``out`` (else new tensors)."""
     op = "paged_decode_attention"
     _check(kv_cache.is_contiguous(), op, "a contiguous cache")
     _, num_slots, kv_heads, head_dim = kv_cache.shape
@@ -207,6 +282,7 @@ def paged_decode_attention(
         scale,
         with_lse,
         starts,
+        out,
     )
 
 
@@ -240,7 +316,7 @@ def paged_latent_attention(
         block_size,
         scale,
         with_lse,
-    )
+    )()
 
 
 def _decode_attention(
@@ -254,7 +330,8 @@ def _decode_attention(
     scale: float,
     with_lse: bool,
     starts: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    out: tuple[torch.Tensor, ...] | None = None,
+) -> Launch:
     num_slots, kv_heads, head_dim, value_dim, slot_stride = geometry
     _check(
         query.dtype == caches[0].dtype == torch.float32 and query.device.type == "cpu",
@@ -275,34 +352,48 @@ def _decode_attention(
         op,
         "whole query-head groups and one block-table row and seq_len per request",
     )
+    given = (query, block_table, seq_lens, starts)
     query = query.contiguous()
     block_table = block_table.contiguous()
     seq_lens = seq_lens.contiguous()
     starts = None if starts is None else starts.contiguous()
-    out = query.new_empty(requests, heads, value_dim)
-    lse = query.new_empty((requests, heads) if with_lse else (0,))
-    _attention_library().paged_decode_attention(
-        query.data_ptr(),
-        caches[0].data_ptr(),
-        caches[1].data_ptr(),
-        block_table.data_ptr(),
-        seq_lens.data_ptr(),
-        _pointer(starts),
-        out.data_ptr(),
-        lse.data_ptr() if with_lse else None,
-        requests,
-        heads,
-        kv_heads,
-        head_dim,
-        value_dim,
-        slot_stride,
-        block_table.shape[1],
-        block_size,
-        num_slots,
-        scale,
-        torch.get_num_threads(),
+    result, lse = out or (
+        query.new_empty(requests, heads, value_dim),
+        query.new_empty((requests, heads) if with_lse else (0,)),
     )
-    return out, lse
+    _check(
+        _writable(result, (requests, heads, value_dim))
+        and _writable(lse, (requests, heads) if with_lse else (0,)),
+        op,
+        "contiguous float32 outputs",
+    )
+    return Launch(
+        _attention_library().paged_decode_attention,
+        (
+            query.data_ptr(),
+            caches[0].data_ptr(),
+            caches[1].data_ptr(),
+            block_table.data_ptr(),
+            seq_lens.data_ptr(),
+            _pointer(starts),
+            result.data_ptr(),
+            lse.data_ptr() if with_lse else None,
+            requests,
+            heads,
+            kv_heads,
+            head_dim,
+            value_dim,
+            slot_stride,
+            block_table.shape[1],
+            block_size,
+            num_slots,
+            scale,
+            torch.get_num_threads(),
+        ),
+        (result, lse),
+        (query, *caches, block_table, seq_lens, starts),
+        _copied(given, (query, block_table, seq_lens, starts)),
+    )
 
 
 def grouped_mlp(
