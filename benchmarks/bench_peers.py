@@ -109,12 +109,14 @@ FORMATS: dict[str, list[tuple[str, str, str, list[str]]]] = {
         ),
         ("llama.cpp Q4_0", "llama.cpp", "Q4_0", []),
     ],
-    # The same GGUF files for both engines, each quantized by llama.cpp's own quantizer.
+    # The same GGUF files for both engines, each quantized by llama.cpp's own quantizer;
+    # updraft with float32 activations (its default) and with int8 ones, as llama.cpp.
     "gguf": [
         entry
         for file_type in ("Q8_0", "Q4_0", "Q4_K_M")
         for entry in (
             (f"updraft {file_type}", "updraft", f"gguf:{file_type}", []),
+            (f"updraft {file_type} x8", "updraft", f"gguf:{file_type}", ["activations='int8'"]),
             (f"llama.cpp {file_type}", "llama.cpp", file_type, []),
         )
     ],

@@ -18,13 +18,14 @@ from typing import Any
 
 import torch
 
-from updraft.kernels.gguf_ops import gguf_linear_launch
+from updraft.kernels.gguf_ops import gguf_linear_int8_launch, gguf_linear_launch
 from updraft.kernels.ops import Launch, paged_decode_attention_launch, panel_linear_launch
 
 _LAUNCHES: dict[Any, Callable[..., Launch]] = {
     torch.ops.updraft.panel_linear.default: panel_linear_launch,
     torch.ops.updraft.paged_decode_attention.default: paged_decode_attention_launch,
     torch.ops.updraft.gguf_linear.default: gguf_linear_launch,
+    torch.ops.updraft.gguf_linear_int8.default: gguf_linear_int8_launch,
 }
 
 

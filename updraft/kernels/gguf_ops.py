@@ -25,6 +25,9 @@ BLOCKS = {code: GGML_QUANT_SIZES[GGMLQuantizationType(code)] for code in BLOCK_T
 # Up to this many rows of x the kernel runs (its partial sums live in registers and
 # the stack); more rows widen a chunk of weight rows and multiply it with torch.
 GGUF_MAX_ROWS = 8
+# The block types ``gguf_int8.c`` multiplies by an int8-rounded x, and its x block.
+INT8_TYPES = {BLOCK_TYPES[name] for name in ("Q4_0", "Q8_0", "Q4_K", "Q6_K")}
+INT8_X_BLOCK = 32
 
 _POINTER = ctypes.c_void_p
 _INT = ctypes.c_int64
@@ -49,6 +52,26 @@ def _library(march: str = "native") -> ctypes.CDLL:
     lib.gguf_linear.argtypes = [ctypes.c_int, _POINTER, _INT, _INT, _POINTER, _INT, _INT]
     lib.gguf_linear.argtypes += [_POINTER, _POINTER, ctypes.c_int]
     return lib
+
+
+@cache
+def _int8_library() -> ctypes.CDLL:
+    lib = load("gguf_int8")
+    lib.gguf_linear_int8.restype = lib.gguf_round_x.restype = None
+    lib.gguf_linear_int8.argtypes = [ctypes.c_int, _POINTER, _INT, _POINTER, _INT, _INT]
+    lib.gguf_linear_int8.argtypes += [_POINTER, _POINTER, ctypes.c_int]
+    lib.gguf_round_x.argtypes = [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER]
+    return lib
+
+
+@cache
+def int8_kernel_builds() -> bool:
+    """Whether ``gguf_int8.c`` builds here (it needs AVX2)."""
+    try:
+        _int8_library()
+    except RuntimeError:
+        return False
+    return True
 
 
 def gguf_kernel_builds() -> bool:
@@ -142,6 +165,70 @@ def gguf_linear_launch(
     )
 
 
+def gguf_round_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [k] float32 as ``gguf_linear_int8`` rounds it: (codes [k] int8, scales [k / 32]),
+    x ~ codes * scale per block of 32."""
+    k = x.shape[0]
+    x = x.contiguous()
+    codes = torch.empty(k, dtype=torch.int8)
+    scales = torch.empty(k // INT8_X_BLOCK)
+    sums = torch.empty(k // INT8_X_BLOCK)
+    sums4 = torch.empty(k // 4, dtype=torch.int32)
+    _int8_library().gguf_round_x(
+        x.data_ptr(), k, codes.data_ptr(), scales.data_ptr(), sums4.data_ptr(), sums.data_ptr()
+    )
+    return codes, scales
+
+
+def gguf_linear_int8(
+    x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, block_type: int, k: int
+) -> torch.Tensor:
+    """x [1, k] float32, rounded to int8 in blocks of 32 (``gguf_round_x``), @ the weight
+    in ``blocks`` [N, row_bytes] transposed (+ bias) -> [1, N]; ``block_type`` one of
+    ``INT8_TYPES``."""
+    return gguf_linear_int8_launch(x, blocks, bias, block_type, k)()[0]
+
+
+def gguf_linear_int8_launch(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    bias: torch.Tensor | None,
+    block_type: int,
+    k: int,
+    out: tuple[torch.Tensor, ...] | None = None,
+) -> Launch:
+    """``gguf_linear_int8``'s checked call, into ``out`` (else a new tensor)."""
+    row_bytes = _check(blocks, block_type, k)
+    if block_type not in INT8_TYPES:
+        raise TypeError(f"updraft::gguf_linear_int8 takes ggml block types {sorted(INT8_TYPES)}")
+    if x.dtype != torch.float32 or x.shape != (1, k):
+        raise TypeError(f"updraft::gguf_linear_int8 takes one float32 row x [1, {k}]")
+    given = (x, bias)
+    x = x.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    n = blocks.shape[0]
+    (y,) = out or (x.new_empty(1, n),)
+    if y.shape != (1, n) or y.dtype != torch.float32 or not y.is_contiguous():
+        raise TypeError("updraft::gguf_linear_int8 writes a contiguous float32 output")
+    return Launch(
+        _int8_library().gguf_linear_int8,
+        (
+            block_type,
+            x.data_ptr(),
+            k,
+            blocks.data_ptr(),
+            n,
+            row_bytes,
+            None if bias is None else bias.data_ptr(),
+            y.data_ptr(),
+            torch.get_num_threads(),
+        ),
+        (y,),
+        (x, blocks, bias),
+        any(a is not b for a, b in zip(given, (x, bias), strict=True)),
+    )
+
+
 _FRAGMENT = torch.library.Library("updraft", "FRAGMENT")
 _FRAGMENT.define("gguf_dequantize(Tensor blocks, int block_type, int k) -> Tensor")
 _FRAGMENT.impl("gguf_dequantize", gguf_dequantize, "CPU")
@@ -152,6 +239,15 @@ _FRAGMENT.impl(
 )
 _FRAGMENT.define(
     "gguf_linear(Tensor x, Tensor blocks, Tensor? bias, int block_type, int k) -> Tensor"
+)
+_FRAGMENT.define(
+    "gguf_linear_int8(Tensor x, Tensor blocks, Tensor? bias, int block_type, int k) -> Tensor"
+)
+_FRAGMENT.impl("gguf_linear_int8", gguf_linear_int8, "CPU")
+_FRAGMENT.impl(
+    "gguf_linear_int8",
+    lambda x, blocks, bias, block_type, k: x.new_empty(x.shape[0], blocks.shape[0]),
+    "Meta",
 )
 _FRAGMENT.impl(
     "gguf_linear",

@@ -5,8 +5,13 @@ Float tensors (F32, F16, BF16) fill the model's parameters and are packed like a
 safetensors checkpoint's. Tensors in quantized blocks stay in the file's memory map, as
 the file lays them out: a linear layer becomes a ``GGUFLinear`` over its blocks (a fused
 q/k/v or gate/up keeps one block tensor per part, each of its own type, as a Q4_K_M file
-mixes them) and a quantized embedding a ``GGUFEmbedding``, which widens only the rows it
-looks up. Neither ever holds a float32 copy of its weight.
+mixes them; neighbouring slices of one type are joined) and a quantized embedding a
+``GGUFEmbedding``, which widens only the rows it looks up. Neither ever holds a float32
+copy of its weight.
+
+With ``int8_activations`` (``--activations int8``), a linear that takes one row rounds
+it to int8 for the block types ``kernels/gguf_int8.c`` multiplies as bytes, as llama.cpp
+does, and Q8_0 and Q4_0 stay in their blocks for it.
 
 Q8_0 and Q4_0 blocks are one scale and 32 codes each, exactly the int8 and int4 panels'
 groups of 32 (``kernels/panels.py``), whose kernel streams them at the memory's speed
@@ -33,7 +38,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from updraft.config import ModelConfig, WeightFormat
-from updraft.kernels.gguf_ops import BLOCK_TYPES, GGUF_MAX_ROWS
+from updraft.kernels.gguf_ops import (
+    BLOCK_TYPES,
+    GGUF_MAX_ROWS,
+    INT8_TYPES,
+    int8_kernel_builds,
+)
 from updraft.kernels.panels import Panels, pack_codes
 from updraft.models.loader import FUSED, _Made, _part, _split, _target, building
 from updraft.models.packed_linear import PackedLinear
@@ -86,11 +96,21 @@ class Part:
 
 
 class GGUFLinear(nn.Module):
-    """y = x W^T (+ bias), W the rows of each part in turn, each read in its own type."""
+    """y = x W^T (+ bias), W the rows of each part in turn, each read in its own type.
+    With ``int8``, one row of x (a decode step) is rounded to int8 for the block types
+    ``kernels/gguf_int8.c`` multiplies, as llama.cpp does."""
 
-    def __init__(self, in_features: int, parts: list[Part], bias: torch.Tensor | None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        parts: list[Part],
+        bias: torch.Tensor | None,
+        int8: bool = False,
+    ) -> None:
         super().__init__()
         self.in_features = in_features
+        self.int8 = int8 and int8_kernel_builds()
+        parts = _merged(parts)
         self.codes = [part.code for part in parts]
         for index, part in enumerate(parts):
             self.register_buffer(f"part{index}", part.weight, persistent=False)
@@ -110,6 +130,8 @@ class GGUFLinear(nn.Module):
         if code is None:
             return F.linear(flat, weight)
         rows = flat.shape[0]
+        if rows == 1 and self.int8 and code in INT8_TYPES:
+            return torch.ops.updraft.gguf_linear_int8(flat, weight, None, code, self.in_features)
         if rows <= GGUF_MAX_ROWS:
             return torch.ops.updraft.gguf_linear(flat, weight, None, code, self.in_features)
         if rows <= BLOCK_PASSES_UP_TO:  # a batched decode: a pass over the blocks per 8 rows
@@ -127,6 +149,20 @@ class GGUFLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+def _merged(parts: list[Part]) -> list[Part]:
+    """Neighbouring parts in one block type as one (a fused q/k/v or gate/up whose
+    slices share a type): a kernel call per type, not per slice. Their rows are copied
+    out of the file's map once, at load."""
+    merged: list[Part] = []
+    for part in parts:
+        if merged and part.code is not None and merged[-1].code == part.code:
+            rows = torch.cat([merged[-1].weight, part.weight])
+            merged[-1] = Part(rows, part.code)
+        else:
+            merged.append(part)
+    return merged
 
 
 # Weight rows widened at once for a prefill: a few MB of float32.
@@ -158,8 +194,10 @@ def load_gguf_model(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     max_positions: int | None = None,
+    int8_activations: bool = False,
 ) -> nn.Module:
-    """The model ``config`` describes, its weights read from the GGUF ``parts``."""
+    """The model ``config`` describes, its weights read from the GGUF ``parts`` (with
+    ``int8_activations``, its quantized linears round a decode step's x to int8)."""
     from gguf import GGUFReader
 
     if dtype != torch.float32 or torch.device(device).type != "cpu":
@@ -197,7 +235,7 @@ def load_gguf_model(
                 blocks.setdefault(param, {})[index] = Part(rows, BLOCK_TYPES[kind])
             else:
                 raise ValueError(f"{path.name}: a quantized {tensor.name} is not supported")
-    _place_blocks(model, modules, blocks, floats, config)
+    _place_blocks(model, modules, blocks, floats, config, int8_activations)
     _fill_floats(model, floats)
     left = [name for name, param in model.named_parameters() if param.is_meta]
     if left:
@@ -213,14 +251,14 @@ def _float(data: np.ndarray, kind: str) -> torch.Tensor:
     return tensor.view(torch.bfloat16) if kind == "BF16" else tensor
 
 
-def _place_blocks(model, modules, blocks, floats, config: ModelConfig) -> None:
+def _place_blocks(model, modules, blocks, floats, config: ModelConfig, int8: bool) -> None:
     """Put a ``GGUFLinear`` (and a ``GGUFEmbedding``) where tensors came in blocks."""
     embedding = blocks.pop("model.embed_tokens.weight", None)
     if embedding is not None:
         part = embedding[0]
         model.model.embed_tokens = GGUFEmbedding(part.weight, part.code, config.hidden_size)
         if config.tie_word_embeddings:  # the LM head reads the same blocks
-            model.lm_head = GGUFLinear(config.hidden_size, [part], None)
+            model.lm_head = GGUFLinear(config.hidden_size, [part], None, int8)
     for param, slices in blocks.items():
         module_name = param.removesuffix(".weight")
         module = modules[module_name]
@@ -241,19 +279,21 @@ def _place_blocks(model, modules, blocks, floats, config: ModelConfig) -> None:
             bias_parts = floats.pop(bias_name, {})
             bias = torch.cat([bias_parts[i] for i in sorted(bias_parts)]).float()
         parent, _, child = module_name.rpartition(".")
-        setattr(modules[parent], child, _linear(module.in_features, parts, bias))
+        setattr(modules[parent], child, _linear(module.in_features, parts, bias, int8))
 
 
 # ggml's Q8_0 and Q4_0 -> the panel format that holds their codes and scales as they are
 PANEL_FORMATS = {BLOCK_TYPES["Q8_0"]: "int8", BLOCK_TYPES["Q4_0"]: "int4"}
 
 
-def _linear(in_features: int, parts: list[Part], bias: torch.Tensor | None) -> nn.Module:
-    """A ``PackedLinear`` over panels where every part is Q8_0, or every part Q4_0; else
-    a ``GGUFLinear`` over the blocks."""
+def _linear(
+    in_features: int, parts: list[Part], bias: torch.Tensor | None, int8: bool
+) -> nn.Module:
+    """A ``PackedLinear`` over panels where every part is Q8_0, or every part Q4_0 (and x
+    stays float32); else a ``GGUFLinear`` over the blocks."""
     kinds = {part.code for part in parts}
-    if len(kinds) != 1 or next(iter(kinds)) not in PANEL_FORMATS:
-        return GGUFLinear(in_features, parts, bias)
+    if int8 or len(kinds) != 1 or next(iter(kinds)) not in PANEL_FORMATS:
+        return GGUFLinear(in_features, parts, bias, int8)
     fmt = PANEL_FORMATS[next(iter(kinds))]
     panels = _block_panels([part.weight for part in parts], fmt, in_features)
     return PackedLinear.over(panels, bias, WeightFormat(fmt, 32))

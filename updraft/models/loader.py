@@ -130,12 +130,15 @@ def load_model(
     max_positions: int | None = None,
     weights: WeightFormat | None = None,
     place: RankPlace | None = None,
+    int8_activations: bool = False,
 ) -> nn.Module:
     """The model computing in ``dtype``, its weights kept in ``weights`` (default: the
     compute dtype); with ``place``, only the shard that rank holds
-    (models/tensor_parallel.py). It is built on the meta device and filled tensor by
-    tensor, each rank reading only what it keeps, each layer packed once its weights
-    are in: at no point does the process hold the whole model in the checkpoint's dtype."""
+    (models/tensor_parallel.py); with ``int8_activations``, a GGUF file's quantized
+    linears round a decode step's x to int8 (``kernels/gguf_int8.c``). It is built on
+    the meta device and filled tensor by tensor, each rank reading only what it keeps,
+    each layer packed once its weights are in: at no point does the process hold the
+    whole model in the checkpoint's dtype."""
     gguf = linked_files(Path(model_dir))
     if gguf is not None:
         from updraft.models.gguf_loader import load_gguf_model
@@ -144,7 +147,12 @@ def load_model(
             raise ValueError("a GGUF file is not split over tensor-parallel ranks yet")
         if weights is not None and weights != WeightFormat.of(dtype):
             raise ValueError(f"a GGUF file keeps its own weight types; {weights} was asked")
-        return load_gguf_model(config, gguf, dtype, device, max_positions)
+        return load_gguf_model(config, gguf, dtype, device, max_positions, int8_activations)
+    if int8_activations:
+        raise ValueError(
+            f"{model_dir}: --activations int8 is for a GGUF file's quantized blocks, and "
+            "this is not a GGUF file"
+        )
     fmt = weights or WeightFormat.of(dtype)
     with building(storage_dtype(fmt, dtype, config), "meta"):
         model = model_class(config)(config, max_positions=max_positions)

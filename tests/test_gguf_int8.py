@@ -1,0 +1,113 @@
+"""The int8-activation GGUF kernel: x rounded to int8 in blocks of 32, as ggml's Q8_0
+rounds it, times the weight's own blocks, equals the float64 product of the rounded x
+and the dequantized weight up to float32 rounding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from benchmarks.peers import make_gguf
+from tests.helpers import greedy, token_ids
+from tests.probes import logits_of, probed, records
+from tests.test_gguf import MIXES, convert_to, plain, random_blocks
+from tests.test_reference_models import PROMPTS
+from updraft import LLM
+from updraft.kernels.gguf_ops import (
+    BLOCK_TYPES,
+    BLOCKS,
+    INT8_TYPES,
+    gguf_linear_int8,
+    gguf_round_x,
+    int8_kernel_builds,
+)
+from updraft.models import gguf_loader
+from updraft.models.packed_linear import PackedLinear
+
+pytestmark = pytest.mark.skipif(not int8_kernel_builds(), reason="the int8 kernel needs AVX2")
+KINDS = sorted(name for name, code in BLOCK_TYPES.items() if code in INT8_TYPES)
+
+
+def test_x_is_rounded_as_q8_0_rounds_it():
+    x = torch.randn(512, generator=torch.Generator().manual_seed(0)) * 3
+    x[64:96] = 0.0  # a block of zeros stays zeros
+    codes, scales = gguf_round_x(x)
+    blocks = x.view(-1, 32)
+    torch.testing.assert_close(scales, blocks.abs().amax(1) / 127, rtol=1e-7, atol=0)
+    ratio = torch.where(scales[:, None] > 0, blocks / scales[:, None], torch.zeros_like(blocks))
+    assert ((codes.view(-1, 32).float() - ratio).abs() <= 0.5 + 1e-5).all()
+    assert codes.abs().max() == 127 and (codes[64:96] == 0).all()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_int8_x_times_blocks_equals_the_rounded_x_times_the_dequantized_weight(kind):
+    values = BLOCKS[BLOCK_TYPES[kind]][0]
+    k = 3 * max(values, 256)
+    blocks = random_blocks(kind, 37, k, np.random.default_rng(1))
+    weight = torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType[kind])).double()
+    bias = torch.randn(37)
+    generator = torch.Generator().manual_seed(2)
+    for scale in (1.0, 1e-3, 50.0):
+        x = torch.randn(1, k, generator=generator) * scale
+        got = gguf_linear_int8(x, torch.from_numpy(blocks), bias, BLOCK_TYPES[kind], k)
+        codes, scales = gguf_round_x(x[0])
+        rounded = (codes.view(-1, 32).double() * scales[:, None].double()).view(1, k)
+        # Q4_K's minimums (its weight with every code 0) multiply x's own sums
+        mins = _q4_k_minimums(blocks) if kind == "Q4_K" else torch.zeros_like(weight)
+        expected = rounded @ (weight - mins).T + x.double() @ mins.T + bias.double()
+        bound = 1e-5 * (rounded.abs() @ weight.abs().T + bias.double().abs()) + 1e-6
+        assert ((got.double() - expected).abs() <= bound).all(), scale
+        # and it is not the float32 product: x was rounded
+        assert not torch.allclose(got.double(), x.double() @ weight.T + bias.double(), atol=0)
+
+
+def _q4_k_minimums(blocks: np.ndarray) -> torch.Tensor:
+    """The part of a Q4_K weight that does not depend on its codes: -dmin * min."""
+    zeroed = blocks.reshape(blocks.shape[0], -1, 144).copy()
+    zeroed[..., 16:] = 0
+    mins = quants.dequantize(zeroed.reshape(blocks.shape), GGMLQuantizationType.Q4_K)
+    return torch.from_numpy(mins).double()
+
+
+# -- a model from a file --------------------------------------------------------------------
+
+
+def one_at_a_time(model, **args) -> tuple[list[list[int]], list[torch.Tensor], LLM]:
+    """Each prompt generated alone (decode steps of one row, where x is rounded)."""
+    llm = probed(str(model), block_size=4, num_kv_blocks=64, **args)
+    outputs = [llm.generate([prompt], greedy(8))[0] for prompt in PROMPTS]
+    seen = records(llm)
+    return token_ids(outputs), [logits_of(seen, output) for output in outputs], llm
+
+
+@pytest.mark.parametrize("mix", ["Q8_0", "Q4_K_M"])
+def test_int8_activations_move_the_logits_by_about_the_rounding(tmp_path, mix):
+    """With ``activations="int8"`` every linear that takes one row (a decode step's, and
+    the LM head's at the end of a prefill) rounds x: the logits move by about the
+    rounding, a percent of their scale, no more."""
+    shape = {"hidden_size": 256, "intermediate_size": 512}
+    checkpoint = plain("qwen3", tmp_path / "hf", **shape)
+    path = tmp_path / "model.gguf"
+    make_gguf.main(checkpoint, path, convert_to(MIXES[mix], np.random.default_rng(1), {}))
+    exact = one_at_a_time(path)
+    rounded = one_at_a_time(path, activations="int8")
+    modules = list(rounded[2].engine._runner.model.modules())  # noqa: SLF001
+    assert all(m.int8 for m in modules if isinstance(m, gguf_loader.GGUFLinear))
+    assert not [m for m in modules if isinstance(m, PackedLinear) and m.format.quantized]
+    pairs = zip(rounded[0], exact[0], rounded[1], exact[1], strict=True)
+    for tokens, theirs_tokens, ours, theirs in pairs:
+        # the logits of each step up to the first token the two draw differently
+        drawn = zip(tokens, theirs_tokens, strict=True)
+        split = next((i for i, (a, b) in enumerate(drawn) if a != b), None)
+        steps = slice(0, None if split is None else split + 1)
+        scale = theirs.abs().max()
+        difference = (ours[steps] - theirs[steps]).abs().max()
+        assert 1e-3 * scale < difference <= 0.03 * scale, (difference, scale)
+
+
+def test_int8_activations_are_refused_for_a_safetensors_checkpoint(tmp_path):
+    checkpoint = plain("qwen3", tmp_path / "hf")
+    with pytest.raises(ValueError, match="activations int8 is for a GGUF file"):
+        LLM(str(checkpoint), activations="int8")
