@@ -254,6 +254,9 @@ def main() -> None:
     parser.add_argument("--contention", action="store_true", help="also run beside a busy loop")
     parser.add_argument("--quick", action="store_true", help="short workloads, one round")
     parser.add_argument("--ngram", action="store_true", help="also with n-gram speculation")
+    parser.add_argument(
+        "--workloads", default="batch1,prefill,mixed", help="which workloads, comma-separated"
+    )
     args = parser.parse_args()
     args.work_dir.mkdir(parents=True, exist_ok=True)
     engines = [e for e in args.engines.split(",") if PYTHONS[e].exists()]
@@ -274,7 +277,7 @@ def main() -> None:
     for round_index in range(rounds):
         order = runs[round_index % len(runs) :] + runs[: round_index % len(runs)]
         for run in order:
-            variants = [("batch1", []), ("prefill", []), ("mixed", [])]
+            variants = [(workload, []) for workload in args.workloads.split(",")]
             if args.ngram and run.engine in NGRAM_OPTIONS:
                 variants += [(f"{w} ngram", NGRAM_OPTIONS[run.engine]) for w in ("batch1", "mixed")]
             for workload, options in variants:

@@ -84,17 +84,26 @@ static inline __m256 q8_0_block(const uint8_t *block, const rounded_x *x, int64_
     return _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(half_at(block) * x->scales[b]));
 }
 
-/* Rows sum two blocks at a time into two registers: one chain of additions would wait
-   out each one's latency. */
-static float row_q8_0(const uint8_t *row, const rounded_x *x, int64_t blocks) {
+typedef __m256 (*block_sum)(const uint8_t *, const rounded_x *, int64_t);
+
+/* A row of blocks of 32, summed two blocks at a time into two registers: one chain of
+   additions would wait out each one's latency. Inlined with a constant ``sum``. */
+static inline __attribute__((always_inline)) float row_of_32s(block_sum sum, int64_t bytes,
+                                                              const uint8_t *row,
+                                                              const rounded_x *x,
+                                                              int64_t blocks) {
     __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 2 <= blocks; b += 2) {
-        even = _mm256_add_ps(even, q8_0_block(row + 34 * b, x, b));
-        odd = _mm256_add_ps(odd, q8_0_block(row + 34 * (b + 1), x, b + 1));
+        even = _mm256_add_ps(even, sum(row + bytes * b, x, b));
+        odd = _mm256_add_ps(odd, sum(row + bytes * (b + 1), x, b + 1));
     }
-    if (b < blocks) even = _mm256_add_ps(even, q8_0_block(row + 34 * b, x, b));
+    if (b < blocks) even = _mm256_add_ps(even, sum(row + bytes * b, x, b));
     return sum8(_mm256_add_ps(even, odd));
+}
+
+static float row_q8_0(const uint8_t *row, const rounded_x *x, int64_t blocks) {
+    return row_of_32s(q8_0_block, 34, row, x, blocks);
 }
 
 static inline __m256 q4_0_block(const uint8_t *block, const rounded_x *x, int64_t b) {
@@ -109,14 +118,7 @@ static inline __m256 q4_0_block(const uint8_t *block, const rounded_x *x, int64_
 }
 
 static float row_q4_0(const uint8_t *row, const rounded_x *x, int64_t blocks) {
-    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 2 <= blocks; b += 2) {
-        even = _mm256_add_ps(even, q4_0_block(row + 18 * b, x, b));
-        odd = _mm256_add_ps(odd, q4_0_block(row + 18 * (b + 1), x, b + 1));
-    }
-    if (b < blocks) even = _mm256_add_ps(even, q4_0_block(row + 18 * b, x, b));
-    return sum8(_mm256_add_ps(even, odd));
+    return row_of_32s(q4_0_block, 18, row, x, blocks);
 }
 
 /* Q4_K's 12 bytes of 6-bit scales and mins -> scales[8], mins[8] as bytes. Sub-blocks
@@ -216,9 +218,11 @@ static float row_q6_k(const uint8_t *row, const rounded_x *x, int64_t blocks) {
 int gguf_int8_type(int type) { return type == 2 || type == 8 || type == 12 || type == 14; }
 
 /* y [n] = round(x) [k] @ W^T (+ bias), W's n rows in blocks of ``type`` (one of
-   gguf_int8_type's), ``row_bytes`` apart. */
-void gguf_linear_int8(int type, const float *x, int64_t k, const uint8_t *w, int64_t n,
-                      int64_t row_bytes, const float *bias, float *y, int threads) {
+   gguf_int8_type's), ``row_bytes`` apart; x is one row (``m`` is 1: the arguments are
+   gguf_linear's). */
+void gguf_linear_int8(int type, const float *x, int64_t m, int64_t k, const uint8_t *w,
+                      int64_t n, int64_t row_bytes, const float *bias, float *y, int threads) {
+    (void)m;
     int8_t *codes = malloc((size_t)k);
     float *scales = malloc(sizeof(float) * (k / X_BLOCK) * 2);
     int32_t *sums4 = malloc(sizeof(int32_t) * (k / 4));

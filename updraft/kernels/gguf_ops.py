@@ -9,6 +9,7 @@ A weight is a uint8 tensor [N, row_bytes], each row K / B blocks as the file hol
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from functools import cache
 
 import torch
@@ -33,6 +34,23 @@ _POINTER = ctypes.c_void_p
 _INT = ctypes.c_int64
 
 
+def _linear_arguments() -> list:
+    """What both linear kernels take: type, x, rows, k, blocks, n, row bytes, bias, y,
+    threads."""
+    return [
+        ctypes.c_int,
+        _POINTER,
+        _INT,
+        _INT,
+        _POINTER,
+        _INT,
+        _INT,
+        _POINTER,
+        _POINTER,
+        ctypes.c_int,
+    ]
+
+
 @cache
 def _library(march: str = "native") -> ctypes.CDLL:
     """The kernel built for ``march`` (another than the machine's own lets a test run
@@ -49,8 +67,7 @@ def _library(march: str = "native") -> ctypes.CDLL:
         ctypes.c_int,
     ]
     lib.gguf_linear.restype = None
-    lib.gguf_linear.argtypes = [ctypes.c_int, _POINTER, _INT, _INT, _POINTER, _INT, _INT]
-    lib.gguf_linear.argtypes += [_POINTER, _POINTER, ctypes.c_int]
+    lib.gguf_linear.argtypes = _linear_arguments()
     return lib
 
 
@@ -58,8 +75,7 @@ def _library(march: str = "native") -> ctypes.CDLL:
 def _int8_library() -> ctypes.CDLL:
     lib = load("gguf_int8")
     lib.gguf_linear_int8.restype = lib.gguf_round_x.restype = None
-    lib.gguf_linear_int8.argtypes = [ctypes.c_int, _POINTER, _INT, _POINTER, _INT, _INT]
-    lib.gguf_linear_int8.argtypes += [_POINTER, _POINTER, ctypes.c_int]
+    lib.gguf_linear_int8.argtypes = _linear_arguments()
     lib.gguf_round_x.argtypes = [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER]
     return lib
 
@@ -133,20 +149,36 @@ def gguf_linear_launch(
     out: tuple[torch.Tensor, ...] | None = None,
 ) -> Launch:
     """``gguf_linear``'s checked call, into ``out`` (else a new tensor)."""
+    kernel = _library(march).gguf_linear
+    return _blocks_launch("gguf_linear", kernel, GGUF_MAX_ROWS, x, blocks, bias, block_type, k, out)
+
+
+def _blocks_launch(
+    op: str,
+    kernel: Callable[..., None],
+    max_rows: int,
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    bias: torch.Tensor | None,
+    block_type: int,
+    k: int,
+    out: tuple[torch.Tensor, ...] | None,
+) -> Launch:
+    """The call of a linear kernel over blocks (both take the same arguments)."""
     row_bytes = _check(blocks, block_type, k)
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
-        raise TypeError(f"updraft::gguf_linear takes float32 x [rows, {k}]")
-    if x.shape[0] > GGUF_MAX_ROWS:
-        raise TypeError(f"updraft::gguf_linear takes at most {GGUF_MAX_ROWS} rows")
+        raise TypeError(f"updraft::{op} takes float32 x [rows, {k}]")
+    if x.shape[0] > max_rows:
+        raise TypeError(f"updraft::{op} takes at most {max_rows} rows")
     given = (x, bias)
     x = x.contiguous()
     bias = None if bias is None else bias.contiguous()
     n = blocks.shape[0]
     (y,) = out or (x.new_empty(x.shape[0], n),)
     if y.shape != (x.shape[0], n) or y.dtype != torch.float32 or not y.is_contiguous():
-        raise TypeError("updraft::gguf_linear writes a contiguous float32 output")
+        raise TypeError(f"updraft::{op} writes a contiguous float32 output")
     return Launch(
-        _library(march).gguf_linear,
+        kernel,
         (
             block_type,
             x.data_ptr(),
@@ -198,35 +230,10 @@ def gguf_linear_int8_launch(
     out: tuple[torch.Tensor, ...] | None = None,
 ) -> Launch:
     """``gguf_linear_int8``'s checked call, into ``out`` (else a new tensor)."""
-    row_bytes = _check(blocks, block_type, k)
     if block_type not in INT8_TYPES:
         raise TypeError(f"updraft::gguf_linear_int8 takes ggml block types {sorted(INT8_TYPES)}")
-    if x.dtype != torch.float32 or x.shape != (1, k):
-        raise TypeError(f"updraft::gguf_linear_int8 takes one float32 row x [1, {k}]")
-    given = (x, bias)
-    x = x.contiguous()
-    bias = None if bias is None else bias.contiguous()
-    n = blocks.shape[0]
-    (y,) = out or (x.new_empty(1, n),)
-    if y.shape != (1, n) or y.dtype != torch.float32 or not y.is_contiguous():
-        raise TypeError("updraft::gguf_linear_int8 writes a contiguous float32 output")
-    return Launch(
-        _int8_library().gguf_linear_int8,
-        (
-            block_type,
-            x.data_ptr(),
-            k,
-            blocks.data_ptr(),
-            n,
-            row_bytes,
-            None if bias is None else bias.data_ptr(),
-            y.data_ptr(),
-            torch.get_num_threads(),
-        ),
-        (y,),
-        (x, blocks, bias),
-        any(a is not b for a, b in zip(given, (x, bias), strict=True)),
-    )
+    kernel = _int8_library().gguf_linear_int8
+    return _blocks_launch("gguf_linear_int8", kernel, 1, x, blocks, bias, block_type, k, out)
 
 
 _FRAGMENT = torch.library.Library("updraft", "FRAGMENT")
