@@ -1,5 +1,5 @@
 """The linear layers of a decode step with few rows: updraft's panel kernel
-(``updraft::float_linear``) against oneDNN on a prepacked weight (what PyTorch's
+(``updraft::panel_linear`` on float32 panels) against oneDNN on a prepacked weight (what PyTorch's
 freezing and vLLM's CPU backend run), PyTorch's own ``F.linear``, and the machine's
 floor for reading the weights once (weight bytes / stream bandwidth).
 
@@ -22,14 +22,15 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import markdown_table, stream_bandwidth
-from updraft.kernels.ops import pack_panels
+from updraft.config import WeightFormat
+from updraft.kernels.panels import pack
 
 # (out, in) of each projection: fused qkv, o, fused gate_up, down per layer, then the head
 MODELS = {
     "demo": [(512, 256), (256, 256), (1408, 256), (256, 704)] * 6 + [(4096, 256)],
-    "100M": [(2304, 768), (768, 768), (4096, 768), (768, 2048)] * 12 + [(32000, 768)],
+    "100M": [(1280, 768), (768, 768), (4096, 768), (768, 2048)] * 12 + [(32000, 768)],
 }
-ROWS = (1, 2, 3, 4, 5, 6, 9)
+ROWS = (1, 2, 4, 6, 8, 12, 16, 32, 64)
 ROUNDS = 3
 WARM_UP = 3
 PASSES = 10
@@ -37,11 +38,13 @@ PASSES = 10
 
 def setups(shapes: list[tuple[int, int]]) -> dict:
     weights = [torch.randn(n, k) / k**0.5 for n, k in shapes]
-    panels = [pack_panels(w) for w in weights]
+    panels = [pack(w, WeightFormat("float32")) for w in weights]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
     return {
         "panel kernel": lambda xs: [
-            torch.ops.updraft.float_linear(xs[w.shape[1]], p, None, w.shape[0])
+            torch.ops.updraft.panel_linear(
+                xs[w.shape[1]], p.codes, None, None, None, 0, 0, w.shape[0]
+            )
             for w, p in zip(weights, panels, strict=True)
         ],
         "oneDNN prepacked": lambda xs: [

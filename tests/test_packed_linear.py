@@ -23,6 +23,12 @@ pytestmark = pytest.mark.skipif(
 FLOAT32 = WeightFormat("float32")
 
 
+@pytest.fixture
+def onednn_batches(monkeypatch):
+    """float32 batches on oneDNN's packing, as on a CPU with AVX-512."""
+    monkeypatch.setattr(packed_linear, "onednn_for_batches", lambda: True)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 # Up to few_rows rows take the panel kernel (up to 6 rows at a time, so 7 and 9 rows are
 # two passes; 1 and 2 rows split K in two sets, odd K leaving one over), more take oneDNN.
@@ -31,7 +37,9 @@ FLOAT32 = WeightFormat("float32")
 # 192 outputs fill 12 panels of 16; 203 end in a partial panel.
 @pytest.mark.parametrize("out_features", [192, 203])
 @pytest.mark.parametrize("few_rows", [packed_linear.FEW_ROWS, packed_linear.CACHED_FEW_ROWS])
-def test_packed_linear_equals_f_linear(bias, rows, in_features, out_features, few_rows):
+def test_packed_linear_equals_f_linear(
+    bias, rows, in_features, out_features, few_rows, onednn_batches
+):
     torch.manual_seed(0)
     linear = nn.Linear(in_features, out_features, bias=bias)
     x = torch.randn(*rows, in_features)
@@ -41,7 +49,7 @@ def test_packed_linear_equals_f_linear(bias, rows, in_features, out_features, fe
     )
 
 
-def test_the_panel_kernel_serves_up_to_few_rows(monkeypatch):
+def test_the_panel_kernel_serves_up_to_few_rows(monkeypatch, onednn_batches):
     linear = nn.Linear(32, 40)
     calls = []
     panel_op = torch.ops.updraft.panel_linear
@@ -52,6 +60,22 @@ def test_the_panel_kernel_serves_up_to_few_rows(monkeypatch):
     for rows in range(1, 6):
         packed(torch.randn(rows, 32))
     assert len(calls) == 3
+
+
+def test_with_avx2_alone_the_panel_kernel_serves_every_row_count(monkeypatch, tmp_path):
+    """One copy of the weights: no oneDNN packing, and the panels take every batch."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma f16c\n")
+    assert not packed_linear.onednn_for_batches.__wrapped__(cpuinfo)
+    cpuinfo.write_text("flags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw\n")
+    assert packed_linear.onednn_for_batches.__wrapped__(cpuinfo) == has_onednn()
+    monkeypatch.setattr(packed_linear, "onednn_for_batches", lambda: False)
+    linear = nn.Linear(32, 40)
+    packed = PackedLinear(linear, FLOAT32, few_rows=3)
+    assert packed.packed_weight is None
+    for rows in (1, 5, 64, 300):
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(packed(x), F.linear(x, linear.weight, linear.bias))
 
 
 def test_the_cpu_model_in_float32_runs_every_projection_prepacked(tiny_llama):

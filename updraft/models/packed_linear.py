@@ -8,12 +8,14 @@ per token and does little else, a small batch or a speculative verify step) it r
 weights at the memory's full speed; for more it widens each panel once into a buffer
 that stays in cache and runs over every row.
 
-A float32 weight keeps a second packing for batches, oneDNN's ("prepacked", as vLLM's
-CPU backend and inductor's freezing do), which ran faster than the panels from 5 rows
-up (``FEW_ROWS``, more for a model that fits in cache): twice the linear weights'
-memory, the price of both speeds. The other formats keep one copy. The reordered weight
-is an opaque oneDNN tensor: it has no storage to view or copy, and nothing but
-``_linear_pointwise`` reads it.
+On a CPU with AVX-512, a float32 weight keeps a second packing for batches, oneDNN's
+("prepacked", as vLLM's CPU backend and inductor's freezing do), taken from 5 rows up
+(``FEW_ROWS``, more for a model that fits in cache): twice the linear weights' memory.
+With AVX2 alone the panels beat it at every row count, 1.2-1.4x from 2 to 64 rows and
+at the GEMM peak from 64 to 512 (benchmarks/RESULTS.md), so there a float32 weight,
+like every other format, keeps one copy. The reordered weight is an opaque oneDNN
+tensor: it has no storage to view or copy, and nothing but ``_linear_pointwise`` reads
+it.
 """
 
 from __future__ import annotations
@@ -69,6 +71,23 @@ def has_onednn() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+@cache
+def onednn_for_batches(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether float32 batches take oneDNN's packing: where the CPU has AVX-512 (the
+    panels' 16-wide steps fill half the registers' work there; not measured against
+    oneDNN since the kernel's prefetching), or says nothing of its vector instructions
+    (as on ARM); with AVX2 alone the panels are faster at every row count."""
+    if not has_onednn():
+        return False
+    try:
+        flags = next(
+            (line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), ""
+        )
+    except OSError:
+        return True
+    return "avx512f" in flags.split() or "avx2" not in flags.split()
+
+
 def can_pack(device: torch.device, dtype: torch.dtype, fmt: WeightFormat) -> bool:
     """Whether a model computing in ``dtype`` on ``device`` runs packed linears (float32
     on the CPU); a format other than float32 needs the panel kernel to build."""
@@ -101,7 +120,7 @@ class PackedLinear(nn.Module):
         for name in ("codes", "scales", "zeros"):
             self.register_buffer(name, getattr(panels, name, None), persistent=False)
         packed = None
-        if fmt.name == "float32" and has_onednn() and not weight.is_meta:
+        if fmt.name == "float32" and onednn_for_batches() and not weight.is_meta:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.float(), PACKED_FOR_ROWS)
         self.register_buffer("packed_weight", packed, persistent=False)
         self.bias = (
