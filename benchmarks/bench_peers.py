@@ -17,7 +17,7 @@ here first. Engines run in rounds, in a rotating order; the table shows the best
 and the range. Every engine's tokens are compared with updraft's.
 
     bash benchmarks/peers/setup_vllm.sh; bash benchmarks/peers/setup_llamacpp.sh
-    .venv/bin/python -m benchmarks.bench_peers [--model demo|100m|moe] [--rounds 3] \\
+    .venv/bin/python -m benchmarks.bench_peers [--model demo|100m|500m|moe] [--rounds 3] \\
         [--format float32|bfloat16|float16|int4|gguf] [--contention] [--ngram]
 
 ``--format`` runs each engine on the weights users would download or make in that
@@ -216,6 +216,8 @@ def prepare_model(name: str, work: Path) -> tuple[Path, int]:
         return DEMO_MODEL_DIR, 4096
     if name == "moe":
         return make_random_qwen3_moe(work / "qwen3-moe"), 16000
+    if name == "500m":
+        return make_random_qwen3(work / "qwen3-500m", scale=2), 32000
     return make_random_qwen3(work / "qwen3-100m"), 32000
 
 
@@ -246,7 +248,7 @@ def summary(values: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=["demo", "100m", "moe"], default="100m")
+    parser.add_argument("--model", choices=["demo", "100m", "500m", "moe"], default="100m")
     parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "peers")
     parser.add_argument("--engines", default="updraft,vllm,llama.cpp,transformers")
     parser.add_argument("--format", choices=list(FORMATS), default="float32")

@@ -20,20 +20,23 @@ def make_random_qwen3(
     max_positions: int = 4096,
     vocab_size: int = 32000,
     eos_token_id: int | None = None,
+    scale: int = 1,
 ) -> Path:
     """A ~100M-parameter Qwen3-style model with random weights, saved in float32 (more
-    with a larger vocabulary: its embedding is the head too)."""
+    with a larger vocabulary: its embedding is the head too). ``scale`` 2 doubles its
+    width and depth: about 0.55B parameters, weights rather than per-step work dominating
+    a decode step."""
     import transformers
 
     if (directory / "config.json").is_file():
         return directory
     config = transformers.Qwen3Config(
         vocab_size=vocab_size,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=4,
+        hidden_size=768 * scale,
+        intermediate_size=2048 * scale,
+        num_hidden_layers=12 * scale,
+        num_attention_heads=12 * scale,
+        num_key_value_heads=4 * scale,
         head_dim=64,
         max_position_embeddings=max_positions,
         tie_word_embeddings=True,
