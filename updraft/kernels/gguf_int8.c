@@ -142,8 +142,8 @@ static inline __m256 bytes_as_floats(const uint32_t pair[2]) {
 
 /* Each sub-block's factor d * scale_j * (x block's scale) is computed for the 8 at once,
    and broadcast from memory (a load, where a permute would take a shuffle); the
-   minimums' part, dmin * min_j * (x's sum over sub-block
-   j), is a lane-wise multiply-add per block. */
+   minimums' part, dmin * min_j * (x's sum over sub-block j), is a lane-wise multiply-add
+   per block. */
 static float row_q4_k(const uint8_t *row, const rounded_x *x, int64_t blocks) {
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     __m256 low = _mm256_setzero_ps(), high = _mm256_setzero_ps(), mins = _mm256_setzero_ps();

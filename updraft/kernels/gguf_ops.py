@@ -17,7 +17,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from updraft import gguf_checkpoint
 from updraft.kernels.build import load
-from updraft.kernels.ops import Launch
+from updraft.kernels.ops import Launch, reads_copies, writable_output
 
 # ggml's type numbers of the block types read here, and (values, bytes) per block, as
 # the gguf package has them (the kernel's own switch must agree: tests/test_gguf.py).
@@ -34,21 +34,19 @@ _POINTER = ctypes.c_void_p
 _INT = ctypes.c_int64
 
 
-def _linear_arguments() -> list:
-    """What both linear kernels take: type, x, rows, k, blocks, n, row bytes, bias, y,
-    threads."""
-    return [
-        ctypes.c_int,
-        _POINTER,
-        _INT,
-        _INT,
-        _POINTER,
-        _INT,
-        _INT,
-        _POINTER,
-        _POINTER,
-        ctypes.c_int,
-    ]
+# What both linear kernels take: type, x, rows, k, blocks, n, row bytes, bias, y, threads.
+_LINEAR_ARGUMENTS = (
+    ctypes.c_int,
+    _POINTER,
+    _INT,
+    _INT,
+    _POINTER,
+    _INT,
+    _INT,
+    _POINTER,
+    _POINTER,
+    ctypes.c_int,
+)
 
 
 @cache
@@ -67,7 +65,7 @@ def _library(march: str = "native") -> ctypes.CDLL:
         ctypes.c_int,
     ]
     lib.gguf_linear.restype = None
-    lib.gguf_linear.argtypes = _linear_arguments()
+    lib.gguf_linear.argtypes = _LINEAR_ARGUMENTS
     return lib
 
 
@@ -75,7 +73,7 @@ def _library(march: str = "native") -> ctypes.CDLL:
 def _int8_library() -> ctypes.CDLL:
     lib = load("gguf_int8")
     lib.gguf_linear_int8.restype = lib.gguf_round_x.restype = None
-    lib.gguf_linear_int8.argtypes = _linear_arguments()
+    lib.gguf_linear_int8.argtypes = _LINEAR_ARGUMENTS
     lib.gguf_round_x.argtypes = [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER]
     return lib
 
@@ -175,7 +173,7 @@ def _blocks_launch(
     bias = None if bias is None else bias.contiguous()
     n = blocks.shape[0]
     (y,) = out or (x.new_empty(x.shape[0], n),)
-    if y.shape != (x.shape[0], n) or y.dtype != torch.float32 or not y.is_contiguous():
+    if not writable_output(y, (x.shape[0], n)):
         raise TypeError(f"updraft::{op} writes a contiguous float32 output")
     return Launch(
         kernel,
@@ -193,7 +191,7 @@ def _blocks_launch(
         ),
         (y,),
         (x, blocks, bias),
-        any(a is not b for a, b in zip(given, (x, bias), strict=True)),
+        reads_copies(given, (x, bias)),
     )
 
 
@@ -247,15 +245,6 @@ _FRAGMENT.impl(
 _FRAGMENT.define(
     "gguf_linear(Tensor x, Tensor blocks, Tensor? bias, int block_type, int k) -> Tensor"
 )
-_FRAGMENT.define(
-    "gguf_linear_int8(Tensor x, Tensor blocks, Tensor? bias, int block_type, int k) -> Tensor"
-)
-_FRAGMENT.impl("gguf_linear_int8", gguf_linear_int8, "CPU")
-_FRAGMENT.impl(
-    "gguf_linear_int8",
-    lambda x, blocks, bias, block_type, k: x.new_empty(x.shape[0], blocks.shape[0]),
-    "Meta",
-)
 _FRAGMENT.impl(
     "gguf_linear",
     lambda x, blocks, bias, block_type, k: gguf_linear(x, blocks, bias, block_type, k),
@@ -263,6 +252,15 @@ _FRAGMENT.impl(
 )
 _FRAGMENT.impl(
     "gguf_linear",
+    lambda x, blocks, bias, block_type, k: x.new_empty(x.shape[0], blocks.shape[0]),
+    "Meta",
+)
+_FRAGMENT.define(
+    "gguf_linear_int8(Tensor x, Tensor blocks, Tensor? bias, int block_type, int k) -> Tensor"
+)
+_FRAGMENT.impl("gguf_linear_int8", gguf_linear_int8, "CPU")
+_FRAGMENT.impl(
+    "gguf_linear_int8",
     lambda x, blocks, bias, block_type, k: x.new_empty(x.shape[0], blocks.shape[0]),
     "Meta",
 )

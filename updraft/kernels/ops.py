@@ -108,11 +108,14 @@ def _pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
-def _writable(out: torch.Tensor, shape: tuple[int, ...]) -> bool:
+def writable_output(out: torch.Tensor, shape: tuple[int, ...]) -> bool:
+    """Whether a kernel can write its float32 result of ``shape`` into ``out``."""
     return out.shape == shape and out.dtype == torch.float32 and out.is_contiguous()
 
 
-def _copied(given: tuple[torch.Tensor | None, ...], used: tuple[torch.Tensor | None, ...]) -> bool:
+def reads_copies(
+    given: tuple[torch.Tensor | None, ...], used: tuple[torch.Tensor | None, ...]
+) -> bool:
     """Whether any tensor the call reads is a copy of the one it was given."""
     return any(a is not b for a, b in zip(given, used, strict=True))
 
@@ -210,7 +213,7 @@ def panel_linear_launch(
     _check(bias is None or bias.shape == (out_features,), op, "one bias per output row")
     bias = None if bias is None else bias.float().contiguous()
     (result,) = out or (torch.empty(rows, out_features, dtype=torch.float32),)
-    _check(_writable(result, (rows, out_features)), op, "a contiguous float32 output")
+    _check(writable_output(result, (rows, out_features)), op, "a contiguous float32 output")
     return Launch(
         _linear_library(march).panel_linear,
         (
@@ -230,7 +233,7 @@ def panel_linear_launch(
         ),
         (result,),
         (x, codes, scales, zeros, bias),
-        _copied(given, (x, bias)),
+        reads_copies(given, (x, bias)),
     )
 
 
@@ -362,8 +365,8 @@ def _decode_attention(
         query.new_empty((requests, heads) if with_lse else (0,)),
     )
     _check(
-        _writable(result, (requests, heads, value_dim))
-        and _writable(lse, (requests, heads) if with_lse else (0,)),
+        writable_output(result, (requests, heads, value_dim))
+        and writable_output(lse, (requests, heads) if with_lse else (0,)),
         op,
         "contiguous float32 outputs",
     )
@@ -392,7 +395,7 @@ def _decode_attention(
         ),
         (result, lse),
         (query, *caches, block_table, seq_lens, starts),
-        _copied(given, (query, block_table, seq_lens, starts)),
+        reads_copies(given, (query, block_table, seq_lens, starts)),
     )
 
 

@@ -71,21 +71,15 @@ def has_onednn() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-@cache
-def onednn_for_batches(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """Whether float32 batches take oneDNN's packing: where the CPU has AVX-512 (the
-    panels' 16-wide steps fill half the registers' work there; not measured against
-    oneDNN since the kernel's prefetching), or says nothing of its vector instructions
-    (as on ARM); with AVX2 alone the panels are faster at every row count."""
+def onednn_for_batches(capability: str | None = None) -> bool:
+    """Whether float32 batches take oneDNN's packing, by the vector instructions torch
+    dispatches to (``capability``, default ``torch.backends.cpu.get_cpu_capability()``):
+    yes with AVX-512 (not measured against oneDNN since the panel kernel gained its
+    prefetching) and on other CPUs (ARM, x86 without AVX2); no with AVX2 alone, where
+    the panels are faster at every row count."""
     if not has_onednn():
         return False
-    try:
-        flags = next(
-            (line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), ""
-        )
-    except OSError:
-        return True
-    return "avx512f" in flags.split() or "avx2" not in flags.split()
+    return (capability or torch.backends.cpu.get_cpu_capability()) != "AVX2"
 
 
 def can_pack(device: torch.device, dtype: torch.dtype, fmt: WeightFormat) -> bool:
