@@ -112,3 +112,36 @@ def test_layers_of_the_same_shape_share_one_compiled_run(monkeypatch):
     # One run before each cache write, one after the task; the second layer compiles
     # nothing new.
     assert len(compiled_runs._compiled) == 3
+
+
+@torch.inference_mode()
+def test_runs_call_inductor_directly_once_checked(monkeypatch):
+    monkeypatch.setattr(compiled_runs, "_compiled", {})
+    torch.manual_seed(2)
+    capture(Layer(width=4))
+    # Every run passed the check: its direct call wrote what the wrapped call wrote.
+    assert all(entry.direct is not None for entry in compiled_runs._compiled.values())
+
+
+def test_a_direct_call_that_misses_a_target_keeps_the_wrapper():
+    inputs = [torch.randn(6), torch.empty(6), torch.empty(3, dtype=torch.long)]
+
+    def wrapped(x: torch.Tensor, out: torch.Tensor, count: torch.Tensor) -> None:
+        out.copy_(x.exp())
+        count.fill_(3)
+
+    def writes_one_target(args: list[torch.Tensor]) -> None:
+        args[1].copy_(args[0].exp())  # the integer target is left as it was
+
+    wrapped.current_callable = writes_one_target
+    targets = inputs[1:]
+    assert compiled_runs._direct_call(wrapped, inputs, targets) is None
+    # What the refused call left behind is written again by the wrapped one.
+    torch.testing.assert_close(inputs[1], inputs[0].exp())
+    assert inputs[2].tolist() == [3, 3, 3]
+
+    def writes_both(args: list[torch.Tensor]) -> None:
+        wrapped(*args)
+
+    wrapped.current_callable = writes_both
+    assert compiled_runs._direct_call(wrapped, inputs, targets) is writes_both

@@ -33,7 +33,7 @@ import math
 import operator
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._pytree import tree_map
@@ -136,22 +136,72 @@ def _compiled_run(run: list[OpNode], last_read: dict[int, float], end: int) -> C
             kept[storage] = (tensor, value)
     # The graph writes them into the captured tensors itself: inductor then stores each
     # result straight into its target instead of into a new tensor copied after.
+    targets = [tensor for tensor, _ in kept.values()]
     for tensor, value in kept.values():
         target = graph.placeholder(f"target_{len(inputs)}")
         inputs.append(tensor)
         graph.call_function(torch.ops.aten.copy_.default, (target, value))
     graph.output(())
     module = torch.fx.GraphModule({}, graph)
-    fused = _compile(module, inputs)
-    if fused is None:
+    compiled = _compile(module, inputs, targets)
+    if compiled is None:
         plain = [bind(node) for node in run if node.rerun]
         return lambda: [call() for call in plain]
-    return partial(fused, *inputs)
+    wrapped, direct = compiled
+    if direct is None:
+        return partial(wrapped, *inputs)
+
+    def run_direct() -> None:
+        direct(inputs.copy())  # inductor's call empties the list it is given
+
+    return run_direct
 
 
-def _compile(module: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Callable | None:
+class Compiled(NamedTuple):
+    """A compiled run as AOTAutograd wraps it (called with the inputs as arguments), and
+    inductor's own call inside (called with a list of them) where that does the same."""
+
+    wrapped: Callable[..., Any]
+    direct: Callable[[list[torch.Tensor]], Any] | None
+
+
+def _direct_call(
+    wrapped: Callable[..., Any], inputs: list[torch.Tensor], targets: list[torch.Tensor]
+) -> Callable[[list[torch.Tensor]], Any] | None:
+    """Inductor's compiled call without AOTAutograd's runtime wrapper around it, or None.
+
+    The wrapper costs about 5 microseconds a call, as much as a small run's kernels, and
+    a decode step makes about fifty runs. For a run it has nothing to do: the run returns
+    nothing, and its only mutations (the copies into its targets) stay inside inductor's
+    graph, as they do for any inference graph whose mutated inputs alias no other input.
+    Rather than trust that reading of AOTAutograd, each compiled graph is checked once: the
+    targets are poisoned, and the direct call must write back, bit for bit, what the
+    wrapped call wrote. A run is idempotent (it never writes what it reads), so calling it
+    again at capture changes nothing."""
+    direct = getattr(wrapped, "current_callable", None)
+    if direct is None or not targets:
+        return None
+    wrapped(*inputs)
+    expected = [target.clone() for target in targets]
+    for target in targets:  # every element made to differ from what it should be
+        if target.is_floating_point() or target.is_complex():
+            target.fill_(float("nan"))
+        else:
+            torch.bitwise_not(target, out=target)
+    direct(list(inputs))
+    if all(torch.equal(target, want) for target, want in zip(targets, expected, strict=True)):
+        return direct
+    logger.warning("a compiled run's direct call missed a target; it keeps the wrapper")
+    wrapped(*inputs)
+    return None
+
+
+def _compile(
+    module: torch.fx.GraphModule, inputs: list[torch.Tensor], targets: list[torch.Tensor]
+) -> Compiled | None:
     """Inductor's compiled ``module``, shared by every run with the same code over
-    inputs of the same layout; None (with a warning) where inductor cannot compile."""
+    inputs of the same layout; None (with a warning) where inductor cannot compile.
+    ``targets``: the inputs the graph writes."""
     key = (
         module.code,
         tuple((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device) for t in inputs),
@@ -172,7 +222,8 @@ def _compile(module: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Callab
         checks_off = torch._inductor.config.patch(size_asserts=False, alignment_asserts=False)
         try:
             with tracing(context), checks_off:
-                _compiled[key] = compile_fx(module, inputs)
+                wrapped = compile_fx(module, inputs)
+            _compiled[key] = Compiled(wrapped, _direct_call(wrapped, inputs, targets))
         except Exception as error:  # no compiler, an op inductor lacks: replay op by op
             logger.warning("graph run left uncompiled (%s: %s)", type(error).__name__, error)
             _compiled[key] = None
