@@ -172,23 +172,35 @@ static float row_q4_k(const uint8_t *row, const rounded_x *x, int64_t blocks) {
     return sum8(_mm256_sub_ps(_mm256_add_ps(low, high), mins));
 }
 
-/* 32 six-bit codes (0..63, standing for -32..31) times x block ``xb``, scaled: lanes 0-3
-   are the first sub-block of 16 (scale sc[0]), lanes 4-7 the second (sc[1]) */
+/* 32 six-bit codes (0..63, standing for -32..31) times x block ``xb``, each half of 16
+   times its own int8 scale, as 8 lanes. The byte products' pair sums (int16) have x's
+   pair sums times 32 taken off, and are then summed in pairs weighted by the scales
+   (vpmaddwd with the scales where plain pair sums take ones): every sum stays exact,
+   and one multiply by d times x's scale is left per block. ``scales``: the block's 16
+   scales; ``pick`` takes the two of this part, each 8 times. */
 static inline __m256 q6_k_part(__m256i codes, const rounded_x *x, int64_t xb, float d,
-                               const int8_t *sc) {
-    __m256i sum = dot_bytes(codes, load32(x->codes + X_BLOCK * xb));
-    sum = _mm256_sub_epi32(sum, _mm256_slli_epi32(load32(x->sums4 + 8 * xb), 5));
-    const float s = d * x->scales[xb];
-    const __m256 scale = _mm256_set_m128(_mm_set1_ps(s * (float)sc[1]), _mm_set1_ps(s * (float)sc[0]));
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(sum), scale);
+                               __m128i scales, __m128i pick) {
+    const __m256i v = load32(x->codes + X_BLOCK * xb);
+    const __m256i pairs = _mm256_sub_epi16(_mm256_maddubs_epi16(codes, v),
+                                           _mm256_maddubs_epi16(_mm256_set1_epi8(32), v));
+    const __m256i sum =
+        _mm256_madd_epi16(pairs, _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, pick)));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * x->scales[xb]));
+}
+
+/* byte ``2 * part`` eight times, then byte ``2 * part + 1`` eight times */
+static inline __m128i q6_k_pick(int part) {
+    return _mm_unpacklo_epi64(_mm_set1_epi8((char)(2 * part)), _mm_set1_epi8((char)(2 * part + 1)));
 }
 
 static float row_q6_k(const uint8_t *row, const rounded_x *x, int64_t blocks) {
     const __m256i nibble = _mm256_set1_epi8(0x0F), pair = _mm256_set1_epi8(0x30);
+    __m128i pick[8];
+    for (int part = 0; part < 8; part++) pick[part] = q6_k_pick(part);
     __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = row + 210 * b;
-        const int8_t *scales = (const int8_t *)(block + 192);
+        const __m128i scales = _mm_loadu_si128((const __m128i *)(block + 192));
         const float d = half_at(block + 208);
         for (int half = 0; half < 2; half++) {
             /* a half's 128 codes, 32 bytes at a time: values 32c .. 32c + 31 take low
@@ -205,14 +217,138 @@ static float row_q6_k(const uint8_t *row, const rounded_x *x, int64_t blocks) {
             codes[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), nibble),
                                        _mm256_and_si256(_mm256_srli_epi16(h, 2), pair));
             const int64_t first = 8 * b + 4 * half; /* the x block of codes[0] */
-            const int8_t *sc = scales + 8 * half;
-            even = _mm256_add_ps(even, q6_k_part(codes[0], x, first, d, sc));
-            odd = _mm256_add_ps(odd, q6_k_part(codes[1], x, first + 1, d, sc + 2));
-            even = _mm256_add_ps(even, q6_k_part(codes[2], x, first + 2, d, sc + 4));
-            odd = _mm256_add_ps(odd, q6_k_part(codes[3], x, first + 3, d, sc + 6));
+            const __m128i *p = pick + 4 * half;
+            even = _mm256_add_ps(even, q6_k_part(codes[0], x, first, d, scales, p[0]));
+            odd = _mm256_add_ps(odd, q6_k_part(codes[1], x, first + 1, d, scales, p[1]));
+            even = _mm256_add_ps(even, q6_k_part(codes[2], x, first + 2, d, scales, p[2]));
+            odd = _mm256_add_ps(odd, q6_k_part(codes[3], x, first + 3, d, scales, p[3]));
         }
     }
     return sum8(_mm256_add_ps(even, odd));
+}
+
+/* Eight rows at once, for the types whose blocks hold one scale each (Q4_0, Q8_0).
+   One row's block product is 8 int32 lanes; widening and scaling them one row at a time
+   (a convert, a scalar fp16 scale, a broadcast, a multiply-add) costs as much as the
+   byte products themselves. For eight rows the lanes are summed across (``lanes_of``),
+   so that lane r holds row r's block sum: then one convert, one vector of the eight
+   rows' fp16 scales and one multiply-add serve all eight, and x's codes are loaded
+   once for them. */
+
+/* s[r]'s eight lanes summed, as lane r */
+static inline __m256i lanes_of(const __m256i s[8]) {
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]),
+                                        _mm256_hadd_epi32(s[2], s[3]));
+    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]),
+                                        _mm256_hadd_epi32(s[6], s[7]));
+    /* a: rows 0-3 over lanes 0-3, then rows 0-3 over lanes 4-7; b: rows 4-7 */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                            _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* the fp16 scales at the start of eight rows' block ``offset`` bytes in */
+static inline __m256 scales_of(const uint8_t *rows, int64_t row_bytes, int64_t offset) {
+    uint16_t h[8];
+    for (int r = 0; r < 8; r++) memcpy(h + r, rows + r * row_bytes + offset, 2);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+}
+
+/* y[0..7] = eight rows from ``rows`` times x; Q4_0 (``bytes`` 18) or Q8_0 (34) */
+static inline __attribute__((always_inline)) void eight_rows_of_32s(
+    int type, const uint8_t *rows, int64_t row_bytes, const rounded_x *x,
+    const int32_t *block_sums, int64_t blocks, float *y) {
+    const int64_t bytes = type == 2 ? 18 : 34;
+    /* Eight rows read side by side are eight short streams, too short for the hardware
+       prefetcher to follow: the next eight rows are fetched ahead, a few lines a block. */
+    const uint8_t *next = rows + 8 * row_bytes;
+    const int64_t lines = (8 * row_bytes + 63) / 64, per_block = (lines + blocks - 1) / blocks;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t l = b * per_block; l < (b + 1) * per_block && l < lines; l++)
+            _mm_prefetch((const char *)(next + 64 * l), _MM_HINT_T0);
+        const __m256i v = load32(x->codes + X_BLOCK * b);
+        __m256i s[8];
+        for (int r = 0; r < 8; r++) {
+            const uint8_t *block = rows + r * row_bytes + bytes * b;
+            if (type == 2) {
+                const __m128i raw = _mm_loadu_si128((const __m128i *)(block + 2));
+                const __m256i w = _mm256_and_si256(
+                    _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+                s[r] = dot_bytes(w, v);
+            } else {
+                const __m256i w = load32(block + 2);
+                s[r] = dot_bytes(_mm256_sign_epi8(w, w), _mm256_sign_epi8(v, w));
+            }
+        }
+        __m256i sum = lanes_of(s);
+        if (type == 2) /* codes 0..15 stand for -8..7 */
+            sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(8 * block_sums[b]));
+        const __m256 scale =
+            _mm256_mul_ps(scales_of(rows, row_bytes, bytes * b), _mm256_set1_ps(x->scales[b]));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc);
+    }
+    _mm256_storeu_ps(y, acc);
+}
+
+static void eight_rows_q4_0(const uint8_t *rows, int64_t row_bytes, const rounded_x *x,
+                            const int32_t *block_sums, int64_t blocks, float *y) {
+    eight_rows_of_32s(2, rows, row_bytes, x, block_sums, blocks, y);
+}
+
+static void eight_rows_q8_0(const uint8_t *rows, int64_t row_bytes, const rounded_x *x,
+                            const int32_t *block_sums, int64_t blocks, float *y) {
+    eight_rows_of_32s(8, rows, row_bytes, x, block_sums, blocks, y);
+}
+
+/* Q6_K, eight rows: part ``part`` (0-3) of half ``half`` of block ``b`` of each row,
+   summed across as for Q4_0, then scaled by the rows' d times x's scale. */
+static inline __attribute__((always_inline)) __m256 q6_k_eight_part(
+    const uint8_t *rows, int64_t row_bytes, const rounded_x *x, int64_t b, int half, int part,
+    __m128i pick, __m256 d, __m256 acc) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F), pair = _mm256_set1_epi8(0x30);
+    const int64_t xb = 8 * b + 4 * half + part;
+    const __m256i v = load32(x->codes + X_BLOCK * xb);
+    const __m256i offset = _mm256_maddubs_epi16(_mm256_set1_epi8(32), v);
+    __m256i s[8];
+    for (int r = 0; r < 8; r++) {
+        const uint8_t *block = rows + r * row_bytes + 210 * b;
+        const __m256i l = load32(block + 64 * half + 32 * (part & 1));
+        const __m256i h = load32(block + 128 + 32 * half);
+        const __m256i low = part < 2 ? l : _mm256_srli_epi16(l, 4);
+        const __m256i high = part == 0   ? _mm256_slli_epi16(h, 4)
+                             : part == 1 ? _mm256_slli_epi16(h, 2)
+                             : part == 2 ? h
+                                         : _mm256_srli_epi16(h, 2);
+        const __m256i codes =
+            _mm256_or_si256(_mm256_and_si256(low, nibble), _mm256_and_si256(high, pair));
+        const __m128i scales = _mm_loadu_si128((const __m128i *)(block + 192));
+        s[r] = _mm256_madd_epi16(
+            _mm256_sub_epi16(_mm256_maddubs_epi16(codes, v), offset),
+            _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, pick)));
+    }
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes_of(s)),
+                           _mm256_mul_ps(d, _mm256_set1_ps(x->scales[xb])), acc);
+}
+
+static void eight_rows_q6_k(const uint8_t *rows, int64_t row_bytes, const rounded_x *x,
+                            int64_t blocks, float *y) {
+    const uint8_t *next = rows + 8 * row_bytes;
+    const int64_t lines = (8 * row_bytes + 63) / 64, per_block = (lines + blocks - 1) / blocks;
+    __m128i pick[8];
+    for (int part = 0; part < 8; part++) pick[part] = q6_k_pick(part);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t l = b * per_block; l < (b + 1) * per_block && l < lines; l++)
+            _mm_prefetch((const char *)(next + 64 * l), _MM_HINT_T0);
+        const __m256 d = scales_of(rows, row_bytes, 210 * b + 208);
+        for (int half = 0; half < 2; half++) {
+            acc = q6_k_eight_part(rows, row_bytes, x, b, half, 0, pick[4 * half], d, acc);
+            acc = q6_k_eight_part(rows, row_bytes, x, b, half, 1, pick[4 * half + 1], d, acc);
+            acc = q6_k_eight_part(rows, row_bytes, x, b, half, 2, pick[4 * half + 2], d, acc);
+            acc = q6_k_eight_part(rows, row_bytes, x, b, half, 3, pick[4 * half + 3], d, acc);
+        }
+    }
+    _mm256_storeu_ps(y, acc);
 }
 
 int gguf_int8_type(int type) { return type == 2 || type == 8 || type == 12 || type == 14; }
@@ -226,23 +362,46 @@ void gguf_linear_int8(int type, const float *x, int64_t m, int64_t k, const uint
     int8_t *codes = malloc((size_t)k);
     float *scales = malloc(sizeof(float) * (k / X_BLOCK) * 2);
     int32_t *sums4 = malloc(sizeof(int32_t) * (k / 4));
+    int32_t *block_sums = malloc(sizeof(int32_t) * (k / X_BLOCK));
     gguf_round_x(x, k, codes, scales, sums4, scales + k / X_BLOCK);
+    for (int64_t b = 0; b < k / X_BLOCK; b++) {
+        int32_t total = 0;
+        for (int i = 0; i < X_BLOCK / 4; i++) total += sums4[b * X_BLOCK / 4 + i];
+        block_sums[b] = total;
+    }
     const rounded_x rounded = {codes, scales, sums4, scales + k / X_BLOCK};
     const int64_t values = type == 12 || type == 14 ? 256 : 32;
     const int64_t blocks = k / values;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t o = 0; o < n; o++) {
-        const uint8_t *row = w + o * row_bytes;
-        float dot;
-        switch (type) {
-        case 2: dot = row_q4_0(row, &rounded, blocks); break;
-        case 8: dot = row_q8_0(row, &rounded, blocks); break;
-        case 12: dot = row_q4_k(row, &rounded, blocks); break;
-        default: dot = row_q6_k(row, &rounded, blocks); break;
+    /* Q4_0 and Q8_0 go eight rows at a time; the rest of their rows, and the other
+       types, one at a time */
+    const int64_t grouped = type == 2 || type == 8 || type == 14 ? n / 8 * 8 : 0;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static) nowait
+        for (int64_t g = 0; g < grouped / 8; g++) {
+            const uint8_t *rows = w + 8 * g * row_bytes;
+            if (type == 2)
+                eight_rows_q4_0(rows, row_bytes, &rounded, block_sums, blocks, y + 8 * g);
+            else if (type == 14)
+                eight_rows_q6_k(rows, row_bytes, &rounded, blocks, y + 8 * g);
+            else
+                eight_rows_q8_0(rows, row_bytes, &rounded, block_sums, blocks, y + 8 * g);
         }
-        y[o] = dot + (bias ? bias[o] : 0.0f);
+#pragma omp for schedule(static)
+        for (int64_t o = grouped; o < n; o++) {
+            const uint8_t *row = w + o * row_bytes;
+            switch (type) {
+            case 2: y[o] = row_q4_0(row, &rounded, blocks); break;
+            case 8: y[o] = row_q8_0(row, &rounded, blocks); break;
+            case 12: y[o] = row_q4_k(row, &rounded, blocks); break;
+            default: y[o] = row_q6_k(row, &rounded, blocks); break;
+            }
+        }
     }
+    if (bias)
+        for (int64_t o = 0; o < n; o++) y[o] += bias[o];
     free(codes);
     free(scales);
     free(sums4);
+    free(block_sums);
 }
