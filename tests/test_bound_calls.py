@@ -128,3 +128,41 @@ def test_an_op_on_a_copy_it_made_is_not_bound():
     dense.copy_(torch.randn(2, HIDDEN))
     bound()
     torch.testing.assert_close(out, dense @ panels.unpack(p).T, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_puts_each_row_where_index_copy_would(dtype):
+    cache = torch.randn(2, 9, KV_HEADS, HEAD_DIM).to(dtype)
+    fused = torch.randn(3, 3 * KV_HEADS * HEAD_DIM).to(dtype)  # a projection's output
+    key, value = (part.view(3, KV_HEADS, HEAD_DIM) for part in fused.split(32, dim=1)[1:])
+    assert not key.is_contiguous()  # rows a fused projection's width apart
+    slots = torch.tensor([4, -1, 0])  # -1: the spare last slot
+    expected = cache.clone()
+    expected[0].index_copy_(0, slots.remainder(9), key)
+    expected[1].index_copy_(0, slots.remainder(9), value)
+    torch.ops.updraft.write_kv(cache, key, value, slots)
+    assert torch.equal(cache, expected)
+
+
+@torch.inference_mode()
+def test_a_replayed_kv_write_takes_the_refreshed_rows_and_slots():
+    cache = torch.zeros(2, 16, KV_HEADS, HEAD_DIM)
+    x = torch.zeros(2, 2 * KV_HEADS * HEAD_DIM)
+    slots = torch.zeros(2, dtype=torch.long)
+
+    def step() -> None:
+        key, value = torch.tanh(x).view(2, 2, KV_HEADS, HEAD_DIM).unbind(1)
+        torch.ops.updraft.write_kv(cache, key, value, slots)
+
+    graph = RecordedGraph(constants=[], persistent=[cache, x, slots], compile_runs=True)
+    graph.capture(step)
+    assert any(isinstance(call, Launch) for segment in graph.segments() for call in segment)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x.copy_(torch.randn(x.shape, generator=generator))
+        slots.copy_(torch.randperm(16, generator=generator)[:2])
+        with Dispatched() as seen:
+            graph.replay([])
+        assert not [op for op in seen.ops if op.startswith("updraft.")]
+        key, value = torch.tanh(x).view(2, 2, KV_HEADS, HEAD_DIM).unbind(1)
+        assert torch.equal(cache[0, slots], key) and torch.equal(cache[1, slots], value)

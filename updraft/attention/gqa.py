@@ -15,6 +15,7 @@ import torch
 from updraft.attention.context_parallel import attention, step_rows
 from updraft.attention.loop import Attended, AttentionParams, InPlaceRows, attend_padded
 from updraft.attention.metadata import AttentionGroup, AttentionMetadata
+from updraft.kernels.ops import writes_kv_in_one_call
 
 
 class PagedKV(NamedTuple):
@@ -52,6 +53,9 @@ class PagedKV(NamedTuple):
 def write_kv(
     kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
+    if writes_kv_in_one_call(kv_cache, key, value):  # one C call, not two ops
+        torch.ops.updraft.write_kv(kv_cache, key, value, slot_mapping)
+        return
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     # index_copy_ rather than index_put_: the latter takes a slow parallel path on the
     # CPU. remainder() sends slot -1 to the spare last slot.

@@ -19,13 +19,19 @@ from typing import Any
 import torch
 
 from updraft.kernels.gguf_ops import gguf_linear_int8_launch, gguf_linear_launch
-from updraft.kernels.ops import Launch, paged_decode_attention_launch, panel_linear_launch
+from updraft.kernels.ops import (
+    Launch,
+    paged_decode_attention_launch,
+    panel_linear_launch,
+    write_kv_launch,
+)
 
 _LAUNCHES: dict[Any, Callable[..., Launch]] = {
     torch.ops.updraft.panel_linear.default: panel_linear_launch,
     torch.ops.updraft.paged_decode_attention.default: paged_decode_attention_launch,
     torch.ops.updraft.gguf_linear.default: gguf_linear_launch,
     torch.ops.updraft.gguf_linear_int8.default: gguf_linear_int8_launch,
+    torch.ops.updraft.write_kv.default: write_kv_launch,
 }
 
 
@@ -37,10 +43,11 @@ def has_bound_call(func: Any) -> bool:
 def bound_call(
     func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], outputs: list[torch.Tensor]
 ) -> Callable[[], Any] | None:
-    """``func`` on ``args`` as one C call writing into ``outputs``, or None where it
-    cannot be bound."""
+    """``func`` on ``args`` as one C call writing into ``outputs`` (none for an op that
+    writes its arguments in place: the recorded graph keeps no outputs for those), or None
+    where it cannot be bound."""
     make = _LAUNCHES.get(func)
-    if make is None or not outputs:
+    if make is None:
         return None
-    launch = make(*args, **kwargs, out=tuple(outputs))
+    launch = make(*args, **kwargs, out=tuple(outputs) or None)
     return None if launch.copied_inputs else launch

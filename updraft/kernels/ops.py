@@ -59,6 +59,8 @@ def _attention_library() -> ctypes.CDLL:
     lib.paged_decode_attention.argtypes = (
         [_POINTER] * 8 + [_INT] * 9 + [ctypes.c_float, ctypes.c_int]
     )
+    lib.write_kv.restype = None
+    lib.write_kv.argtypes = [_POINTER, _INT, _INT, _POINTER, _INT, _POINTER, _INT, _POINTER, _INT]
     return lib
 
 
@@ -289,6 +291,77 @@ def paged_decode_attention_launch(
     )
 
 
+def writes_kv_in_one_call(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether ``write_kv`` takes these: a contiguous CPU cache [2, slots, heads, dim],
+    and keys and values of its dtype whose rows are [heads, dim] laid out as the cache's
+    (rows may be strided: views of a fused projection's output)."""
+    row = kv_cache.shape[2:]
+    return (
+        kv_cache.device.type == "cpu"
+        and kv_cache.dim() == 4
+        and kv_cache.is_contiguous()
+        and kernel_builds("paged_attention")
+        and all(
+            t.dtype == kv_cache.dtype
+            and t.device == kv_cache.device
+            and t.dim() == 3
+            and t.shape[1:] == row
+            and t.stride()[1:] == kv_cache.stride()[2:]
+            for t in (key, value)
+        )
+    )
+
+
+def write_kv(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """In place: key[i] and value[i] [heads, dim] into slot ``slot_mapping[i]`` (modulo
+    the slots, so -1 is the spare last one) of the key and value halves of ``kv_cache``
+    [2, slots, heads, dim]; one C call for both (``writes_kv_in_one_call`` says which
+    tensors it takes)."""
+    write_kv_launch(kv_cache, key, value, slot_mapping)()
+
+
+def write_kv_launch(
+    kv_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    out: tuple[torch.Tensor, ...] | None = None,
+) -> Launch:
+    """``write_kv``'s checked call (``out``, for the bound-call registry, is unused: the
+    op writes the cache it is given)."""
+    op = "write_kv"
+    _check(writes_kv_in_one_call(kv_cache, key, value), op, "keys and values shaped as the cache")
+    _check(
+        slot_mapping.dtype == torch.int64
+        and slot_mapping.dim() == 1
+        and slot_mapping.shape[0] == key.shape[0] == value.shape[0],
+        op,
+        "an int64 slot per key and value row",
+    )
+    given = slot_mapping
+    slot_mapping = slot_mapping.contiguous()
+    size = kv_cache.element_size()
+    return Launch(
+        _attention_library().write_kv,
+        (
+            kv_cache.data_ptr(),
+            kv_cache.shape[1],
+            kv_cache.stride(1) * size,
+            key.data_ptr(),
+            key.stride(0) * size,
+            value.data_ptr(),
+            value.stride(0) * size,
+            slot_mapping.data_ptr(),
+            key.shape[0],
+        ),
+        (kv_cache,),
+        (kv_cache, key, value, slot_mapping),
+        slot_mapping is not given,
+    )
+
+
 def paged_latent_attention(
     query: torch.Tensor,
     latent_cache: torch.Tensor,
@@ -495,6 +568,11 @@ _LIBRARY.define(
     "-> (Tensor, Tensor)"
 )
 _LIBRARY.impl("paged_latent_attention", paged_latent_attention, "CPU")
+_LIBRARY.define(
+    "write_kv(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slot_mapping) -> ()"
+)
+_LIBRARY.impl("write_kv", write_kv, "CPU")
+_LIBRARY.impl("write_kv", lambda kv_cache, key, value, slot_mapping: None, "Meta")
 
 
 def _attention_meta(

@@ -135,3 +135,19 @@ void paged_decode_attention(const float *query, const float *key_cache,
         free(slots);
     }
 }
+
+/* The step's keys and values into the cache: row i of ``key`` and of ``value`` (each
+   ``row_bytes`` long, ``key_stride`` / ``value_stride`` bytes apart) goes to slot
+   slot_mapping[i] modulo ``slots`` of the key and the value cache (each ``slots`` rows
+   of ``row_bytes``, one after the other). The modulo is Python's: slot -1, a padding
+   row's, is the spare last slot, and no slot lies outside the cache. */
+void write_kv(char *cache, int64_t slots, int64_t row_bytes, const char *key,
+              int64_t key_stride, const char *value, int64_t value_stride,
+              const int64_t *slot_mapping, int64_t rows) {
+    char *value_cache = cache + slots * row_bytes;
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t slot = ((slot_mapping[i] % slots) + slots) % slots;
+        memcpy(cache + slot * row_bytes, key + i * key_stride, (size_t)row_bytes);
+        memcpy(value_cache + slot * row_bytes, value + i * value_stride, (size_t)row_bytes);
+    }
+}
