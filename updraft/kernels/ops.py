@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 import torch
@@ -138,8 +138,19 @@ class Launch:
     reads: tuple[torch.Tensor | None, ...]
     copied_inputs: bool
 
+    def __post_init__(self) -> None:
+        # Each argument made its C type once: ctypes would otherwise convert every Python
+        # int again at each call, about half of a small launch's cost.
+        types = getattr(self.function, "argtypes", None)
+        arguments = (
+            self.arguments
+            if not types
+            else tuple(kind(value) for kind, value in zip(types, self.arguments, strict=True))
+        )
+        object.__setattr__(self, "_call", partial(self.function, *arguments))
+
     def __call__(self) -> Any:
-        self.function(*self.arguments)
+        self._call()
         return self.outputs
 
 
@@ -299,6 +310,7 @@ def writes_kv_in_one_call(kv_cache: torch.Tensor, key: torch.Tensor, value: torc
     return (
         kv_cache.device.type == "cpu"
         and kv_cache.dim() == 4
+        and kv_cache.shape[1] > 0  # the kernel takes slots modulo their number
         and kv_cache.is_contiguous()
         and kernel_builds("paged_attention")
         and all(
@@ -335,6 +347,7 @@ def write_kv_launch(
     _check(writes_kv_in_one_call(kv_cache, key, value), op, "keys and values shaped as the cache")
     _check(
         slot_mapping.dtype == torch.int64
+        and slot_mapping.device.type == "cpu"
         and slot_mapping.dim() == 1
         and slot_mapping.shape[0] == key.shape[0] == value.shape[0],
         op,
