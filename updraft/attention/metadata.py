@@ -9,9 +9,9 @@ builds from the rank's place and, for a prefill split, from the step. The gather
 and masks are derived from the tensors, once per step, on the first layer's call: eager
 and captured forwards run the same code, and a stale tensor shows up in the output.
 
-Requests are split into groups of one shape class (all decodes; the rest) so that one
-padded attention call serves each group without padding every decode up to the longest
-prefill.
+Requests are split into groups of one shape class (all decodes; the rest, in runs of
+similar length) so that one padded attention call serves each group without padding
+every decode up to the longest prefill, or a short prompt up to a long one.
 
 Two sizes of a block: ``positions_per_block`` is how many positions of a sequence one
 block-table entry covers, as the scheduler counts them; ``slots_per_block`` is how many
@@ -437,22 +437,51 @@ def _local_count(positions: torch.Tensor, shard: GroupRank) -> torch.Tensor:
     )
 
 
+# A group's padded attention (requests x longest query x longest context) may cost at
+# most this many times what its requests' own queries and contexts would: past it, the
+# next request starts a group of its own.
+MAX_PADDING = 1.5
+
+
 def group_shapes(step: ForwardInputs) -> tuple[GroupShape, ...]:
+    """The decodes as one group; the other requests in contiguous groups whose padding
+    stays within ``MAX_PADDING`` (a chunk of prompts of 16 to 256 tokens, padded as one
+    group, attends over several times the positions its prompts have)."""
     query_lens = step.query_lens
     query_start_loc = step.query_starts
     seq_lens = step.seq_lens.tolist()
     num_real = sum(1 for n in query_lens if n > 0)
-    shapes = []
-    for first, last in ((0, step.num_decodes), (step.num_decodes, num_real)):
-        if first < last:
-            shapes.append(
-                GroupShape(
-                    first_req=first,
-                    last_req=last,
-                    first_token=query_start_loc[first],
-                    last_token=query_start_loc[last],
-                    max_query=max(query_lens[first:last]),
-                    max_context=max(seq_lens[first:last]),
-                )
-            )
-    return tuple(shapes)
+    ranges = [(0, step.num_decodes)] if step.num_decodes else []
+    ranges += similar_length_runs(query_lens, seq_lens, step.num_decodes, num_real)
+    return tuple(
+        GroupShape(
+            first_req=first,
+            last_req=last,
+            first_token=query_start_loc[first],
+            last_token=query_start_loc[last],
+            max_query=max(query_lens[first:last]),
+            max_context=max(seq_lens[first:last]),
+        )
+        for first, last in ranges
+    )
+
+
+def similar_length_runs(
+    query_lens: list[int], seq_lens: list[int], first: int, last: int
+) -> list[tuple[int, int]]:
+    """Requests [first, last) as contiguous ranges, each padded to its longest query and
+    context at most ``MAX_PADDING`` times the work of its requests alone."""
+    ranges: list[tuple[int, int]] = []
+    start, longest_query, longest_context, own = first, 0, 0, 0
+    for index in range(first, last):
+        query, context = query_lens[index], seq_lens[index]
+        padded_query, padded_context = max(longest_query, query), max(longest_context, context)
+        padded = (index - start + 1) * padded_query * padded_context
+        if index > start and padded > MAX_PADDING * (own + query * context):
+            ranges.append((start, index))
+            start, padded_query, padded_context, own = index, query, context, 0
+        longest_query, longest_context = padded_query, padded_context
+        own += query * context
+    if start < last:
+        ranges.append((start, last))
+    return ranges
