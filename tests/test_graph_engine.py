@@ -27,7 +27,8 @@ PROMPTS = [list(range(3, 10)), [200, 17], list(range(40, 77)), [5] * 9]
 def test_graph_replay_matches_eager_through_the_engine(tiny_checkpoint, compile_graphs):
     kind, model_dir = tiny_checkpoint
     params = greedy(20)
-    args = dict(block_size=4, num_kv_blocks=128, capture_sizes=(1, 2, 4))
+    # Prefills stay eager (capture_tokens=()): test_graph_prefill.py replays them.
+    args = dict(block_size=4, num_kv_blocks=128, capture_sizes=(1, 2, 4), capture_tokens=())
     eager = probed(model_dir, enforce_eager=True, **args)
     graph = probed(model_dir, enforce_eager=False, compile_graphs=compile_graphs, **args)
     # Requests join and leave: different lengths finish at different steps.

@@ -837,6 +837,12 @@ class EngineConfig:
     capture_sizes: tuple[int, ...] = setting(
         (1, 2, 4, 8, 16, 32, 64), "batch sizes of captured steps, comma-separated"
     )
+    capture_tokens: tuple[int, ...] = setting(
+        (16, 32, 64, 128, 256),
+        "token counts of captured mixed steps (prefill chunks, alone or beside decodes), "
+        "comma-separated: such a step replays the smallest at least its size, its matrix "
+        "products over its own tokens only; larger ones run eagerly",
+    )
     sanitize: bool = setting(
         False,
         "check every graph replay against eager on a copy of the KV cache (copies the "
@@ -912,6 +918,8 @@ class EngineConfig:
             )
         if not self.capture_sizes or min(self.capture_sizes) < 1:
             raise ValueError(f"capture_sizes must be sizes >= 1, got {self.capture_sizes}")
+        if self.capture_tokens and min(self.capture_tokens) < 1:
+            raise ValueError(f"capture_tokens must be sizes >= 1, got {self.capture_tokens}")
         if self.speculative_model is not None and self.speculative_method is None:
             self.speculative_method = "draft"
         if self.speculative_method == "eagle" and self.speculative_model is None:

@@ -38,7 +38,14 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._pytree import tree_map
 
-from updraft.graph.recorded_nodes import OpNode, TaskNode, bind, storage_of, tensors_in
+from updraft.graph.recorded_nodes import (
+    OpNode,
+    TaskNode,
+    TokenRows,
+    bind,
+    storage_of,
+    tensors_in,
+)
 from updraft.kernels.bound_calls import has_bound_call
 
 logger = logging.getLogger(__name__)
@@ -56,33 +63,46 @@ def compilable(node: OpNode) -> bool:
     )
 
 
+def replay_calls(nodes: Sequence[OpNode | TaskNode]) -> list[list[int]]:
+    """The recorded nodes' indices as the calls a compiled replay makes: each run of
+    compilable ops one call, every other node (a task, a bound op) one of its own."""
+    calls: list[list[int]] = []
+    run: list[int] = []
+    for index, node in enumerate(nodes):
+        if isinstance(node, OpNode) and compilable(node):
+            run.append(index)
+            continue
+        if run:
+            calls.append(run)
+            run = []
+        calls.append([index])
+    if run:
+        calls.append(run)
+    return calls
+
+
 def compiled_segments(
-    nodes: Sequence[OpNode | TaskNode], output_storages: set[int]
+    nodes: Sequence[OpNode | TaskNode],
+    output_storages: set[int],
+    token_rows: TokenRows | None = None,
 ) -> list[list[Callable[[], Any]]]:
     """The replay segments of a recorded graph (segment i runs before task i), with each
-    run of compilable ops as one compiled call and every other op bound as recorded."""
+    run of compilable ops as one compiled call and every other op bound as recorded
+    (``bind``, with ``token_rows``)."""
     last_read = _last_reads(nodes, output_storages)
     segments: list[list[Callable[[], Any]]] = [[]]
-    run: list[OpNode] = []
-
-    def close_run(end: int) -> None:
-        if sum(node.rerun for node in run) >= MIN_OPS_PER_RUN:
-            segments[-1].append(_compiled_run(run, last_read, end))
-        else:
-            segments[-1].extend(bind(node) for node in run if node.rerun)
-        run.clear()
-
-    for index, node in enumerate(nodes):
-        if isinstance(node, TaskNode):
-            close_run(index)
+    for call in replay_calls(nodes):
+        first = nodes[call[0]]
+        if isinstance(first, TaskNode):
             segments.append([])
-        elif compilable(node):
-            run.append(node)
-        else:
-            close_run(index)
-            if node.rerun:
-                segments[-1].append(bind(node))
-    close_run(len(nodes))
+        elif len(call) > 1 or compilable(first):
+            run = [nodes[index] for index in call]
+            if sum(node.rerun for node in run) >= MIN_OPS_PER_RUN:
+                segments[-1].append(_compiled_run(run, last_read, call[-1] + 1))
+            else:
+                segments[-1].extend(bind(node) for node in run if node.rerun)
+        elif first.rerun:
+            segments[-1].append(bind(first, token_rows))
     return segments
 
 

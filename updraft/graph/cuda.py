@@ -89,7 +89,8 @@ class CudaGraph:
         self._begin_segment()
         return out
 
-    def replay(self, task_params: list[dict[str, Any]]) -> None:
+    def replay(self, task_params: list[dict[str, Any]], live_rows: int | None = None) -> None:
+        """``live_rows`` is not read: a device graph runs every captured row."""
         host_tasks = []
         for task, params in zip(self.tasks, task_params, strict=True):
             if not task.in_graph:

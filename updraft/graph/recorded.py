@@ -24,10 +24,12 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from updraft.graph.compiled_runs import compiled_segments
+from updraft.graph.arena import place_in_arena
+from updraft.graph.compiled_runs import compiled_segments, replay_calls
 from updraft.graph.recorded_nodes import (
     OpNode,
     TaskNode,
+    TokenRows,
     bind,
     find_out_variant,
     storage_of,
@@ -72,7 +74,8 @@ class RecordedGraph:
     them and that never change between replays of a step (weights); ``persistent`` are
     tensors it may read and write that live across steps (KV cache, static inputs).
     ``compile_runs`` replays the stretches of ops between tasks as inductor-compiled
-    kernels (``compiled_runs.py``) instead of op by op."""
+    kernels (``compiled_runs.py``) instead of op by op. ``token_rows``: the token rows a
+    mixed step is captured over, of which each replay may fill fewer (``replay``)."""
 
     def __init__(
         self,
@@ -80,6 +83,7 @@ class RecordedGraph:
         persistent: Iterable[torch.Tensor],
         module_names: dict[int, str] | None = None,
         compile_runs: bool = False,
+        token_rows: int | None = None,
     ) -> None:
         self.constant_storages = {storage_of(t) for t in constants}
         # What ops on constants alone produced (an arange, a mask of aranges): kept
@@ -95,7 +99,9 @@ class RecordedGraph:
         self.module_stack: list[str] = []
         self.undeclared: list[str] = []
         self.compile_runs = compile_runs
+        self.token_rows = None if token_rows is None else TokenRows(token_rows)
         self.output_storages: set[int] = set()
+        self.arena: torch.Tensor | None = None  # the produced tensors' memory (arena.py)
         self._segments: list[list[Callable[[], Any]]] | None = None
 
     @property
@@ -123,12 +129,30 @@ class RecordedGraph:
                 + "\n  ".join(self.undeclared)
             )
         self.output_storages = {storage_of(tensor) for tensor in tensors_in(out)}
+        self.arena = place_in_arena(self.nodes, self._calls(), self._movable())
         if self.compile_runs:  # compile now: the first replay should not pay for it
             self.segments()
             # The compiled runs hold the tensors they read and write; what the fused ops
             # produced in between was only held by their nodes, and can go.
             self.nodes = []
         return out
+
+    def _movable(self) -> set[int]:
+        """The storages the graph produced for itself: not returned, not a view of a
+        weight, the KV cache or an input; each is rewritten at every replay before it is
+        read, so it may share memory with any whose replay calls it does not meet."""
+        kept = self.output_storages | self.constant_storages | self.persistent_storages
+        return {storage for storage in self.produced - kept if storage != 0}
+
+    def _calls(self) -> list[int]:
+        """For each node, the replay call it runs in (a compiled run is one call)."""
+        if not self.compile_runs:
+            return list(range(len(self.nodes)))
+        calls = [0] * len(self.nodes)
+        for number, call in enumerate(replay_calls(self.nodes)):
+            for index in call:
+                calls[index] = number
+        return calls
 
     def _enter(self, module: torch.nn.Module, _inputs: Any) -> None:
         self.module_stack.append(self.module_names.get(id(module), type(module).__name__))
@@ -190,21 +214,27 @@ class RecordedGraph:
         before task i, and the last segment after the last task. Built once."""
         if self._segments is None:
             if self.compile_runs:
-                self._segments = compiled_segments(self.nodes, self.output_storages)
+                self._segments = compiled_segments(
+                    self.nodes, self.output_storages, self.token_rows
+                )
             else:
                 self._segments = [[]]
                 for node in self.nodes:
                     if isinstance(node, TaskNode):
                         self._segments.append([])
                     elif node.rerun:
-                        self._segments[-1].append(bind(node))
+                        self._segments[-1].append(bind(node, self.token_rows))
         return self._segments
 
     def check(self, task_params: list[dict[str, Any]]) -> None:
         """Nothing to check: a re-run task takes whatever its provider resolves."""
 
-    def replay(self, task_params: list[dict[str, Any]]) -> None:
-        """Re-run the recorded ops; ``task_params[i]`` updates the kwargs of task i."""
+    def replay(self, task_params: list[dict[str, Any]], live_rows: int | None = None) -> None:
+        """Re-run the recorded ops; ``task_params[i]`` updates the kwargs of task i.
+        ``live_rows``: of a mixed step's token rows, how many hold its tokens (the row-wise
+        kernels run over those alone)."""
+        if self.token_rows is not None:
+            self.token_rows.live = self.token_rows.captured if live_rows is None else live_rows
         for i, segment in enumerate(self.segments()):
             for call in segment:
                 call()

@@ -68,13 +68,28 @@ def storage_of(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
 
-def bind(node: OpNode) -> Callable[[], Any]:
+class TokenRows:
+    """How many of a captured step's token rows hold tokens at the replay under way: a
+    mixed step's graph is captured over ``captured`` rows and replayed over a step of
+    ``live`` of them, the rest padding. The graph that owns it sets ``live`` before
+    each replay; its row-wise kernels over exactly ``captured`` rows read it."""
+
+    def __init__(self, captured: int) -> None:
+        self.captured = self.live = captured
+
+
+def bind(node: OpNode, token_rows: TokenRows | None = None) -> Callable[[], Any]:
     """One recorded op as a call with no arguments that leaves its result in the
     captured output tensors: one of updraft's kernels as its C call, bound once
     (``kernels/bound_calls.py``), any other op through the dispatcher (``_op`` skips
-    the Python wrapper of ``OpOverload``)."""
+    the Python wrapper of ``OpOverload``). With ``token_rows``, a kernel whose rows are
+    independent and are the step's tokens runs over the live ones only: a padded row's
+    output is never read into a live row's (attention skips padded requests), so a
+    prefill padded to its bucket pays the matrix products of its own tokens."""
     native = bound_call(node.func, node.args, node.kwargs, node.outputs)
     if native is not None:
+        if token_rows is not None and native.rows == token_rows.captured:
+            return lambda: native.leading_rows(token_rows.live)
         return native
     if node.out_variant is not None:
         return partial(node.out_variant._op, *node.args, **node.kwargs, out=node.outputs[0])

@@ -30,13 +30,17 @@ class UpdatableGraph:
         backend: Any,
         inputs: Sequence[StaticInput],
         metadata: Callable[[Any], Any],
+        live_rows: Callable[[Any], int] | None = None,
     ) -> None:
+        """``live_rows``: how many of the captured token rows a step fills, for a backend
+        whose row-wise kernels may skip the rest (a mixed step padded to its bucket)."""
         names = [static_input.name for static_input in inputs]
         if len(set(names)) != len(names):
             raise ValueError(f"static input names repeat: {names}")
         self.backend = backend
         self.inputs = list(inputs)
         self.metadata = metadata
+        self.live_rows = live_rows
         self.output: Any = None
         self.task_keys: list[frozenset[str]] = []
 
@@ -72,9 +76,10 @@ class UpdatableGraph:
             self.backend.check(params)
         except (TypeError, ValueError) as error:
             raise GraphReplayError(str(error)) from error
+        rows = None if self.live_rows is None else self.live_rows(step)
         for static_input, value in zip(self.inputs, values, strict=True):
             static_input.refresh(value)
-        self.backend.replay(params)
+        self.backend.replay(params, rows)
         return self.output
 
     def _resolve(self, metadata: Any) -> list[dict[str, Any]]:

@@ -137,6 +137,10 @@ class Launch:
     outputs: tuple[torch.Tensor, ...]
     reads: tuple[torch.Tensor | None, ...]
     copied_inputs: bool
+    # Where the arguments hold the row count of a call whose rows are independent of
+    # each other (row r of the output reads row r of the input alone), so that the call
+    # may run over leading rows only (``leading_rows``).
+    rows_argument: int | None = None
 
     def __post_init__(self) -> None:
         # Each argument made its C type once: ctypes would otherwise convert every Python
@@ -147,11 +151,26 @@ class Launch:
             if not types
             else tuple(kind(value) for kind, value in zip(types, self.arguments, strict=True))
         )
+        object.__setattr__(self, "_converted", arguments)
         object.__setattr__(self, "_call", partial(self.function, *arguments))
 
     def __call__(self) -> Any:
         self._call()
         return self.outputs
+
+    @property
+    def rows(self) -> int | None:
+        """The rows the launch runs over, where they are independent, else None."""
+        return None if self.rows_argument is None else self.arguments[self.rows_argument]
+
+    def leading_rows(self, rows: int) -> None:
+        """The call over its first ``rows`` rows only (at most ``self.rows``): the other
+        rows of its outputs keep what they held."""
+        index = self.rows_argument
+        if index is None or not 0 <= rows <= self.arguments[index]:
+            raise ValueError(f"a launch over {self.rows} rows cannot run over {rows}")
+        arguments = self._converted
+        self.function(*arguments[:index], rows, *arguments[index + 1 :])
 
 
 def _check_codes(op: str, codes: torch.Tensor, scales, zeros, fmt: int, group: int) -> None:
@@ -247,6 +266,7 @@ def panel_linear_launch(
         (result,),
         (x, codes, scales, zeros, bias),
         reads_copies(given, (x, bias)),
+        rows_argument=9,
     )
 
 

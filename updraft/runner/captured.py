@@ -40,11 +40,21 @@ ATTENTION_INPUTS = ("slot_mapping", "block_table", "seq_lens", "query_start_loc"
 
 class Bucket(NamedTuple):
     """``requests`` requests of ``query_len`` tokens each; with ``loop``, the greedy
-    draft loop over ``requests`` requests."""
+    draft loop over ``requests`` requests; with ``tokens`` (and query length 0), a mixed
+    step: up to ``requests`` requests of any query lengths, ``tokens`` tokens in all."""
 
     requests: int
     query_len: int
     loop: bool = False
+    tokens: int = 0
+
+    @property
+    def mixed(self) -> bool:
+        return self.tokens > 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens if self.mixed else self.requests * self.query_len
 
     @property
     def shape(self) -> dict[str, int]:
@@ -77,6 +87,7 @@ class CapturedSteps:
         context: ContextSplit = NO_SPLIT,
         owner: str = "target",
         draft_loop_depth: int = 0,
+        mixed_tokens: tuple[int, ...] = (),
     ) -> None:
         """``full``: the query lengths whose graphs capture attention inside them,
         shaped by the bucket (``AttentionMetadata.bucket``), instead of as tasks between
@@ -86,7 +97,9 @@ class CapturedSteps:
         beyond ``GRAPH_INPUTS`` reach the model as keyword arguments. ``owner``: which
         runner's graphs these are, in the names of their static inputs.
         ``draft_loop_depth`` > 1: also capture the greedy draft loop of that many drafts,
-        one bucket per size."""
+        one bucket per size. ``mixed_tokens``: the token counts of mixed steps to capture
+        (prefill chunks, alone or beside decodes), each of up to as many requests as the
+        largest size; their attention is always a task, resolved from each step."""
         self.model, self.kv_caches = model, kv_caches
         self.positions_per_block, self.context = positions_per_block, context
         self.max_blocks = max_blocks_per_request
@@ -96,40 +109,62 @@ class CapturedSteps:
         self.other_sizes = sizes_of_dims or {}
         self.owner, self.draft_loop_depth = owner, draft_loop_depth
         buckets = [Bucket(size, q) for q in self.query_lens for size in self.sizes]
+        self.mixed = [
+            Bucket(min(self.sizes[-1], tokens), 0, tokens=tokens)
+            for tokens in sorted(set(mixed_tokens))
+        ]
+        buckets += self.mixed
         if draft_loop_depth > 1:
             buckets += [Bucket(size, 1, loop=True) for size in self.sizes]
-        largest = {False: Bucket(self.sizes[-1], self.query_lens[-1])}
-        if draft_loop_depth > 1:
-            largest[True] = Bucket(self.sizes[-1], 1, loop=True)
         self.buffers = {
-            loop: input_buffers(self._specs(loop), self._sizes(bucket), dtype, device)
-            for loop, bucket in largest.items()
+            loop: input_buffers(self._specs(loop), self._largest(buckets, loop), dtype, device)
+            for loop in {bucket.loop for bucket in buckets}
         }
         # CUDA buckets share one memory pool; the CPU records ops instead.
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.graphs: dict[Bucket, Captured] = {}
         with torch.inference_mode():
             # Most tokens first, as a device memory pool wants.
-            for bucket in sorted(buckets, key=lambda b: b.requests * b.query_len, reverse=True):
+            for bucket in sorted(buckets, key=attrgetter("num_tokens"), reverse=True):
                 self.graphs[bucket] = self._capture(bucket)
 
     def _specs(self, loop: bool) -> tuple[GraphInput, ...]:
         return DRAFT_LOOP_INPUTS if loop else self.specs
 
     def _sizes(self, bucket: Bucket) -> dict[str, int]:
-        tokens = bucket.requests * bucket.query_len
-        return sizes_for(tokens, bucket.requests, blocks=self.max_blocks, **self.other_sizes)
+        return sizes_for(
+            bucket.num_tokens, bucket.requests, blocks=self.max_blocks, **self.other_sizes
+        )
+
+    def _largest(self, buckets: list[Bucket], loop: bool) -> dict[str, int]:
+        """The sizes of the buffers the buckets of a kind share: each of its dims at the
+        most any of them reads."""
+        kind = [bucket for bucket in buckets if bucket.loop == loop]
+        return sizes_for(
+            max(bucket.num_tokens for bucket in kind),
+            max(bucket.requests for bucket in kind),
+            blocks=self.max_blocks,
+            **self.other_sizes,
+        )
 
     def bucket_for(self, step: ForwardInputs) -> Bucket | None:
         query_lens = step.query_lens
-        if (
-            not query_lens
-            or query_lens[0] not in self.query_lens
-            or step.num_reqs > self.sizes[-1]
-            or any(n != query_lens[0] for n in query_lens)
-        ):
+        if not query_lens:
             return None
-        return Bucket(next(size for size in self.sizes if size >= step.num_reqs), query_lens[0])
+        if (
+            query_lens[0] in self.query_lens
+            and step.num_reqs <= self.sizes[-1]
+            and all(n == query_lens[0] for n in query_lens)
+        ):
+            return Bucket(next(size for size in self.sizes if size >= step.num_reqs), query_lens[0])
+        return next(
+            (
+                bucket
+                for bucket in self.mixed
+                if bucket.tokens >= step.num_tokens and bucket.requests >= step.num_reqs
+            ),
+            None,
+        )
 
     def loop_bucket_for(self, num_reqs: int) -> Bucket | None:
         if self.draft_loop_depth < 2 or not 0 < num_reqs <= self.sizes[-1]:
@@ -141,7 +176,7 @@ class CapturedSteps:
         if step.num_reqs > self.sizes[-1]:
             return "batch above the largest capture size"
         if not any(num_drafts) and step.num_decodes < step.num_reqs:
-            return "prefill"
+            return "prefill" if not self.mixed else "prefill above the largest captured tokens"
         if any(n != step.query_lens[0] for n in step.query_lens):
             return "mixed query lengths"
         return f"query length {step.query_lens[0]} not captured"
@@ -149,11 +184,14 @@ class CapturedSteps:
     def run(self, inputs: ForwardInputs | DraftLoopInputs, bucket: Bucket) -> Any:
         """What the bucket's forward returns, by replay from ``inputs``: views of the
         graph's outputs, valid until the next replay. A step's are (hidden states,
-        logits) of its tokens; a loop's its drafts [requests, depth]."""
+        logits) of its tokens, a mixed step's (hidden states, None): only the rows that
+        sample need logits; a loop's its drafts [requests, depth]."""
         captured = self.graphs[bucket]
         captured.graph.replay(inputs)
         if bucket.loop:
             return captured.outputs[: inputs.num_reqs]
+        if bucket.mixed:
+            return captured.outputs[: inputs.num_tokens], None
         hidden, logits = captured.outputs
         return hidden[: inputs.num_tokens], logits[: inputs.num_tokens]
 
@@ -187,7 +225,7 @@ class CapturedSteps:
                 return greedy_drafts(model, kv_caches, loop, depth, positions_per_block, context)
 
         else:
-            if bucket.query_len in self.full:  # attention shaped by the bucket, whole
+            if not bucket.mixed and bucket.query_len in self.full:  # attention bucket-shaped
                 shapes = AttentionMetadata.bucket(
                     positions_per_block, **attention, **bucket.shape, context=context
                 )
@@ -196,14 +234,22 @@ class CapturedSteps:
             standard = {spec.name for spec in GRAPH_INPUTS}
             extra = {name: tensor for name, tensor in tensors.items() if name not in standard}
 
-            def forward() -> tuple[torch.Tensor, torch.Tensor]:
+            def forward() -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
                 hidden = model(
                     tensors["input_ids"], tensors["positions"], kv_caches, shapes, **extra
                 )
-                return hidden, model.compute_logits(hidden)
+                return hidden if bucket.mixed else (hidden, model.compute_logits(hidden))
 
-        backend = graph_backend(model, kv_caches, inputs.values(), self.pool, self.compile_runs)
-        graph = UpdatableGraph(backend, list(inputs.values()), metadata)
+        backend = graph_backend(
+            model,
+            kv_caches,
+            inputs.values(),
+            self.pool,
+            self.compile_runs,
+            token_rows=sizes["tokens"] if bucket.mixed else None,
+        )
+        live_rows = attrgetter("num_tokens") if bucket.mixed else None
+        graph = UpdatableGraph(backend, list(inputs.values()), metadata, live_rows)
         return Captured(graph, graph.capture(forward, empty), inputs)
 
 
@@ -245,14 +291,16 @@ def graph_backend(
     inputs: Iterable[StaticInput],
     pool: object | None,
     compile_runs: bool,
+    token_rows: int | None = None,
 ) -> RecordedGraph | CudaGraph:
     """The backend that captures ``model``'s forward over ``inputs``: CUDA graphs in
-    ``pool`` on a GPU, else recorded ops (with runs compiled by inductor)."""
+    ``pool`` on a GPU, else recorded ops (with runs compiled by inductor; a mixed step's,
+    over ``token_rows`` rows, runs its row-wise kernels over each step's own)."""
     declared = dict(
         constants=[*model.parameters(), *model.buffers()],
         persistent=[*kv_caches, *(i.buffer for i in inputs)],
         module_names={id(m): name or "model" for name, m in model.named_modules()},
     )
     if pool is None:
-        return RecordedGraph(**declared, compile_runs=compile_runs)
+        return RecordedGraph(**declared, compile_runs=compile_runs, token_rows=token_rows)
     return CudaGraph(**declared, pool=pool)

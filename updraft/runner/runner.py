@@ -156,6 +156,9 @@ class Runner:
             context=self.context,
             owner=self.name,
             draft_loop_depth=draft_loop_depth,
+            mixed_tokens=tuple(
+                n for n in self.config.capture_tokens if n <= self.config.max_num_batched_tokens
+            ),
         )
 
     def _full_graphs(self, query_lens: tuple[int, ...]) -> frozenset[int]:
@@ -248,12 +251,18 @@ class Runner:
         if self.send is not None:
             self.send(step_message(self.name, inputs, hidden_from))
         step = inputs.forward
-        bucket = None if self.captured is None else self.captured.bucket_for(step)
+        split = self._prefill_split(step)  # a split step runs eagerly, each rank its part
+        bucket = (
+            None if self.captured is None or split is not None else self.captured.bucket_for(step)
+        )
         logits_indices = inputs.sampling.logits_indices.to(self.device)
         if bucket is not None:
             mode = "graph"
             hidden, logits = self._replay(step, bucket)
-            logits = logits.index_select(0, logits_indices)
+            if logits is None:  # a mixed step's graph stops at the hidden states
+                logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
+            else:
+                logits = logits.index_select(0, logits_indices)
             if inputs.return_hidden_states:
                 hidden = hidden.clone()
         else:
@@ -262,7 +271,6 @@ class Runner:
                 if self.captured is None
                 else self.captured.why_not(step, inputs.sampling.num_drafts)
             )
-            split = self._prefill_split(step)
             if split is not None:
                 why += f", split over {split.size} ranks"
             mode = f"eager ({why})"
@@ -347,7 +355,7 @@ class Runner:
         def replay() -> torch.Tensor:
             states, logits = self.captured.run(step, bucket)
             hidden.append(states)
-            return logits.clone()
+            return self.model.compute_logits(states) if logits is None else logits.clone()
 
         slot_dim = self.cache_layout.slot_dim
         logits = checked_replay(

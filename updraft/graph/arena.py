@@ -1,0 +1,159 @@
+"""One block of memory for a recorded graph's intermediates, reused as they die.
+
+At capture every tensor an op produces is kept (the replay writes into it again), so a
+recorded graph holds all of its intermediates at once: a 512-token prefill step of a
+100M model would keep about 330 MB, a dozen layers' activations side by side, and a
+replay would walk through all of it, cold. A device graph's memory pool reuses what a
+tensor freed for the tensors made after it; this does the same after the fact. Each
+produced storage lives from the first to the last replay call that touches it; storages
+whose lives do not overlap share bytes of one arena, and the captured tensors are
+remade as views of their places in it, with the same sizes, strides and offsets.
+
+Lives are counted in replay calls, not ops: a compiled run reads its inputs and writes
+its results in one fused call, so a result may not take the bytes of anything the same
+run reads. What the graph returns, and whatever it did not produce (weights, the KV
+cache, static inputs, folded constants), stays where it is.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from updraft.graph.recorded_nodes import OpNode, TaskNode, storage_of
+
+ALIGNMENT = 64  # bytes: a cache line, and every vector load's alignment
+
+
+def place_in_arena(
+    nodes: Sequence[OpNode | TaskNode],
+    calls: Sequence[int],
+    movable: set[int],
+) -> torch.Tensor | None:
+    """Moves the storages in ``movable`` (produced by the graph, not returned) into one
+    arena, rewriting every node's tensors in place; ``calls[i]`` is the replay call node
+    i runs in. -> the arena, which the graph must keep (None when nothing moved)."""
+    lives: dict[int, tuple[int, int]] = {}
+    sizes: dict[int, int] = {}
+    for node, call in zip(nodes, calls, strict=True):
+        for tensor in _tensors(_contents(node)):
+            if tensor.is_mkldnn:
+                continue
+            storage = storage_of(tensor)
+            if storage in movable:
+                lives[storage] = (lives.get(storage, (call, call))[0], call)
+                sizes[storage] = tensor.untyped_storage().nbytes()
+    # What one fused call both makes and uses up never leaves it: a compiled run keeps
+    # it in registers or scratch of its own, so it needs no place here (an uncompiled
+    # run holds it where it was made).
+    nodes_per_call = Counter(calls)
+    for storage, (born, dies) in list(lives.items()):
+        if born == dies and nodes_per_call[born] > 1:
+            del lives[storage], sizes[storage]
+    if not sizes:
+        return None
+    offsets, total = arena_offsets(lives, sizes)
+    # Zeroed once: rows a replay skips (``TokenRows``) keep what was last written there,
+    # which no live row reads.
+    arena = torch.zeros(total, dtype=torch.uint8)
+    whole = arena.untyped_storage()
+    places = {
+        storage: whole[offset : offset + sizes[storage]] for storage, offset in offsets.items()
+    }
+    remade: dict[int, torch.Tensor] = {}
+
+    def moved(leaf: torch.Tensor) -> torch.Tensor:
+        if leaf.is_mkldnn:
+            return leaf
+        place = places.get(storage_of(leaf))
+        if place is None:
+            return leaf
+        if id(leaf) not in remade:  # one tensor stays one tensor: runs key values by id
+            remade[id(leaf)] = torch.empty(0, dtype=leaf.dtype).set_(
+                place, leaf.storage_offset(), leaf.shape, leaf.stride()
+            )
+        return remade[id(leaf)]
+
+    for node in nodes:
+        contents = _contents(node)
+        rewritten = _rebuilt(contents, moved)
+        if rewritten is not contents:
+            _assign(node, rewritten)
+    return arena
+
+
+# A capture walks every node's arguments a few times: torch's pytree costs about 25 us a
+# node, these plain walks (tuples, named tuples, lists and dicts, as ops and tasks take
+# tensors) a few.
+
+
+def _contents(node: OpNode | TaskNode) -> tuple[Any, ...]:
+    """The node's arguments and results."""
+    if isinstance(node, TaskNode):
+        return (node.kwargs, node.output)
+    return (node.args, node.kwargs, node.outputs)
+
+
+def _assign(node: OpNode | TaskNode, contents: tuple[Any, ...]) -> None:
+    if isinstance(node, TaskNode):
+        node.kwargs, node.output = contents
+    else:
+        node.args, node.kwargs, node.outputs = contents
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def _rebuilt(value: Any, moved: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with each tensor replaced by ``moved(tensor)``: the very same object
+    where nothing inside it changed."""
+    if isinstance(value, torch.Tensor):
+        return moved(value)
+    if isinstance(value, (tuple, list)):
+        items = [_rebuilt(item, moved) for item in value]
+        if all(new is old for new, old in zip(items, value, strict=True)):
+            return value
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        items = {key: _rebuilt(item, moved) for key, item in value.items()}
+        if all(items[key] is item for key, item in value.items()):
+            return value
+        return type(value)(items)
+    return value
+
+
+def arena_offsets(
+    lives: dict[int, tuple[int, int]], sizes: dict[int, int]
+) -> tuple[dict[int, int], int]:
+    """An offset for each storage, whose ``lives`` are (first call, last call) and
+    ``sizes`` bytes, such that no two whose lives meet overlap: in order of birth, the
+    lowest gap between the storages still alive that holds it, else past them.
+    -> (offsets, arena bytes). Offsets are multiples of ``ALIGNMENT``."""
+    offsets: dict[int, int] = {}
+    alive: list[tuple[int, int, int]] = []  # (offset, end, last call) by offset
+    total = 0
+    for storage in sorted(lives, key=lives.__getitem__):
+        born, dies = lives[storage]
+        alive = [span for span in alive if span[2] >= born]
+        size = -(-sizes[storage] // ALIGNMENT) * ALIGNMENT
+        offset = 0
+        for start, end, _ in alive:
+            if start - offset >= size:
+                break
+            offset = max(offset, end)
+        offsets[storage] = offset
+        bisect.insort(alive, (offset, offset + size, dies))
+        total = max(total, offset + size)
+    return offsets, total
