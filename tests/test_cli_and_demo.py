@@ -50,7 +50,7 @@ def test_generate_command_streams_text_and_a_summary(capsys):
     assert captured.out == reference[0].outputs[0].text + "\n"
     assert "[updraft] 12 tokens in" in captured.err
     assert "tokens/s" in captured.err and "time to first token" in captured.err
-    assert "[updraft] steps: 12 graph" in captured.err
+    assert "[updraft] steps: 1 eager (prefill), 11 graph" in captured.err
 
 
 def test_generate_command_can_replay_captured_decode_steps(capsys):
@@ -59,7 +59,7 @@ def test_generate_command_can_replay_captured_decode_steps(capsys):
     graph = capsys.readouterr()
     assert main(argv) == 0
     assert graph.out == capsys.readouterr().out
-    assert "steps: 12 graph" in graph.err
+    assert "steps: 1 eager (prefill), 11 graph" in graph.err
 
 
 def test_generate_command_reports_bad_input_without_a_traceback(capsys, tmp_path):
