@@ -4,13 +4,12 @@ function run again, op by op and compiled alike."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.test_recorded_graph import Scale, scaled
 from updraft.graph.arena import ALIGNMENT, arena_offsets
 from updraft.graph.recorded import RecordedGraph
 from updraft.graph.recorded_nodes import storage_of
@@ -45,18 +44,6 @@ def test_a_storage_born_after_another_dies_takes_its_place():
     assert total == 2 * 128
 
 
-@dataclass(frozen=True)
-class Factor:
-    """A task's provider: its host-side ``factor`` comes from the step."""
-
-    def resolve(self, metadata: dict) -> dict:
-        return {"factor": metadata["factor"]}
-
-
-def scaled(x: torch.Tensor, factor: float) -> torch.Tensor:
-    return x * factor
-
-
 class Chain(torch.nn.Module):
     """A dozen layers in a row, each a run of ops and then a task, whose results only
     the next layer reads: a graph that keeps them all holds a few dozen [64, 256]
@@ -71,7 +58,7 @@ class Chain(torch.nn.Module):
         hidden = self.inputs
         for _ in range(12):
             hidden = torch.tanh(hidden @ self.weight) * 1.5 + hidden.sin()
-            hidden = register_task(scaled, {"x": hidden, "factor": factor}, Factor())
+            hidden = register_task(scaled, {"x": hidden, "factor": factor}, Scale())
         return hidden.sum(-1)
 
 
