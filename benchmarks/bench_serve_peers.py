@@ -9,6 +9,10 @@ on both servers whatever text it holds. Servers alternate, rate by rate.
 
     .venv/bin/python -m benchmarks.bench_serve_peers [--model demo|100m] [--rounds 2]
         [--baseline ../updraft-at-an-earlier-commit]
+
+With ``--budgets 256,512,...`` it serves updraft alone, once per token budget
+(``--max-num-batched-tokens``; the peers' runs use 2,048), side by side: what the budget
+trades between running streams' inter-token latency and throughput.
 """
 
 from __future__ import annotations
@@ -40,11 +44,13 @@ BASELINE = "updraft-before"
 def server_command(
     engine: str, model: Path, port: int, baseline: Path | None = None
 ) -> tuple[list[str], dict[str, str]]:
+    """``engine``: updraft, updraft-before, vllm, or updraft@B (a token budget of B)."""
+    engine, _, budget = engine.partition("@")
     limits = [
         "--max-num-seqs",
         str(workload.MAX_NUM_SEQS),
         "--max-num-batched-tokens",
-        str(workload.MAX_NUM_BATCHED_TOKENS),
+        budget or str(workload.MAX_NUM_BATCHED_TOKENS),
     ]
     common = ["--port", str(port), "--served-model-name", NAME, "--dtype", "float32", *limits]
     if engine in ("updraft", BASELINE):
@@ -104,11 +110,19 @@ def main() -> None:
         help="another updraft checkout to serve beside this one (e.g. a git worktree of "
         "an earlier commit), as updraft-before",
     )
+    parser.add_argument(
+        "--budgets",
+        default=None,
+        help="token budgets to serve updraft at, side by side, instead of the peers "
+        "(comma-separated max_num_batched_tokens)",
+    )
     args = parser.parse_args()
     args.work_dir.mkdir(parents=True, exist_ok=True)
     model, vocab = prepare_model(args.model, args.work_dir)
     engines = ["updraft"] + ([BASELINE] if args.baseline else [])
     engines += ["vllm"] if PYTHONS["vllm"].exists() else []
+    if args.budgets:
+        engines = [f"updraft@{budget}" for budget in args.budgets.split(",")]
     bodies = [
         {
             "model": NAME,
