@@ -21,6 +21,10 @@ settings.register_profile("ci", derandomize=True)
 # UPDRAFT_COMPILE_GRAPHS=1 runs the whole suite compiled. Set before any engine starts,
 # so the servers and CLIs the tests start inherit it.
 os.environ.setdefault("UPDRAFT_COMPILE_GRAPHS", "0")
+# One mixed-bucket size instead of five (EngineConfig.capture_tokens): every engine the
+# suite starts would otherwise capture five more graphs, minutes over the whole suite.
+# Steps of up to 32 tokens (most of the suite's prefills) still replay one.
+os.environ.setdefault("UPDRAFT_CAPTURE_TOKENS", "32")
 # The directories that stand for the tests' GGUF files go to a folder of the run's own,
 # removed at the end, not into the user's cache.
 os.environ["UPDRAFT_GGUF_CACHE"] = tempfile.mkdtemp(prefix="updraft-gguf-")

@@ -15,6 +15,7 @@ from tests.probes import probed, records
 from tests.test_moe_families import make_moe_checkpoint
 from tests.test_phi3 import make_phi3
 from tests.test_sliding_window import make_windowed
+from updraft.config import CAPTURE_TOKENS, CAPTURE_TOKENS_ENV, EngineConfig
 from updraft.graph.sanitize import SanitizeReport
 
 TOKENS = (8, 16, 32)  # mixed buckets; the prompts' chunks below fill each partly
@@ -92,3 +93,16 @@ def test_a_stale_query_start_loc_fails_the_step(tmp_path, monkeypatch):
     forget_refresh(monkeypatch, "query_start_loc")
     with pytest.raises(IndexError):
         run(make_tiny_checkpoint("qwen3", tmp_path / "qwen3"))
+
+
+def test_capture_tokens_come_from_the_setting_else_the_environment_else_the_default(
+    monkeypatch,
+):
+    monkeypatch.delenv(CAPTURE_TOKENS_ENV, raising=False)
+    assert EngineConfig(model="m").mixed_capture_tokens == CAPTURE_TOKENS
+    monkeypatch.setenv(CAPTURE_TOKENS_ENV, "24,48")
+    assert EngineConfig(model="m").mixed_capture_tokens == (24, 48)
+    assert EngineConfig(model="m", capture_tokens=()).mixed_capture_tokens == ()
+    monkeypatch.setenv(CAPTURE_TOKENS_ENV, "24,x")
+    with pytest.raises(ValueError, match="UPDRAFT_CAPTURE_TOKENS must be comma-separated"):
+        EngineConfig(model="m")

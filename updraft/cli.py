@@ -203,7 +203,7 @@ def _parse_as(kind: object) -> dict:
     """argparse options that read a value of type ``kind``."""
     if kind is bool or kind == bool | None:
         return {"action": argparse.BooleanOptionalAction}
-    if kind == tuple[int, ...]:
+    if kind in (tuple[int, ...], tuple[int, ...] | None):
         return {"type": int_list, "metavar": "N,N,..."}
     args = [arg for arg in typing.get_args(kind) if arg is not type(None)]
     return {"type": args[0] if args else kind}

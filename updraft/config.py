@@ -79,6 +79,11 @@ DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 # The default of EngineConfig.compile_graphs where it is not given: a test suite that
 # starts many engines sets it to 0 to skip inductor's compile time.
 COMPILE_GRAPHS_ENV = "UPDRAFT_COMPILE_GRAPHS"
+# The default of EngineConfig.capture_tokens: past 256 tokens a prefill step is its
+# matrix products and a graph gains nothing (benchmarks/bench_prefill_steps.py). A test
+# suite that starts many engines sets the variable to fewer sizes (comma-separated).
+CAPTURE_TOKENS = (16, 32, 64, 128, 256)
+CAPTURE_TOKENS_ENV = "UPDRAFT_CAPTURE_TOKENS"
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -837,11 +842,12 @@ class EngineConfig:
     capture_sizes: tuple[int, ...] = setting(
         (1, 2, 4, 8, 16, 32, 64), "batch sizes of captured steps, comma-separated"
     )
-    capture_tokens: tuple[int, ...] = setting(
-        (16, 32, 64, 128, 256),
+    capture_tokens: tuple[int, ...] | None = setting(
+        None,
         "token counts of captured mixed steps (prefill chunks, alone or beside decodes), "
         "comma-separated: such a step replays the smallest at least its size, its matrix "
-        "products over its own tokens only; larger ones run eagerly",
+        "products over its own tokens only; larger ones run eagerly (default: "
+        f"{','.join(map(str, CAPTURE_TOKENS))}, or ${CAPTURE_TOKENS_ENV} when set)",
     )
     sanitize: bool = setting(
         False,
@@ -918,8 +924,8 @@ class EngineConfig:
             )
         if not self.capture_sizes or min(self.capture_sizes) < 1:
             raise ValueError(f"capture_sizes must be sizes >= 1, got {self.capture_sizes}")
-        if self.capture_tokens and min(self.capture_tokens) < 1:
-            raise ValueError(f"capture_tokens must be sizes >= 1, got {self.capture_tokens}")
+        if self.mixed_capture_tokens and min(self.mixed_capture_tokens) < 1:
+            raise ValueError(f"capture_tokens must be sizes >= 1, got {self.mixed_capture_tokens}")
         if self.speculative_model is not None and self.speculative_method is None:
             self.speculative_method = "draft"
         if self.speculative_method == "eagle" and self.speculative_model is None:
@@ -981,6 +987,21 @@ class EngineConfig:
     @property
     def use_graphs(self) -> bool:
         return not self.enforce_eager
+
+    @property
+    def mixed_capture_tokens(self) -> tuple[int, ...]:
+        """``capture_tokens`` as given, else from the environment, else the default."""
+        if self.capture_tokens is not None:
+            return self.capture_tokens
+        text = os.environ.get(CAPTURE_TOKENS_ENV)
+        if text is None:
+            return CAPTURE_TOKENS
+        try:
+            return tuple(int(size) for size in text.split(",") if size.strip())
+        except ValueError:
+            raise ValueError(
+                f"${CAPTURE_TOKENS_ENV} must be comma-separated sizes, got {text!r}"
+            ) from None
 
     @property
     def compiles_graphs(self) -> bool:

@@ -157,7 +157,9 @@ class Runner:
             owner=self.name,
             draft_loop_depth=draft_loop_depth,
             mixed_tokens=tuple(
-                n for n in self.config.capture_tokens if n <= self.config.max_num_batched_tokens
+                n
+                for n in self.config.mixed_capture_tokens
+                if n <= self.config.max_num_batched_tokens
             ),
         )
 
