@@ -260,13 +260,9 @@ class Runner:
         logits_indices = inputs.sampling.logits_indices.to(self.device)
         if bucket is not None:
             mode = "graph"
+            # A decode or verify graph returns every row's logits; a mixed step's stops
+            # at the hidden states (None), as an eager step does.
             hidden, logits = self._replay(step, bucket)
-            if logits is None:  # a mixed step's graph stops at the hidden states
-                logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
-            else:
-                logits = logits.index_select(0, logits_indices)
-            if inputs.return_hidden_states:
-                hidden = hidden.clone()
         else:
             why = (
                 "graphs off"
@@ -276,8 +272,13 @@ class Runner:
             if split is not None:
                 why += f", split over {split.size} ranks"
             mode = f"eager ({why})"
-            hidden = self._hidden_eager(step)
+            hidden, logits = self._hidden_eager(step), None
+        if logits is None:  # only the rows that sample
             logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
+        else:
+            logits = logits.index_select(0, logits_indices)
+        if bucket is not None and inputs.return_hidden_states:
+            hidden = hidden.clone()  # a replay's rows are the graph's, until the next one
         self._count(mode, inputs.request_ids, step, bucket)
         return Forward(logits, hidden if inputs.return_hidden_states else None, mode)
 
