@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from updraft.graph.recorded_nodes import OpNode, TaskNode, storage_of
+from updraft.graph.recorded_nodes import OpNode, TaskNode, storage_of, tensors_in
 
 ALIGNMENT = 64  # bytes: a cache line, and every vector load's alignment
 
@@ -40,7 +40,7 @@ def place_in_arena(
     lives: dict[int, tuple[int, int]] = {}
     sizes: dict[int, int] = {}
     for node, call in zip(nodes, calls, strict=True):
-        for tensor in _tensors(_contents(node)):
+        for tensor in tensors_in(_contents(node)):
             if tensor.is_mkldnn:
                 continue
             storage = storage_of(tensor)
@@ -86,11 +86,6 @@ def place_in_arena(
     return arena
 
 
-# A capture walks every node's arguments a few times: torch's pytree costs about 25 us a
-# node, these plain walks (tuples, named tuples, lists and dicts, as ops and tasks take
-# tensors) a few.
-
-
 def _contents(node: OpNode | TaskNode) -> tuple[Any, ...]:
     """The node's arguments and results."""
     if isinstance(node, TaskNode):
@@ -105,24 +100,21 @@ def _assign(node: OpNode | TaskNode, contents: tuple[Any, ...]) -> None:
         node.args, node.kwargs, node.outputs = contents
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
-
-
 def _rebuilt(value: Any, moved: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """``value`` with each tensor replaced by ``moved(tensor)``: the very same object
     where nothing inside it changed."""
     if isinstance(value, torch.Tensor):
         return moved(value)
     if isinstance(value, (tuple, list)):
-        items = [_rebuilt(item, moved) for item in value]
+        # Most items are tensors or plain numbers: taken here, not by another call.
+        items = [
+            moved(item)
+            if isinstance(item, torch.Tensor)
+            else _rebuilt(item, moved)
+            if isinstance(item, (tuple, list, dict))
+            else item
+            for item in value
+        ]
         if all(new is old for new, old in zip(items, value, strict=True)):
             return value
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)

@@ -63,9 +63,10 @@ class _Recorder(TorchDispatchMode):
                 f"{func} at {where} has an output shape that depends on tensor data; "
                 "a captured graph has fixed shapes"
             )
-        self.graph.check_inputs(func, args, kwargs, where)
+        inputs = tensors_in((args, kwargs))
+        self.graph.check_inputs(func, inputs, where)
         out = func(*args, **kwargs)
-        self.graph.record_op(func, args, kwargs, out)
+        self.graph.record_op(func, args, kwargs, inputs, out)
         return out
 
 
@@ -163,19 +164,24 @@ class RecordedGraph:
     def location(self) -> str:
         return self.module_stack[-1] if self.module_stack else "(top level)"
 
-    def check_inputs(self, func: Any, args: Any, kwargs: Any, where: str) -> None:
-        allowed = self.produced | self.constant_storages | self.persistent_storages
-        for tensor in tensors_in((args, kwargs)):
-            if storage_of(tensor) not in allowed:
+    def check_inputs(self, func: Any, inputs: list[torch.Tensor], where: str) -> None:
+        """Names each of the tensors ``func`` reads that is none of the graph's own."""
+        for tensor in inputs:
+            storage = storage_of(tensor)
+            if not (
+                storage in self.produced
+                or storage in self.constant_storages
+                or storage in self.persistent_storages
+            ):
                 self.undeclared.append(
                     f"{func} at {where} reads a {tuple(tensor.shape)} {tensor.dtype} tensor"
                 )
-                allowed.add(storage_of(tensor))  # report each tensor once
-                self.produced.add(storage_of(tensor))
+                self.produced.add(storage)  # report each tensor once
 
-    def record_op(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+    def record_op(
+        self, func: Any, args: Any, kwargs: Any, inputs: list[torch.Tensor], out: Any
+    ) -> None:
         outputs = tensors_in(out)
-        inputs = tensors_in((args, kwargs))
         reads_only_constants = all(storage_of(t) in self.constant_storages for t in inputs)
         mutates = func._schema.is_mutable
         if reads_only_constants and not mutates:
@@ -196,7 +202,7 @@ class RecordedGraph:
     def record_task(
         self, op: Callable[..., Any], kwargs: dict[str, Any], provider: ParamProvider
     ) -> torch.Tensor:
-        self.check_inputs(op, (), kwargs, self.location())
+        self.check_inputs(op, tensors_in(kwargs), self.location())
         with _disable_current_modes(), recording_tasks(None):
             out = op(**kwargs)
         if not isinstance(out, torch.Tensor):

@@ -4,13 +4,12 @@ how a node is bound into a call with no arguments for replay."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from updraft.graph.tasks import ParamProvider
 from updraft.kernels.bound_calls import bound_call
@@ -26,6 +25,7 @@ class OpNode:
     out_variant: torch._ops.OpOverload | None = None  # writes straight into outputs[0]
 
 
+@cache  # reading schemas costs more than the lookup: capture asks per op
 def find_out_variant(func: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
     """``func``'s ``out=`` overload when it has the same arguments plus one ``out``."""
     candidate = getattr(func.overloadpacket, "out", None)
@@ -45,15 +45,48 @@ class TaskNode:
     output: torch.Tensor
 
 
+def leaves(value: Any) -> Iterator[Any]:
+    """What ``value`` holds, through tuples (named ones too), lists and dicts' values:
+    the containers an op's arguments and results come in. A plain walk: torch's pytree
+    builds a spec of the structure too, about 25 us a node, and capture walks every
+    op's arguments a few times."""
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            yield from leaves(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from leaves(item)
+    else:
+        yield value
+
+
 def tensors_in(value: Any) -> list[torch.Tensor]:
-    return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
+    if isinstance(value, torch.Tensor):
+        return [value]
+    found: list[torch.Tensor] = []
+    _collect_tensors(value, found)
+    return found
+
+
+def _collect_tensors(value: Any, found: list[torch.Tensor]) -> None:
+    if isinstance(value, (tuple, list)):
+        items: Iterable[Any] = value
+    elif isinstance(value, dict):
+        items = value.values()
+    else:
+        return
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, (tuple, list, dict)):
+            _collect_tensors(item, found)
 
 
 def tensors_hidden_in(value: Any) -> list[str]:
     """The fields of objects in ``value`` (dataclasses, at any depth) that hold tensors
     ``tensors_in`` cannot see: a graph would not know it reads them."""
     hidden = []
-    for leaf in tree_flatten(value)[0]:
+    for leaf in leaves(value):
         if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
             for item in dataclasses.fields(leaf):
                 inner = getattr(leaf, item.name)
