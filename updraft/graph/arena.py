@@ -64,19 +64,24 @@ def place_in_arena(
     places = {
         storage: whole[offset : offset + sizes[storage]] for storage, offset in offsets.items()
     }
+    # Each tensor's new self (itself where it stays), by id: one tensor stays one tensor
+    # (runs key values by id), and a tensor many nodes read is looked at once. The nodes
+    # hold every tensor alive through the walk, so no id is reused.
     remade: dict[int, torch.Tensor] = {}
 
     def moved(leaf: torch.Tensor) -> torch.Tensor:
-        if leaf.is_mkldnn:
-            return leaf
-        place = places.get(storage_of(leaf))
-        if place is None:
-            return leaf
-        if id(leaf) not in remade:  # one tensor stays one tensor: runs key values by id
-            remade[id(leaf)] = torch.empty(0, dtype=leaf.dtype).set_(
-                place, leaf.storage_offset(), leaf.shape, leaf.stride()
+        new = remade.get(id(leaf))
+        if new is None:
+            place = None if leaf.is_mkldnn else places.get(storage_of(leaf))
+            new = (
+                leaf
+                if place is None
+                else torch.empty(0, dtype=leaf.dtype).set_(
+                    place, leaf.storage_offset(), leaf.shape, leaf.stride()
+                )
             )
-        return remade[id(leaf)]
+            remade[id(leaf)] = new
+        return new
 
     for node in nodes:
         contents = _contents(node)
