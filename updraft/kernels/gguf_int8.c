@@ -29,29 +29,57 @@ static inline float half_at(const uint8_t *p) {
     return _cvtsh_ss((uint16_t)(p[0] | (p[1] << 8)));
 }
 
+/* the largest of v's eight lanes, in every lane */
+static inline __m256 max8(__m256 v) {
+    v = _mm256_max_ps(v, _mm256_permute2f128_ps(v, v, 1));
+    v = _mm256_max_ps(v, _mm256_shuffle_ps(v, v, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm256_max_ps(v, _mm256_shuffle_ps(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+
+static inline float sum8(__m256 v) {
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
 /* x [k] -> codes [k] int8, scales [k / 32], sums4 [k / 4] (each 4 codes' sum, for the
-   blocks whose codes are offset) and float sums [k / 32] of x itself. k % 32 == 0. */
+   blocks whose codes are offset) and float sums [k / 32] of x itself. k % 32 == 0.
+   Eight lanes at a time: each step of a decode rounds x before every linear, and one
+   value at a time that was a twentieth of a small layer's product. The codes are as
+   one value at a time gives them: IEEE division, then rounding half to even. */
 void gguf_round_x(const float *x, int64_t k, int8_t *codes, float *scales, int32_t *sums4,
                   float *sums) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i limit = _mm256_set1_epi32(127);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t b = 0; b < k / X_BLOCK; b++) {
         const float *v = x + b * X_BLOCK;
-        float amax = 0.0f, total = 0.0f;
-        for (int i = 0; i < X_BLOCK; i++) {
-            amax = fmaxf(amax, fabsf(v[i]));
-            total += v[i];
-        }
-        const float d = amax / 127.0f;
+        __m256 part[4];
+        for (int i = 0; i < 4; i++) part[i] = _mm256_loadu_ps(v + 8 * i);
+        const __m256 largest = max8(_mm256_max_ps(
+            _mm256_max_ps(_mm256_andnot_ps(sign, part[0]), _mm256_andnot_ps(sign, part[1])),
+            _mm256_max_ps(_mm256_andnot_ps(sign, part[2]), _mm256_andnot_ps(sign, part[3]))));
+        const float d = _mm256_cvtss_f32(largest) / 127.0f;
         scales[b] = d;
-        sums[b] = total;
-        for (int i = 0; i < X_BLOCK; i++) {
-            /* rounding half to even, as numpy's; a zero block stays zero */
-            const int q = d > 0.0f ? (int)nearbyintf(v[i] / d) : 0;
-            codes[b * X_BLOCK + i] = (int8_t)(q > 127 ? 127 : q < -127 ? -127 : q);
+        sums[b] = sum8(_mm256_add_ps(_mm256_add_ps(part[0], part[1]),
+                                     _mm256_add_ps(part[2], part[3])));
+        __m256i q[4];
+        for (int i = 0; i < 4; i++) {
+            /* a zero block stays zero (and is not divided by 0) */
+            const __m256 ratio =
+                d > 0.0f ? _mm256_div_ps(part[i], _mm256_set1_ps(d)) : _mm256_setzero_ps();
+            const __m256i rounded = _mm256_cvtps_epi32(
+                _mm256_round_ps(ratio, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            q[i] = _mm256_max_epi32(_mm256_min_epi32(rounded, limit), _mm256_set1_epi32(-127));
         }
-        for (int i = 0; i < X_BLOCK / 4; i++) {
-            const int8_t *c = codes + b * X_BLOCK + 4 * i;
-            sums4[b * X_BLOCK / 4 + i] = c[0] + c[1] + c[2] + c[3];
-        }
+        /* int32 -> int8 packs within 128-bit lanes: put the eight 4-byte runs in order */
+        const __m256i bytes = _mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+            order);
+        _mm256_storeu_si256((__m256i *)(codes + b * X_BLOCK), bytes);
+        const __m256i pairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes);
+        _mm256_storeu_si256((__m256i *)(sums4 + b * X_BLOCK / 4),
+                            _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
     }
 }
 
@@ -62,12 +90,6 @@ static inline __m256i dot_bytes(__m256i unsigned_codes, __m256i signed_codes) {
 }
 
 static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
-
-static inline float sum8(__m256 v) {
-    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
-}
 
 typedef struct {
     const int8_t *codes;
