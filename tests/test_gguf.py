@@ -234,14 +234,18 @@ def test_a_split_file_loads_like_one(llama_f32, tmp_path):
     assert_same(run(parts[1]), run(whole))
 
 
-def test_loaded_weights_take_about_the_file_s_tensor_bytes(tmp_path):
+def test_loaded_weights_take_about_the_file_s_tensor_bytes_and_graphs_hold_no_widened_copy(
+    tmp_path,
+):
     from gguf import GGUFReader
 
     checkpoint = plain("llama", tmp_path / "hf", hidden_size=256, intermediate_size=512)
     path = tmp_path / "model.gguf"
     make_gguf.main(checkpoint, path, convert_to(MIXES["Q4_K_M"], np.random.default_rng(2), {}))
     file_bytes = sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
-    model = LLM(str(path), num_kv_blocks=8).engine._runner.model  # noqa: SLF001
+    # A 128-token mixed bucket: its prefill widens the blocks a chunk of rows at a time
+    runner = LLM(str(path), num_kv_blocks=8, capture_tokens=(128,)).engine._runner  # noqa: SLF001
+    model = runner.model
     held = {  # each tensor once (a tied head shares its blocks), the RoPE tables left out
         tensor.data_ptr(): tensor.numel() * tensor.element_size()
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]
@@ -249,6 +253,22 @@ def test_loaded_weights_take_about_the_file_s_tensor_bytes(tmp_path):
     }
     loaded = sum(held.values())
     assert abs(loaded - file_bytes) <= 0.1 * file_bytes, (loaded, file_bytes)
+    # and no graph keeps the widened weights as constants it folded, beside the blocks
+    # (views of them it folded cost nothing): each would be a float32 copy of the model,
+    # several times the file
+    weights = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    widened = 4 * sum(
+        m.out_features * m.in_features
+        for m in model.modules()
+        if isinstance(m, gguf_loader.GGUFLinear)
+    )
+    folded = sum(
+        tensor.numel() * tensor.element_size()
+        for captured in runner.captured.graphs.values()
+        for tensor in captured.graph.backend.folded
+        if tensor.untyped_storage().data_ptr() not in weights
+    )
+    assert widened > file_bytes and folded < 0.05 * widened, (folded, widened)
 
 
 def _rewrite(path, out, **change):
