@@ -69,6 +69,8 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
 
 
 def _collect_tensors(value: Any, found: list[torch.Tensor]) -> None:
+    # Not ``leaves`` filtered: a generator per container, and a call per leaf, made
+    # capture's three walks of every op's arguments about 1.8x slower.
     if isinstance(value, (tuple, list)):
         items: Iterable[Any] = value
     elif isinstance(value, dict):
