@@ -8,9 +8,19 @@ import shutil
 import tempfile
 from pathlib import Path
 
+# The suite runs in two worker processes (pytest-xdist, pyproject's addopts), one per
+# core: each keeps to one thread, or two workers' thread pools would take turns on
+# the cores and spin waiting for each other. The servers, CLIs and ranks the tests
+# start inherit it. Tests of multithreaded kernels ask for their threads themselves.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest
 import torch
 from hypothesis import settings
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # CI replays the same examples every run, so a red CI always reproduces; locally each
 # run explores new ones.
@@ -162,6 +172,17 @@ def add_byte_tokenizer(model_dir: Path) -> Path:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.save(str(model_dir / "tokenizer.json"))
     return model_dir
+
+
+@pytest.fixture
+def all_cores():
+    """Every core's thread for one test, even in a one-thread worker: the C kernels
+    split their rows over torch's thread count, and a kernel run on one thread would
+    leave the split itself untested."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, os.cpu_count() or 1))
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

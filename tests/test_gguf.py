@@ -61,6 +61,7 @@ def random_blocks(
 
 
 @pytest.mark.parametrize("kind", sorted(BLOCK_TYPES))
+@pytest.mark.usefixtures("all_cores")
 def test_blocks_widen_to_the_gguf_package_s_values_bit_for_bit(kind):
     rng = np.random.default_rng(0)
     values = BLOCKS[BLOCK_TYPES[kind]][0]
@@ -83,6 +84,7 @@ def test_blocks_widen_to_the_gguf_package_s_values_bit_for_bit(kind):
 
 
 @pytest.mark.parametrize("kind", sorted(BLOCK_TYPES))
+@pytest.mark.usefixtures("all_cores")
 def test_the_portable_path_computes_what_the_avx512_path_does(kind):
     """The kernel built for a CPU without AVX-512 (haswell) widens each block into a
     buffer instead; both give the same product."""

@@ -42,6 +42,7 @@ def test_x_is_rounded_as_q8_0_rounds_it():
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.usefixtures("all_cores")
 def test_int8_x_times_blocks_equals_the_rounded_x_times_the_dequantized_weight(kind):
     values = BLOCKS[BLOCK_TYPES[kind]][0]
     k = 3 * max(values, 256)

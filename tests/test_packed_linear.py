@@ -37,6 +37,7 @@ def onednn_batches(monkeypatch):
 # 192 outputs fill 12 panels of 16; 203 end in a partial panel.
 @pytest.mark.parametrize("out_features", [192, 203])
 @pytest.mark.parametrize("few_rows", [packed_linear.FEW_ROWS, packed_linear.CACHED_FEW_ROWS])
+@pytest.mark.usefixtures("all_cores")
 def test_packed_linear_equals_f_linear(
     bias, rows, in_features, out_features, few_rows, onednn_batches
 ):

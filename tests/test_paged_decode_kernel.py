@@ -35,6 +35,7 @@ def reference(query, kv_cache, block_table, seq_lens, block_size, scale):
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.usefixtures("all_cores")
 def test_kernel_equals_attention_over_the_gathered_context(heads, kv_heads):
     torch.manual_seed(heads * 10 + kv_heads)
     block_size, num_blocks, head_dim = 4, 40, 24
@@ -82,6 +83,7 @@ def test_asked_for_it_returns_each_head_s_log_sum_exp():
     assert (lse[1] == -1e30).all() and out[1].eq(0).all()
 
 
+@pytest.mark.usefixtures("all_cores")
 def test_latent_kernel_is_multi_query_attention_over_the_rows_it_names():
     """MLA's absorbed decode: one KV head whose key is the first W columns of a latent
     row and whose value is its first L; the rest of the row (DSA's indexer key) is not
@@ -173,6 +175,7 @@ def test_loading_the_kernels_keeps_subnormal_floats():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+@pytest.mark.usefixtures("all_cores")
 def test_short_queries_read_the_cache_in_place_and_equal_the_gathered_path(monkeypatch):
     """A verify-sized group (queries of 2-4 tokens, one of them a whole short prompt) runs
     the kernel, one causal context per query token, and equals padded attention."""

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -168,9 +170,23 @@ def _gone(pids: set[int], timeout: float) -> bool:
 ENV = {name: value for name, value in os.environ.items() if name != "UPDRAFT_API_KEY"}
 
 
-def _socket_dirs() -> set[Path]:
-    """The engine cores' socket directories in this machine's temporary directory."""
-    return set(Path(tempfile.gettempdir()).glob("updraft-core-*"))
+@pytest.fixture
+def own_tmp() -> Iterator[Path]:
+    """A temporary directory of the test's own, for its servers' TMPDIR: the engine core
+    makes its socket directory there, where no other test's server (in another worker)
+    makes one. Short, since a socket's path may not pass 107 bytes."""
+    directory = Path(tempfile.mkdtemp(prefix="ud-"))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def _env(own_tmp: Path) -> dict[str, str]:
+    return {**ENV, "TMPDIR": str(own_tmp)}
+
+
+def _socket_dirs(own_tmp: Path) -> set[Path]:
+    """The engine cores' socket directories in the test's temporary directory."""
+    return set(own_tmp.glob("updraft-core-*"))
 
 
 def _complete(base_url: str, max_tokens: int = 8) -> httpx.Response:
@@ -178,14 +194,15 @@ def _complete(base_url: str, max_tokens: int = 8) -> httpx.Response:
     return httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
 
 
-def test_two_api_processes_serve_one_engine_and_leave_nothing_behind():
-    before = _socket_dirs()
-    process, base_url = start_server_process("--api-server-count", "2", "--enforce-eager", env=ENV)
+def test_two_api_processes_serve_one_engine_and_leave_nothing_behind(own_tmp):
+    process, base_url = start_server_process(
+        "--api-server-count", "2", "--enforce-eager", env=_env(own_tmp)
+    )
     try:
         children = _children(process.pid)
         # The engine, two API processes, and multiprocessing's resource tracker.
         assert len(children) == 4, children
-        assert len(_socket_dirs() - before) == 1
+        assert len(_socket_dirs(own_tmp)) == 1
         responses = [_complete(base_url) for _ in range(6)]
         assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
         texts = {r.json()["choices"][0]["text"] for r in responses}
@@ -193,7 +210,7 @@ def test_two_api_processes_serve_one_engine_and_leave_nothing_behind():
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
         assert _gone(children, 10), "a process outlived the server"
-        assert _socket_dirs() <= before, "the engine's sockets were left behind"
+        assert not _socket_dirs(own_tmp), "the engine's sockets were left behind"
         log = process.stderr.read().decode()
         assert "with 2 API processes" in log and "Traceback" not in log, log
     finally:
@@ -202,9 +219,8 @@ def test_two_api_processes_serve_one_engine_and_leave_nothing_behind():
             process.wait()
 
 
-def test_a_dead_engine_process_is_a_503_and_a_dead_server_takes_it_along():
-    before = _socket_dirs()
-    process, base_url = start_server_process("--enforce-eager", env=ENV)
+def test_a_dead_engine_process_is_a_503_and_a_dead_server_takes_it_along(own_tmp):
+    process, base_url = start_server_process("--enforce-eager", env=_env(own_tmp))
     try:
         assert _complete(base_url).status_code == 200
         engines = [
@@ -228,7 +244,9 @@ def test_a_dead_engine_process_is_a_503_and_a_dead_server_takes_it_along():
             process.kill()
             process.wait()
     # A server killed outright: its engine and API processes see it gone and exit.
-    process, base_url = start_server_process("--api-server-count", "2", "--enforce-eager", env=ENV)
+    process, base_url = start_server_process(
+        "--api-server-count", "2", "--enforce-eager", env=_env(own_tmp)
+    )
     try:
         children = _children(process.pid)
         assert _complete(base_url).status_code == 200
@@ -237,4 +255,4 @@ def test_a_dead_engine_process_is_a_503_and_a_dead_server_takes_it_along():
         process.wait()
     assert len(children) == 4, children
     assert _gone(children, 10), "a process outlived its killed server"
-    assert _socket_dirs() <= before, "the engine's sockets were left behind"
+    assert not _socket_dirs(own_tmp), "the engine's sockets were left behind"

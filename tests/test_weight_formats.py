@@ -49,6 +49,7 @@ FORMATS = {
 
 @pytest.mark.parametrize("fmt", FORMATS.values(), ids=FORMATS.keys())
 @pytest.mark.parametrize("shape", [(37, 128), (64, 100)])  # a partial panel; K not 2^n
+@pytest.mark.usefixtures("all_cores")
 def test_the_panel_kernel_computes_the_product_with_the_weights_the_format_stands_for(fmt, shape):
     torch.manual_seed(0)
     weight = torch.randn(*shape)
@@ -115,6 +116,7 @@ def one_expert(panels: Panels, expert: int) -> torch.Tensor:
 @pytest.mark.parametrize(
     "fmt", [FORMATS[name] for name in ("bfloat16", "int8", "int4-g32", "int4-g48-zero")], ids=str
 )
+@pytest.mark.usefixtures("all_cores")
 def test_grouped_experts_compute_each_rows_expert_in_every_format(fmt):
     torch.manual_seed(1)
     experts, hidden, inter = 4, 96, 40
