@@ -117,6 +117,7 @@ def test_every_engine_setting_is_a_flag_that_reaches_the_config():
         "--sanitize",
         "--no-speculative-enforce-eager",
         "--no-adaptive-threads",
+        "--no-keep-freed-memory",
         "--no-compile-graphs",
         "--overlap-grammar-masks",
     ]
@@ -131,6 +132,7 @@ def test_every_engine_setting_is_a_flag_that_reaches_the_config():
         "quantization_group_size": 32,
         "activations": "int8",
         "adaptive_threads": False,
+        "keep_freed_memory": False,
         "seed": 7,
         "overlap_grammar_masks": True,
         "block_size": 8,

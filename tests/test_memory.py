@@ -32,3 +32,43 @@ def test_a_large_kv_budget_costs_memory_only_as_blocks_fill(tiny_llama):
         LLM(tiny_llama, num_kv_blocks=16).generate([[1, 2, 3]], params)[0].outputs[0].token_ids
         == first
     )
+
+
+FAULTS_OF_STEPS = """
+import resource, sys, torch
+from updraft import LLM
+from updraft.demo import DEMO_MODEL_DIR
+
+LLM(str(DEMO_MODEL_DIR), enforce_eager=True, keep_freed_memory=sys.argv[1] == "keep")
+
+def faults_of_steps(steps: int) -> int:
+    # one 40 MiB temporary a step: above the largest mmap threshold glibc sets itself
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(steps):
+        torch.empty(10 << 20).fill_(1.0)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+faults_of_steps(16)  # the heap grows to where a freed block fits the next (alignment)
+print(faults_of_steps(8))
+"""
+
+
+@pytest.mark.parametrize("setting", ["keep", "return"])
+def test_memory_a_step_frees_is_kept_for_the_next_not_faulted_in_again(setting):
+    """In a process of its own, since malloc's settings are the process's: once an
+    engine is loaded, a step's large temporary reuses the pages the last one freed;
+    with --no-keep-freed-memory each is faulted in afresh, page by page."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", FAULTS_OF_STEPS, setting],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    faults = int(result.stdout.split()[-1])
+    if setting == "keep":
+        assert faults < 1_000, faults
+    else:
+        assert faults > 8 * 10_000, faults  # 10,240 4-KiB pages each

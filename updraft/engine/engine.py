@@ -46,6 +46,7 @@ from updraft.models.tensor_parallel import check_parallel
 from updraft.outputs import RequestOutput
 from updraft.parallel.topology import RankPlace
 from updraft.request import FinishReason, Request
+from updraft.runner.freed_memory import keep_freed_memory
 from updraft.runner.runner import load_runner
 from updraft.runner.threads import ThreadBudget
 from updraft.sampling_params import SamplingParams
@@ -153,6 +154,8 @@ class Engine:
             and self._workers is None  # each rank keeps its share of the cores
         )
         self._ids = itertools.count()
+        if config.keep_freed_memory and self._runner.device.type == "cpu":
+            keep_freed_memory()  # now: what loading and capture freed goes back first
 
     def _reading_window(self) -> int | None:
         """How far back any layer that reads the KV blocks looks, when every one has a

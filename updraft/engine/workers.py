@@ -35,6 +35,7 @@ import torch
 from updraft.config import EngineConfig, ModelConfig
 from updraft.parallel import collectives
 from updraft.parallel.topology import RankPlace, rank_device, uses_nccl
+from updraft.runner.freed_memory import keep_freed_memory
 from updraft.runner.rank_messages import Follower, RankMessage
 from updraft.runner.runner import load_runner
 from updraft.speculative.registry import ProposerContext, rank_runners
@@ -94,6 +95,8 @@ def run_rank(
     # As rank 0's engine bounds a sequence: by the context and by the cache.
     capacity = min(max_model_len, runner.num_blocks * config.positions_per_block)
     runners = [runner, *rank_runners(ProposerContext(config, runner, capacity))]
+    if config.keep_freed_memory and runner.device.type == "cpu":
+        keep_freed_memory()
     follower = Follower(runners)
     while (message := collectives.broadcast_object(place.name)) is not STOP:
         follower.run(message)
