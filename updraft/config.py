@@ -801,7 +801,7 @@ class EngineConfig:
         True,
         "on the CPU, keep the memory a step's temporaries free for the next step (glibc "
         "malloc's mmap and trim thresholds at 1 GiB) instead of returning it to the OS, "
-        "which then faults it in again page by page (about a third of an eager prefill's "
+        "which then faults it in again page by page (about a sixth of an eager prefill's "
         "time on two cores); --no-keep-freed-memory returns it",
     )
     seed: int = setting(0, "seed of the sampling of requests that have no seed of their own")

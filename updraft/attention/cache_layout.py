@@ -15,9 +15,9 @@ layout here and nothing else changes above the model.
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from updraft.config import ModelConfig
@@ -71,12 +71,14 @@ def allocate_kv_cache(
 
 
 def zeros_on_first_write(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero tensor from calloc'd memory: the OS maps each page on its first write, so
-    a large KV budget costs memory only as blocks fill (``torch.zeros`` would write,
-    and so map, every byte up front)."""
-    numel = math.prod(shape)
-    memory = np.zeros(numel * dtype.itemsize, dtype=np.uint8)
-    return torch.from_numpy(memory).view(dtype).view(shape)
+    """A zero tensor on an anonymous mapping of its own: the OS maps each page on its
+    first write, so a large KV budget costs memory only as blocks fill (``torch.zeros``
+    would write, and so map, every byte up front). Not through malloc: calloc writes
+    zeros over any memory it hands out again, which, once the engine keeps freed memory
+    (``runner/freed_memory.py``), is where a later engine's cache would come from."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    memory = mmap.mmap(-1, nbytes)  # unmapped when the tensor, which holds it, is freed
+    return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def kv_cache_bytes_per_block(

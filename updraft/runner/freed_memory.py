@@ -5,9 +5,10 @@ glibc's malloc serves allocations above its mmap threshold (128 KiB, rising to a
 32 MiB as large blocks are freed) with a mapping of their own, unmapped when freed, and
 gives the freed top of its heap back past its trim threshold. Either way the next step's
 tensors land on pages the kernel must fault in and zero one by one: a cold prefill of
-32 prompts on the 100M checkpoint took 400,000-580,000 page faults, about a third of
-its time on two cores. With both thresholds at 1 GiB the same prefill takes about 50;
-buffers larger than that (KV caches) are still mapped on their own.
+32 prompts on the 100M checkpoint took 225,000-580,000 page faults. With both thresholds
+at 1 GiB the same prefill takes under a few thousand and runs 1.19x faster on two cores
+(``benchmarks/bench_freed_memory.py``). KV caches are mapped on their own whatever
+their size (``attention/cache_layout.py``), so none is carved from kept memory.
 
 The cost is that memory a step once needed stays in the process (its high-water mark)
 instead of going back after the step. The engine calls this once its weights are
