@@ -62,7 +62,7 @@ def allocate_kv_cache(
         if torch.device(device).type == "cpu":
             return [zeros_on_first_write(shape, dtype) for _ in range(num_layers)]
         return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-    except (MemoryError, torch.OutOfMemoryError) as error:
+    except (MemoryError, OSError, torch.OutOfMemoryError) as error:  # mmap: ENOMEM
         size = num_layers * math.prod(shape) * dtype.itemsize / 2**30
         raise ValueError(
             f"cannot allocate a KV cache of {num_blocks} blocks ({size:.1f} GiB) on {device}: "
