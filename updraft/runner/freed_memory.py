@@ -34,7 +34,7 @@ def keep_freed_memory(keep_bytes: int = KEEP_BYTES) -> bool:
     libc = ctypes.CDLL(None)
     mallopt = getattr(libc, "mallopt", None)
     malloc_trim = getattr(libc, "malloc_trim", None)
-    if mallopt is None or malloc_trim is None:  # musl has neither
+    if mallopt is None or malloc_trim is None:  # not glibc (musl has no malloc_trim)
         return False
     malloc_trim(0)
     return bool(mallopt(M_MMAP_THRESHOLD, keep_bytes)) and bool(
