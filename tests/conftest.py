@@ -19,9 +19,6 @@ import pytest
 import torch
 from hypothesis import settings
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-
 # CI replays the same examples every run, so a red CI always reproduces; locally each
 # run explores new ones.
 settings.register_profile("ci", derandomize=True)
