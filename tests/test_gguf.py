@@ -236,8 +236,9 @@ def test_a_split_file_loads_like_one(llama_f32, tmp_path):
     assert_same(run(parts[1]), run(whole))
 
 
+@pytest.mark.parametrize("activations", ["float32", "int8"])
 def test_loaded_weights_take_about_the_file_s_tensor_bytes_and_graphs_hold_no_widened_copy(
-    tmp_path,
+    tmp_path, activations
 ):
     from gguf import GGUFReader
 
@@ -246,8 +247,14 @@ def test_loaded_weights_take_about_the_file_s_tensor_bytes_and_graphs_hold_no_wi
     make_gguf.main(checkpoint, path, convert_to(MIXES["Q4_K_M"], np.random.default_rng(2), {}))
     file_bytes = sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
     # A 128-token mixed bucket: its prefill widens the blocks a chunk of rows at a time
-    runner = LLM(str(path), num_kv_blocks=8, capture_tokens=(128,)).engine._runner  # noqa: SLF001
+    # (with int8 activations, from the rows regrouped eight at a time)
+    llm = LLM(str(path), num_kv_blocks=8, capture_tokens=(128,), activations=activations)
+    runner = llm.engine._runner  # noqa: SLF001
     model = runner.model
+    grouped = [
+        m for m in model.modules() if isinstance(m, gguf_loader.GGUFLinear) and any(m.grouped)
+    ]
+    assert bool(grouped) == (activations == "int8")
     held = {  # each tensor once (a tied head shares its blocks), the RoPE tables left out
         tensor.data_ptr(): tensor.numel() * tensor.element_size()
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]

@@ -1,6 +1,7 @@
 """The int8-activation GGUF kernel: x rounded to int8 in blocks of 32, as ggml's Q8_0
-rounds it, times the weight's own blocks, equals the float64 product of the rounded x
-and the dequantized weight up to float32 rounding."""
+rounds it, times the weight's blocks regrouped eight rows at a time, equals the float64
+product of the rounded x and the dequantized weight up to float32 rounding; the groups
+hold the file's bytes exactly."""
 
 from __future__ import annotations
 
@@ -19,8 +20,12 @@ from updraft.kernels.gguf_ops import (
     BLOCK_TYPES,
     BLOCKS,
     INT8_TYPES,
+    gguf_dequantize,
+    gguf_dequantize_groups,
+    gguf_group,
     gguf_linear_int8,
     gguf_round_x,
+    gguf_ungroup,
     int8_kernel_builds,
 )
 from updraft.models import gguf_loader
@@ -42,34 +47,52 @@ def test_x_is_rounded_as_q8_0_rounds_it():
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 8, 8 * 5 - 3])
+def test_groups_hold_the_file_s_bytes_and_give_back_any_row(kind, rows):
+    k = 512
+    blocks = torch.from_numpy(random_blocks(kind, rows, k, np.random.default_rng(rows)))
+    groups = gguf_group(blocks, BLOCK_TYPES[kind], k)
+    assert groups.shape[0] == -(-rows // 8)
+    # the same bytes in another order (Q4_K's six-bit scales decoded to a byte each)
+    extra = {"Q4_K": 1184 / 1152}.get(kind, 1.0)
+    assert groups.numel() == pytest.approx(-(-rows // 8) * 8 * blocks.shape[1] * extra)
+    every = torch.arange(rows)
+    assert torch.equal(gguf_ungroup(groups, BLOCK_TYPES[kind], k, rows, every), blocks)
+    picked = torch.tensor([rows - 1, 0, rows // 2, rows - 1])
+    assert torch.equal(gguf_ungroup(groups, BLOCK_TYPES[kind], k, rows, picked), blocks[picked])
+    widened = gguf_dequantize_groups(groups, BLOCK_TYPES[kind], k, rows, picked)
+    assert torch.equal(widened, gguf_dequantize(blocks[picked].contiguous(), BLOCK_TYPES[kind], k))
+    with pytest.raises(IndexError, match="a row outside"):
+        gguf_ungroup(groups, BLOCK_TYPES[kind], k, rows, torch.tensor([rows]))
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.usefixtures("all_cores")
-def test_int8_x_times_blocks_equals_the_rounded_x_times_the_dequantized_weight(kind):
+def test_int8_x_times_groups_equals_the_rounded_x_times_the_dequantized_weight(kind):
     values = BLOCKS[BLOCK_TYPES[kind]][0]
     k = 3 * max(values, 256)
-    blocks = random_blocks(kind, 37, k, np.random.default_rng(1))
+    n = 37  # a last group of five rows
+    blocks = random_blocks(kind, n, k, np.random.default_rng(1))
     weight = torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType[kind])).double()
-    bias = torch.randn(37)
+    groups = gguf_group(torch.from_numpy(blocks), BLOCK_TYPES[kind], k)
+    bias = torch.randn(n)
     generator = torch.Generator().manual_seed(2)
-    for scale in (1.0, 1e-3, 50.0):
-        x = torch.randn(1, k, generator=generator) * scale
-        got = gguf_linear_int8(x, torch.from_numpy(blocks), bias, BLOCK_TYPES[kind], k)
-        codes, scales = gguf_round_x(x[0])
-        rounded = (codes.view(-1, 32).double() * scales[:, None].double()).view(1, k)
-        # Q4_K's minimums (its weight with every code 0) multiply x's own sums
-        mins = _q4_k_minimums(blocks) if kind == "Q4_K" else torch.zeros_like(weight)
-        expected = rounded @ (weight - mins).T + x.double() @ mins.T + bias.double()
-        bound = 1e-5 * (rounded.abs() @ weight.abs().T + bias.double().abs()) + 1e-6
-        assert ((got.double() - expected).abs() <= bound).all(), scale
-        # and it is not the float32 product: x was rounded
-        assert not torch.allclose(got.double(), x.double() @ weight.T + bias.double(), atol=0)
+    for rows in (1, 3, 8):
+        for scale in (1.0, 1e-3, 50.0):
+            x = torch.randn(rows, k, generator=generator) * scale
+            got = gguf_linear_int8(x, groups, bias, BLOCK_TYPES[kind], k, n)
+            rounded = torch.stack([_rounded(row) for row in x])
+            expected = rounded @ weight.T + bias.double()
+            bound = 1e-5 * (rounded.abs() @ weight.abs().T + bias.double().abs()) + 1e-6
+            assert ((got.double() - expected).abs() <= bound).all(), (rows, scale)
+            # and it is not the float32 product: x was rounded
+            assert not torch.allclose(got.double(), x.double() @ weight.T + bias.double(), atol=0)
 
 
-def _q4_k_minimums(blocks: np.ndarray) -> torch.Tensor:
-    """The part of a Q4_K weight that does not depend on its codes: -dmin * min."""
-    zeroed = blocks.reshape(blocks.shape[0], -1, 144).copy()
-    zeroed[..., 16:] = 0
-    mins = quants.dequantize(zeroed.reshape(blocks.shape), GGMLQuantizationType.Q4_K)
-    return torch.from_numpy(mins).double()
+def _rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel rounds it, in float64."""
+    codes, scales = gguf_round_x(x)
+    return (codes.view(-1, 32).double() * scales[:, None].double()).view(-1)
 
 
 # -- a model from a file --------------------------------------------------------------------

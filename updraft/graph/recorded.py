@@ -42,7 +42,7 @@ HOST_SYNC_OPS = {torch.ops.aten._local_scalar_dense.default}
 # not folded into constants: the graph would hold a float32 copy of every weight the
 # format keeps small (a GGUF model's prefill-sized buckets held the whole model, widened,
 # once per bucket). They run again at each replay, into memory of the arena's.
-WIDENS_WEIGHTS = {"updraft::gguf_dequantize"}
+WIDENS_WEIGHTS = {"updraft::gguf_dequantize", "updraft::gguf_dequantize_groups"}
 SHAPE_FROM_DATA = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
 
 

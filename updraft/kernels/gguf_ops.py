@@ -26,9 +26,12 @@ BLOCKS = {code: GGML_QUANT_SIZES[GGMLQuantizationType(code)] for code in BLOCK_T
 # Up to this many rows of x the kernel runs (its partial sums live in registers and
 # the stack); more rows widen a chunk of weight rows and multiply it with torch.
 GGUF_MAX_ROWS = 8
-# The block types ``gguf_int8.c`` multiplies by an int8-rounded x, and its x block.
+# The block types ``gguf_int8.c`` multiplies by x rounded to int8 in blocks of
+# INT8_X_BLOCK, up to INT8_MAX_ROWS rows of it, over weight rows regrouped eight at a time.
 INT8_TYPES = {BLOCK_TYPES[name] for name in ("Q4_0", "Q8_0", "Q4_K", "Q6_K")}
 INT8_X_BLOCK = 32
+INT8_MAX_ROWS = 8
+GROUP_ROWS = 8
 
 _POINTER = ctypes.c_void_p
 _INT = ctypes.c_int64
@@ -72,9 +75,14 @@ def _library(march: str = "native") -> ctypes.CDLL:
 @cache
 def _int8_library() -> ctypes.CDLL:
     lib = load("gguf_int8")
-    lib.gguf_linear_int8.restype = lib.gguf_round_x.restype = None
+    for name in ("gguf_linear_int8", "gguf_round_x", "gguf_group", "gguf_ungroup"):
+        getattr(lib, name).restype = None
     lib.gguf_linear_int8.argtypes = _LINEAR_ARGUMENTS
     lib.gguf_round_x.argtypes = [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER]
+    lib.gguf_group.argtypes = [ctypes.c_int, _POINTER, _INT, _INT, _POINTER]
+    lib.gguf_ungroup.argtypes = [ctypes.c_int, _POINTER, _INT, _POINTER, _INT, _POINTER]
+    lib.gguf_group_block_bytes.restype = _INT
+    lib.gguf_group_block_bytes.argtypes = [ctypes.c_int]
     return lib
 
 
@@ -148,22 +156,28 @@ def gguf_linear_launch(
 ) -> Launch:
     """``gguf_linear``'s checked call, into ``out`` (else a new tensor)."""
     kernel = _library(march).gguf_linear
-    return _blocks_launch("gguf_linear", kernel, GGUF_MAX_ROWS, x, blocks, bias, block_type, k, out)
+    row_bytes = _check(blocks, block_type, k)
+    n = blocks.shape[0]
+    return _linear_launch(
+        "gguf_linear", kernel, GGUF_MAX_ROWS, x, blocks, n, row_bytes, bias, block_type, k, out
+    )
 
 
-def _blocks_launch(
+def _linear_launch(
     op: str,
     kernel: Callable[..., None],
     max_rows: int,
     x: torch.Tensor,
-    blocks: torch.Tensor,
+    weight: torch.Tensor,
+    n: int,
+    stride: int,
     bias: torch.Tensor | None,
     block_type: int,
     k: int,
     out: tuple[torch.Tensor, ...] | None,
 ) -> Launch:
-    """The call of a linear kernel over blocks (both take the same arguments)."""
-    row_bytes = _check(blocks, block_type, k)
+    """The call of a linear kernel over a weight's ``n`` rows, in blocks or groups
+    ``stride`` bytes apart (both kernels take the same arguments)."""
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
         raise TypeError(f"updraft::{op} takes float32 x [rows, {k}]")
     if x.shape[0] > max_rows:
@@ -171,7 +185,8 @@ def _blocks_launch(
     given = (x, bias)
     x = x.contiguous()
     bias = None if bias is None else bias.contiguous()
-    n = blocks.shape[0]
+    if bias is not None and bias.shape != (n,):
+        raise TypeError(f"updraft::{op} takes a bias of {n} values")
     (y,) = out or (x.new_empty(x.shape[0], n),)
     if not writable_output(y, (x.shape[0], n)):
         raise TypeError(f"updraft::{op} writes a contiguous float32 output")
@@ -182,15 +197,15 @@ def _blocks_launch(
             x.data_ptr(),
             x.shape[0],
             k,
-            blocks.data_ptr(),
+            weight.data_ptr(),
             n,
-            row_bytes,
+            stride,
             None if bias is None else bias.data_ptr(),
             y.data_ptr(),
             torch.get_num_threads(),
         ),
         (y,),
-        (x, blocks, bias),
+        (x, weight, bias),
         reads_copies(given, (x, bias)),
     )
 
@@ -202,36 +217,104 @@ def gguf_round_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.contiguous()
     codes = torch.empty(k, dtype=torch.int8)
     scales = torch.empty(k // INT8_X_BLOCK)
-    sums = torch.empty(k // INT8_X_BLOCK)
-    sums4 = torch.empty(k // 4, dtype=torch.int32)
+    sums16 = torch.empty(k // 16, dtype=torch.int32)
+    sums32 = torch.empty(k // 32, dtype=torch.int32)
     _int8_library().gguf_round_x(
-        x.data_ptr(), k, codes.data_ptr(), scales.data_ptr(), sums4.data_ptr(), sums.data_ptr()
+        x.data_ptr(), k, codes.data_ptr(), scales.data_ptr(), sums16.data_ptr(), sums32.data_ptr()
     )
     return codes, scales
 
 
-def gguf_linear_int8(
-    x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, block_type: int, k: int
+def _check_groups(groups: torch.Tensor, block_type: int, k: int, n: int) -> int:
+    """Bytes of one group of ``groups`` (``n`` rows of ``k`` values); refuses the rest."""
+    if block_type not in INT8_TYPES:
+        raise TypeError(f"updraft::gguf groups are of ggml block types {sorted(INT8_TYPES)}")
+    values = BLOCKS[block_type][0]
+    if groups.dtype != torch.uint8 or groups.dim() != 2 or not groups.is_contiguous():
+        raise TypeError("updraft::gguf ops take contiguous uint8 groups [groups, group_bytes]")
+    group_bytes = k // values * _int8_library().gguf_group_block_bytes(block_type)
+    if k % values or groups.shape[1] != group_bytes:
+        raise TypeError(
+            f"groups of {groups.shape[1]} bytes are not {k} values in blocks of {values}"
+        )
+    if groups.shape[0] != -(-n // GROUP_ROWS):
+        raise TypeError(f"{groups.shape[0]} groups do not hold {n} rows")
+    return group_bytes
+
+
+def gguf_group(blocks: torch.Tensor, block_type: int, k: int) -> torch.Tensor:
+    """A weight's rows [N, row_bytes] in the file's blocks -> the same codes and scales
+    regrouped eight rows at a time [ceil(N / 8), group_bytes] (``gguf_int8.c``)."""
+    _check(blocks, block_type, k)
+    n = blocks.shape[0]
+    values = BLOCKS[block_type][0]
+    group_bytes = k // values * _int8_library().gguf_group_block_bytes(block_type)
+    groups = torch.empty(-(-n // GROUP_ROWS), group_bytes, dtype=torch.uint8)
+    _int8_library().gguf_group(block_type, blocks.data_ptr(), n, k, groups.data_ptr())
+    return groups
+
+
+def gguf_ungroup(groups: torch.Tensor, block_type: int, k: int, n: int, rows: torch.Tensor):
+    """Rows ``rows`` (int64) of the ``n``-row weight in ``groups``, in the file's bytes."""
+    _check_groups(groups, block_type, k, n)
+    rows = rows.to(torch.int64).contiguous()
+    if rows.numel() and not (int(rows.min()) >= 0 and int(rows.max()) < n):
+        raise IndexError(f"updraft::gguf_ungroup: a row outside 0..{n - 1}")
+    values, size = BLOCKS[block_type]
+    out = torch.empty(rows.numel(), k // values * size, dtype=torch.uint8)
+    _int8_library().gguf_ungroup(
+        block_type, groups.data_ptr(), k, rows.data_ptr(), rows.numel(), out.data_ptr()
+    )
+    return out
+
+
+def gguf_dequantize_groups(
+    groups: torch.Tensor, block_type: int, k: int, n: int, rows: torch.Tensor
 ) -> torch.Tensor:
-    """x [1, k] float32, rounded to int8 in blocks of 32 (``gguf_round_x``), @ the weight
-    in ``blocks`` [N, row_bytes] transposed (+ bias) -> [1, N]; ``block_type`` one of
-    ``INT8_TYPES``."""
-    return gguf_linear_int8_launch(x, blocks, bias, block_type, k)()[0]
+    """Rows ``rows`` of the weight in ``groups``, widened to float32 [len(rows), k]: an
+    embedding's looked-up rows, a prefill's chunk of weight rows."""
+    return gguf_dequantize(gguf_ungroup(groups, block_type, k, n, rows), block_type, k)
+
+
+def gguf_linear_int8(
+    x: torch.Tensor,
+    groups: torch.Tensor,
+    bias: torch.Tensor | None,
+    block_type: int,
+    k: int,
+    n: int,
+) -> torch.Tensor:
+    """x [M, k] float32 (M <= INT8_MAX_ROWS), each row rounded to int8 as
+    ``gguf_round_x`` rounds it, @ the ``n``-row weight in ``groups`` transposed (+ bias)
+    -> [M, n]; ``block_type`` one of ``INT8_TYPES``."""
+    return gguf_linear_int8_launch(x, groups, bias, block_type, k, n)()[0]
 
 
 def gguf_linear_int8_launch(
     x: torch.Tensor,
-    blocks: torch.Tensor,
+    groups: torch.Tensor,
     bias: torch.Tensor | None,
     block_type: int,
     k: int,
+    n: int,
     out: tuple[torch.Tensor, ...] | None = None,
 ) -> Launch:
     """``gguf_linear_int8``'s checked call, into ``out`` (else a new tensor)."""
-    if block_type not in INT8_TYPES:
-        raise TypeError(f"updraft::gguf_linear_int8 takes ggml block types {sorted(INT8_TYPES)}")
+    group_bytes = _check_groups(groups, block_type, k, n)
     kernel = _int8_library().gguf_linear_int8
-    return _blocks_launch("gguf_linear_int8", kernel, 1, x, blocks, bias, block_type, k, out)
+    return _linear_launch(
+        "gguf_linear_int8",
+        kernel,
+        INT8_MAX_ROWS,
+        x,
+        groups,
+        n,
+        group_bytes,
+        bias,
+        block_type,
+        k,
+        out,
+    )
 
 
 _FRAGMENT = torch.library.Library("updraft", "FRAGMENT")
@@ -256,11 +339,21 @@ _FRAGMENT.impl(
     "Meta",
 )
 _FRAGMENT.define(
-    "gguf_linear_int8(Tensor x, Tensor blocks, Tensor? bias, int block_type, int k) -> Tensor"
+    "gguf_linear_int8(Tensor x, Tensor groups, Tensor? bias, int block_type, int k, int n) "
+    "-> Tensor"
 )
 _FRAGMENT.impl("gguf_linear_int8", gguf_linear_int8, "CPU")
 _FRAGMENT.impl(
     "gguf_linear_int8",
-    lambda x, blocks, bias, block_type, k: x.new_empty(x.shape[0], blocks.shape[0]),
+    lambda x, groups, bias, block_type, k, n: x.new_empty(x.shape[0], n),
+    "Meta",
+)
+_FRAGMENT.define(
+    "gguf_dequantize_groups(Tensor groups, int block_type, int k, int n, Tensor rows) -> Tensor"
+)
+_FRAGMENT.impl("gguf_dequantize_groups", gguf_dequantize_groups, "CPU")
+_FRAGMENT.impl(
+    "gguf_dequantize_groups",
+    lambda groups, block_type, k, n, rows: groups.new_empty(rows.numel(), k, dtype=torch.float32),
     "Meta",
 )

@@ -9,9 +9,11 @@ mixes them; neighbouring slices of one type are joined) and a quantized embeddin
 ``GGUFEmbedding``, which widens only the rows it looks up. Neither ever holds a float32
 copy of its weight.
 
-With ``int8_activations`` (``--activations int8``), a linear that takes one row rounds
-it to int8 for the block types ``kernels/gguf_int8.c`` multiplies as bytes, as llama.cpp
-does, and Q8_0 and Q4_0 stay in their blocks for it.
+With ``int8_activations`` (``--activations int8``), the linears in the block types
+``kernels/gguf_int8.c`` multiplies as bytes (Q4_0, Q8_0, Q4_K, Q6_K) keep their rows
+regrouped eight at a time, the same bytes in another order, and round the x of a step
+of up to 64 rows to int8, as llama.cpp does; a prefill's longer x stays float32 against
+rows widened from the groups. A tied embedding looks its rows up in the LM head's groups.
 
 Q8_0 and Q4_0 blocks are one scale and 32 codes each, exactly the int8 and int4 panels'
 groups of 32 (``kernels/panels.py``), whose kernel streams them at the memory's speed
@@ -30,6 +32,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +44,9 @@ from updraft.config import ModelConfig, WeightFormat
 from updraft.kernels.gguf_ops import (
     BLOCK_TYPES,
     GGUF_MAX_ROWS,
+    INT8_MAX_ROWS,
     INT8_TYPES,
+    gguf_group,
     int8_kernel_builds,
 )
 from updraft.kernels.panels import Panels, pack_codes
@@ -97,8 +102,9 @@ class Part:
 
 class GGUFLinear(nn.Module):
     """y = x W^T (+ bias), W the rows of each part in turn, each read in its own type.
-    With ``int8``, one row of x (a decode step) is rounded to int8 for the block types
-    ``kernels/gguf_int8.c`` multiplies, as llama.cpp does."""
+    With ``int8``, the parts in ``INT8_TYPES`` are kept regrouped eight rows at a time
+    (``gguf_ops.gguf_group``), and a step's x of up to 64 rows is rounded to int8 for
+    them, as llama.cpp does."""
 
     def __init__(
         self,
@@ -112,43 +118,74 @@ class GGUFLinear(nn.Module):
         self.int8 = int8 and int8_kernel_builds()
         parts = _merged(parts)
         self.codes = [part.code for part in parts]
+        self.rows = [part.weight.shape[0] for part in parts]
+        self.grouped = [self.int8 and part.code in INT8_TYPES for part in parts]
         for index, part in enumerate(parts):
-            self.register_buffer(f"part{index}", part.weight, persistent=False)
-        self.out_features = sum(part.weight.shape[0] for part in parts)
+            weight = part.weight
+            if self.grouped[index]:
+                weight = gguf_group(weight, part.code, in_features)
+            self.register_buffer(f"part{index}", weight, persistent=False)
+        self.out_features = sum(self.rows)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        outs = [self._part(flat, index, code) for index, code in enumerate(self.codes)]
+        outs = [self._part(flat, index) for index in range(len(self.codes))]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
 
-    def _part(self, flat: torch.Tensor, index: int, code: int | None) -> torch.Tensor:
+    def _part(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         weight = getattr(self, f"part{index}")
+        code, k = self.codes[index], self.in_features
         if code is None:
             return F.linear(flat, weight)
         rows = flat.shape[0]
-        if rows == 1 and self.int8 and code in INT8_TYPES:
-            return torch.ops.updraft.gguf_linear_int8(flat, weight, None, code, self.in_features)
-        if rows <= GGUF_MAX_ROWS:
-            return torch.ops.updraft.gguf_linear(flat, weight, None, code, self.in_features)
-        if rows <= BLOCK_PASSES_UP_TO:  # a batched decode: a pass over the blocks per 8 rows
-            outs = [
-                torch.ops.updraft.gguf_linear(group, weight, None, code, self.in_features)
-                for group in flat.split(GGUF_MAX_ROWS)
+        if self.grouped[index]:
+            n = self.rows[index]
+            if rows <= BLOCK_PASSES_UP_TO:  # a decode step: a pass over the groups per 8 rows
+                return _in_passes(
+                    lambda group: torch.ops.updraft.gguf_linear_int8(
+                        group, weight, None, code, k, n
+                    ),
+                    flat,
+                    INT8_MAX_ROWS,
+                )
+            # A prefill: widen a chunk of weight rows at a time and multiply it with torch.
+            chunks = [
+                F.linear(
+                    flat,
+                    torch.ops.updraft.gguf_dequantize_groups(
+                        weight, code, k, n, torch.arange(start, min(n, start + WIDEN_ROWS))
+                    ),
+                )
+                for start in range(0, n, WIDEN_ROWS)
             ]
-            return torch.cat(outs)
-        # A prefill: widen a chunk of weight rows at a time and multiply it with torch.
+            return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
+        if rows <= BLOCK_PASSES_UP_TO:  # a decode step: a pass over the blocks per 8 rows
+            return _in_passes(
+                lambda group: torch.ops.updraft.gguf_linear(group, weight, None, code, k),
+                flat,
+                GGUF_MAX_ROWS,
+            )
         chunks = [
-            F.linear(flat, torch.ops.updraft.gguf_dequantize(rows, code, self.in_features))
+            F.linear(flat, torch.ops.updraft.gguf_dequantize(rows, code, k))
             for rows in weight.split(WIDEN_ROWS)
         ]
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+def _in_passes(
+    linear: Callable[[torch.Tensor], torch.Tensor], flat: torch.Tensor, rows: int
+) -> torch.Tensor:
+    """``linear`` over ``flat`` ``rows`` rows at a time (what its kernel takes at once)."""
+    if flat.shape[0] <= rows:
+        return linear(flat)
+    return torch.cat([linear(group) for group in flat.split(rows)])
 
 
 def _merged(parts: list[Part]) -> list[Part]:
@@ -173,18 +210,26 @@ BLOCK_PASSES_UP_TO = 64
 
 
 class GGUFEmbedding(nn.Module):
-    """An embedding table in blocks: the looked-up rows are widened, the table never."""
+    """An embedding table in blocks: the looked-up rows are widened, the table never.
+    ``grouped``: the table is a tied LM head's rows regrouped eight at a time."""
 
-    def __init__(self, blocks: torch.Tensor, code: int, dim: int) -> None:
+    def __init__(self, blocks: torch.Tensor, code: int, dim: int, grouped_rows: int = 0) -> None:
         super().__init__()
         self.register_buffer("blocks", blocks, persistent=False)
         self.code = code
         self.dim = dim
-        self.num_embeddings = blocks.shape[0]
+        self.grouped_rows = grouped_rows
+        self.num_embeddings = grouped_rows or blocks.shape[0]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = self.blocks.index_select(0, input_ids.flatten())
-        out = torch.ops.updraft.gguf_dequantize(rows, self.code, self.dim)
+        ids = input_ids.flatten()
+        if self.grouped_rows:
+            out = torch.ops.updraft.gguf_dequantize_groups(
+                self.blocks, self.code, self.dim, self.grouped_rows, ids
+            )
+        else:
+            rows = self.blocks.index_select(0, ids)
+            out = torch.ops.updraft.gguf_dequantize(rows, self.code, self.dim)
         return out.view(*input_ids.shape, self.dim)
 
 
@@ -256,9 +301,14 @@ def _place_blocks(model, modules, blocks, floats, config: ModelConfig, int8: boo
     embedding = blocks.pop("model.embed_tokens.weight", None)
     if embedding is not None:
         part = embedding[0]
-        model.model.embed_tokens = GGUFEmbedding(part.weight, part.code, config.hidden_size)
-        if config.tie_word_embeddings:  # the LM head reads the same blocks
-            model.lm_head = GGUFLinear(config.hidden_size, [part], None, int8)
+        dim = config.hidden_size
+        if config.tie_word_embeddings:  # the embedding reads the LM head's blocks
+            head = GGUFLinear(dim, [part], None, int8)
+            model.lm_head = head
+            grouped = head.rows[0] if head.grouped[0] else 0
+            model.model.embed_tokens = GGUFEmbedding(head.part0, part.code, dim, grouped)
+        else:
+            model.model.embed_tokens = GGUFEmbedding(part.weight, part.code, dim)
     for param, slices in blocks.items():
         module_name = param.removesuffix(".weight")
         module = modules[module_name]
