@@ -35,10 +35,13 @@ def reference(query, kv_cache, block_table, seq_lens, block_size, scale):
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (6, 1)])
+# 24: one position and column at a time; 136: four positions at a time, and an output of
+# two 64-column slices kept in registers and 8 columns left over
+@pytest.mark.parametrize("head_dim", [24, 136])
 @pytest.mark.usefixtures("all_cores")
-def test_kernel_equals_attention_over_the_gathered_context(heads, kv_heads):
+def test_kernel_equals_attention_over_the_gathered_context(heads, kv_heads, head_dim):
     torch.manual_seed(heads * 10 + kv_heads)
-    block_size, num_blocks, head_dim = 4, 40, 24
+    block_size, num_blocks = 4, 40
     kv_cache = torch.randn(2, num_blocks * block_size + 1, kv_heads, head_dim)
     seq_lens = torch.tensor([1, 17, 0, 33, 5])  # a padding row with no context
     block_table = torch.full((5, 9), -1)
@@ -116,12 +119,13 @@ def test_latent_kernel_is_multi_query_attention_over_the_rows_it_names():
     assert (lse[2] == -1e30).all()
 
 
-def test_a_missing_block_is_skipped_not_read():
+@pytest.mark.parametrize("head_dim", [8, 64])
+def test_a_missing_block_is_skipped_not_read(head_dim):
     """A block id of -1 inside the context (an inconsistent step) reads nothing: the
     kernel attends to the positions it can address and stays in bounds."""
-    kv_cache = torch.randn(2, 8 * 4 + 1, 1, 8)
+    kv_cache = torch.randn(2, 8 * 4 + 1, 1, head_dim)
     block_table = torch.tensor([[2, -1, 10**9]])
-    query = torch.randn(1, 1, 8)
+    query = torch.randn(1, 1, head_dim)
     got, _ = torch.ops.updraft.paged_decode_attention(
         query, kv_cache, block_table, torch.tensor([12]), 4, 1.0
     )

@@ -28,11 +28,55 @@
    low that its exp is 0 next to any real score. */
 #define MASKED (-1e30f)
 
+/* Eight floats as one vector (GCC's vector extension: AVX2's ymm, or two of SSE's).
+   A decode step's attention is a few thousand dot products and multiply-adds of 64
+   values: written one at a time, each dot product's additions made one chain, and each
+   multiply-add stored the output a position had just written (a store, then a load of
+   it, per position and head). Several positions' dot products at once, and an output's
+   columns kept in registers across the positions, run about 3x faster. */
+typedef float vec8 __attribute__((vector_size(32)));
+#define SLICE 64 /* output columns kept in registers: 8 vectors */
+
+static inline vec8 load8(const float *p) {
+    vec8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float sum8(vec8 v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+/* out[i] = q . rows[i] for four rows, n % 8 == 0: four independent chains */
+static void dot4(const float *restrict q, const float *const rows[4], int64_t n, float out[4]) {
+    vec8 acc[4] = {{0}};
+    for (int64_t d = 0; d < n; d += 8) {
+        const vec8 x = load8(q + d);
+        for (int i = 0; i < 4; i++) acc[i] += x * load8(rows[i] + d);
+    }
+    for (int i = 0; i < 4; i++) out[i] = sum8(acc[i]);
+}
+
 static float dot(const float *restrict a, const float *restrict b, int64_t n) {
     float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
     for (int64_t i = 0; i < n; i++) acc += a[i] * b[i];
     return acc;
+}
+
+/* o[c] = sum over t of p[t] * rows(t)[c] for columns [first, first + SLICE): the columns
+   stay in registers across the positions */
+static void weighted_slice(float *restrict o, const float *restrict p, const float *values,
+                           const int64_t *slots, int64_t context, int64_t stride,
+                           int64_t first) {
+    vec8 acc[SLICE / 8] = {{0}};
+    for (int64_t t = 0; t < context; t++) {
+        if (slots[t] < 0) continue;
+        const float *row = values + slots[t] * stride + first;
+        const vec8 weight = {p[t], p[t], p[t], p[t], p[t], p[t], p[t], p[t]};
+        for (int c = 0; c < SLICE / 8; c++) acc[c] += weight * load8(row + 8 * c);
+    }
+    memcpy(o + first, acc, sizeof acc);
 }
 
 static void axpy(float *restrict y, float a, const float *restrict x, int64_t n) {
@@ -89,8 +133,27 @@ void paged_decode_attention(const float *query, const float *key_cache,
                 slots[u] = (block < 0 || slot >= num_slots) ? -1 : slot;
             }
             const float *q = query + (b * heads + first * group) * head_dim;
-            /* scores: each K row once, for every head of the item */
-            for (int64_t t = 0; t < context; t++) {
+            /* scores: four positions at a time (each K row read for every head of the
+               item while it is in cache), the rest one at a time; a skipped position
+               reads the query itself and is masked after */
+            int64_t t = 0;
+            if (head_dim % 8 == 0)
+                for (; t + 4 <= context; t += 4)
+                    for (int64_t kh = 0; kh < last - first; kh++)
+                        for (int64_t g = 0; g < group; g++) {
+                            const int64_t h = kh * group + g;
+                            const float *rows[4];
+                            for (int i = 0; i < 4; i++)
+                                rows[i] = slots[t + i] < 0 ? q + h * head_dim
+                                                           : key_cache + slots[t + i] * slot_stride +
+                                                                 (first + kh) * head_dim;
+                            float dots[4];
+                            dot4(q + h * head_dim, rows, head_dim, dots);
+                            for (int i = 0; i < 4; i++)
+                                scores[h * context + t + i] =
+                                    slots[t + i] < 0 ? MASKED : dots[i] * scale;
+                        }
+            for (; t < context; t++) {
                 for (int64_t h = 0; h < item_heads; h++) scores[h * context + t] = MASKED;
                 if (slots[t] < 0) continue;
                 const float *row = key_cache + slots[t] * slot_stride + first * head_dim;
@@ -119,15 +182,25 @@ void paged_decode_attention(const float *query, const float *key_cache,
 #pragma omp simd
                 for (int64_t t = 0; t < context; t++) s[t] *= inverse;
             }
-            /* values: each V row once, for every head of the item */
-            for (int64_t t = 0; t < context; t++) {
+            /* values: a head's output SLICE columns at a time, in registers; the rest
+               of a head's columns (value_dim % SLICE) one position at a time */
+            const int64_t sliced = value_dim / SLICE * SLICE;
+            for (int64_t kh = 0; kh < last - first; kh++)
+                for (int64_t g = 0; g < group; g++) {
+                    const int64_t h = kh * group + g;
+                    for (int64_t c = 0; c < sliced; c += SLICE)
+                        weighted_slice(o + h * value_dim, scores + h * context,
+                                       value_cache + (first + kh) * value_dim, slots, context,
+                                       slot_stride, c);
+                }
+            for (int64_t t = 0; sliced < value_dim && t < context; t++) {
                 if (slots[t] < 0) continue;
                 const float *row = value_cache + slots[t] * slot_stride + first * value_dim;
                 for (int64_t kh = 0; kh < last - first; kh++)
                     for (int64_t g = 0; g < group; g++) {
                         int64_t h = kh * group + g;
-                        axpy(o + h * value_dim, scores[h * context + t], row + kh * value_dim,
-                             value_dim);
+                        axpy(o + h * value_dim + sliced, scores[h * context + t],
+                             row + kh * value_dim + sliced, value_dim - sliced);
                     }
             }
         }
