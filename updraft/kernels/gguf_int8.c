@@ -203,11 +203,14 @@ void gguf_group(int type, const uint8_t *rows, int64_t n, int64_t k, uint8_t *gr
         }
 }
 
-/* groups -> the file's bytes of rows ``which`` [count], as [count, row_bytes] */
-void gguf_ungroup(int type, const uint8_t *groups, int64_t k, const int64_t *which,
-                  int64_t count, uint8_t *out) {
+/* groups of ``n`` rows -> the file's bytes of rows ``which`` [count], as [count,
+   row_bytes]; -1 (and nothing written) where a row is not in 0..n-1 */
+int gguf_ungroup(int type, const uint8_t *groups, int64_t n, int64_t k, const int64_t *which,
+                 int64_t count, uint8_t *out) {
     const int64_t blocks = k / block_values(type), bytes = block_bytes(type);
     const int64_t group_bytes = gguf_group_block_bytes(type);
+    for (int64_t i = 0; i < count; i++)
+        if (which[i] < 0 || which[i] >= n) return -1;
 #pragma omp parallel for schedule(static) if (count > 64)
     for (int64_t i = 0; i < count; i++) {
         const int64_t g = which[i] / GROUP;
@@ -216,6 +219,7 @@ void gguf_ungroup(int type, const uint8_t *groups, int64_t k, const int64_t *whi
             move_block(type, out + (i * blocks + b) * bytes,
                        (uint8_t *)groups + (g * blocks + b) * group_bytes, r, 0);
     }
+    return 0;
 }
 
 /* -- products --------------------------------------------------------------------------- */

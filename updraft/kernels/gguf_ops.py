@@ -75,12 +75,13 @@ def _library(march: str = "native") -> ctypes.CDLL:
 @cache
 def _int8_library() -> ctypes.CDLL:
     lib = load("gguf_int8")
-    for name in ("gguf_linear_int8", "gguf_round_x", "gguf_group", "gguf_ungroup"):
+    for name in ("gguf_linear_int8", "gguf_round_x", "gguf_group"):
         getattr(lib, name).restype = None
+    lib.gguf_ungroup.restype = ctypes.c_int
     lib.gguf_linear_int8.argtypes = _LINEAR_ARGUMENTS
     lib.gguf_round_x.argtypes = [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER]
     lib.gguf_group.argtypes = [ctypes.c_int, _POINTER, _INT, _INT, _POINTER]
-    lib.gguf_ungroup.argtypes = [ctypes.c_int, _POINTER, _INT, _POINTER, _INT, _POINTER]
+    lib.gguf_ungroup.argtypes = [ctypes.c_int, _POINTER, _INT, _INT, _POINTER, _INT, _POINTER]
     lib.gguf_group_block_bytes.restype = _INT
     lib.gguf_group_block_bytes.argtypes = [ctypes.c_int]
     return lib
@@ -254,17 +255,19 @@ def gguf_group(blocks: torch.Tensor, block_type: int, k: int) -> torch.Tensor:
     return groups
 
 
-def gguf_ungroup(groups: torch.Tensor, block_type: int, k: int, n: int, rows: torch.Tensor):
+def gguf_ungroup(
+    groups: torch.Tensor, block_type: int, k: int, n: int, rows: torch.Tensor
+) -> torch.Tensor:
     """Rows ``rows`` (int64) of the ``n``-row weight in ``groups``, in the file's bytes."""
     _check_groups(groups, block_type, k, n)
     rows = rows.to(torch.int64).contiguous()
-    if rows.numel() and not (int(rows.min()) >= 0 and int(rows.max()) < n):
-        raise IndexError(f"updraft::gguf_ungroup: a row outside 0..{n - 1}")
     values, size = BLOCKS[block_type]
     out = torch.empty(rows.numel(), k // values * size, dtype=torch.uint8)
-    _int8_library().gguf_ungroup(
-        block_type, groups.data_ptr(), k, rows.data_ptr(), rows.numel(), out.data_ptr()
+    read = _int8_library().gguf_ungroup(
+        block_type, groups.data_ptr(), n, k, rows.data_ptr(), rows.numel(), out.data_ptr()
     )
+    if read != 0:
+        raise IndexError(f"updraft::gguf_ungroup: a row outside 0..{n - 1}")
     return out
 
 
