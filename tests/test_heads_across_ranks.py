@@ -278,12 +278,34 @@ def test_sampled_drafts_reach_every_rank_as_rank_0_drew_them(head, pool):
     assert not [step for step in seen.steps_of("head") if step.bucket and step.bucket[2]]
 
 
+# This module's worker pools, so that the tests that start processes of their own can
+# close them first (``idle_pools_closed``).
+OPEN_POOLS: list[WorkerPool] = []
+
+
+@pytest.fixture(scope="module")
+def pool(pool):
+    OPEN_POOLS.append(pool)
+    return pool
+
+
+@pytest.fixture
+def idle_pools_closed():
+    """The module's pools closed before a test that starts its own processes (torchrun
+    nodes, a server's ranks): their idle workers, some 340 MB each, would sit beside
+    them, and the suite's two workers share 4 GB. A later test that takes workers from a
+    closed pool starts them again."""
+    for idle in OPEN_POOLS:
+        idle.close()
+
+
 @pytest.fixture(scope="module")
 def mutated(tmp_path_factory):
     """(a worker pool whose workers install every ``RANK_MUTATIONS`` entry, a function
     that turns one on for a ``with`` block): rank 0 applies none."""
     switch = tmp_path_factory.mktemp("switch") / "mutation"
     pool = WorkerPool(initializer=partial(on_other_ranks, str(switch)))
+    OPEN_POOLS.append(pool)
 
     @contextmanager
     def on(name: str):
@@ -401,6 +423,7 @@ print(json.dumps(mtp_tokens(sys.argv[1], 2)))
 """
 
 
+@pytest.mark.usefixtures("idle_pools_closed")
 def test_two_torchrun_nodes_over_loopback_give_one_process_s_tokens(tmp_path):
     """``torchrun --nnodes 2`` (one rank each, on this machine over loopback, so the
     ranks are not on one machine as far as they know and exchange through gloo, not
@@ -447,6 +470,7 @@ def test_two_torchrun_nodes_over_loopback_give_one_process_s_tokens(tmp_path):
 SPEC_METRICS = ("draft", "accepted")
 
 
+@pytest.mark.usefixtures("idle_pools_closed")
 def test_the_server_with_mtp_over_pcp_and_tp_answers_like_one_process(tmp_path):
     """``updraft serve --speculative-method mtp`` over PCP=2 x TP=2 on a tiny DeepSeek
     (with a byte tokenizer; the prompt splits over the prefill-context ranks): a
