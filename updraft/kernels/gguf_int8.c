@@ -76,12 +76,14 @@ static inline float max8(__m256 v) {
     return _mm256_cvtss_f32(_mm256_max_ps(v, _mm256_shuffle_ps(v, v, _MM_SHUFFLE(2, 3, 0, 1))));
 }
 
-/* x [k] -> codes [k] int8, scales [k / 32], and the codes' sums in sixteens [k / 16]
-   and thirty-twos [k / 32] (for the weights whose codes are offset, and Q4_K's
-   minimums). k % 32 == 0. The codes are as one value at a time gives them: x / scale,
-   rounded half to even, a zero block left zero. */
-void gguf_round_x(const float *x, int64_t k, int8_t *codes, float *scales, int32_t *sums16,
-                  int32_t *sums32) {
+/* x [k] -> codes [k] int8, scales [k / 32], the codes' sums in thirty-twos [k / 32]
+   (Q4_0's offset codes, Q4_K's minimums), and for each sixteen codes Q6_K's offset:
+   32 times the sums of codes 0, 1 and of codes 2, 3 of its four fours, as two int16
+   (the two halves of a lane of a product's pair sums). k % 32 == 0. The codes are as
+   one value at a time gives them: x / scale, rounded half to even, a zero block left
+   zero. */
+void gguf_round_x(const float *x, int64_t k, int8_t *codes, float *scales,
+                  int32_t *offsets16, int32_t *sums32) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i limit = _mm256_set1_epi32(127);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -106,15 +108,19 @@ void gguf_round_x(const float *x, int64_t k, int8_t *codes, float *scales, int32
                 _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
                 order);
             _mm256_storeu_si256((__m256i *)(codes + c), bytes);
-            /* sums of four, then of sixteen: lane 0 the first sixteen, lane 4 the second */
-            __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes),
-                                          _mm256_set1_epi16(1));
+            /* pair sums, as int16; a 32-bit lane's two are codes 4i, 4i + 1 and 4i + 2,
+               4i + 3; summed over four lanes, lane 0 is the first sixteen's, lane 4 the
+               second's */
+            const __m256i pairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes);
+            __m256i halves16 = _mm256_add_epi16(pairs, _mm256_srli_si256(pairs, 8));
+            halves16 = _mm256_add_epi16(halves16, _mm256_srli_si256(halves16, 4));
+            halves16 = _mm256_slli_epi16(halves16, 5); /* at most 32 * 8 * 127 */
+            offsets16[c / 16] = _mm256_cvtsi256_si32(halves16);
+            offsets16[c / 16 + 1] = _mm256_extract_epi32(halves16, 4);
+            __m256i s = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
             s = _mm256_hadd_epi32(s, s);
             s = _mm256_hadd_epi32(s, s);
-            const int32_t first = _mm256_cvtsi256_si32(s), second = _mm256_extract_epi32(s, 4);
-            sums16[c / 16] = first;
-            sums16[c / 16 + 1] = second;
-            sums32[c / 32] = first + second;
+            sums32[c / 32] = _mm256_cvtsi256_si32(s) + _mm256_extract_epi32(s, 4);
         }
     }
 }
@@ -227,7 +233,7 @@ int gguf_ungroup(int type, const uint8_t *groups, int64_t n, int64_t k, const in
 typedef struct {
     const int8_t *codes;   /* [rows][k] */
     const float *scales;   /* [rows][k / 32] */
-    const int32_t *sums16; /* [rows][k / 16] */
+    const int32_t *offsets16; /* [rows][k / 16], Q6_K's */
     const int32_t *sums32; /* [rows][k / 32] */
     int64_t k;
 } rounded_x;
@@ -407,24 +413,18 @@ static inline __attribute__((always_inline)) void group_q6_k(const uint8_t *grou
                                                    _mm256_and_si256(high, pair));
                     }
                     const __m256i scale = scale_pairs(gb + 16 + 8 * (s + part), 1);
-                    /* codes 0..63 stand for -32..31: 32 * scale times x's sum is taken off */
-                    const __m256i scale32 = _mm256_cvtepi8_epi32(
-                        _mm_loadl_epi64((const __m128i *)(gb + 16 + 8 * (s + part))));
                     for (int m = 0; m < rows; m++) {
-                        const int8_t *v = x->codes + m * x->k + 256 * b + 128 * half + 32 * q + 16 * part;
-                        /* two pair sums of at most 2 * 63 * 127 fit an int16, not four */
-                        const __m256i first = _mm256_add_epi16(
-                            _mm256_maddubs_epi16(codes[0], broadcast4(v)),
-                            _mm256_maddubs_epi16(codes[1], broadcast4(v + 4)));
-                        const __m256i second = _mm256_add_epi16(
-                            _mm256_maddubs_epi16(codes[2], broadcast4(v + 8)),
-                            _mm256_maddubs_epi16(codes[3], broadcast4(v + 12)));
-                        const int32_t offset = 32 * x->sums16[m * (x->k / 16) + 16 * b + s + part];
-                        exact[m] = _mm256_add_epi32(
-                            exact[m],
-                            _mm256_sub_epi32(_mm256_add_epi32(_mm256_madd_epi16(first, scale),
-                                                              _mm256_madd_epi16(second, scale)),
-                                             _mm256_mullo_epi32(scale32, _mm256_set1_epi32(offset))));
+                        const int64_t at = m * x->k + 256 * b + 128 * half + 32 * q + 16 * part;
+                        const int8_t *v = x->codes + at;
+                        /* four pair sums of up to 2 * 63 * 127 each wrap an int16, but
+                           with 32 * x's taken off (codes 0..63 stand for -32..31) what is
+                           left, at most 4 * 2 * 32 * 127, fits: the wrapping cancels */
+                        __m256i pairs = _mm256_maddubs_epi16(codes[0], broadcast4(v));
+                        for (int u = 1; u < 4; u++)
+                            pairs = _mm256_add_epi16(pairs,
+                                                     _mm256_maddubs_epi16(codes[u], broadcast4(v + 4 * u)));
+                        pairs = _mm256_sub_epi16(pairs, _mm256_set1_epi32(x->offsets16[at / 16]));
+                        exact[m] = _mm256_add_epi32(exact[m], _mm256_madd_epi16(pairs, scale));
                     }
                 }
                 for (int m = 0; m < rows; m++) {
@@ -458,12 +458,12 @@ void gguf_linear_int8(int type, const float *x, int64_t m, int64_t k, const uint
                       int threads) {
     int8_t *codes = malloc((size_t)(m * k));
     float *scales = malloc(sizeof(float) * (size_t)(m * k / X_BLOCK));
-    int32_t *sums16 = malloc(sizeof(int32_t) * (size_t)(m * k / 16));
+    int32_t *offsets16 = malloc(sizeof(int32_t) * (size_t)(m * k / 16));
     int32_t *sums32 = malloc(sizeof(int32_t) * (size_t)(m * k / 32));
     for (int64_t r = 0; r < m; r++)
         gguf_round_x(x + r * k, k, codes + r * k, scales + r * (k / X_BLOCK),
-                     sums16 + r * (k / 16), sums32 + r * (k / 32));
-    const rounded_x rounded = {codes, scales, sums16, sums32, k};
+                     offsets16 + r * (k / 16), sums32 + r * (k / 32));
+    const rounded_x rounded = {codes, scales, offsets16, sums32, k};
     const int64_t blocks = k / block_values(type);
     const int64_t count = (n + GROUP - 1) / GROUP;
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -480,6 +480,6 @@ void gguf_linear_int8(int type, const float *x, int64_t m, int64_t k, const uint
     }
     free(codes);
     free(scales);
-    free(sums16);
+    free(offsets16);
     free(sums32);
 }

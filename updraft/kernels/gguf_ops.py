@@ -218,10 +218,15 @@ def gguf_round_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.contiguous()
     codes = torch.empty(k, dtype=torch.int8)
     scales = torch.empty(k // INT8_X_BLOCK)
-    sums16 = torch.empty(k // 16, dtype=torch.int32)
+    offsets16 = torch.empty(k // 16, dtype=torch.int32)
     sums32 = torch.empty(k // 32, dtype=torch.int32)
     _int8_library().gguf_round_x(
-        x.data_ptr(), k, codes.data_ptr(), scales.data_ptr(), sums16.data_ptr(), sums32.data_ptr()
+        x.data_ptr(),
+        k,
+        codes.data_ptr(),
+        scales.data_ptr(),
+        offsets16.data_ptr(),
+        sums32.data_ptr(),
     )
     return codes, scales
 
