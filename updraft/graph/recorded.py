@@ -38,11 +38,6 @@ from updraft.graph.recorded_nodes import (
 from updraft.graph.tasks import ParamProvider, recording_tasks
 
 HOST_SYNC_OPS = {torch.ops.aten._local_scalar_dense.default}
-# Ops that widen a quantized weight. They read constants alone, but their results are
-# not folded into constants: the graph would hold a float32 copy of every weight the
-# format keeps small (a GGUF model's prefill-sized buckets held the whole model, widened,
-# once per bucket). They run again at each replay, into memory of the arena's.
-WIDENS_WEIGHTS = {"updraft::gguf_dequantize", "updraft::gguf_dequantize_groups"}
 SHAPE_FROM_DATA = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
 
 
@@ -189,7 +184,7 @@ class RecordedGraph:
         outputs = tensors_in(out)
         reads_only_constants = all(storage_of(t) in self.constant_storages for t in inputs)
         mutates = func._schema.is_mutable
-        if reads_only_constants and not mutates and func.name() not in WIDENS_WEIGHTS:
+        if reads_only_constants and not mutates:
             self.constant_storages.update(storage_of(t) for t in outputs)
             self.folded.extend(outputs)
             return

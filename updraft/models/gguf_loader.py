@@ -152,28 +152,15 @@ class GGUFLinear(nn.Module):
                     flat,
                     INT8_MAX_ROWS,
                 )
-            # A prefill: widen a chunk of weight rows at a time and multiply it with torch.
-            chunks = [
-                F.linear(
-                    flat,
-                    torch.ops.updraft.gguf_dequantize_groups(
-                        weight, code, k, n, torch.arange(start, min(n, start + WIDEN_ROWS))
-                    ),
-                )
-                for start in range(0, n, WIDEN_ROWS)
-            ]
-            return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
+            return torch.ops.updraft.gguf_widened_linear(flat, weight, code, k, n, True)
         if rows <= BLOCK_PASSES_UP_TO:  # a decode step: a pass over the blocks per 8 rows
             return _in_passes(
                 lambda group: torch.ops.updraft.gguf_linear(group, weight, None, code, k),
                 flat,
                 GGUF_MAX_ROWS,
             )
-        chunks = [
-            F.linear(flat, torch.ops.updraft.gguf_dequantize(rows, code, k))
-            for rows in weight.split(WIDEN_ROWS)
-        ]
-        return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
+        # A prefill: a chunk of weight rows at a time widened and multiplied, in one op.
+        return torch.ops.updraft.gguf_widened_linear(flat, weight, code, k, weight.shape[0], False)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
@@ -202,8 +189,6 @@ def _merged(parts: list[Part]) -> list[Part]:
     return merged
 
 
-# Weight rows widened at once for a prefill: a few MB of float32.
-WIDEN_ROWS = 1024
 # Up to this many rows of x, passes of the block kernel over the weight (one per 8 rows)
 # cost less than widening the whole weight to float32 and reading that back.
 BLOCK_PASSES_UP_TO = 64
