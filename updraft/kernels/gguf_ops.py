@@ -352,52 +352,42 @@ def gguf_widened_linear(
 
 
 _FRAGMENT = torch.library.Library("updraft", "FRAGMENT")
-_FRAGMENT.define("gguf_dequantize(Tensor blocks, int block_type, int k) -> Tensor")
-_FRAGMENT.impl("gguf_dequantize", gguf_dequantize, "CPU")
-_FRAGMENT.impl(
-    "gguf_dequantize",
+
+
+def _define(
+    schema: str, cpu: Callable[..., torch.Tensor], meta: Callable[..., torch.Tensor]
+) -> None:
+    """An ``updraft::`` op: its schema, its CPU kernel and its shape-only Meta kernel."""
+    name = schema.split("(", 1)[0]
+    _FRAGMENT.define(schema)
+    _FRAGMENT.impl(name, cpu, "CPU")
+    _FRAGMENT.impl(name, meta, "Meta")
+
+
+_define(
+    "gguf_dequantize(Tensor blocks, int block_type, int k) -> Tensor",
+    gguf_dequantize,
     lambda blocks, block_type, k: blocks.new_empty(blocks.shape[0], k, dtype=torch.float32),
-    "Meta",
 )
-_FRAGMENT.define(
-    "gguf_linear(Tensor x, Tensor blocks, Tensor? bias, int block_type, int k) -> Tensor"
-)
-_FRAGMENT.impl(
-    "gguf_linear",
+_define(
+    "gguf_linear(Tensor x, Tensor blocks, Tensor? bias, int block_type, int k) -> Tensor",
     lambda x, blocks, bias, block_type, k: gguf_linear(x, blocks, bias, block_type, k),
-    "CPU",
-)
-_FRAGMENT.impl(
-    "gguf_linear",
     lambda x, blocks, bias, block_type, k: x.new_empty(x.shape[0], blocks.shape[0]),
-    "Meta",
 )
-_FRAGMENT.define(
+_define(
     "gguf_linear_int8(Tensor x, Tensor groups, Tensor? bias, int block_type, int k, int n) "
-    "-> Tensor"
-)
-_FRAGMENT.impl("gguf_linear_int8", gguf_linear_int8, "CPU")
-_FRAGMENT.impl(
-    "gguf_linear_int8",
+    "-> Tensor",
+    gguf_linear_int8,
     lambda x, groups, bias, block_type, k, n: x.new_empty(x.shape[0], n),
-    "Meta",
 )
-_FRAGMENT.define(
-    "gguf_dequantize_groups(Tensor groups, int block_type, int k, int n, Tensor rows) -> Tensor"
-)
-_FRAGMENT.impl("gguf_dequantize_groups", gguf_dequantize_groups, "CPU")
-_FRAGMENT.impl(
-    "gguf_dequantize_groups",
+_define(
+    "gguf_dequantize_groups(Tensor groups, int block_type, int k, int n, Tensor rows) -> Tensor",
+    gguf_dequantize_groups,
     lambda groups, block_type, k, n, rows: groups.new_empty(rows.numel(), k, dtype=torch.float32),
-    "Meta",
 )
-_FRAGMENT.define(
+_define(
     "gguf_widened_linear(Tensor x, Tensor weight, int block_type, int k, int n, bool grouped) "
-    "-> Tensor"
-)
-_FRAGMENT.impl("gguf_widened_linear", gguf_widened_linear, "CPU")
-_FRAGMENT.impl(
-    "gguf_widened_linear",
+    "-> Tensor",
+    gguf_widened_linear,
     lambda x, weight, block_type, k, n, grouped: x.new_empty(x.shape[0], n),
-    "Meta",
 )
