@@ -125,6 +125,25 @@ void gguf_round_x(const float *x, int64_t k, int8_t *codes, float *scales,
     }
 }
 
+/* x [m, k] -> x as rounded [m, k] float32: each row's codes times their block's scale,
+   what the kernel multiplies. A prefill's many rows are multiplied as floats against
+   widened rows; rounded first, they take the values a decode step's would, so that a
+   request's tokens do not depend on whether a long prompt shared its step. */
+void gguf_round_rows(const float *x, int64_t m, int64_t k, float *out) {
+    int8_t *codes = malloc((size_t)k);
+    float *scales = malloc(sizeof(float) * (size_t)(k / X_BLOCK));
+    int32_t *offsets16 = malloc(sizeof(int32_t) * (size_t)(k / 16));
+    int32_t *sums32 = malloc(sizeof(int32_t) * (size_t)(k / 32));
+    for (int64_t r = 0; r < m; r++) {
+        gguf_round_x(x + r * k, k, codes, scales, offsets16, sums32);
+        for (int64_t i = 0; i < k; i++) out[r * k + i] = (float)codes[i] * scales[i / X_BLOCK];
+    }
+    free(codes);
+    free(scales);
+    free(offsets16);
+    free(sums32);
+}
+
 /* -- groups ----------------------------------------------------------------------------- */
 
 /* Q4_K's 12 bytes of 6-bit scales and mins <-> a byte each. Sub-blocks 0-3 take the low

@@ -81,6 +81,8 @@ def _int8_library() -> ctypes.CDLL:
     lib.gguf_linear_int8.argtypes = _LINEAR_ARGUMENTS
     lib.gguf_round_x.argtypes = [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER]
     lib.gguf_group.argtypes = [ctypes.c_int, _POINTER, _INT, _INT, _POINTER]
+    lib.gguf_round_rows.restype = None
+    lib.gguf_round_rows.argtypes = [_POINTER, _INT, _INT, _POINTER]
     lib.gguf_ungroup.argtypes = [ctypes.c_int, _POINTER, _INT, _INT, _POINTER, _INT, _POINTER]
     lib.gguf_group_block_bytes.restype = _INT
     lib.gguf_group_block_bytes.argtypes = [ctypes.c_int]
@@ -231,6 +233,19 @@ def gguf_round_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scales
 
 
+def gguf_round_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, k] float32 -> each row as ``gguf_linear_int8`` rounds it, in float32
+    (codes times their block's scale)."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] % INT8_X_BLOCK:
+        raise TypeError(
+            f"updraft::gguf_round_rows takes float32 x [rows, k], k % {INT8_X_BLOCK} == 0"
+        )
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _int8_library().gguf_round_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    return out
+
+
 def _check_groups(groups: torch.Tensor, block_type: int, k: int, n: int) -> int:
     """Bytes of one group of ``groups`` (``n`` rows of ``k`` values); refuses the rest."""
     if block_type not in INT8_TYPES:
@@ -332,12 +347,15 @@ WIDEN_ROWS = 1024
 def gguf_widened_linear(
     x: torch.Tensor, weight: torch.Tensor, block_type: int, k: int, n: int, grouped: bool
 ) -> torch.Tensor:
-    """x [M, k] float32 @ the ``n``-row weight in blocks (or, ``grouped``, in groups)
-    transposed -> [M, n], for many rows of x (a prefill): a chunk of weight rows at a
-    time is widened to float32 and multiplied with torch. One op, so that a captured
+    """x [M, k] float32 @ the ``n``-row weight in blocks (or, ``grouped``, in groups,
+    against x rounded as ``gguf_linear_int8`` rounds it) transposed -> [M, n], for many
+    rows of x (a prefill): a chunk of weight rows at a time is widened to float32 and
+    multiplied with torch. One op, so that a captured
     graph sees none of the widened chunks: recorded one by one, every chunk of every
     linear was alive at once while a graph was captured (the whole model in float32:
     4.6 GB at load for a 0.5B Q4_K_M file, 1.3 GB without the prefill graphs)."""
+    if grouped:  # x as a decode step's int8 kernel takes it
+        x = gguf_round_rows(x)
     chunks = []
     for start in range(0, n, WIDEN_ROWS):
         end = min(n, start + WIDEN_ROWS)

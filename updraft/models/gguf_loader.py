@@ -11,9 +11,10 @@ copy of its weight.
 
 With ``int8_activations`` (``--activations int8``), the linears in the block types
 ``kernels/gguf_int8.c`` multiplies as bytes (Q4_0, Q8_0, Q4_K, Q6_K) keep their rows
-regrouped eight at a time, the same bytes in another order, and round the x of a step
-of up to 64 rows to int8, as llama.cpp does; a prefill's longer x stays float32 against
-rows widened from the groups. A tied embedding looks its rows up in the LM head's groups.
+regrouped eight at a time, the same bytes in another order, and round x to int8, as
+llama.cpp does: a step of up to 64 rows multiplies the codes as bytes, a prefill's
+longer x, rounded alike, multiplies rows widened from the groups as floats. A tied
+embedding looks its rows up in the LM head's groups.
 
 Q8_0 and Q4_0 blocks are one scale and 32 codes each, exactly the int8 and int4 panels'
 groups of 32 (``kernels/panels.py``), whose kernel streams them at the memory's speed
@@ -103,8 +104,7 @@ class Part:
 class GGUFLinear(nn.Module):
     """y = x W^T (+ bias), W the rows of each part in turn, each read in its own type.
     With ``int8``, the parts in ``INT8_TYPES`` are kept regrouped eight rows at a time
-    (``gguf_ops.gguf_group``), and a step's x of up to 64 rows is rounded to int8 for
-    them, as llama.cpp does."""
+    (``gguf_ops.gguf_group``), and x is rounded to int8 for them, as llama.cpp does."""
 
     def __init__(
         self,
