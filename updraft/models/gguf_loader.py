@@ -196,7 +196,8 @@ BLOCK_PASSES_UP_TO = 64
 
 class GGUFEmbedding(nn.Module):
     """An embedding table in blocks: the looked-up rows are widened, the table never.
-    ``grouped``: the table is a tied LM head's rows regrouped eight at a time."""
+    ``grouped_rows`` (if not 0): the table is a tied LM head's that many rows,
+    regrouped eight at a time."""
 
     def __init__(self, blocks: torch.Tensor, code: int, dim: int, grouped_rows: int = 0) -> None:
         super().__init__()
