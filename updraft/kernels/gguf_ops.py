@@ -75,14 +75,13 @@ def _library(march: str = "native") -> ctypes.CDLL:
 @cache
 def _int8_library() -> ctypes.CDLL:
     lib = load("gguf_int8")
-    for name in ("gguf_linear_int8", "gguf_round_x", "gguf_group"):
+    for name in ("gguf_linear_int8", "gguf_round_x", "gguf_round_rows", "gguf_group"):
         getattr(lib, name).restype = None
     lib.gguf_ungroup.restype = ctypes.c_int
     lib.gguf_linear_int8.argtypes = _LINEAR_ARGUMENTS
     lib.gguf_round_x.argtypes = [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER]
-    lib.gguf_group.argtypes = [ctypes.c_int, _POINTER, _INT, _INT, _POINTER]
-    lib.gguf_round_rows.restype = None
     lib.gguf_round_rows.argtypes = [_POINTER, _INT, _INT, _POINTER]
+    lib.gguf_group.argtypes = [ctypes.c_int, _POINTER, _INT, _INT, _POINTER]
     lib.gguf_ungroup.argtypes = [ctypes.c_int, _POINTER, _INT, _INT, _POINTER, _INT, _POINTER]
     lib.gguf_group_block_bytes.restype = _INT
     lib.gguf_group_block_bytes.argtypes = [ctypes.c_int]
@@ -246,6 +245,11 @@ def gguf_round_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _group_bytes(block_type: int, k: int) -> int:
+    """Bytes of one group of eight rows of ``k`` values in ``block_type``."""
+    return k // BLOCKS[block_type][0] * _int8_library().gguf_group_block_bytes(block_type)
+
+
 def _check_groups(groups: torch.Tensor, block_type: int, k: int, n: int) -> int:
     """Bytes of one group of ``groups`` (``n`` rows of ``k`` values); refuses the rest."""
     if block_type not in INT8_TYPES:
@@ -253,7 +257,7 @@ def _check_groups(groups: torch.Tensor, block_type: int, k: int, n: int) -> int:
     values = BLOCKS[block_type][0]
     if groups.dtype != torch.uint8 or groups.dim() != 2 or not groups.is_contiguous():
         raise TypeError("updraft::gguf ops take contiguous uint8 groups [groups, group_bytes]")
-    group_bytes = k // values * _int8_library().gguf_group_block_bytes(block_type)
+    group_bytes = _group_bytes(block_type, k)
     if k % values or groups.shape[1] != group_bytes:
         raise TypeError(
             f"groups of {groups.shape[1]} bytes are not {k} values in blocks of {values}"
@@ -268,9 +272,7 @@ def gguf_group(blocks: torch.Tensor, block_type: int, k: int) -> torch.Tensor:
     regrouped eight rows at a time [ceil(N / 8), group_bytes] (``gguf_int8.c``)."""
     _check(blocks, block_type, k)
     n = blocks.shape[0]
-    values = BLOCKS[block_type][0]
-    group_bytes = k // values * _int8_library().gguf_group_block_bytes(block_type)
-    groups = torch.empty(-(-n // GROUP_ROWS), group_bytes, dtype=torch.uint8)
+    groups = torch.empty(-(-n // GROUP_ROWS), _group_bytes(block_type, k), dtype=torch.uint8)
     _int8_library().gguf_group(block_type, blocks.data_ptr(), n, k, groups.data_ptr())
     return groups
 
@@ -350,10 +352,10 @@ def gguf_widened_linear(
     """x [M, k] float32 @ the ``n``-row weight in blocks (or, ``grouped``, in groups,
     against x rounded as ``gguf_linear_int8`` rounds it) transposed -> [M, n], for many
     rows of x (a prefill): a chunk of weight rows at a time is widened to float32 and
-    multiplied with torch. One op, so that a captured
-    graph sees none of the widened chunks: recorded one by one, every chunk of every
-    linear was alive at once while a graph was captured (the whole model in float32:
-    4.6 GB at load for a 0.5B Q4_K_M file, 1.3 GB without the prefill graphs)."""
+    multiplied with torch. One op, so that a captured graph sees none of the widened
+    chunks: recorded one by one, every chunk of every linear was alive at once while a
+    graph was captured (the whole model in float32: 4.6 GB at load for a 0.5B Q4_K_M
+    file, 1.3 GB without the prefill graphs)."""
     if grouped:  # x as a decode step's int8 kernel takes it
         x = gguf_round_rows(x)
     chunks = []
