@@ -32,7 +32,7 @@ import torch
 from benchmarks.common import make_random_qwen3, markdown_table, stream_bandwidth
 from benchmarks.peers.workload import cold_prompts
 from updraft import LLM, SamplingParams
-from updraft.config import ModelConfig
+from updraft.model_config import ModelConfig
 
 PREFILL_CHUNK = 512
 BATCHES = (1, 8, 32, 64)

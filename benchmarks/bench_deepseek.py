@@ -31,7 +31,7 @@ from benchmarks.common import markdown_table
 from benchmarks.peers.workload import best_time
 from updraft import LLM, SamplingParams
 from updraft.attention.cache_layout import cache_layout, kv_cache_bytes_per_block
-from updraft.config import ModelConfig
+from updraft.model_config import ModelConfig
 
 VOCAB = 32000
 

@@ -34,9 +34,9 @@ from benchmarks.common import markdown_table, stored_in, updraft_weight_bytes
 from benchmarks.peers import workload
 from benchmarks.peers.workload import best_time
 from updraft import LLM, SamplingParams
-from updraft.config import WeightFormat
 from updraft.demo import DEMO_MODEL_DIR
 from updraft.kernels.panels import pack, unpack
+from updraft.weights import WeightFormat
 
 TRAIN_DEMO = Path(__file__).parents[1] / "scripts" / "train_demo.py"
 # name -> (engine settings, the format it keeps); a half-precision name runs on a copy

@@ -28,10 +28,11 @@ import torch
 
 from benchmarks.bench_deepseek import make_random_deepseek_v3
 from benchmarks.common import make_random_qwen3, markdown_table
-from updraft.config import EngineConfig, ModelConfig
+from updraft.config import EngineConfig
 from updraft.demo import DEMO_MODEL_DIR
 from updraft.engine.kv_blocks import BlockPool, KVCacheManager
 from updraft.engine.scheduler import Scheduler
+from updraft.model_config import ModelConfig
 from updraft.request import Request
 from updraft.runner.runner import Runner, load_runner
 from updraft.sampling_params import SamplingParams

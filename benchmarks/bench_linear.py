@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import markdown_table, stream_bandwidth
-from updraft.config import WeightFormat
 from updraft.kernels.panels import pack
+from updraft.weights import WeightFormat
 
 # (out, in) of each projection: fused qkv, o, fused gate_up, down per layer, then the head
 MODELS = {

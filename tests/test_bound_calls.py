@@ -11,12 +11,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.test_gguf import random_blocks
 from tests.test_paged_decode_kernel import reference as attention_reference
-from updraft.config import WeightFormat
 from updraft.graph.recorded import RecordedGraph
 from updraft.kernels import panels
 from updraft.kernels.bound_calls import bound_call
 from updraft.kernels.gguf_ops import BLOCK_TYPES, gguf_dequantize
 from updraft.kernels.ops import Launch, kernel_builds
+from updraft.weights import WeightFormat
 
 pytestmark = pytest.mark.skipif(
     not (kernel_builds("linear") and kernel_builds("paged_attention")),

@@ -18,8 +18,9 @@ from tests.test_reference_models import PROMPTS, assert_logits_match
 from updraft import LLM
 from updraft.attention import latent, loop
 from updraft.cli import main
-from updraft.config import EngineConfig, ModelConfig
+from updraft.config import EngineConfig
 from updraft.engine.engine import Engine
+from updraft.model_config import ModelConfig
 from updraft.models.loader import load_model
 from updraft.serve.serving import ServeSettings
 

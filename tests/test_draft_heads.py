@@ -18,7 +18,7 @@ from tests.mutations import first_draft_from_the_row_before, forget_refresh
 from tests.probes import probed, records
 from updraft import LLM
 from updraft.attention.cache_layout import allocate_kv_cache, cache_layout
-from updraft.config import ModelConfig
+from updraft.model_config import ModelConfig
 from updraft.models.loader import load_model
 from updraft.speculative.head import HeadProposer
 

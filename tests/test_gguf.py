@@ -361,8 +361,8 @@ def demo_gguf(tmp_path_factory):
 
 def test_the_tokenizer_chat_template_and_eos_come_from_the_file(demo_gguf):
     from updraft.chat_template import ChatTemplate
-    from updraft.checkpoints import local_checkpoint
-    from updraft.config import ModelConfig
+    from updraft.checkpoints.local import local_checkpoint
+    from updraft.model_config import ModelConfig
     from updraft.tokenizer import Tokenizer
 
     checkpoint, path = demo_gguf

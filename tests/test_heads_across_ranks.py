@@ -34,8 +34,9 @@ from tests.serving import (
     start_server_process,
 )
 from updraft import LLM, SamplingParams, WorkerPool
-from updraft.config import EngineConfig, ModelConfig, ParallelSizes
+from updraft.config import EngineConfig, ParallelSizes
 from updraft.engine.engine import Engine
+from updraft.model_config import ModelConfig
 from updraft.models.layers import DecoderLayer
 from updraft.models.loader import building, load_model
 from updraft.models.registry import model_class

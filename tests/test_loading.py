@@ -14,14 +14,15 @@ from safetensors import safe_open
 from torch import nn
 
 from benchmarks.common import stored_in
-from updraft.config import ModelConfig, WeightFormat
 from updraft.kernels.ops import kernel_builds
+from updraft.model_config import ModelConfig
 from updraft.models import loader
 from updraft.models.loader import layer_of, load_model
 from updraft.models.moe import Experts
 from updraft.models.packing import Packer
 from updraft.models.tensor_parallel import shard_model
 from updraft.parallel.topology import ParallelSizes, RankPlace
+from updraft.weights import WeightFormat
 
 from .conftest import TINY, make_deepseek_checkpoint, make_tiny_checkpoint
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from updraft.config import MoEConfig, WeightFormat
 from updraft.graph.recorded import RecordedGraph
 from updraft.kernels.ops import kernel_builds
+from updraft.model_config import MoEConfig
 from updraft.models.moe import SparseMoE
 from updraft.models.packing import pack_model
+from updraft.weights import WeightFormat
 
 pytestmark = pytest.mark.skipif(
     not kernel_builds("linear"), reason="needs a C compiler to build the expert kernel"

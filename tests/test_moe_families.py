@@ -15,7 +15,7 @@ from tests.conftest import TINY
 from tests.helpers import greedy, token_prompts
 from tests.test_reference_models import PROMPTS, assert_logits_match
 from updraft import LLM
-from updraft.config import ModelConfig
+from updraft.model_config import ModelConfig
 
 MOE = {
     # layers 0 and 2 dense (mlp_only_layers, then decoder_sparse_step 2 leaves odd ones)

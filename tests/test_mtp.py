@@ -15,7 +15,7 @@ import transformers
 from tests.heads import mtp_checkpoint
 from tests.helpers import greedy, token_ids
 from updraft import LLM
-from updraft.config import ModelConfig
+from updraft.model_config import ModelConfig
 from updraft.models.mtp import load_mtp_layers
 
 

@@ -10,11 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from updraft.config import ModelConfig, WeightFormat
 from updraft.kernels.ops import kernel_builds
+from updraft.model_config import ModelConfig
 from updraft.models import packed_linear
 from updraft.models.loader import load_model
 from updraft.models.packed_linear import PackedLinear, has_onednn
+from updraft.weights import WeightFormat
 
 pytestmark = pytest.mark.skipif(
     not (has_onednn() and kernel_builds("linear")),

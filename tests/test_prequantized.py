@@ -23,9 +23,9 @@ from tests.helpers import greedy
 from tests.probes import logits_of, probed, records
 from tests.test_reference_models import PROMPTS
 from updraft import LLM
-from updraft.config import QuantizedCheckpoint
 from updraft.models.packed_linear import PackedLinear
 from updraft.models.prequantized import unpack
+from updraft.weights import QuantizedCheckpoint
 
 
 def words(*values: int) -> torch.Tensor:

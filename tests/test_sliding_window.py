@@ -23,8 +23,8 @@ from tests.probes import assert_idle, logits_of, probed, records
 from tests.test_reference_models import PROMPTS, assert_logits_match
 from updraft import LLM
 from updraft.attention.metadata import AttentionGroup, AttentionMetadata
-from updraft.config import ModelConfig
 from updraft.engine.kv_blocks import KVCacheManager
+from updraft.model_config import ModelConfig
 
 WINDOW = 8  # shorter than three of the four prompts
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from tests.helpers import greedy
-from updraft.config import EngineConfig, ModelConfig
+from updraft.config import EngineConfig
 from updraft.engine.kv_blocks import BlockPool, KVCacheManager
 from updraft.engine.scheduler import Scheduler
+from updraft.model_config import ModelConfig
 from updraft.request import Request
 from updraft.runner.runner import Runner, load_runner
 from updraft.step.inputs import (

@@ -17,8 +17,9 @@ from tests.conftest import TINY, make_tiny_checkpoint
 from tests.helpers import greedy, token_ids
 from tests.probes import assert_idle, logits_of, probed, records
 from updraft import LLM
-from updraft.config import ModelConfig, ParallelSizes
+from updraft.config import ParallelSizes
 from updraft.demo import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
+from updraft.model_config import ModelConfig
 from updraft.models.loader import load_model
 from updraft.parallel.topology import RankPlace
 

@@ -19,14 +19,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from benchmarks.common import stored_in
 from tests.helpers import greedy
 from updraft import LLM
-from updraft.config import ModelConfig, WeightFormat
 from updraft.demo import DEMO_EAGLE_DIR, DEMO_MODEL_DIR
 from updraft.kernels import ops
 from updraft.kernels.ops import kernel_builds
 from updraft.kernels.panels import Panels, pack, pack_stacked, quantize, unpack
+from updraft.model_config import ModelConfig
 from updraft.models.loader import load_model
 from updraft.models.moe import PackedExperts
 from updraft.models.packed_linear import PackedLinear
+from updraft.weights import WeightFormat
 
 from .conftest import make_deepseek_checkpoint, make_tiny_checkpoint
 from .probes import logits_of, probed, records

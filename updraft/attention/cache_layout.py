@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from updraft.config import ModelConfig
+from updraft.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from dataclasses import replace
 
 import torch
 
-from updraft.config import EngineConfig, ModelConfig
+from updraft.config import EngineConfig
 from updraft.engine.families import Families, child_id
 from updraft.engine.grammar_compiler import GrammarCompiler
 from updraft.engine.grammars import Grammars
@@ -42,6 +42,7 @@ from updraft.engine.workers import (
     torchrun_group,
     torchrun_rendezvous,
 )
+from updraft.model_config import ModelConfig
 from updraft.models.tensor_parallel import check_parallel
 from updraft.outputs import RequestOutput
 from updraft.parallel.topology import RankPlace

@@ -32,7 +32,8 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from updraft.config import EngineConfig, ModelConfig
+from updraft.config import EngineConfig
+from updraft.model_config import ModelConfig
 from updraft.parallel import collectives
 from updraft.parallel.topology import RankPlace, rank_device, uses_nccl
 from updraft.runner.freed_memory import keep_freed_memory

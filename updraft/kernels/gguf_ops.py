@@ -15,7 +15,7 @@ from functools import cache
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from updraft import gguf_checkpoint
+from updraft.checkpoints import gguf as gguf_checkpoint
 from updraft.kernels.build import load
 from updraft.kernels.ops import Launch, reads_copies, writable_output
 

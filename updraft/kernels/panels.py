@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from updraft.config import WeightFormat
 from updraft.kernels.ops import CODE_DTYPES, PANEL
+from updraft.weights import WeightFormat
 
 FORMAT_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3, "int4": 4}
 STORAGE = {name: CODE_DTYPES[code] for name, code in FORMAT_CODES.items()}

@@ -18,7 +18,7 @@ from torch import nn
 from updraft.attention.latent import LatentDims, latent_attention
 from updraft.attention.loop import AttentionParams
 from updraft.attention.metadata import AttentionMetadata
-from updraft.config import MLAConfig, ModelConfig, RopeConfig
+from updraft.model_config import MLAConfig, ModelConfig, RopeConfig
 from updraft.models.layers import MLP, CausalLM, DecoderLayer, FusedLinear, RMSNorm
 from updraft.models.moe import SparseMoE
 from updraft.models.rope import apply_rotary

@@ -23,11 +23,12 @@ import torch
 from torch import nn
 
 from updraft.attention.metadata import AttentionMetadata
-from updraft.config import ModelConfig, WeightFormat
+from updraft.model_config import ModelConfig
 from updraft.models.eagle import eagle_config, load_eagle_head
 from updraft.models.mtp import load_mtp_layers
 from updraft.models.rope import RotaryEmbedding
 from updraft.parallel.topology import RankPlace
+from updraft.weights import WeightFormat
 
 
 class DraftHead(nn.Module):

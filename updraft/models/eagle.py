@@ -24,13 +24,15 @@ import torch
 from torch import nn
 
 from updraft.attention.metadata import AttentionMetadata
-from updraft.config import LLAMA_ARCHITECTURES, ModelConfig, WeightFormat
+from updraft.model_config import ModelConfig
+from updraft.model_config.registry import ARCHITECTURES
 from updraft.models.layers import MLP, DecoderLayer
 from updraft.models.llama import Attention
 from updraft.models.loader import building, checkpoint_names, fill, weight_files
 from updraft.models.packing import storage_dtype
 from updraft.models.tensor_parallel import shard_layers
 from updraft.parallel.topology import RankPlace
+from updraft.weights import WeightFormat
 
 SHARED_WITH_TARGET = ("embed_tokens.", "lm_head.")
 
@@ -78,7 +80,7 @@ def eagle_config(head_dir: str | Path, target: ModelConfig) -> ModelConfig:
             "target layers); updraft runs EAGLE-1 heads"
         )
     config = ModelConfig.from_dir(head_dir)
-    if config.architecture not in LLAMA_ARCHITECTURES:
+    if not ARCHITECTURES[config.architecture].eagle_head:
         raise ValueError(
             f"{head_dir}: an EAGLE head is a Llama-family layer, got {config.architecture}"
         )

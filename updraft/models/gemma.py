@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from updraft.attention.metadata import AttentionMetadata
-from updraft.config import ModelConfig
+from updraft.model_config import ModelConfig
 from updraft.models.layers import MLP, CausalLM, DecoderLayer, norm
 from updraft.models.llama import Attention
 from updraft.models.rope import RotaryEmbedding

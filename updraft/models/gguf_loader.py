@@ -41,7 +41,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from updraft.config import ModelConfig, WeightFormat
 from updraft.kernels.gguf_ops import (
     BLOCK_TYPES,
     GGUF_MAX_ROWS,
@@ -51,10 +50,20 @@ from updraft.kernels.gguf_ops import (
     int8_kernel_builds,
 )
 from updraft.kernels.panels import Panels, pack_codes
-from updraft.models.loader import FUSED, _Made, _part, _split, _target, building
+from updraft.model_config import ModelConfig
+from updraft.model_config.registry import ARCHITECTURES
 from updraft.models.packed_linear import PackedLinear
 from updraft.models.packing import pack_model
 from updraft.models.registry import model_class
+from updraft.models.weight_targets import (
+    FUSED,
+    MadeParameters,
+    building,
+    is_split,
+    part_of,
+    target_of,
+)
+from updraft.weights import WeightFormat
 
 # llama.cpp's tensor names -> transformers' (the loader's fused slices take it from there)
 NAMES = (
@@ -237,7 +246,7 @@ def load_gguf_model(
         model = model_class(config)(config, max_positions=max_positions)
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
-    arch = "llama" if config.architecture == "LlamaForCausalLM" else None
+    permuted_qk = ARCHITECTURES[config.architecture].gguf_permuted_qk
     floats: dict[str, dict[int, torch.Tensor]] = {}
     blocks: dict[str, dict[int, Part]] = {}
     float_kinds: Counter[str] = Counter()
@@ -246,11 +255,11 @@ def load_gguf_model(
             name = hf_name(tensor.name)
             if name is None:
                 raise ValueError(f"{path.name}: unexpected GGUF tensor {tensor.name}")
-            target = _target(name, params, modules)
+            target = target_of(name, params, modules)
             if target is None:
                 raise ValueError(f"{path.name}: GGUF tensor {tensor.name} fits no parameter")
             data = tensor.data
-            if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            if permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = config.num_heads if "q_proj" in name else config.num_kv_heads
                 data = unpermute(np.asarray(data), heads)
             kind = tensor.tensor_type.name
@@ -298,7 +307,7 @@ def _place_blocks(model, modules, blocks, floats, config: ModelConfig, int8: boo
     for param, slices in blocks.items():
         module_name = param.removesuffix(".weight")
         module = modules[module_name]
-        count = len(module.split_sizes) if _split(module) else 1
+        count = len(module.split_sizes) if is_split(module) else 1
         indices = [FUSED] if FUSED in slices else list(range(count))
         mixed = floats.pop(param, {})
         parts = []
@@ -354,13 +363,13 @@ def _block_panels(blocks: list[torch.Tensor], fmt: str, k: int) -> Panels:
 def _fill_floats(model: nn.Module, floats: dict[str, dict[int, torch.Tensor]]) -> None:
     """Each float parameter made real in its tensors' dtype, its slices copied in."""
     params = dict(model.named_parameters())
-    made = _Made(model, "cpu")
+    made = MadeParameters(model, "cpu")
     for name, slices in floats.items():
         if name not in params:
             continue  # a tied LM head's own copy of the embedding
         real, module = made(params[name], next(iter(slices.values())).dtype)
         for index, tensor in slices.items():
-            target = real if index == FUSED else _part(real, module, name, index)
+            target = real if index == FUSED else part_of(real, module, name, index)
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(f"GGUF tensor of shape {tuple(tensor.shape)} for {name}")
             target.data.copy_(tensor)

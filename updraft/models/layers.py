@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from updraft.attention.metadata import AttentionMetadata
-from updraft.config import ModelConfig
+from updraft.model_config import ModelConfig
 from updraft.models.rope import RotaryEmbedding
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from updraft.attention.gqa import paged_attention
 from updraft.attention.loop import AttentionParams
 from updraft.attention.metadata import AttentionMetadata
-from updraft.config import ModelConfig
+from updraft.model_config import ModelConfig
 from updraft.models.layers import MLP, CausalLM, DecoderLayer, FusedLinear, norm
 from updraft.models.moe import SparseMoE
 from updraft.models.rope import apply_rotary

@@ -9,62 +9,36 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from updraft.config import ModelConfig, QuantizedCheckpoint, WeightFormat
-from updraft.gguf_checkpoint import linked_files
+from updraft.checkpoints.gguf import linked_files
 from updraft.kernels.panels import pack_codes
-from updraft.models.layers import FusedLinear
+from updraft.model_config import ModelConfig
+from updraft.models.gguf_loader import load_gguf_model
 from updraft.models.moe import Experts
 from updraft.models.packed_linear import PackedLinear
 from updraft.models.packing import packer, storage_dtype
 from updraft.models.prequantized import QuantizedCodes, unpack
 from updraft.models.registry import model_class
 from updraft.models.tensor_parallel import Shards, shard_model, splits_tensors
+from updraft.models.weight_targets import (
+    FUSED,
+    MadeParameters,
+    Slice,
+    building,
+    is_split,
+    part_of,
+    target_of,
+    text_name,
+)
 from updraft.parallel.topology import RankPlace
+from updraft.weights import QuantizedCheckpoint, WeightFormat
 
-# checkpoint projection -> (fused parameter in the model, index of its slice), the first
-# of these the model has
-FUSED_SLICES = {
-    "q_proj": (("qkv_proj", 0), ("qkv_a_proj", 0)),
-    "k_proj": (("qkv_proj", 1),),
-    "v_proj": (("qkv_proj", 2),),
-    "gate_proj": (("gate_up_proj", 0),),
-    "up_proj": (("gate_up_proj", 1),),
-    "q_a_proj": (("qkv_a_proj", 0),),
-    "kv_a_proj_with_mqa": (("qkv_a_proj", 1),),
-}
-# One expert's projection in a checkpoint -> its slice of the stacked expert weights:
-# (parameter, part); gate and up are the two halves of gate_up_proj's rows. Mixtral's
-# checkpoints call them w1 (gate), w3 (up) and w2 (down).
-EXPERT_TENSOR = re.compile(
-    r"(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)"
-    r"\.weight"
-)
-EXPERT_PARTS = {
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-    "down_proj": ("down_proj", 0),
-    "w1": ("gate_up_proj", 0),
-    "w3": ("gate_up_proj", 1),
-    "w2": ("down_proj", 0),
-}
-# Mixtral's checkpoints hold a layer's experts and router in block_sparse_moe; the model
-# names its mixture mlp, as Qwen3-MoE's checkpoints do.
-RENAMED_MODULES = ((".block_sparse_moe.", ".mlp."),)
-# A multimodal checkpoint's text tower (Gemma 3: transformers 5's names, then the older
-# ones) is served as the text model; its vision tower and projector are not read.
-TEXT_TOWER_PREFIXES = (
-    ("model.language_model.", "model."),
-    ("language_model.model.", "model."),
-    ("language_model.lm_head.", "lm_head."),
-)
 VISION_PREFIXES = (
     "model.vision_tower.",
     "vision_tower.",
@@ -73,14 +47,6 @@ VISION_PREFIXES = (
 )
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 LAYER = re.compile(r"model\.layers\.(\d+)\.")
-
-
-def text_name(checkpoint_name: str) -> str:
-    """A checkpoint tensor's name as the text model calls it."""
-    for prefix, renamed in TEXT_TOWER_PREFIXES:
-        if checkpoint_name.startswith(prefix):
-            return renamed + checkpoint_name[len(prefix) :]
-    return checkpoint_name
 
 
 def layer_of(checkpoint_name: str) -> int | None:
@@ -110,18 +76,6 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-@contextmanager
-def building(dtype: torch.dtype, device: torch.device | str) -> Iterator[None]:
-    """Modules made inside get their parameters in ``dtype`` on ``device``."""
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            yield
-    finally:
-        torch.set_default_dtype(default_dtype)
-
-
 def load_model(
     config: ModelConfig,
     model_dir: str | Path,
@@ -141,8 +95,6 @@ def load_model(
     whole model in the checkpoint's dtype."""
     gguf = linked_files(Path(model_dir))
     if gguf is not None:
-        from updraft.models.gguf_loader import load_gguf_model
-
         if splits_tensors(place):
             raise ValueError("a GGUF file is not split over tensor-parallel ranks yet")
         if weights is not None and weights != WeightFormat.of(dtype):
@@ -212,7 +164,7 @@ def make_slots(
             prefix, _, suffix = name.rpartition(".")
             if suffix != scheme.marker or name.startswith(VISION_PREFIXES):
                 continue
-            target = _target(f"{prefix}.weight", params, modules)
+            target = target_of(f"{prefix}.weight", params, modules)
             if target is None or isinstance(target[1], tuple):
                 raise ValueError(
                     f"{name}: a {scheme.method} tensor of no linear layer here (quantized "
@@ -322,7 +274,7 @@ def load_weights(
                 or not select(checkpoint_name)
             ):
                 continue
-            target = _target(checkpoint_name, params, modules)
+            target = target_of(checkpoint_name, params, modules)
             if target is None:
                 unknown.append(checkpoint_name)
             else:
@@ -331,7 +283,7 @@ def load_weights(
     if unknown:
         raise ValueError(f"unexpected tensors {sorted(unknown)[:8]} in {listed}")
     kept = shard(model) if shard is not None else {}
-    made = _Made(model, device)
+    made = MadeParameters(model, device)
     by_layer: dict[int | None, list[str]] = {}
     for checkpoint_name in targets:
         by_layer.setdefault(layer_of(checkpoint_name), []).append(checkpoint_name)
@@ -372,46 +324,10 @@ def checkpoint_names(files: list[Path]) -> dict[Path, list[str]]:
     return names
 
 
-class _Made:
-    """The real parameters that replace a model's meta ones as they fill: each made
-    once (zeros, so that rows no tensor fills, a padded vocabulary's, are zero) and put
-    in every module that holds it (a tied weight is one parameter)."""
-
-    def __init__(self, model: nn.Module, device: torch.device | str) -> None:
-        self.model = model
-        self.device = device
-        self.holders: dict[int, list[tuple[nn.Module, str]]] = {}
-        for module in model.modules():
-            for name, param in module.named_parameters(recurse=False):
-                self.holders.setdefault(id(param), []).append((module, name))
-        self.real: dict[int, nn.Parameter] = {}
-
-    def __call__(
-        self, param: nn.Parameter, dtype: torch.dtype | None = None
-    ) -> tuple[nn.Parameter, nn.Module]:
-        """``param`` made real (in ``dtype``, default its own), and the module that
-        holds it."""
-        holders = self.holders[id(param)]
-        if param.is_meta:
-            if id(param) not in self.real:
-                data = torch.zeros(param.shape, dtype=dtype or param.dtype, device=self.device)
-                real = nn.Parameter(data, requires_grad=False)
-                for module, name in holders:
-                    setattr(module, name, real)
-                self.real[id(param)] = real
-            param = self.real[id(param)]
-        return param, holders[0][0]
-
-    def check(self) -> None:
-        left = [name for name, param in self.model.named_parameters() if param.is_meta]
-        if left:
-            raise ValueError(f"parameters no checkpoint tensor filled: {left[:8]}")
-
-
 def _slices(params: dict[str, nn.Parameter], modules: dict[str, nn.Module]):
     for name in params:
         module = modules[name.rpartition(".")[0]]
-        if _split(module):
+        if is_split(module):
             yield from ((name, index) for index in range(len(module.split_sizes)))
         elif isinstance(module, Experts):
             parts = (0, 1) if name.endswith("gate_up_proj") else (0,)
@@ -421,51 +337,12 @@ def _slices(params: dict[str, nn.Parameter], modules: dict[str, nn.Module]):
             yield name, 0
 
 
-Slice = int | tuple[int, int]  # a fused slice; or (expert, part) of stacked experts
-
-
-def _split(module: nn.Module | None) -> bool:
-    """Whether ``module``'s parameters stack several checkpoint projections."""
-    return isinstance(module, FusedLinear) or getattr(module, "split_sizes", None) is not None
-
-
 def _describe(name: str, index: Slice) -> str:
     if isinstance(index, tuple):
         expert, part = index
         projection = ("up" if part else "gate") if name.endswith("gate_up_proj") else "down"
         return f"{name} (expert {expert}'s {projection}_proj)"
     return f"{name}[{index}]" if index else name
-
-
-def _target(
-    checkpoint_name: str, params: dict[str, nn.Parameter], modules: dict[str, nn.Module]
-) -> tuple[str, Slice] | None:
-    checkpoint_name = text_name(checkpoint_name)
-    for old, new in RENAMED_MODULES:
-        checkpoint_name = checkpoint_name.replace(old, new)
-    expert = EXPERT_TENSOR.fullmatch(checkpoint_name)
-    if expert is not None:
-        param, part = EXPERT_PARTS[expert["proj"]]
-        name = f"{expert['experts']}.{param}"
-        return (name, (int(expert["expert"]), part)) if name in params else None
-    module_path, _, kind = checkpoint_name.rpartition(".")
-    parent, _, projection = module_path.rpartition(".")
-    for fused, index in FUSED_SLICES.get(projection, ()):
-        name = f"{parent}.{fused}.{kind}"
-        if name in params:
-            return name, index
-    if checkpoint_name in params:
-        module = modules.get(checkpoint_name.rpartition(".")[0])
-        return checkpoint_name, FUSED if _split(module) else 0
-    if checkpoint_name == "lm_head.weight" and "lm_head.weight" not in params:
-        return "model.embed_tokens.weight", -1  # tied: the checkpoint repeats the embedding
-    return None
-
-
-# A checkpoint tensor's place in the model: one slice, or for a checkpoint that fuses
-# the projections itself (Phi-3's qkv_proj, gate_up_proj) every slice of the fused
-# parameter, each at its row offset in the tensor.
-FUSED = -2
 
 
 def _parts(target: tuple[str, Slice], modules: dict[str, nn.Module]):
@@ -489,34 +366,20 @@ def _check_fused(checkpoint_name: str, source, parts, modules) -> None:
         )
 
 
-def _part(param: torch.Tensor, module: nn.Module, name: str, index: Slice) -> torch.Tensor:
-    """The slice ``index`` of ``param`` (held by ``module`` as ``name``)."""
-    if isinstance(index, tuple):  # one expert's gate, up or down rows
-        expert, part = index
-        param = param[expert]
-        if name.endswith("gate_up_proj"):
-            half = param.shape[0] // 2
-            param = param.narrow(0, part * half, half)
-    elif _split(module):
-        start = sum(module.split_sizes[:index])
-        param = param.narrow(0, start, module.split_sizes[index])
-    return param
-
-
 def _fill(
     params: dict[str, nn.Parameter],
     modules: dict[str, nn.Module],
     target: tuple[str, Slice],
     source,  # a safetensors slice: a tensor not yet read
     kept: Shards,
-    made: _Made,
+    made: MadeParameters,
     offset: int | None = None,  # where this slice's rows start in a fused tensor
 ) -> None:
     name, index = target
     if index == -1:
         return
     param = params[name]
-    whole = _part(param, modules[name.rpartition(".")[0]], name, index)
+    whole = part_of(param, modules[name.rpartition(".")[0]], name, index)
     shape = tuple(source.get_shape())
     first = offset or 0
     if offset is not None:
@@ -527,7 +390,7 @@ def _fill(
     own, module = made(keep.param if keep is not None else param)
     if keep is not None and keep.zeros:
         return
-    part = _part(own, module, name, index)
+    part = part_of(own, module, name, index)
     if keep is None or keep.dim is None:
         part.copy_(source[:] if offset is None else source[first : first + shape[0]])
         return

@@ -24,9 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from updraft.config import MoEConfig, WeightFormat
 from updraft.kernels.panels import pack_stacked
+from updraft.model_config import MoEConfig
 from updraft.models.layers import MLP
+from updraft.weights import WeightFormat
 
 
 class TopKRouter(nn.Module):

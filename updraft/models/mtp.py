@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from updraft.attention.metadata import AttentionMetadata
-from updraft.config import ModelConfig, WeightFormat
+from updraft.model_config import ModelConfig
 from updraft.models.deepseek import LatentAttention
 from updraft.models.layers import DecoderLayer, RMSNorm
 from updraft.models.loader import building, fill, weight_files
@@ -31,6 +31,7 @@ from updraft.models.moe import SparseMoE
 from updraft.models.packing import storage_dtype
 from updraft.models.tensor_parallel import shard_layers
 from updraft.parallel.topology import RankPlace
+from updraft.weights import WeightFormat
 
 # Checkpoints repeat the main model's embedding and LM head inside each MTP layer; the
 # layers share the main model's instead.

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from updraft.config import WeightFormat
 from updraft.kernels.ops import kernel_builds
 from updraft.kernels.panels import Panels, pack
+from updraft.weights import WeightFormat
 
 # The row count oneDNN lays a weight out for. Any count runs on the layout, but one laid
 # out for a single row ran 1.2-2x slower from 4 rows up (a batched decode step), while

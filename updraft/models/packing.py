@@ -17,10 +17,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from updraft.config import ModelConfig, WeightFormat, torch_dtype
+from updraft.model_config import ModelConfig
 from updraft.models.moe import Experts, PackedExperts
 from updraft.models.packed_linear import can_pack, few_rows_for, pack_linears
 from updraft.models.tensor_parallel import VocabParallelEmbedding
+from updraft.weights import WeightFormat, torch_dtype
 
 
 def storage_dtype(fmt: WeightFormat, compute: torch.dtype, config: ModelConfig) -> torch.dtype:

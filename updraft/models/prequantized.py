@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from updraft.config import QuantizedCheckpoint
+from updraft.weights import QuantizedCheckpoint
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column word nibble i holds, of its eight
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from updraft.config import RopeConfig
+from updraft.model_config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int, long: bool = False) -> torch.Tensor:

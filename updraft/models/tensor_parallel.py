@@ -33,13 +33,14 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from updraft.config import INT4_GROUP_SIZES, ModelConfig, WeightFormat
+from updraft.model_config import ModelConfig
 from updraft.models.deepseek import LatentAttention
 from updraft.models.layers import MLP, CausalLM, DecoderLayer, FusedLinear
 from updraft.models.llama import Attention
 from updraft.models.moe import SparseMoE
 from updraft.parallel import collectives  # noqa: F401 (registers the collective ops)
 from updraft.parallel.topology import GroupRank, ParallelSizes, RankPlace
+from updraft.weights import INT4_GROUP_SIZES, WeightFormat
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ from typing import ClassVar
 
 import torch
 
-from updraft.config import EngineConfig, ModelConfig
+from updraft.config import EngineConfig
+from updraft.model_config import ModelConfig
 from updraft.models.tensor_parallel import check_parallel
 from updraft.request import Request
 from updraft.runner.rank_messages import Send

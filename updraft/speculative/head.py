@@ -28,7 +28,7 @@ from typing import ClassVar
 
 import torch
 
-from updraft.config import ModelConfig
+from updraft.model_config import ModelConfig
 from updraft.models.draft_head import DraftHead
 from updraft.request import Request
 from updraft.runner.draft_loop import DraftLoopInputs

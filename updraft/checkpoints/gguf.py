@@ -6,7 +6,8 @@ write them), ``generation_config.json`` (its EOS id) and, where the file carries
 ``tokenizer_config.json`` with its chat template. They are written once per file into a
 cache directory beside a ``gguf.json`` that names the file (and its split parts); the
 weights stay in the file, memory-mapped, and ``models/gguf_loader.py`` reads them from
-there in their own block layout.
+there in their own block layout. The config comes from the parser of the family whose
+registry row names the file's architecture.
 
 A file of another architecture, or a tensor type the kernels cannot read, is refused
 here, by name, before anything is loaded.
@@ -22,12 +23,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-# llama.cpp's architecture name -> transformers' class (Mistral's files say llama).
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+from updraft.model_config import registry
+
 # Tensor types read: the float ones as tensors, the rest in their blocks.
 FLOAT_TYPES = ("F32", "F16", "BF16")
 BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
@@ -116,56 +113,18 @@ def describe(parts: list[Path]) -> dict[str, Any]:
     """The files of the checkpoint directory that stands for ``parts``."""
     fields, tensors = metadata(parts)
     arch = fields.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ValueError(
-            f"{parts[0].name}: GGUF architecture {arch!r} is not supported "
-            f"({', '.join(ARCHITECTURES)} are)"
-        )
+    row = registry.for_gguf(arch, parts[0].name)
     unread = sorted({kind for kind, _ in tensors.values()} - {*FLOAT_TYPES, *BLOCK_TYPES})
     if unread:
         raise ValueError(
             f"{parts[0].name}: GGUF tensor type(s) {', '.join(unread)} are not supported "
             f"({', '.join(FLOAT_TYPES + BLOCK_TYPES)} are)"
         )
-    if "rope_freqs.weight" in tensors:
-        raise ValueError(
-            f"{parts[0].name}: per-frequency RoPE factors (rope_freqs, Llama 3.1's scaling) "
-            "are not supported in GGUF files yet"
-        )
 
     def get(key: str, default: Any = None) -> Any:
         return fields.get(f"{arch}.{key}", default)
 
-    heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    config: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[arch]],
-        "model_type": arch,
-        "vocab_size": tensors["token_embd.weight"][1][0],
-        "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-        "head_dim": int(get("attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "max_position_embeddings": int(get("context_length", 2048)),
-        "rope_theta": float(get("rope.freq_base", 10000.0)),
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "attention_bias": "blk.0.attn_q.bias" in tensors,
-        "torch_dtype": "float32",
-    }
-    scaling = get("rope.scaling.type")
-    if scaling not in (None, "none"):
-        if scaling not in ("linear", "yarn"):
-            raise ValueError(f"{parts[0].name}: GGUF RoPE scaling {scaling!r} is not supported")
-        config["rope_scaling"] = {
-            "rope_type": scaling,
-            "factor": float(get("rope.scaling.factor", 1.0)),
-            "original_max_position_embeddings": int(
-                get("rope.scaling.original_context_length", config["max_position_embeddings"])
-            ),
-        }
+    config = {**row.from_gguf(parts[0].name, row.name, get, tensors), "model_type": arch}
     for token in ("bos", "eos"):
         if f"tokenizer.ggml.{token}_token_id" in fields:
             config[f"{token}_token_id"] = int(fields[f"tokenizer.ggml.{token}_token_id"])
@@ -175,7 +134,7 @@ def describe(parts: list[Path]) -> dict[str, Any]:
     }
     if "eos_token_id" in config:
         files["generation_config.json"] = {"eos_token_id": config["eos_token_id"]}
-    from updraft.gguf_tokenizer import rebuild, tokenizer_config
+    from updraft.checkpoints.gguf_tokenizer import rebuild, tokenizer_config
 
     tokenizer, why_not = rebuild(fields)
     if tokenizer is None:

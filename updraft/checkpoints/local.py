@@ -1,5 +1,5 @@
 """Finding a checkpoint on disk: a directory as given, a GGUF file (as the directory
-``gguf_checkpoint.py`` makes of it), or a Hugging Face Hub id whose snapshot is already
+``checkpoints/gguf.py`` makes of it), or a Hugging Face Hub id whose snapshot is already
 in the local Hugging Face cache. Nothing is ever downloaded."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def local_checkpoint(name: str) -> str:
     it; for a Hub id (``org/model``) that is not one, the cached snapshot its ``main``
     ref names (or its only snapshot)."""
     if name.endswith(".gguf") and Path(name).expanduser().is_file():
-        from updraft.gguf_checkpoint import checkpoint_dir
+        from updraft.checkpoints.gguf import checkpoint_dir
 
         return checkpoint_dir(name)
     if Path(name).expanduser().is_dir() or not HUB_ID.fullmatch(name):

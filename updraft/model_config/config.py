@@ -1,0 +1,115 @@
+"""``ModelConfig``: everything the model code needs of a checkpoint, read from its
+config.json by the parser its architecture's registry row names."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from updraft.model_config import registry
+from updraft.model_config.fields import read_eos_token_ids
+from updraft.model_config.parts import IndexerConfig, MLAConfig, MoEConfig, RopeConfig
+from updraft.weights import QuantizedCheckpoint
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    checkpoint_dtype: str  # one of weights.DTYPES
+    eos_token_ids: tuple[int, ...] = ()
+    # The leading dimensions of each head that RoPE turns (Phi-4-mini: 3/4 of them).
+    partial_rotary_factor: float = 1.0
+    # DeepSeek: latent attention, experts from layer ``first_k_dense_replace`` on, and
+    # (V3.2) the sparse-attention indexer.
+    mla: MLAConfig | None = None
+    moe: MoEConfig | None = None
+    first_k_dense_replace: int = 0
+    # Qwen3-MoE: layers that keep a dense MLP (mlp_only_layers, decoder_sparse_step).
+    dense_layers: frozenset[int] = frozenset()
+    indexer: IndexerConfig | None = None
+    # Multi-token prediction layers stored after the decoder layers (DeepSeek's
+    # num_nextn_predict_layers): the loader skips them.
+    mtp_layers: int = 0
+    # Per decoder layer, its sliding window (a query at position p sees positions
+    # p - window + 1 .. p), or None for full attention; empty: no layer has one.
+    layer_windows: tuple[int | None, ...] = ()
+    # Gemma 3: the MLP's activation, norms that scale by (1 + weight), the attention
+    # scale (query_pre_attn_scalar ** -0.5), the sliding layers' own RoPE, embeddings
+    # scaled by sqrt(hidden_size), and a tanh cap on the logits.
+    hidden_act: str = "silu"  # silu | gelu_pytorch_tanh
+    norm_offset: float = 0.0
+    attention_scale: float | None = None
+    local_rope: RopeConfig | None = None
+    embedding_multiplier: float | None = None
+    final_logit_softcapping: float | None = None
+    # Linears quantized to 4 bits before they reached here (AWQ, GPTQ, compressed-tensors).
+    quantized: QuantizedCheckpoint | None = None
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def window(self, layer: int) -> int | None:
+        """Decoder layer ``layer``'s sliding window, or None (full attention)."""
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def widest_window(self) -> int | None:
+        """The widest window when every layer has one (how far back any layer reads),
+        else None: some layer reads the whole context."""
+        windows = [self.window(layer) for layer in range(self.num_layers)]
+        return None if None in windows else max(windows)
+
+    def has_experts(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` routes to experts rather than one MLP."""
+        return (
+            self.moe is not None
+            and layer >= self.first_k_dense_replace
+            and layer not in self.dense_layers
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        model_dir = Path(model_dir)
+        path = model_dir / "config.json"
+        if not model_dir.is_dir():
+            raise FileNotFoundError(f"model directory not found: {model_dir}")
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json in model directory {model_dir}")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} is not valid JSON: {error}") from error
+        return cls.from_dict(raw, eos_token_ids=read_eos_token_ids(model_dir, raw))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], eos_token_ids: tuple[int, ...] = ()) -> ModelConfig:
+        row = registry.find(raw.get("architectures") or [])
+        quantized = None
+        if raw.get("quantization_config"):
+            quantized = QuantizedCheckpoint.from_config(raw["quantization_config"])
+            if not row.prequantized:
+                raise ValueError(
+                    f"a {quantized.method} checkpoint of {row.name} is not supported: "
+                    "pre-quantized experts and latent attention are not read yet"
+                )
+        parsed = row.parse(raw, row.name)
+        return cls(
+            architecture=row.name, eos_token_ids=eos_token_ids, quantized=quantized, **parsed
+        )

@@ -1,0 +1,134 @@
+"""The Llama family's configs: Llama, Mistral, Qwen2, Qwen3 and Phi-3 (one decoder with
+per-architecture flags), Qwen3-MoE and Mixtral (the same attention with a softmax top-k
+mixture of experts in place of the MLP), from config.json or from a GGUF file's
+metadata."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from updraft.model_config.fields import decoder_fields, layer_windows, positive_int, require_silu
+from updraft.model_config.parts import MoEConfig
+
+SPARSE_MOE = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# Where a config's sliding_window applies to every layer; Qwen's windows apply only with
+# use_sliding_window (Qwen2's and Qwen3's from layer max_window_layers on, Qwen3-MoE's
+# to every layer).
+EVERY_LAYER_WINDOWED = (
+    "MistralForCausalLM",
+    "MixtralForCausalLM",
+    "Phi3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+QWEN_WINDOWED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+FROM_MAX_WINDOW_LAYERS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def parse(raw: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """``ModelConfig`` fields of a Llama-family config.json."""
+    require_silu(raw)
+    fields = decoder_fields(raw)
+    # Qwen2 always has q/k/v biases; Llama has them only when asked.
+    fields["attention_bias"] = architecture == "Qwen2ForCausalLM" or fields["attention_bias"]
+    fields["qk_norm"] = architecture in QK_NORM
+    fields["layer_windows"] = _layer_windows(raw, architecture)
+    if architecture in SPARSE_MOE:
+        fields.update(_sparse_moe_parts(raw, architecture))
+    return fields
+
+
+def _layer_windows(raw: dict[str, Any], architecture: str) -> tuple[int | None, ...]:
+    """As transformers applies the config: every layer's for Mistral, Mixtral, Phi-3 and
+    (with use_sliding_window) Qwen3-MoE, whatever else is listed; for Qwen2 and Qwen3,
+    with use_sliding_window, layer_types where the config lists them (transformers 5
+    writes them), else from max_window_layers on."""
+    if architecture in QWEN_WINDOWED and not raw.get("use_sliding_window"):
+        return ()
+    if architecture in EVERY_LAYER_WINDOWED:
+        return layer_windows(raw, lambda layers: [True] * layers, read_layer_types=False)
+    if architecture in FROM_MAX_WINDOW_LAYERS:
+        first = raw.get("max_window_layers", 28)  # transformers' default
+        return layer_windows(raw, lambda layers: [layer >= first for layer in range(layers)])
+    return ()
+
+
+def _sparse_moe_parts(raw: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """Qwen3-MoE and Mixtral: softmax over every expert, the top k kept (renormalised
+    where norm_topk_prob says so; Mixtral always), no shared experts."""
+    layers = positive_int(raw, "num_hidden_layers")
+    # Published Qwen3-MoE configs say num_experts; transformers 5 writes num_local_experts.
+    key = "num_experts" if raw.get("num_experts") is not None else "num_local_experts"
+    num_experts = positive_int(raw, key)
+    if architecture == "MixtralForCausalLM":
+        inter, norm, dense = positive_int(raw, "intermediate_size"), True, frozenset()
+    else:
+        inter = positive_int(raw, "moe_intermediate_size")
+        norm = bool(raw.get("norm_topk_prob", False))
+        step = raw.get("decoder_sparse_step") or 1
+        only_mlp = set(raw.get("mlp_only_layers") or ())
+        dense = frozenset(i for i in range(layers) if i in only_mlp or (i + 1) % step)
+    moe = MoEConfig(
+        hidden_size=positive_int(raw, "hidden_size"),
+        moe_intermediate_size=inter,
+        num_experts=num_experts,
+        num_experts_per_tok=positive_int(raw, "num_experts_per_tok"),
+        n_group=1,
+        topk_group=1,
+        n_shared_experts=0,
+        routed_scaling_factor=1.0,
+        norm_topk_prob=norm,
+        scoring="softmax",
+        group_score="max",
+    )
+    if moe.num_experts_per_tok > num_experts:
+        raise ValueError(
+            f"config.json: num_experts_per_tok {moe.num_experts_per_tok} is more than the "
+            f"{num_experts} experts"
+        )
+    return {"moe": moe, "dense_layers": dense}
+
+
+def from_gguf(
+    file_name: str,
+    architecture: str,
+    get: Any,
+    tensors: dict[str, tuple[str, tuple[int, ...]]],
+) -> dict[str, Any]:
+    """The config.json that transformers would write for a Llama-family GGUF file:
+    ``get(key, default)`` reads the file's ``<arch>.<key>`` metadata."""
+    if "rope_freqs.weight" in tensors:
+        raise ValueError(
+            f"{file_name}: per-frequency RoPE factors (rope_freqs, Llama 3.1's scaling) "
+            "are not supported in GGUF files yet"
+        )
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    config: dict[str, Any] = {
+        "architectures": [architecture],
+        "vocab_size": tensors["token_embd.weight"][1][0],
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": int(get("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "torch_dtype": "float32",
+    }
+    scaling = get("rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling not in ("linear", "yarn"):
+            raise ValueError(f"{file_name}: GGUF RoPE scaling {scaling!r} is not supported")
+        config["rope_scaling"] = {
+            "rope_type": scaling,
+            "factor": float(get("rope.scaling.factor", 1.0)),
+            "original_max_position_embeddings": int(
+                get("rope.scaling.original_context_length", config["max_position_embeddings"])
+            ),
+        }
+    return config

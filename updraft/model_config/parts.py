@@ -1,0 +1,73 @@
+"""The parts of a model's config that only some families have: RoPE scaling, latent
+attention, experts and DeepSeek's sparse-attention indexer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    kind: str = "default"  # default | linear | llama3 | yarn | longrope
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    # YaRN: the rotation counts that bound the blend of interpolated and original
+    # frequencies, and the cos/sin scale (attention_factor, else derived from mscale).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+    # LongRoPE (Phi-3): per-frequency divisors for a sequence within the original
+    # context, and for one past it.
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek): queries through an optional low-rank
+    ``q_lora_rank``; keys and values from one compressed latent of ``kv_lora_rank``
+    values per token plus a shared rotary key of ``qk_rope_head_dim``."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # rotary pairs are adjacent columns (x0, x1), (x2, x3), ...
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture of experts: routed experts chosen by a group-limited router, and shared
+    experts every token passes through. DeepSeek-V3's router scores with a sigmoid (plus
+    a bias for choosing) and ranks groups by their two best scores; V2's with a softmax,
+    ranking groups by their best. Qwen3-MoE and Mixtral are a softmax over one group,
+    with no shared experts."""
+
+    hidden_size: int
+    moe_intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    n_shared_experts: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    scoring: str = "sigmoid"  # sigmoid (V3, with e_score_correction_bias) | softmax (V2)
+    group_score: str = "top2_sum"  # top2_sum (V3) | max (V2)
+
+
+@dataclass(frozen=True)
+class IndexerConfig:
+    """DeepSeek sparse attention's lightning indexer: each query attends only to the
+    ``topk`` context tokens its ``n_heads`` ReLU scores rank highest."""
+
+    n_heads: int
+    head_dim: int
+    topk: int

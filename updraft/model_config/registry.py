@@ -1,0 +1,121 @@
+"""Which architectures updraft serves: one row each, naming the family's config parser,
+its model class and what else is known of it (its GGUF name, whether it can be an EAGLE
+head's layer, whether it reads checkpoints quantized elsewhere).
+
+A family is one parser (``model_config/<family>.py``), one model file
+(``models/<family>.py``) and its rows here; ``tests/test_architecture.py`` checks that
+no other module names an architecture. ``register_model`` adds a row from outside the
+package. Model classes are named as ``module:Class`` and imported when a model is built,
+so that reading a config imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from updraft.model_config import deepseek, gemma3, llama
+
+# config.json (as a dict) and the architecture named in it -> ModelConfig's fields.
+Parser = Callable[[dict[str, Any], str], dict[str, Any]]
+# (file name, architecture, metadata getter, tensors) -> the config.json of a GGUF file.
+GGUFParser = Callable[[str, str, Any, dict[str, tuple[str, tuple[int, ...]]]], dict[str, Any]]
+
+LLAMA = "updraft.models.llama:LlamaForCausalLM"
+GEMMA3 = "updraft.models.gemma:Gemma3ForCausalLM"
+DEEPSEEK = "updraft.models.deepseek:DeepseekForCausalLM"
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str  # as config.json's ``architectures`` lists it
+    parse: Parser
+    model: str | type  # the model class, or ``module:Class``
+    gguf_name: str | None = None  # llama.cpp's ``general.architecture`` for its files
+    from_gguf: GGUFParser | None = None
+    # llama.cpp's converter permutes the q and k rows of this architecture's files.
+    gguf_permuted_qk: bool = False
+    eagle_head: bool = False  # an EAGLE head may be one layer of it
+    prequantized: bool = False  # AWQ, GPTQ and compressed-tensors checkpoints are read
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    row.name: row
+    for row in (
+        Architecture(
+            "LlamaForCausalLM",
+            llama.parse,
+            LLAMA,
+            gguf_name="llama",  # Mistral's files say llama too
+            from_gguf=llama.from_gguf,
+            gguf_permuted_qk=True,
+            eagle_head=True,
+            prequantized=True,
+        ),
+        Architecture(
+            "Qwen2ForCausalLM",
+            llama.parse,
+            LLAMA,
+            gguf_name="qwen2",
+            from_gguf=llama.from_gguf,
+            eagle_head=True,
+            prequantized=True,
+        ),
+        Architecture(
+            "Qwen3ForCausalLM",
+            llama.parse,
+            LLAMA,
+            gguf_name="qwen3",
+            from_gguf=llama.from_gguf,
+            eagle_head=True,
+            prequantized=True,
+        ),
+        # Fused qkv and gate/up in its checkpoints, LongRoPE.
+        Architecture("Phi3ForCausalLM", llama.parse, LLAMA, eagle_head=True, prequantized=True),
+        Architecture("MistralForCausalLM", llama.parse, LLAMA, eagle_head=True, prequantized=True),
+        Architecture("Qwen3MoeForCausalLM", llama.parse, LLAMA),
+        Architecture("MixtralForCausalLM", llama.parse, LLAMA),
+        Architecture("Gemma3ForCausalLM", gemma3.parse, GEMMA3, prequantized=True),
+        Architecture("Gemma3ForConditionalGeneration", gemma3.parse, GEMMA3, prequantized=True),
+        Architecture("DeepseekV2ForCausalLM", deepseek.parse, DEEPSEEK),
+        Architecture("DeepseekV3ForCausalLM", deepseek.parse, DEEPSEEK),
+        Architecture("DeepseekV32ForCausalLM", deepseek.parse, DEEPSEEK),
+    )
+}
+
+
+def register_model(
+    name: str, model: str | type, parse: Parser = llama.parse, **known: Any
+) -> Architecture:
+    """Serve the architecture ``name`` (as config.json lists it) with ``model``, a model
+    class or ``module:Class`` built as updraft's own are (``Class(config,
+    max_positions=...)``), its config read by ``parse`` (default: as a Llama-family
+    config). ``known`` sets the row's other fields. A name already served is replaced."""
+    if not name or not isinstance(name, str):
+        raise ValueError(f"register_model: the architecture name must be a string, got {name!r}")
+    row = Architecture(name, parse, model, **known)
+    ARCHITECTURES[name] = row
+    return row
+
+
+def find(names: list[str]) -> Architecture:
+    """The row of the first architecture of ``names`` that is served."""
+    for name in names:
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name]
+    raise ValueError(
+        f"unsupported architecture {names or '(none given)'}; "
+        f"updraft supports {', '.join(ARCHITECTURES)}"
+    )
+
+
+def for_gguf(gguf_name: Any, file_name: str) -> Architecture:
+    """The row whose GGUF files say ``general.architecture = gguf_name``."""
+    rows = {row.gguf_name: row for row in ARCHITECTURES.values() if row.from_gguf}
+    if gguf_name not in rows:
+        raise ValueError(
+            f"{file_name}: GGUF architecture {gguf_name!r} is not supported "
+            f"({', '.join(map(str, rows))} are)"
+        )
+    return rows[gguf_name]
