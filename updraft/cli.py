@@ -39,6 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"updraft {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_generate_parser(commands)
+    add_serve_parser(commands)
+    add_doctor_parser(commands)
+    return parser
+
+
+def add_generate_parser(commands: argparse._SubParsersAction) -> None:
     generate = commands.add_parser(
         "generate",
         help="generate a completion for a prompt, streaming it to stdout",
@@ -59,7 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     # enough, and keeps the first start on a machine short. Its one prefill runs eagerly:
     # compiling mixed buckets for it took the demo's first start from 12 to 43 s.
     generate.set_defaults(capture_sizes=(1,), capture_tokens=())
-    sampling = generate.add_argument_group("sampling")
+    add_sampling_arguments(generate.add_argument_group("sampling"))
+
+
+def add_sampling_arguments(sampling: argparse._ArgumentGroup) -> None:
     sampling.add_argument("--max-tokens", type=int, default=64)
     sampling.add_argument(
         "--temperature",
@@ -86,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=r"stop string (repeatable); \n, \t, \r and \\ are read as escapes",
     )
     sampling.add_argument("--ignore-eos", action="store_true")
-    add_serve_parser(commands)
+
+
+def add_doctor_parser(commands: argparse._SubParsersAction) -> None:
     doctor = commands.add_parser(
         "doctor",
         help="check that captured graph replay agrees with eager on this model",
@@ -98,7 +110,6 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     add_engine_arguments(doctor)
-    return parser
 
 
 def add_serve_parser(commands: argparse._SubParsersAction) -> None:
@@ -111,7 +122,12 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
         ),
         formatter_class=HelpFormatter,
     )
-    http = serve.add_argument_group("server")
+    add_http_arguments(serve.add_argument_group("server"))
+    add_limit_arguments(serve.add_argument_group("limits"))
+    add_engine_arguments(serve)
+
+
+def add_http_arguments(http: argparse._ArgumentGroup) -> None:
     http.add_argument("--host", default="127.0.0.1", help="0.0.0.0 listens on every interface")
     http.add_argument("--port", type=int, default=8000)
     http.add_argument(
@@ -123,34 +139,6 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
         "--api-key",
         default=None,  # read from the environment later, so --help never prints a key
         help="require 'Authorization: Bearer KEY' on /v1 routes; falls back to $UPDRAFT_API_KEY",
-    )
-    http.add_argument(
-        "--max-request-bytes", type=int, default=1 << 20, help="larger bodies get 413"
-    )
-    http.add_argument(
-        "--max-tokens-limit",
-        type=int,
-        default=None,
-        help="largest max_tokens a request may ask for (default: the context length)",
-    )
-    http.add_argument(
-        "--max-waiting",
-        type=int,
-        default=256,
-        help="with this many requests queued, new ones get 503 with Retry-After",
-    )
-    http.add_argument(
-        "--max-connections",
-        type=int,
-        default=1024,
-        help="open connections at once; past it, the one that has waited longest without "
-        "sending a whole request is closed (capped by the open-file limit)",
-    )
-    http.add_argument(
-        "--request-timeout",
-        type=float,
-        default=30.0,
-        help="seconds a client has to send a whole request (headers and body)",
     )
     http.add_argument(
         "--tool-call-parser",
@@ -173,7 +161,38 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
         help="API processes in front of the one engine process: each parses, tokenizes "
         "and decodes for its share of the connections (more help with many clients)",
     )
-    add_engine_arguments(serve)
+
+
+def add_limit_arguments(limits: argparse._ArgumentGroup) -> None:
+    """What one client may ask of the server, and how long it may take."""
+    limits.add_argument(
+        "--max-request-bytes", type=int, default=1 << 20, help="larger bodies get 413"
+    )
+    limits.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=None,
+        help="largest max_tokens a request may ask for (default: the context length)",
+    )
+    limits.add_argument(
+        "--max-waiting",
+        type=int,
+        default=256,
+        help="with this many requests queued, new ones get 503 with Retry-After",
+    )
+    limits.add_argument(
+        "--max-connections",
+        type=int,
+        default=1024,
+        help="open connections at once; past it, the one that has waited longest without "
+        "sending a whole request is closed (capped by the open-file limit)",
+    )
+    limits.add_argument(
+        "--request-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client has to send a whole request (headers and body)",
+    )
 
 
 # What the help of a flag says beyond its field's help.
