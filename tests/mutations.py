@@ -34,7 +34,8 @@ import torch
 import updraft.runner.runner as runner_module
 from updraft.graph.static_input import StaticInput
 from updraft.parallel.topology import GroupRank
-from updraft.runner.rank_messages import Follower, HiddenRows, RankStep
+from updraft.runner.follower import Follower
+from updraft.runner.rank_messages import HiddenRows, RankStep
 from updraft.speculative.draft_model import DraftModel
 from updraft.speculative.head import HeadProposer
 from updraft.step.inputs import StepInputs

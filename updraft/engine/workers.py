@@ -36,8 +36,9 @@ from updraft.config import EngineConfig
 from updraft.model_config import ModelConfig
 from updraft.parallel import collectives
 from updraft.parallel.topology import RankPlace, rank_device, uses_nccl
+from updraft.runner.follower import Follower
 from updraft.runner.freed_memory import keep_freed_memory
-from updraft.runner.rank_messages import Follower, RankMessage
+from updraft.runner.rank_messages import RankMessage
 from updraft.runner.runner import load_runner
 from updraft.speculative.registry import ProposerContext, rank_runners
 

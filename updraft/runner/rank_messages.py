@@ -5,7 +5,7 @@ group and replicated across the prefill-context group) runs each forward on ever
 rank, in the same order, so that the collectives inside it pair up. Rank 0 decides
 what runs: its runner announces each forward (``RankStep``) or draft-loop replay
 (``RankLoop``) just before it runs it, and every other rank runs the same one on its
-runner of that name (``Follower``). A message carries the forward's inputs as they
+runner of that name (``follower.py``). A message carries the forward's inputs as they
 are, drafts included, however they were sampled, and never a request's sampling
 state: the other ranks sample nothing, so rank 0's generators never leave it.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -28,9 +28,6 @@ from updraft.runner.draft_loop import DraftLoopInputs
 from updraft.step.inputs import StepInputs
 from updraft.step.logits_adjustments import NO_ADJUSTMENTS
 from updraft.step.sampling_batch import SamplingBatch
-
-if TYPE_CHECKING:
-    from updraft.runner.runner import Runner
 
 
 class HiddenRows(NamedTuple):
@@ -88,28 +85,3 @@ def loop_message(
 ) -> RankLoop:
     empty = torch.empty(0)
     return RankLoop(name, replace(inputs, hidden_states=empty), request_ids, hidden_from)
-
-
-class Follower:
-    """A rank other than 0: runs each message on its runner of that name, keeping the
-    hidden states each runner returned last (what the next messages' rows refer to)."""
-
-    def __init__(self, runners: list[Runner]) -> None:
-        self.runners = {runner.name: runner for runner in runners}
-        self.hidden: dict[str, torch.Tensor] = {}
-
-    def run(self, message: RankMessage) -> None:
-        runner = self.runners[message.runner]
-        hidden = None
-        if message.hidden_from is not None:
-            hidden = message.hidden_from.of(self.hidden[message.hidden_from.runner])
-        if isinstance(message, RankLoop):
-            inputs = replace(message.inputs, hidden_states=hidden)
-            runner.draft_loop(inputs, message.request_ids)
-            return
-        step = message.inputs
-        if hidden is not None:
-            step = replace(step, forward=replace(step.forward, hidden_states=hidden))
-        forward = runner.forward(step)
-        if forward.hidden_states is not None:
-            self.hidden[runner.name] = forward.hidden_states
