@@ -14,8 +14,9 @@ from tests.test_paged_decode_kernel import reference as attention_reference
 from updraft.graph.recorded import RecordedGraph
 from updraft.kernels import panels
 from updraft.kernels.bound_calls import bound_call
+from updraft.kernels.build import kernel_builds
 from updraft.kernels.gguf_ops import BLOCK_TYPES, gguf_dequantize
-from updraft.kernels.ops import Launch, kernel_builds
+from updraft.kernels.launch import Launch
 from updraft.weights import WeightFormat
 
 pytestmark = pytest.mark.skipif(

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from torch import nn
 
 from benchmarks.common import stored_in
-from updraft.kernels.ops import kernel_builds
+from updraft.kernels.build import kernel_builds
 from updraft.model_config import ModelConfig
 from updraft.models import loader
 from updraft.models.loader import layer_of, load_model

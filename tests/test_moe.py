@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from updraft.graph.recorded import RecordedGraph
-from updraft.kernels.ops import kernel_builds
+from updraft.kernels.build import kernel_builds
 from updraft.model_config import MoEConfig
 from updraft.models.moe import SparseMoE
 from updraft.models.packing import pack_model

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from updraft.kernels.ops import kernel_builds
+from updraft.kernels.build import kernel_builds
 from updraft.model_config import ModelConfig
 from updraft.models import packed_linear
 from updraft.models.loader import load_model

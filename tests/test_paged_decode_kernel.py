@@ -11,7 +11,7 @@ from updraft import LLM, SamplingParams
 from updraft.attention.gqa import PagedKV
 from updraft.attention.in_place import IN_PLACE_MAX_QUERY
 from updraft.attention.loop import attend
-from updraft.kernels.ops import kernel_builds
+from updraft.kernels.build import kernel_builds
 
 pytestmark = pytest.mark.skipif(
     not kernel_builds("paged_attention"), reason="needs a C compiler to build the kernel"

@@ -21,7 +21,7 @@ from tests.helpers import greedy
 from updraft import LLM
 from updraft.demo import DEMO_EAGLE_DIR, DEMO_MODEL_DIR
 from updraft.kernels import ops
-from updraft.kernels.ops import kernel_builds
+from updraft.kernels.build import kernel_builds
 from updraft.kernels.panels import Panels, pack, pack_stacked, quantize, unpack
 from updraft.model_config import ModelConfig
 from updraft.models.loader import load_model

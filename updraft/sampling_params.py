@@ -72,7 +72,22 @@ class SamplingParams:
         self.bad_words = list(self.bad_words)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        # Each field: (whether its value is valid, what it must be).
         rules = {
+            **self._drawing_rules(),
+            **self._stopping_rules(),
+            **self._logits_rules(),
+            **self._output_rules(),
+        }
+        for name, (ok, expected) in rules.items():
+            if not ok:
+                value = _short.repr(getattr(self, name))
+                raise ValueError(f"SamplingParams.{name} must be {expected}, got {value}")
+        self.stop_token_set = frozenset(self.stop_token_ids)  # checked at every token
+
+    def _drawing_rules(self) -> dict[str, tuple[bool, str]]:
+        """How the next token is drawn."""
+        return {
             "max_tokens": (_is_int(self.max_tokens) and self.max_tokens >= 1, "an int >= 1"),
             "temperature": (_is_number(self.temperature) and self.temperature >= 0, ">= 0"),
             "top_k": (
@@ -86,6 +101,11 @@ class SamplingParams:
                 self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64),
                 "an int in [-2**63, 2**64) or None",
             ),
+        }
+
+    def _stopping_rules(self) -> dict[str, tuple[bool, str]]:
+        """When the request stops, and the logprobs it returns."""
+        return {
             "stop": (
                 len(self.stop) <= MAX_STOP_STRINGS
                 and all(
@@ -106,6 +126,11 @@ class SamplingParams:
                 or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
                 f"a bool or an int in [0, {MAX_TOP_LOGPROBS}]",
             ),
+        }
+
+    def _logits_rules(self) -> dict[str, tuple[bool, str]]:
+        """What changes the logits it samples from."""
+        return {
             "presence_penalty": (
                 _is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
                 "in [-2, 2]",
@@ -149,6 +174,11 @@ class SamplingParams:
                 ),
                 "a non-empty list of ints >= 0, or None",
             ),
+        }
+
+    def _output_rules(self) -> dict[str, tuple[bool, str]]:
+        """What the output holds, and how the prompt is taken."""
+        return {
             "include_stop_str_in_output": (
                 isinstance(self.include_stop_str_in_output, bool),
                 "a bool",
@@ -173,11 +203,6 @@ class SamplingParams:
                 "a StructuredOutputsParams or None",
             ),
         }
-        for name, (ok, expected) in rules.items():
-            if not ok:
-                value = _short.repr(getattr(self, name))
-                raise ValueError(f"SamplingParams.{name} must be {expected}, got {value}")
-        self.stop_token_set = frozenset(self.stop_token_ids)  # checked at every token
 
     @property
     def greedy(self) -> bool:

@@ -15,7 +15,7 @@ import torch
 from updraft.attention.context_parallel import attention, step_rows
 from updraft.attention.loop import Attended, AttentionParams, InPlaceRows, attend_padded
 from updraft.attention.metadata import AttentionGroup, AttentionMetadata
-from updraft.kernels.ops import writes_kv_in_one_call
+from updraft.kernels.attention_ops import writes_kv_in_one_call
 
 
 class PagedKV(NamedTuple):

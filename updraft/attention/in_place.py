@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from updraft.kernels.ops import kernel_builds
+from updraft.kernels.build import kernel_builds
 
 # Groups whose longest query is at most this many tokens (decodes, and verify steps of
 # up to 7 drafts) read the cache in place, one pass over the context per query token.

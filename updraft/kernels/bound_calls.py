@@ -18,13 +18,10 @@ from typing import Any
 
 import torch
 
+from updraft.kernels.attention_ops import paged_decode_attention_launch, write_kv_launch
 from updraft.kernels.gguf_ops import gguf_linear_int8_launch, gguf_linear_launch
-from updraft.kernels.ops import (
-    Launch,
-    paged_decode_attention_launch,
-    panel_linear_launch,
-    write_kv_launch,
-)
+from updraft.kernels.launch import Launch
+from updraft.kernels.ops import panel_linear_launch
 
 _LAUNCHES: dict[Any, Callable[..., Launch]] = {
     torch.ops.updraft.panel_linear.default: panel_linear_launch,

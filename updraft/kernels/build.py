@@ -81,3 +81,15 @@ def load(name: str, march: str = "native") -> ctypes.CDLL:
         return ctypes.CDLL(str(library))
     except OSError as error:
         raise RuntimeError(f"loading the {name} kernel failed: {error}") from error
+
+
+@cache
+def kernel_builds(name: str) -> bool:
+    """Whether kernel ``name`` ("linear", "paged_attention", "token_mask", ...) builds and
+    loads here (a C compiler is on PATH). Answered once per process: a failed build would
+    otherwise be tried again by every caller."""
+    try:
+        load(name)
+    except RuntimeError:
+        return False
+    return True

@@ -17,7 +17,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from updraft.checkpoints import gguf as gguf_checkpoint
 from updraft.kernels.build import load
-from updraft.kernels.ops import Launch, reads_copies, writable_output
+from updraft.kernels.launch import INT, POINTER, Launch, define_op, reads_copies, writable_output
 
 # ggml's type numbers of the block types read here, and (values, bytes) per block, as
 # the gguf package has them (the kernel's own switch must agree: tests/test_gguf.py).
@@ -33,21 +33,18 @@ INT8_X_BLOCK = 32
 INT8_MAX_ROWS = 8
 GROUP_ROWS = 8
 
-_POINTER = ctypes.c_void_p
-_INT = ctypes.c_int64
-
 
 # What both linear kernels take: type, x, rows, k, blocks, n, row bytes, bias, y, threads.
 _LINEAR_ARGUMENTS = (
     ctypes.c_int,
-    _POINTER,
-    _INT,
-    _INT,
-    _POINTER,
-    _INT,
-    _INT,
-    _POINTER,
-    _POINTER,
+    POINTER,
+    INT,
+    INT,
+    POINTER,
+    INT,
+    INT,
+    POINTER,
+    POINTER,
     ctypes.c_int,
 )
 
@@ -60,11 +57,11 @@ def _library(march: str = "native") -> ctypes.CDLL:
     lib.gguf_dequantize.restype = None
     lib.gguf_dequantize.argtypes = [
         ctypes.c_int,
-        _POINTER,
-        _INT,
-        _INT,
-        _INT,
-        _POINTER,
+        POINTER,
+        INT,
+        INT,
+        INT,
+        POINTER,
         ctypes.c_int,
     ]
     lib.gguf_linear.restype = None
@@ -79,11 +76,11 @@ def _int8_library() -> ctypes.CDLL:
         getattr(lib, name).restype = None
     lib.gguf_ungroup.restype = ctypes.c_int
     lib.gguf_linear_int8.argtypes = _LINEAR_ARGUMENTS
-    lib.gguf_round_x.argtypes = [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _POINTER]
-    lib.gguf_round_rows.argtypes = [_POINTER, _INT, _INT, _POINTER]
-    lib.gguf_group.argtypes = [ctypes.c_int, _POINTER, _INT, _INT, _POINTER]
-    lib.gguf_ungroup.argtypes = [ctypes.c_int, _POINTER, _INT, _INT, _POINTER, _INT, _POINTER]
-    lib.gguf_group_block_bytes.restype = _INT
+    lib.gguf_round_x.argtypes = [POINTER, INT, POINTER, POINTER, POINTER, POINTER]
+    lib.gguf_round_rows.argtypes = [POINTER, INT, INT, POINTER]
+    lib.gguf_group.argtypes = [ctypes.c_int, POINTER, INT, INT, POINTER]
+    lib.gguf_ungroup.argtypes = [ctypes.c_int, POINTER, INT, INT, POINTER, INT, POINTER]
+    lib.gguf_group_block_bytes.restype = INT
     lib.gguf_group_block_bytes.argtypes = [ctypes.c_int]
     return lib
 
@@ -371,41 +368,28 @@ def gguf_widened_linear(
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
 
 
-_FRAGMENT = torch.library.Library("updraft", "FRAGMENT")
-
-
-def _define(
-    schema: str, cpu: Callable[..., torch.Tensor], meta: Callable[..., torch.Tensor]
-) -> None:
-    """An ``updraft::`` op: its schema, its CPU kernel and its shape-only Meta kernel."""
-    name = schema.split("(", 1)[0]
-    _FRAGMENT.define(schema)
-    _FRAGMENT.impl(name, cpu, "CPU")
-    _FRAGMENT.impl(name, meta, "Meta")
-
-
-_define(
+define_op(
     "gguf_dequantize(Tensor blocks, int block_type, int k) -> Tensor",
     gguf_dequantize,
     lambda blocks, block_type, k: blocks.new_empty(blocks.shape[0], k, dtype=torch.float32),
 )
-_define(
+define_op(
     "gguf_linear(Tensor x, Tensor blocks, Tensor? bias, int block_type, int k) -> Tensor",
     lambda x, blocks, bias, block_type, k: gguf_linear(x, blocks, bias, block_type, k),
     lambda x, blocks, bias, block_type, k: x.new_empty(x.shape[0], blocks.shape[0]),
 )
-_define(
+define_op(
     "gguf_linear_int8(Tensor x, Tensor groups, Tensor? bias, int block_type, int k, int n) "
     "-> Tensor",
     gguf_linear_int8,
     lambda x, groups, bias, block_type, k, n: x.new_empty(x.shape[0], n),
 )
-_define(
+define_op(
     "gguf_dequantize_groups(Tensor groups, int block_type, int k, int n, Tensor rows) -> Tensor",
     gguf_dequantize_groups,
     lambda groups, block_type, k, n, rows: groups.new_empty(rows.numel(), k, dtype=torch.float32),
 )
-_define(
+define_op(
     "gguf_widened_linear(Tensor x, Tensor weight, int block_type, int k, int n, bool grouped) "
     "-> Tensor",
     gguf_widened_linear,

@@ -265,23 +265,8 @@ def load_weights(
     params = dict(model.named_parameters())  # tied weights appear once
     modules = dict(model.named_modules())
     unfilled = set(_slices(params, modules))
-    targets, unknown = {}, []
-    for path, names in checkpoint_names(files).items():
-        for checkpoint_name in names:
-            if (
-                checkpoint_name.endswith(IGNORED_SUFFIXES)
-                or checkpoint_name.startswith(VISION_PREFIXES)
-                or not select(checkpoint_name)
-            ):
-                continue
-            target = target_of(checkpoint_name, params, modules)
-            if target is None:
-                unknown.append(checkpoint_name)
-            else:
-                targets[checkpoint_name] = (path, _parts(target, modules))
+    targets = _targets(files, select, params, modules)
     listed = ", ".join(str(f.name) for f in files)
-    if unknown:
-        raise ValueError(f"unexpected tensors {sorted(unknown)[:8]} in {listed}")
     kept = shard(model) if shard is not None else {}
     made = MadeParameters(model, device)
     by_layer: dict[int | None, list[str]] = {}
@@ -310,6 +295,34 @@ def load_weights(
         missing = sorted(_describe(name, index) for name, index in unfilled)
         raise ValueError(f"weights missing from {listed}: {missing[:8]}")
     made.check()
+
+
+def _targets(
+    files: list[Path],
+    select: Callable[[str], bool],
+    params: dict[str, nn.Parameter],
+    modules: dict[str, nn.Module],
+) -> dict[str, tuple[Path, list]]:
+    """Each selected checkpoint tensor's file and the parameter slices it fills; a
+    tensor that fits no parameter is an error that names it."""
+    targets, unknown = {}, []
+    for path, names in checkpoint_names(files).items():
+        for checkpoint_name in names:
+            if (
+                checkpoint_name.endswith(IGNORED_SUFFIXES)
+                or checkpoint_name.startswith(VISION_PREFIXES)
+                or not select(checkpoint_name)
+            ):
+                continue
+            target = target_of(checkpoint_name, params, modules)
+            if target is None:
+                unknown.append(checkpoint_name)
+            else:
+                targets[checkpoint_name] = (path, _parts(target, modules))
+    if unknown:
+        listed = ", ".join(str(f.name) for f in files)
+        raise ValueError(f"unexpected tensors {sorted(unknown)[:8]} in {listed}")
+    return targets
 
 
 def checkpoint_names(files: list[Path]) -> dict[Path, list[str]]:

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from updraft.kernels.ops import kernel_builds
+from updraft.kernels.build import kernel_builds
 from updraft.kernels.panels import Panels, pack
 from updraft.weights import WeightFormat
 

@@ -28,7 +28,7 @@ from updraft.attention.in_place import IN_PLACE_MAX_QUERY
 from updraft.attention.metadata import NO_SPLIT, AttentionMetadata, ContextSplit, PrefillGather
 from updraft.config import EngineConfig
 from updraft.graph.sanitize import SanitizeReport, checked_replay, default_tolerance
-from updraft.kernels.ops import kernel_builds
+from updraft.kernels.build import kernel_builds
 from updraft.model_config import ModelConfig
 from updraft.models.loader import load_model
 from updraft.models.tensor_parallel import local_config

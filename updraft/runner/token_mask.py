@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from updraft.kernels.ops import kernel_builds, mask_logits_
+from updraft.kernels.build import kernel_builds
+from updraft.kernels.ops import mask_logits_
 from updraft.step.allowed_tokens import AllowedTokens
 
 # The value of each bit of an int32 word (bit 31's is the sign bit, -2**31).
