@@ -97,22 +97,11 @@ def verify(
     deterministic proposer (then q is one-hot at the draft).
     generator: the randomness of rows that have no generator of their own.
     raw_target_logits: the model's own logits where ``target_logits`` were masked; the
-    logprobs are read from them.
-    """
+    logprobs are read from them."""
+    _check_shapes(target_logits, draft_token_ids, num_drafts, draft_probs)
     batch_size, num_positions, vocab = target_logits.shape
     k = num_positions - 1
     device = target_logits.device
-    if draft_token_ids.shape != (batch_size, k):
-        raise ValueError(
-            f"draft_token_ids must have shape {(batch_size, k)} to match target_logits "
-            f"{tuple(target_logits.shape)}, got {tuple(draft_token_ids.shape)}"
-        )
-    if len(num_drafts) != batch_size or not all(0 <= n <= k for n in num_drafts):
-        raise ValueError(f"num_drafts must be {batch_size} counts in 0..{k}, got {num_drafts}")
-    if draft_probs is not None and draft_probs.shape != (batch_size, k, vocab):
-        raise ValueError(
-            f"draft_probs must have shape {(batch_size, k, vocab)}, got {tuple(draft_probs.shape)}"
-        )
 
     num_drafts_t = torch.tensor(num_drafts, device=device)
     is_draft = torch.arange(k, device=device)[None] < num_drafts_t[:, None]  # [B, K]
@@ -158,13 +147,45 @@ def verify(
     logprobs = top = None
     if batch.want_logprobs:
         model = target_logits if raw_target_logits is None else raw_target_logits
-        raw = model.gather(-1, emitted[..., None])[..., 0]
-        raw = raw - model.logsumexp(dim=-1)
-        logprobs = [row[:n] for row, n in zip(raw.tolist(), lengths, strict=True)]
-        if batch.num_top_logprobs:
-            flat = top_logprobs(model.flatten(0, 1), batch.num_top_logprobs)
-            top = [flat[b * num_positions : b * num_positions + n] for b, n in enumerate(lengths)]
+        logprobs, top = _emitted_logprobs(model, emitted, lengths, batch.num_top_logprobs)
     return VerifyResult(token_ids, [n - 1 for n in lengths], logprobs, top)
+
+
+def _check_shapes(
+    target_logits: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    num_drafts: list[int],
+    draft_probs: torch.Tensor | None,
+) -> None:
+    batch_size, num_positions, vocab = target_logits.shape
+    k = num_positions - 1
+    if draft_token_ids.shape != (batch_size, k):
+        raise ValueError(
+            f"draft_token_ids must have shape {(batch_size, k)} to match target_logits "
+            f"{tuple(target_logits.shape)}, got {tuple(draft_token_ids.shape)}"
+        )
+    if len(num_drafts) != batch_size or not all(0 <= n <= k for n in num_drafts):
+        raise ValueError(f"num_drafts must be {batch_size} counts in 0..{k}, got {num_drafts}")
+    if draft_probs is not None and draft_probs.shape != (batch_size, k, vocab):
+        raise ValueError(
+            f"draft_probs must have shape {(batch_size, k, vocab)}, got {tuple(draft_probs.shape)}"
+        )
+
+
+def _emitted_logprobs(
+    model_logits: torch.Tensor, emitted: torch.Tensor, lengths: list[int], num_top: int
+) -> tuple[list[list[float]], list | None]:
+    """Each emitted token's logprob under the model's own logits [B, K+1, V] (and, with
+    ``num_top``, the likeliest alternatives at each emitted position)."""
+    raw = model_logits.gather(-1, emitted[..., None])[..., 0]
+    raw = raw - model_logits.logsumexp(dim=-1)
+    logprobs = [row[:n] for row, n in zip(raw.tolist(), lengths, strict=True)]
+    if not num_top:
+        return logprobs, None
+    num_positions = model_logits.shape[1]
+    flat = top_logprobs(model_logits.flatten(0, 1), num_top)
+    top = [flat[b * num_positions : b * num_positions + n] for b, n in enumerate(lengths)]
+    return logprobs, top
 
 
 def sample_draft(
