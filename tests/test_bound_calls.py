@@ -107,7 +107,7 @@ def test_replays_call_the_kernels_directly_on_the_refreshed_inputs(compile_runs)
     for _ in range(4):
         step.refresh(generator)
         with Dispatched() as seen:
-            graph.replay([])
+            graph.replay({})
         assert not [op for op in seen.ops if op.startswith("updraft.")]
         torch.testing.assert_close(out, step.reference(), atol=1e-4, rtol=1e-4)
 
@@ -163,7 +163,7 @@ def test_a_replayed_kv_write_takes_the_refreshed_rows_and_slots():
         x.copy_(torch.randn(x.shape, generator=generator))
         slots.copy_(torch.randperm(16, generator=generator)[:2])
         with Dispatched() as seen:
-            graph.replay([])
+            graph.replay({})
         assert not [op for op in seen.ops if op.startswith("updraft.")]
         key, value = torch.tanh(x).view(2, 2, KV_HEADS, HEAD_DIM).unbind(1)
         assert torch.equal(cache[0, slots], key) and torch.equal(cache[1, slots], value)

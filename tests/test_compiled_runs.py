@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.test_recorded_graph import Scale, scaled
+from tests.test_recorded_graph import scaled
 from updraft.graph import compiled_runs
 from updraft.graph.recorded import RecordedGraph
 from updraft.graph.tasks import register_task
@@ -31,7 +31,7 @@ class Layer(torch.nn.Module):
         self.cache[:, :2].index_copy_(0, self.slots, hidden[:, :2])
         # Only this write reads the run's sigmoid: it is the run's last consumer.
         self.cache[:, 2:4].index_copy_(0, self.slots, torch.sigmoid(hidden[:, 2:4] * 3))
-        hidden = register_task(scaled, {"x": hidden, "factor": 2.0}, Scale())
+        hidden = register_task(scaled, {"x": hidden, "factor": 2.0}, "scale")
         return (torch.relu(hidden) * self.weight).sum(-1)
 
     def reference(self, factor: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +67,7 @@ def test_compiled_replay_equals_rerunning_the_function():
     for factor in (3.0, -1.5, 0.5):
         model.inputs.copy_(torch.randn(3, 5))
         model.slots.copy_(torch.randperm(10)[:3])
-        graph.replay([{"factor": factor}])
+        graph.replay({"factor": factor})
         expected, written = model.reference(factor)
         torch.testing.assert_close(out, expected)
         torch.testing.assert_close(model.cache[model.slots, :4], written)
@@ -78,7 +78,7 @@ def test_fused_ops_are_not_dispatched_one_by_one():
     model = Layer(width=6)
     graph, _ = capture(model)
     with DispatchedOps() as seen:
-        graph.replay([{"factor": 2.0}])
+        graph.replay({"factor": 2.0})
     # The in-place write and the task stay calls of their own; tanh, relu and the sum
     # run inside inductor's kernels, out of the dispatcher's sight.
     assert "index_copy_.default" in seen.ops
@@ -99,7 +99,7 @@ def test_a_run_inductor_cannot_compile_replays_op_by_op(monkeypatch, caplog):
     graph, out = capture(model)
     assert "left uncompiled (RuntimeError: no C++ compiler)" in caplog.text
     model.inputs.copy_(torch.randn(3, 7))
-    graph.replay([{"factor": 4.0}])
+    graph.replay({"factor": 4.0})
     torch.testing.assert_close(out, model.reference(4.0)[0])
 
 

@@ -1,10 +1,8 @@
-"""The CUDA backend: FULL graphs for device-tensor tasks, PIECEWISE graphs around
-host-parameter tasks, and an engine whose CUDA replays equal eager. Needs a GPU; on a
-machine without one only the refusal test runs."""
+"""The CUDA backend: FULL graphs reading device tensors refreshed in place, PIECEWISE
+graphs around host-parameter tasks, and an engine whose CUDA replays equal eager. Needs
+a GPU; on a machine without one only the refusal test runs."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -20,36 +18,28 @@ from updraft.graph.tasks import register_task
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@dataclass(frozen=True)
-class HostScale:
-    def resolve(self, metadata: dict) -> dict:
-        return {"factor": metadata["factor"]}
-
-
-@dataclass(frozen=True)
-class DeviceScale:
-    device_params = True
-
-    def resolve(self, metadata: dict) -> dict:
-        return {"factor": metadata["factor_tensor"]}
-
-
-def scaled(x: torch.Tensor, factor) -> torch.Tensor:
+def scaled(x: torch.Tensor, factor: float) -> torch.Tensor:
     return x * factor
 
 
 class Toy(torch.nn.Module):
-    def __init__(self, provider) -> None:
+    """Scales its projection by a factor: a task's host-side ``factor``, made fresh at
+    each replay (PIECEWISE), or with ``full`` the device tensor ``factor``, refreshed in
+    place before each replay as a static input is (FULL)."""
+
+    def __init__(self, full: bool = False) -> None:
         super().__init__()
-        self.provider = provider
+        self.full = full
         self.proj = torch.nn.Linear(8, 8)
         self.inputs = torch.zeros(4, 8)
         self.factor = torch.ones(())
 
     def forward(self) -> torch.Tensor:
         hidden = self.proj(self.inputs)
-        factor = self.factor if getattr(self.provider, "device_params", False) else 1.0
-        hidden = register_task(scaled, {"x": hidden, "factor": factor}, self.provider)
+        if self.full:
+            hidden = scaled(hidden, self.factor)
+        else:
+            hidden = register_task(scaled, {"x": hidden, "factor": 1.0}, "scale")
         return torch.relu(hidden).sum(-1)
 
 
@@ -66,27 +56,26 @@ def test_cuda_backend_refuses_to_start_without_a_gpu():
 
 
 @needs_cuda
-@pytest.mark.parametrize("provider", [HostScale(), DeviceScale()])
+@pytest.mark.parametrize("full", [False, True], ids=["host-task", "device-tensor"])
 @torch.no_grad()
-def test_replay_equals_eager_in_both_modes(provider):
+def test_replay_equals_eager_in_both_modes(full):
     torch.manual_seed(0)
-    model = Toy(provider).cuda()
+    model = Toy(full).cuda()
     model.inputs, model.factor = model.inputs.cuda(), model.factor.cuda()
     graph, out = capture(model)
-    full = getattr(provider, "device_params", False)
     assert graph.mode == ("FULL" if full else "PIECEWISE")
     assert len(graph.segments) == (1 if full else 2)
     for value in (3.0, -0.5):
         model.inputs.copy_(torch.randn(4, 8))
-        metadata = {"factor": value, "factor_tensor": torch.tensor(value, device="cuda")}
-        graph.replay([provider.resolve(metadata)])
+        model.factor.copy_(torch.tensor(value, device="cuda"), non_blocking=True)
+        graph.replay({"factor": value})
         expected = torch.relu(model.proj(model.inputs) * value).sum(-1)
         torch.testing.assert_close(out, expected)
 
 
 @needs_cuda
 def test_capture_lints_on_cuda_as_on_the_cpu():
-    model = Toy(HostScale()).cuda()
+    model = Toy().cuda()
     model.inputs = model.inputs.cuda()
     graph = CudaGraph(constants=model.parameters(), persistent=[model.inputs])
     with pytest.raises(CaptureError, match="item"):

@@ -102,7 +102,7 @@ def test_a_captured_moe_layer_replays_new_routing():
     for seed in (3, 4):
         torch.manual_seed(seed)
         x.copy_(torch.randn(6, 32) * 2)
-        graph.replay([])
+        graph.replay({})
         torch.testing.assert_close(out, ours(x), atol=1e-5, rtol=1e-5)
 
 

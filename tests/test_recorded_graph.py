@@ -3,8 +3,6 @@ cannot hold is refused at capture, naming the op and where it ran."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
@@ -12,15 +10,8 @@ from updraft.graph.recorded import CaptureError, RecordedGraph
 from updraft.graph.tasks import register_task
 
 
-@dataclass(frozen=True)
-class Scale:
-    """A provider: the task's host-side ``factor`` comes from the step's metadata."""
-
-    def resolve(self, metadata: dict) -> dict:
-        return {"factor": metadata["factor"]}
-
-
 def scaled(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """A task: its host-side ``factor`` is made fresh at each replay."""
     return x * factor
 
 
@@ -35,7 +26,7 @@ class Toy(torch.nn.Module):
     def forward(self) -> torch.Tensor:
         hidden = self.proj(self.inputs)
         self.cache.index_copy_(0, self.slots, hidden)
-        hidden = register_task(scaled, {"x": hidden, "factor": 2.0}, Scale())
+        hidden = register_task(scaled, {"x": hidden, "factor": 2.0}, "scale")
         return torch.relu(hidden).sum(-1)
 
 
@@ -57,7 +48,7 @@ def test_replay_recomputes_from_refreshed_inputs_and_task_params():
     for factor in (3.0, -1.5):
         model.inputs.copy_(torch.randn(3, 4))
         model.slots.copy_(torch.randperm(10)[:3])
-        graph.replay([{"factor": factor}])
+        graph.replay({"factor": factor})
         hidden = model.proj(model.inputs)
         torch.testing.assert_close(out, torch.relu(hidden * factor).sum(-1))
         torch.testing.assert_close(model.cache[model.slots], hidden)
@@ -109,7 +100,7 @@ def test_an_op_that_may_alias_but_copied_is_rerun():
     for seed in (1, 2):
         torch.manual_seed(seed)
         model.inputs.copy_(torch.randn(3, 4))
-        graph.replay([])
+        graph.replay({})
         expected = (
             model.inputs.double().sum()
             + model.inputs.t().reshape(-1).cumsum(0).sum()
@@ -142,5 +133,5 @@ def test_a_tensor_at_a_freed_constants_address_is_not_taken_for_a_constant():
 
     out = graph.capture(forward)
     x.copy_(torch.ones(64))
-    graph.replay([])
+    graph.replay({})
     assert out.eq(3).all()

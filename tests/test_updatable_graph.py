@@ -1,5 +1,5 @@
-"""UpdatableGraph: replay refreshes every declared input itself, and a bad provider makes
-replay fail before any buffer changes."""
+"""UpdatableGraph: replay refreshes every declared input itself, and a bad hook for the
+tasks' fresh kwargs makes replay fail before any buffer changes."""
 
 from __future__ import annotations
 
@@ -14,14 +14,6 @@ from updraft.graph.tasks import register_task
 from updraft.graph.updatable import GraphReplayError, UpdatableGraph
 
 
-@dataclass(frozen=True)
-class Lengths:
-    """Resolves the host-side list of lengths the task needs."""
-
-    def resolve(self, metadata: dict) -> dict:
-        return {"lengths": metadata["lengths"]}
-
-
 def masked_sum(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     return torch.stack(
         [x[i, :n].sum() for i, n in enumerate(lengths)]
@@ -29,17 +21,17 @@ def masked_sum(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     )
 
 
-def make_graph(provider=Lengths()):
+def make_graph():
     tokens = StaticInput("tokens", torch.zeros(4, 3), fill=lambda s: s["tokens"], pad=0)
     graph = UpdatableGraph(
         RecordedGraph(constants=[], persistent=[tokens.buffer]),
         inputs=[tokens],
-        metadata=lambda s: {"lengths": s["lengths"]},
+        task_kwargs=lambda s: {"lengths": s["lengths"]},  # the host-side lengths
     )
 
     def forward():
         doubled = tokens.buffer * 2
-        return register_task(masked_sum, {"x": doubled, "lengths": [3, 3, 3, 3]}, provider)
+        return register_task(masked_sum, {"x": doubled, "lengths": [3, 3, 3, 3]}, "sum")
 
     return graph, tokens, forward
 
@@ -62,7 +54,7 @@ def test_replay_refreshes_inputs_and_params_from_the_step():
 class Broken:
     result: object
 
-    def resolve(self, metadata: dict) -> dict:
+    def __call__(self, step: dict) -> dict:
         if isinstance(self.result, Exception):
             raise self.result
         return self.result
@@ -74,11 +66,11 @@ class Broken:
     ids=["too-many-params", "too-few-params", "raises", "not-a-dict"],
 )
 @torch.no_grad()
-def test_a_bad_provider_fails_replay_before_any_buffer_changes(bad_result):
+def test_a_bad_task_kwargs_hook_fails_replay_before_any_buffer_changes(bad_result):
     graph, tokens, forward = make_graph()
     out = graph.capture(forward, step(4, [3, 3, 3, 3]))
     graph.replay(step(3, [1, 2, 3]))
-    graph.backend.tasks[0].provider = Broken(bad_result)
+    graph.task_kwargs = Broken(bad_result)
     buffers_before, out_before = tokens.buffer.clone(), out.clone()
     with pytest.raises(GraphReplayError):
         graph.replay(step(1, [2]))
@@ -86,7 +78,7 @@ def test_a_bad_provider_fails_replay_before_any_buffer_changes(bad_result):
 
 
 @torch.no_grad()
-def test_a_provider_owning_two_tasks_is_refused_at_capture():
+def test_a_key_owning_two_tasks_is_refused_at_capture():
     graph, _, forward = make_graph()
 
     def twice():
@@ -106,17 +98,22 @@ def test_a_task_taking_tensors_inside_an_object_is_refused_at_capture():
     class Box:
         values: torch.Tensor
 
-    @dataclass(frozen=True)
-    class Provider:
-        def resolve(self, metadata) -> dict:
-            return {"scale": metadata}
-
     def scaled(box: Box, scale: float) -> torch.Tensor:
         return box.values * scale
 
     x = torch.ones(4)
-    graph = UpdatableGraph(RecordedGraph(constants=[], persistent=[x]), [], lambda step: 2.0)
+    graph = UpdatableGraph(
+        RecordedGraph(constants=[], persistent=[x]), [], lambda step: {"scale": 2.0}
+    )
     with torch.inference_mode(), pytest.raises(GraphReplayError, match=r"inside Box\.values"):
-        graph.capture(
-            lambda: register_task(scaled, {"box": Box(x * 3), "scale": 1.0}, Provider()), None
-        )
+        graph.capture(lambda: register_task(scaled, {"box": Box(x * 3), "scale": 1.0}, "s"), None)
+
+
+def test_a_task_not_taking_a_fresh_kwarg_is_refused_at_capture():
+    """A task the hook's kwargs do not reach would replay its capture's values."""
+    x = torch.ones(4)
+    graph = UpdatableGraph(
+        RecordedGraph(constants=[], persistent=[x]), [], lambda step: {"lengths": [4]}
+    )
+    with torch.inference_mode(), pytest.raises(GraphReplayError, match="takes no lengths"):
+        graph.capture(lambda: register_task(torch.mul, {"input": x, "other": 2.0}, "mul"), None)

@@ -25,14 +25,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from updraft.attention.loop import (
-    AttentionParams,
-    CacheReader,
-    Selection,
-    Selector,
-    attend,
-    attention_op,
-)
+from updraft.attention.loop import CacheReader, Selection, Selector, attend, attention_op
 from updraft.attention.merge import merge_attention_shards
 from updraft.attention.metadata import AttentionGroup, AttentionMetadata
 from updraft.parallel import collectives  # noqa: F401 (registers the collective ops)
@@ -42,7 +35,7 @@ from updraft.parallel.topology import GroupRank
 def attention(
     reader: CacheReader,
     metadata: AttentionMetadata,
-    params: AttentionParams,
+    layer: str,
     selector: ScoredSelector | None = None,
     window: int | None = None,
 ) -> torch.Tensor:
@@ -54,13 +47,13 @@ def attention(
     shard = metadata.context.decode
     kwargs = {"reader": reader, "metadata": metadata, "selector": selector, "window": window}
     if shard is None:
-        return attention_op(attend, kwargs, params, metadata)
+        return attention_op(attend, kwargs, layer, metadata)
     tokens, heads, width = reader.query.shape
     queries = torch.ops.updraft.all_gather_last(reader.query.flatten(1), shard.group, shard.size)
     kwargs["reader"] = reader._replace(query=queries.view(tokens, shard.size * heads, width))
     if selector is not None:
         kwargs["selector"] = ShardedSelection(selector, shard)
-    out = attention_op(attend, kwargs, params, metadata)
+    out = attention_op(attend, kwargs, layer, metadata)
     gathered = torch.ops.updraft.all_gather_last(out, shard.group, shard.size)
     return merge_own_heads(gathered, shard, heads, reader.value_dim).to(reader.query.dtype)
 

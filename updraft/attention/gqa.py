@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 
 from updraft.attention.context_parallel import attention, step_rows
-from updraft.attention.loop import Attended, AttentionParams, InPlaceRows, attend_padded
+from updraft.attention.loop import Attended, InPlaceRows, attend_padded
 from updraft.attention.metadata import AttentionGroup, AttentionMetadata
 from updraft.kernels.attention_ops import writes_kv_in_one_call
 
@@ -71,7 +71,7 @@ def paged_attention(
     kv_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
-    params: AttentionParams,
+    layer: str,
     window: int | None = None,
 ) -> torch.Tensor:
     """query [T, H, D], key/value [T, Hkv, D] -> [T, H * D]: the step's keys and values
@@ -80,4 +80,4 @@ def paged_attention(
     query's last ``window`` positions, for a sliding-window layer)."""
     slots, key, value = step_rows(metadata, key, value)
     write_kv(kv_cache, key, value, slots)
-    return attention(PagedKV(query, kv_cache, scale), metadata, params, window=window)
+    return attention(PagedKV(query, kv_cache, scale), metadata, layer, window=window)

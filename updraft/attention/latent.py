@@ -36,13 +36,7 @@ import torch.nn.functional as F
 
 from updraft.attention.context_parallel import attention, step_rows
 from updraft.attention.in_place import IN_PLACE_MAX_QUERY
-from updraft.attention.loop import (
-    Attended,
-    AttentionParams,
-    InPlaceRows,
-    Selection,
-    attend_padded,
-)
+from updraft.attention.loop import Attended, InPlaceRows, Selection, attend_padded
 from updraft.attention.metadata import AttentionGroup, AttentionMetadata
 
 
@@ -217,7 +211,7 @@ def latent_attention(
     kv_b_weight: torch.Tensor,
     dims: LatentDims,
     scale: float,
-    params: AttentionParams,
+    layer: str,
     index_query: torch.Tensor | None = None,
     index_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -235,8 +229,8 @@ def latent_attention(
     )
     reader = LatentCache(q_nope, q_pe, cache, kv_b_weight, dims, scale)
     if metadata.context.decode is None:
-        return attention(reader, metadata, params, selector)
+        return attention(reader, metadata, layer, selector)
     heads = q_nope.shape[1]
     absorbed = reader.absorbed(slice(0, q_nope.shape[0]))
-    latent = attention(absorbed, metadata, params, selector)
+    latent = attention(absorbed, metadata, layer, selector)
     return reader.up_projected(latent.view(-1, heads, dims.kv_lora_rank)).flatten(1)

@@ -26,7 +26,6 @@ output for ``context_parallel.py`` to merge the shards by.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -214,27 +213,13 @@ def attend_padded(
     )
 
 
-@dataclass(frozen=True)
-class AttentionParams:
-    """Provider of one attention layer's per-step parameters: the step's metadata, whose
-    host-side shapes change every step. Draft steps need no index of their own here:
-    each replay resolves from the step it is given, whichever draft step that is."""
-
-    layer: str
-
-    def resolve(self, metadata: AttentionMetadata) -> dict[str, AttentionMetadata]:
-        return {"metadata": metadata}
-
-
 def attention_op(
-    op: Callable[..., torch.Tensor],
-    kwargs: dict[str, Any],
-    params: AttentionParams,
-    metadata: AttentionMetadata,
+    op: Callable[..., torch.Tensor], kwargs: dict[str, Any], layer: str, metadata: AttentionMetadata
 ) -> torch.Tensor:
-    """Attention with the step's group shapes is a task, re-resolved at every replay
-    (a PIECEWISE graph on CUDA). With a bucket's own shapes (``metadata.uniform``) it has
-    no per-step host parameter, so it runs as plain ops a graph holds whole (FULL)."""
+    """Attention with the step's group shapes is a task of ``layer``, its ``metadata``
+    made fresh at every replay (a PIECEWISE graph on CUDA). With a bucket's own shapes
+    (``metadata.uniform``) it has no per-step host parameter, so it runs as plain ops a
+    graph holds whole (FULL)."""
     if metadata.uniform:
         return op(**kwargs)
-    return register_task(op, kwargs, params)
+    return register_task(op, kwargs, layer)

@@ -2,8 +2,8 @@
 
 Three parts. Tensors (slot mapping, block table, seq_lens, query_start_loc) that a
 captured graph holds as declared static inputs; host-side shape facts (how many decodes,
-the longest query and context of each group) that change every step and so are resolved
-per step by the attention task's provider; and how this rank's context is split over
+the longest query and context of each group) that change every step and so are made
+fresh for the attention tasks at each replay; and how this rank's context is split over
 ranks (``ContextSplit``: not at all, a prefill split, a decode split), which the runner
 builds from the rank's place and, for a prefill split, from the step. The gather indices
 and masks are derived from the tensors, once per step, on the first layer's call: eager

@@ -5,36 +5,25 @@ warm-up a CUDA graph needs (it loads kernels and settles the allocator), and it 
 linter: host syncs, data-dependent shapes and undeclared inputs fail here exactly as
 they do on the CPU. Then the function runs again under CUDA graph capture.
 
-A task whose provider resolves only device tensors (``device_params = True``) is
-captured inside the graph; replay copies its fresh tensors into the captured ones. A
-task with host-side parameters cannot live in a graph: capture ends the current graph
-before it, runs it eagerly, and begins the next graph after it. A graph with no host
-task is one FULL graph; otherwise it is PIECEWISE, and replay runs the segments with
-the tasks between them. Every segment of every bucket shares one memory pool, captured
-largest bucket first, so the small buckets reuse the large one's memory.
+A task has host-side parameters, which a graph cannot hold: capture ends the current
+graph before it, runs it eagerly, and begins the next graph after it. A graph with no
+task is one FULL graph (what it reads per step is in its static inputs); otherwise it
+is PIECEWISE, and replay runs the segments with the tasks between them. Every segment
+of every bucket shares one memory pool, captured largest bucket first, so the small
+buckets reuse the large one's memory.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import torch
 
 from updraft.graph.recorded import RecordedGraph
 from updraft.graph.recorded_nodes import TaskNode
-from updraft.graph.tasks import ParamProvider, recording_tasks
+from updraft.graph.tasks import recording_tasks
 from updraft.graph.weakref import weak_ref_tensors
-
-
-@dataclass
-class CudaTask(TaskNode):
-    in_graph: bool  # its params are device tensors, refreshed by copy
-
-
-def in_graph(provider: ParamProvider) -> bool:
-    return bool(getattr(provider, "device_params", False))
 
 
 class CudaGraph:
@@ -50,12 +39,12 @@ class CudaGraph:
         self.lint = RecordedGraph(constants, persistent, module_names)
         self.pool = torch.cuda.graph_pool_handle() if pool is None else pool
         self.segments: list[torch.cuda.CUDAGraph] = []
-        self.tasks: list[CudaTask] = []
+        self.tasks: list[TaskNode] = []
         self.stream: torch.cuda.Stream | None = None
 
     @property
     def mode(self) -> str:
-        return "PIECEWISE" if any(not task.in_graph for task in self.tasks) else "FULL"
+        return "PIECEWISE" if self.tasks else "FULL"
 
     def capture(self, fn: Callable[[], Any]) -> Any:
         self.lint.capture(fn)  # warm-up and linter; raises CaptureError
@@ -76,45 +65,20 @@ class CudaGraph:
         self.segments.append(graph)
 
     def record_task(
-        self, op: Callable[..., Any], kwargs: dict[str, Any], provider: ParamProvider
+        self, op: Callable[..., Any], kwargs: dict[str, Any], key: Hashable
     ) -> torch.Tensor:
-        if in_graph(provider):
-            out = op(**kwargs)
-            self.tasks.append(CudaTask(op, kwargs, provider, out, in_graph=True))
-            return out
         self.segments[-1].capture_end()
         with recording_tasks(None):
             out = op(**kwargs)
-        self.tasks.append(CudaTask(op, kwargs, provider, out, in_graph=False))
+        self.tasks.append(TaskNode(op, kwargs, key, out))
         self._begin_segment()
         return out
 
-    def replay(self, task_params: list[dict[str, Any]], live_rows: int | None = None) -> None:
-        """``live_rows`` is not read: a device graph runs every captured row."""
-        host_tasks = []
-        for task, params in zip(self.tasks, task_params, strict=True):
-            if not task.in_graph:
-                host_tasks.append((task, params))
-                continue
-            for name, value in params.items():
-                task.kwargs[name].copy_(value, non_blocking=True)
+    def replay(self, task_kwargs: dict[str, Any], live_rows: int | None = None) -> None:
+        """``task_kwargs`` updates the kwargs of every task. ``live_rows`` is not read:
+        a device graph runs every captured row."""
         for i, segment in enumerate(self.segments):
             segment.replay()
-            if i < len(host_tasks):
-                task, params = host_tasks[i]
-                task.output.copy_(task.op(**{**task.kwargs, **params}))
-
-    def check(self, task_params: list[dict[str, Any]]) -> None:
-        """Every in-graph param must fit its captured tensor. ``UpdatableGraph`` calls
-        this before it writes anything."""
-        for task, params in zip(self.tasks, task_params, strict=True):
-            if not task.in_graph:
-                continue
-            for name, value in params.items():
-                captured = task.kwargs[name]
-                if not isinstance(value, torch.Tensor) or value.shape != captured.shape:
-                    raise ValueError(
-                        f"{task.provider} resolved {name} of shape "
-                        f"{getattr(value, 'shape', type(value).__name__)}, but the graph "
-                        f"captured {tuple(captured.shape)}"
-                    )
+            if i < len(self.tasks):
+                task = self.tasks[i]
+                task.output.copy_(task.op(**{**task.kwargs, **task_kwargs}))

@@ -18,7 +18,7 @@ static input: such a tensor would be replayed stale.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import torch
@@ -35,7 +35,7 @@ from updraft.graph.recorded_nodes import (
     storage_of,
     tensors_in,
 )
-from updraft.graph.tasks import ParamProvider, recording_tasks
+from updraft.graph.tasks import recording_tasks
 
 HOST_SYNC_OPS = {torch.ops.aten._local_scalar_dense.default}
 SHAPE_FROM_DATA = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
@@ -200,7 +200,7 @@ class RecordedGraph:
         )
 
     def record_task(
-        self, op: Callable[..., Any], kwargs: dict[str, Any], provider: ParamProvider
+        self, op: Callable[..., Any], kwargs: dict[str, Any], key: Hashable
     ) -> torch.Tensor:
         self.check_inputs(op, tensors_in(kwargs), self.location())
         with _disable_current_modes(), recording_tasks(None):
@@ -208,7 +208,7 @@ class RecordedGraph:
         if not isinstance(out, torch.Tensor):
             raise CaptureError(f"task {op.__name__} must return one tensor")
         self.produced.add(storage_of(out))
-        task = TaskNode(op, kwargs, provider, out)
+        task = TaskNode(op, kwargs, key, out)
         self.nodes.append(task)
         self.tasks.append(task)
         return out
@@ -232,11 +232,8 @@ class RecordedGraph:
                         self._segments[-1].append(bind(node, self.token_rows))
         return self._segments
 
-    def check(self, task_params: list[dict[str, Any]]) -> None:
-        """Nothing to check: a re-run task takes whatever its provider resolves."""
-
-    def replay(self, task_params: list[dict[str, Any]], live_rows: int | None = None) -> None:
-        """Re-run the recorded ops; ``task_params[i]`` updates the kwargs of task i.
+    def replay(self, task_kwargs: dict[str, Any], live_rows: int | None = None) -> None:
+        """Re-run the recorded ops; ``task_kwargs`` updates the kwargs of every task.
         ``live_rows``: of a mixed step's token rows, how many hold its tokens (the row-wise
         kernels run over those alone)."""
         if self.token_rows is not None:
@@ -246,4 +243,4 @@ class RecordedGraph:
                 call()
             if i < len(self.tasks):
                 task = self.tasks[i]
-                task.output.copy_(task.op(**{**task.kwargs, **task_params[i]}))
+                task.output.copy_(task.op(**{**task.kwargs, **task_kwargs}))

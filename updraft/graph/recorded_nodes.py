@@ -4,14 +4,13 @@ how a node is bound into a call with no arguments for replay."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import cache, partial
 from typing import Any
 
 import torch
 
-from updraft.graph.tasks import ParamProvider
 from updraft.kernels.bound_calls import bound_call
 
 
@@ -41,7 +40,7 @@ def find_out_variant(func: torch._ops.OpOverload) -> torch._ops.OpOverload | Non
 class TaskNode:
     op: Callable[..., Any]
     kwargs: dict[str, Any]
-    provider: ParamProvider
+    key: Hashable  # who registered it (UpdatableGraph: one task per key)
     output: torch.Tensor
 
 

@@ -1,13 +1,13 @@
 """``UpdatableGraph``: a captured step that refreshes everything that changes per step.
 
     graph = UpdatableGraph(backend, inputs=[StaticInput("slot_mapping", buf, fill, pad=-1)],
-                           metadata=AttentionMetadata.from_step)
+                           task_kwargs=lambda step: {"metadata": AttentionMetadata.bind(...)})
     out = graph.capture(lambda: model(...), step)   # ops call register_task(...) inside
     out = graph.replay(step)                        # the only way to run it again
 
-``replay`` first computes everything it will need (every static input's values and
-every task's parameters, each checked), and only then writes the buffers and replays.
-A failure therefore leaves the graph and its buffers untouched.
+``replay`` first computes everything it will need (every static input's values and the
+tasks' fresh kwargs, each checked), and only then writes the buffers and replays. A
+failure therefore leaves the graph and its buffers untouched.
 """
 
 from __future__ import annotations
@@ -29,73 +29,71 @@ class UpdatableGraph:
         self,
         backend: Any,
         inputs: Sequence[StaticInput],
-        metadata: Callable[[Any], Any],
+        task_kwargs: Callable[[Any], dict[str, Any]],
         live_rows: Callable[[Any], int] | None = None,
     ) -> None:
-        """``live_rows``: how many of the captured token rows a step fills, for a backend
-        whose row-wise kernels may skip the rest (a mixed step padded to its bucket)."""
+        """``task_kwargs``: the hook that makes, from a step, the kwargs every task takes
+        fresh at its replay (attention's metadata). ``live_rows``: how many of the
+        captured token rows a step fills, for a backend whose row-wise kernels may skip
+        the rest (a mixed step padded to its bucket)."""
         names = [static_input.name for static_input in inputs]
         if len(set(names)) != len(names):
             raise ValueError(f"static input names repeat: {names}")
         self.backend = backend
         self.inputs = list(inputs)
-        self.metadata = metadata
+        self.task_kwargs = task_kwargs
         self.live_rows = live_rows
         self.output: Any = None
-        self.task_keys: list[frozenset[str]] = []
+        self.fresh_names: frozenset[str] = frozenset()
+        self.num_tasks = 0
 
     def capture(self, fn: Callable[[], Any], step: Any) -> Any:
-        """Fill the inputs from ``step``, then capture ``fn``. Each provider must own
-        exactly one task; its parameter names are fixed from here on."""
+        """Fill the inputs from ``step``, then capture ``fn``. Each key must own exactly
+        one task, and every task take every fresh kwarg; their names are fixed here."""
         for static_input in self.inputs:
             static_input.refresh(static_input.values(step))
         self.output = self.backend.capture(fn)
-        counts = Counter(task.provider for task in self.backend.tasks)
-        repeated = [provider for provider, count in counts.items() if count != 1]
+        tasks = self.backend.tasks
+        counts = Counter(task.key for task in tasks)
+        repeated = [key for key, count in counts.items() if count != 1]
         if repeated:
-            raise GraphReplayError(f"providers registered more than one task: {repeated}")
-        metadata = self.metadata(step)
-        self.task_keys = [frozenset(task.provider.resolve(metadata)) for task in self.backend.tasks]
-        for task, keys in zip(self.backend.tasks, self.task_keys, strict=True):
-            # A kwarg its provider does not renew is captured as it is: a tensor inside
-            # an object would be read at replay without the graph knowing it reads it
-            # (a compiled run would not write it, nor a CUDA graph keep it in its pool).
-            kept = {name: value for name, value in task.kwargs.items() if name not in keys}
+            raise GraphReplayError(f"keys registered more than one task: {repeated}")
+        self.fresh_names, self.num_tasks = frozenset(self.task_kwargs(step)), len(tasks)
+        for task in tasks:
+            name = getattr(task.op, "__name__", task.op)
+            missing = self.fresh_names - task.kwargs.keys()
+            if missing:
+                raise GraphReplayError(f"task {name} takes no {', '.join(sorted(missing))}")
+            # A kwarg the hook does not renew is captured as it is: a tensor inside an
+            # object would be read at replay without the graph knowing it reads it (a
+            # compiled run would not write it, nor a CUDA graph keep it in its pool).
+            kept = {key: value for key, value in task.kwargs.items() if key not in self.fresh_names}
             hidden = tensors_hidden_in(kept)
             if hidden:
                 raise GraphReplayError(
-                    f"task {getattr(task.op, '__name__', task.op)} takes tensors inside "
-                    f"{', '.join(hidden)}: pass them as arguments of their own"
+                    f"task {name} takes tensors inside {', '.join(hidden)}: "
+                    "pass them as arguments of their own"
                 )
         return self.output
 
     def replay(self, step: Any) -> Any:
         values = [static_input.values(step) for static_input in self.inputs]
-        params = self._resolve(self.metadata(step))
-        try:
-            self.backend.check(params)
-        except (TypeError, ValueError) as error:
-            raise GraphReplayError(str(error)) from error
+        fresh = self._fresh(step)
         rows = None if self.live_rows is None else self.live_rows(step)
         for static_input, value in zip(self.inputs, values, strict=True):
             static_input.refresh(value)
-        self.backend.replay(params, rows)
+        self.backend.replay(fresh, rows)
         return self.output
 
-    def _resolve(self, metadata: Any) -> list[dict[str, Any]]:
-        tasks = self.backend.tasks
-        if len(tasks) != len(self.task_keys):
-            raise GraphReplayError(f"{len(tasks)} tasks, but {len(self.task_keys)} captured")
-        resolved = []
-        for task, keys in zip(tasks, self.task_keys, strict=True):
-            try:
-                params = task.provider.resolve(metadata)
-            except Exception as error:
-                raise GraphReplayError(f"{task.provider} failed to resolve: {error}") from error
-            if not isinstance(params, dict) or frozenset(params) != keys:
-                got = sorted(params) if isinstance(params, dict) else type(params).__name__
-                raise GraphReplayError(
-                    f"{task.provider} resolved {got}, expected parameters {sorted(keys)}"
-                )
-            resolved.append(params)
-        return resolved
+    def _fresh(self, step: Any) -> dict[str, Any]:
+        tasks = len(self.backend.tasks)
+        if tasks != self.num_tasks:
+            raise GraphReplayError(f"{tasks} tasks, but {self.num_tasks} captured")
+        try:
+            fresh = self.task_kwargs(step)
+        except Exception as error:
+            raise GraphReplayError(f"the tasks' kwargs failed: {error}") from error
+        if not isinstance(fresh, dict) or frozenset(fresh) != self.fresh_names:
+            got = sorted(fresh) if isinstance(fresh, dict) else type(fresh).__name__
+            raise GraphReplayError(f"fresh kwargs {got}, expected {sorted(self.fresh_names)}")
+        return fresh

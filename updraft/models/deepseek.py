@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from updraft.attention.latent import LatentDims, latent_attention
-from updraft.attention.loop import AttentionParams
 from updraft.attention.metadata import AttentionMetadata
 from updraft.model_config import MLAConfig, ModelConfig, RopeConfig
 from updraft.models.layers import MLP, CausalLM, DecoderLayer, FusedLinear, RMSNorm
@@ -93,7 +92,7 @@ class LatentAttention(nn.Module):
         super().__init__()
         mla = config.mla
         self.mla = mla
-        self.params = AttentionParams(layer=name)
+        self.layer = name  # its key as a captured task (graph/tasks.py)
         self.num_heads = config.num_heads
         self.qk_head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         self.scale = softmax_scale(mla, config.rope)
@@ -156,7 +155,7 @@ class LatentAttention(nn.Module):
             self.kv_b_proj.weight,
             self.dims,
             self.scale,
-            self.params,
+            self.layer,
             index_query,
             index_weights,
         )

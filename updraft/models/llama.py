@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from updraft.attention.gqa import paged_attention
-from updraft.attention.loop import AttentionParams
 from updraft.attention.metadata import AttentionMetadata
 from updraft.model_config import ModelConfig
 from updraft.models.layers import MLP, CausalLM, DecoderLayer, FusedLinear, norm
@@ -21,7 +20,7 @@ from updraft.models.rope import apply_rotary
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, name: str, window: int | None = None) -> None:
         super().__init__()
-        self.params = AttentionParams(layer=name)
+        self.layer = name  # its key as a captured task (graph/tasks.py)
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -58,7 +57,7 @@ class Attention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, num_qk_heads:]
         attention = paged_attention(
-            q, k, v, kv_cache, metadata, self.scale, self.params, self.window
+            q, k, v, kv_cache, metadata, self.scale, self.layer, self.window
         )
         return self.o_proj(attention)
 

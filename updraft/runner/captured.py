@@ -99,7 +99,7 @@ class CapturedSteps:
         ``draft_loop_depth`` > 1: also capture the greedy draft loop of that many drafts,
         one bucket per size. ``mixed_tokens``: the token counts of mixed steps to capture
         (prefill chunks, alone or beside decodes), each of up to as many requests as the
-        largest size; their attention is always a task, resolved from each step."""
+        largest size; their attention is always a task, made fresh from each step."""
         self.model, self.kv_caches = model, kv_caches
         self.positions_per_block, self.context = positions_per_block, context
         self.max_blocks = max_blocks_per_request
@@ -209,14 +209,16 @@ class CapturedSteps:
         empty = empty_inputs(specs, DraftLoopInputs if bucket.loop else ForwardInputs, sizes)
         attention = {name: tensors[name] for name in ATTENTION_INPUTS if name in tensors}
 
-        def metadata(step: ForwardInputs) -> AttentionMetadata | None:
-            """What the attention tasks resolve from at each replay: the step's shapes
-            over the bucket's buffers (a loop holds its attention whole: none)."""
-            if bucket.loop:
-                return None
+        def metadata(step: ForwardInputs) -> AttentionMetadata:
+            """The step's shapes over the bucket's buffers."""
             return AttentionMetadata.bind(
                 step, positions_per_block, **attention, num_tokens=sizes["tokens"], context=context
             )
+
+        def task_kwargs(step: ForwardInputs) -> dict[str, AttentionMetadata]:
+            """What the attention tasks take fresh at each replay: the step's metadata
+            (a loop holds its attention whole: none)."""
+            return {} if bucket.loop else {"metadata": metadata(step)}
 
         if bucket.loop:
             loop = DraftLoopInputs(**tensors)
@@ -229,7 +231,7 @@ class CapturedSteps:
                 shapes = AttentionMetadata.bucket(
                     positions_per_block, **attention, **bucket.shape, context=context
                 )
-            else:  # the capture step's shapes, which every replay re-resolves
+            else:  # the capture step's shapes, which every replay makes fresh
                 shapes = metadata(empty)
             standard = {spec.name for spec in GRAPH_INPUTS}
             extra = {name: tensor for name, tensor in tensors.items() if name not in standard}
@@ -249,7 +251,7 @@ class CapturedSteps:
             token_rows=sizes["tokens"] if bucket.mixed else None,
         )
         live_rows = attrgetter("num_tokens") if bucket.mixed else None
-        graph = UpdatableGraph(backend, list(inputs.values()), metadata, live_rows)
+        graph = UpdatableGraph(backend, list(inputs.values()), task_kwargs, live_rows)
         return Captured(graph, graph.capture(forward, empty), inputs)
 
 
