@@ -15,13 +15,13 @@ from functools import cache
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from updraft.checkpoints import gguf as gguf_checkpoint
+from updraft.checkpoints import gguf as gguf_file
 from updraft.kernels.build import load
 from updraft.kernels.launch import INT, POINTER, Launch, define_op, reads_copies, writable_output
 
 # ggml's type numbers of the block types read here, and (values, bytes) per block, as
 # the gguf package has them (the kernel's own switch must agree: tests/test_gguf.py).
-BLOCK_TYPES = {name: GGMLQuantizationType[name].value for name in gguf_checkpoint.BLOCK_TYPES}
+BLOCK_TYPES = {name: GGMLQuantizationType[name].value for name in gguf_file.BLOCK_TYPES}
 BLOCKS = {code: GGML_QUANT_SIZES[GGMLQuantizationType(code)] for code in BLOCK_TYPES.values()}
 # Up to this many rows of x the kernel runs (its partial sums live in registers and
 # the stack); more rows widen a chunk of weight rows and multiply it with torch.

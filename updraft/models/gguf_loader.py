@@ -1,4 +1,4 @@
-"""A model's weights read from a GGUF file (``gguf_checkpoint.py``), in the file's own
+"""A model's weights read from a GGUF file (``checkpoints/gguf.py``), in the file's own
 layout.
 
 Float tensors (F32, F16, BF16) fill the model's parameters and are packed like a
