@@ -126,6 +126,7 @@ def test_generation_stops_at_the_context_length(tiny_llama):
         ([], "prompt is empty"),
         ([1, 2, 999], "outside the vocabulary"),
         ([1, -3], "outside the vocabulary"),
+        ([-1, 5], "outside the vocabulary"),
         ("text without a tokenizer", "no tokenizer.json"),
     ],
 )

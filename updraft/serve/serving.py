@@ -22,6 +22,7 @@ from starlette.types import Send
 
 from updraft.chat_template import ChatTemplate, ChatTemplateError
 from updraft.engine.grammar_compiler import GrammarCompiler, GrammarError
+from updraft.engine.input_processor import EngineRequest, InputProcessor
 from updraft.engine.scheduler import STRUCTURED_ERROR
 from updraft.outputs import RequestOutput, merge_outputs
 from updraft.sampling_params import SamplingParams
@@ -104,6 +105,9 @@ class OpenAIServing:
         self.info = info
         self.settings = settings
         self.chat_template = chat_template
+        # Intake (engine/input_processor.py), the same as LLM's, run here: the engine core
+        # receives finished requests and never tokenizes.
+        self.processor = InputProcessor(engine.tokenizer, info, chat_template)
         self.tool_parser = settings.tool_call_parser or default_parser(chat_template.source)
         self.tokenizer: Tokenizer | None = engine.tokenizer
         self.max_model_len = info.max_model_len
@@ -148,12 +152,11 @@ class OpenAIServing:
         )
         structured_field = body.structured_outputs_field()
         await self._compile(params, structured_field)
-        prompts = [await self._tokenized(prompt, "prompt") for prompt in body.prompts()]
+        intakes = [await self._intake(prompt, params, "prompt") for prompt in body.prompts()]
         request_id = new_id("cmpl")
         streams = await self._start_all(
             request_id,
-            prompts,
-            params,
+            intakes,
             explicit,
             body.max_tokens_field(),
             "prompt",
@@ -207,7 +210,7 @@ class OpenAIServing:
         try:
             # Off the event loop: a template over a megabyte of messages takes a while.
             prompt = await self._off_loop(
-                self.chat_template.render,
+                self.processor.render_chat,
                 messages,
                 body.add_generation_prompt,
                 body.chat_template_kwargs,
@@ -216,12 +219,11 @@ class OpenAIServing:
             )
         except ChatTemplateError as error:
             raise APIError(400, f"messages: {error}", param="messages") from error
-        prompt = await self._tokenized(prompt, "messages")
+        intake = await self._intake(prompt, params, "messages")
         request_id = new_id("chatcmpl")
         streams = await self._start_all(
             request_id,
-            [prompt],
-            params,
+            [intake],
             explicit,
             body.max_tokens_field(),
             "messages",
@@ -305,13 +307,15 @@ class OpenAIServing:
         except GrammarError as error:
             raise APIError(400, f"{field}: {error.detail}", param=field) from error
 
-    async def _tokenized(self, prompt: str | list[int], field: str) -> str | list[int]:
-        """Token ids for a text prompt, tokenized in a worker thread: the engine thread,
-        which steps every running request, never tokenizes, and a long text is encoded
-        without the GIL (``Tokenizer.encode``). A text too long for any context is
-        refused unread."""
+    async def _intake(
+        self, prompt: str | list[int], params: SamplingParams, field: str
+    ) -> EngineRequest:
+        """The prompt through intake; a text is tokenized in a worker thread: the engine
+        thread, which steps every running request, never tokenizes, and a long text is
+        encoded without the GIL (``Tokenizer.encode``). A text too long for any context
+        is refused unread."""
         if isinstance(prompt, list) or self.tokenizer is None:
-            return prompt
+            return self.processor.process(prompt, params)
         if len(prompt) > self.max_prompt_chars:
             raise APIError(
                 400,
@@ -319,18 +323,17 @@ class OpenAIServing:
                 "the context length, can hold",
                 param=field,
             )
-        return await self._off_loop(self.tokenizer.encode, prompt)
+        return await self._off_loop(self.processor.process, prompt, params)
 
     async def _start(
         self,
         request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
+        intake: EngineRequest,
         field: str,
         structured_field: str | None = None,
     ) -> tuple[AsyncIterator[RequestOutput], RequestOutput]:
-        """Admit the request and wait for its first output; a refused prompt is a 400
-        naming ``field``, a grammar that failed as it ran one naming
+        """Admit the request and wait for its first output; a prompt intake refused is a
+        400 naming ``field``, a grammar that failed as it ran one naming
         ``structured_field``."""
         if not self.engine.is_alive:
             raise APIError(503, "the engine has stopped; see the server log")
@@ -341,7 +344,9 @@ class OpenAIServing:
                 "retry later",
                 headers={"Retry-After": "1"},
             )
-        outputs = self.engine.generate(request_id, prompt, params)
+        if intake.error is not None:
+            raise _refusal(intake.error, field, None)
+        outputs = self.engine.generate(request_id, intake)
         try:
             first = await anext(outputs)
         except ShuttingDownError as error:
@@ -350,18 +355,13 @@ class OpenAIServing:
             raise APIError(503, str(error)) from error
         if first.error is not None:
             await outputs.aclose()
-            error = first.error
-            if structured_field is not None and error.startswith(STRUCTURED_ERROR):
-                field, error = structured_field, error.removeprefix(STRUCTURED_ERROR)
-            message = error if error.startswith(field) else f"{field}: {error}"
-            raise APIError(400, message, param=field)
+            raise _refusal(first.error, field, structured_field)
         return outputs, first
 
     async def _start_all(
         self,
         request_id: str,
-        prompts: list[str | list[int]],
-        params: SamplingParams,
+        intakes: list[EngineRequest],
         explicit: bool,
         max_tokens_field: str,
         field: str,
@@ -371,11 +371,11 @@ class OpenAIServing:
         first refused ends those already started and is the request's 400."""
         started: list[Started] = []
         try:
-            for i, prompt in enumerate(prompts):
-                fitted = self._fitted(params, prompt, explicit, max_tokens_field)
-                suffix = "" if len(prompts) == 1 else f"-{i}"
+            for i, intake in enumerate(intakes):
+                fitted = self._fitted(intake, explicit, max_tokens_field)
+                suffix = "" if len(intakes) == 1 else f"-{i}"
                 started.append(
-                    await self._start(request_id + suffix, prompt, fitted, field, structured_field)
+                    await self._start(request_id + suffix, fitted, field, structured_field)
                 )
         except BaseException:
             for outputs, _ in started:
@@ -383,20 +383,17 @@ class OpenAIServing:
             raise
         return started
 
-    def _fitted(
-        self, params: SamplingParams, prompt: str | list[int], explicit: bool, field: str
-    ) -> SamplingParams:
-        """``params`` with max_tokens within the context after the prompt: a max_tokens
+    def _fitted(self, intake: EngineRequest, explicit: bool, field: str) -> EngineRequest:
+        """``intake`` with max_tokens within the context after the prompt: a max_tokens
         the client gave that does not fit is a 400 naming both numbers; the default one
         is cut to fit."""
-        if isinstance(prompt, str):
-            return params  # no tokenizer: the engine refuses a text prompt anyway
-        num_prompt = len(prompt)
-        if params.truncate_prompt_tokens is not None:
-            num_prompt = min(num_prompt, params.truncate_prompt_tokens)
+        params = intake.params
+        if intake.error is not None:
+            return intake  # refused in _start, naming the prompt's field
+        num_prompt = len(intake.prompt_token_ids)  # truncated already
         room = self.max_model_len - num_prompt
-        if room <= 0 or params.max_tokens <= room:
-            return params  # a prompt with no room left is the engine's 400
+        if params.max_tokens <= room:
+            return intake
         if explicit:
             raise APIError(
                 400,
@@ -404,7 +401,8 @@ class OpenAIServing:
                 f"are more than the context length of {self.max_model_len} tokens",
                 param=field,
             )
-        return replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+        fitted = replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+        return replace(intake, params=fitted)
 
     def _head(
         self, body: CompletionRequest, position: int, prompt: str | list[int], first: RequestOutput
@@ -769,6 +767,14 @@ async def _finals(streams: list[Started]) -> list[RequestOutput]:
     except (EngineDeadError, ShuttingDownError) as error:
         raise APIError(503, str(error)) from error
     return [merge_outputs(list(outputs.values())) for outputs in latest]
+
+
+def _refusal(error: str, field: str, structured_field: str | None) -> APIError:
+    """The 400 for a request the engine or intake refused, naming the field at fault."""
+    if structured_field is not None and error.startswith(STRUCTURED_ERROR):
+        field, error = structured_field, error.removeprefix(STRUCTURED_ERROR)
+    message = error if error.startswith(field) else f"{field}: {error}"
+    return APIError(400, message, param=field)
 
 
 def _finish_reason(reason: str | None, called: bool) -> str | None:
