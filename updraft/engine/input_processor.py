@@ -128,9 +128,6 @@ class InputProcessor:
             messages, add_generation_prompt, template_kwargs, tools, continue_final_message
         )
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
-
     def process(self, prompt: str | Sequence[int], params: SamplingParams) -> EngineRequest:
         """The request ready for the engine, or one that carries why it cannot be
         served. Ids are checked before anything is built from them."""
