@@ -13,6 +13,9 @@ from tests.conftest import make_tiny_checkpoint
 from tests.helpers import greedy
 from tests.probes import assert_idle
 from updraft import LLM, SamplingParams
+from updraft.demo import DEMO_MODEL_DIR
+from updraft.engine.input_processor import InputProcessor, ModelLimits
+from updraft.tokenizer import Tokenizer
 
 GREEDY = greedy(8)
 
@@ -126,6 +129,7 @@ def test_generation_stops_at_the_context_length(tiny_llama):
         ([], "prompt is empty"),
         ([1, 2, 999], "outside the vocabulary"),
         ([1, -3], "outside the vocabulary"),
+        ([-1, 5], "outside the vocabulary"),
         ("text without a tokenizer", "no tokenizer.json"),
     ],
 )
@@ -135,6 +139,19 @@ def test_unusable_prompts_fail_with_a_reason(tiny_llama, prompt, message):
     assert bad.outputs[0].finish_reason == "error" and message in bad.error
     assert len(good.outputs[0].token_ids) == 8
     assert_no_block_in_use(llm)
+
+
+def test_intake_checks_prompt_ids_before_anything_is_built_from_them():
+    """A negative id would overflow the detokenizer's decode stream: intake refuses it
+    first, so the request it makes holds no unchecked id (the server's API process and
+    the engine build from it alike)."""
+    tokenizer = Tokenizer.from_dir(DEMO_MODEL_DIR)
+    vocab = tokenizer.vocab_size
+    processor = InputProcessor(tokenizer, ModelLimits(str(DEMO_MODEL_DIR), 64, vocab, (), 64))
+    for prompt in ([-1, 5], [5, 99_999_999]):
+        intake = processor.process(prompt, GREEDY)
+        assert "outside the vocabulary" in intake.error and intake.prompt_token_ids == []
+        intake.build("r", intake.params, tokenizer)  # decodes nothing it was not given
 
 
 def test_bad_engine_arguments_are_named(tiny_llama):

@@ -200,6 +200,9 @@ BAD_REQUESTS = [
     ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
     ({"model": MODEL, "prompt": ""}, 400, "prompt"),
     ({"model": MODEL, "prompt": [5000]}, 400, "prompt"),
+    # Checked before anything decodes them: a negative id would overflow the detokenizer.
+    ({"model": MODEL, "prompt": [[-1, 5]]}, 400, "prompt"),
+    ({"model": MODEL, "prompt": [[5, 99999999]]}, 400, "prompt"),
     ({"model": MODEL, "prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 10**12}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "x", "max_tokens": "8"}, 400, "max_tokens"),

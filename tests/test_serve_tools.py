@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from updraft import LLM, SamplingParams
 from updraft.chat_template import ChatTemplate
 from updraft.demo import DEMO_DRAFT_DIR
+from updraft.serve.parsers.tool_parsers import HermesStream, Llama3JsonStream, parse
+from updraft.serve.parsers.tools import CallStream, required_spec
 from updraft.serve.serving import ServeSettings
-from updraft.serve.tool_parsers import HermesStream, Llama3JsonStream, parse
-from updraft.serve.tools import CallStream, required_spec
 
 from .serving import MODEL, running_server
 
@@ -298,7 +298,7 @@ def test_calls_and_results_render_as_transformers_renders_them():
     import transformers
 
     from updraft.demo import DEMO_MODEL_DIR
-    from updraft.serve.protocol import ChatMessage
+    from updraft.serve.chat.protocol import ChatMessage
 
     arguments = {"city": "Oslo", "unit": "celsius"}
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather"}}

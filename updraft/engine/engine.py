@@ -1,5 +1,8 @@
 """The engine: requests in, one scheduled forward per ``step()``, outputs out.
 
+Requests arrive through intake (engine/input_processor.py), which has checked and
+tokenized them; ``add`` only queues them.
+
 One step is schedule -> build -> execute -> update -> propose:
 
 * ``Scheduler.schedule(drafts)`` plans the step (``StepPlan``), verifying the drafts the
@@ -16,10 +19,8 @@ they never stop other requests or leave blocks behind.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import os
-import time
 import weakref
 from collections.abc import Sequence
 from concurrent import futures
@@ -31,6 +32,7 @@ from updraft.config import EngineConfig
 from updraft.engine.families import Families, child_id
 from updraft.engine.grammar_compiler import GrammarCompiler
 from updraft.engine.grammars import Grammars
+from updraft.engine.input_processor import EngineRequest, InputProcessor, ModelLimits
 from updraft.engine.kv_blocks import BlockPool, KVCacheManager
 from updraft.engine.scheduler import Scheduler
 from updraft.engine.stats import EngineStats, StepClock, StructuredStats, snapshot_report
@@ -54,23 +56,11 @@ from updraft.sampling_params import SamplingParams
 from updraft.speculative.registry import ProposerContext, check_method, make_proposer
 from updraft.step.inputs import StepInputs
 from updraft.step.plan import Draft
-from updraft.tokenizer import Detokenizer, Tokenizer
+from updraft.tokenizer import Tokenizer
 
 # While only constrained requests wait for their grammars, a step waits this long for
 # one to compile before it returns (the caller's loop then looks at its own work).
 COMPILE_POLL_SECONDS = 0.01
-
-# Bad words whose token spellings are kept (a word is at most 256 characters).
-BAD_WORDS_CACHE = 4096
-
-
-def _spellings(tokenizer: Tokenizer, vocab_size: int, word: str) -> tuple[tuple[int, ...], ...]:
-    spellings = []
-    for spelling in (word.lstrip(), " " + word.lstrip()):
-        ids = tuple(tokenizer.encode(spelling))
-        if ids and max(ids) < vocab_size:
-            spellings.append(ids)
-    return tuple(spellings)
 
 
 class Engine:
@@ -121,13 +111,20 @@ class Engine:
         # A sequence never holds more tokens than the cache can, so one request alone
         # always fits and preemption always makes progress.
         self.max_model_len = min(self.context_len, pool.num_blocks * pool.block_size)
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            ModelLimits(
+                config.model,
+                self.max_model_len,
+                self.model_config.vocab_size,
+                tuple(self.model_config.eos_token_ids),
+                self.context_len,
+            ),
+        )
         self._grammars = self._make_grammars(config)
         # Constrained requests whose grammar is still compiling: scheduled once it has.
         self._compiling: dict[str, tuple[Request, futures.Future]] = {}
         self._families = Families()  # requests with n > 1
-        # Over the tokenizer, not the engine: a cache holding the engine would keep it alive.
-        speller = functools.partial(_spellings, self.tokenizer, self.model_config.vocab_size)
-        self._spell = functools.lru_cache(maxsize=BAD_WORDS_CACHE)(speller)
         self._proposer = make_proposer(
             ProposerContext(config, self._runner, self.max_model_len, send)
         )
@@ -251,11 +248,19 @@ class Engine:
         the caller's to find (a server's API process decodes, off the engine's GIL)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        return self.add(self.input_processor.process(prompt, params), request_id, detokenize)
+
+    def add(
+        self, intake: EngineRequest, request_id: str | None = None, detokenize: bool = True
+    ) -> str:
+        """Queue a request that has been through intake (engine/input_processor.py), as
+        ``add_request`` does; the server's API processes make them."""
+        params = intake.params
         request_id = str(next(self._ids)) if request_id is None else request_id
         if self._in_use(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.n == 1:
-            self._add_sequence(prompt, params, request_id, detokenize=detokenize)
+            self._add_sequence(intake, params, request_id, detokenize=detokenize)
             return request_id
         ids = [child_id(request_id, index) for index in range(params.n)]
         if any(self._in_use(i) for i in ids):
@@ -267,7 +272,7 @@ class Engine:
             seed = None if params.seed is None else (params.seed + index) % 2**64
             sequence = replace(params, n=1, seed=seed)
             held = self._add_sequence(
-                prompt, sequence, sequence_id, hold=hold and index > 0, detokenize=detokenize
+                intake, sequence, sequence_id, hold=hold and index > 0, detokenize=detokenize
             )
             if held is not None:
                 self._families.hold(request_id, held)
@@ -282,7 +287,7 @@ class Engine:
 
     def _add_sequence(
         self,
-        prompt: str | Sequence[int],
+        intake: EngineRequest,
         params: SamplingParams,
         request_id: str,
         hold: bool = False,
@@ -290,40 +295,12 @@ class Engine:
     ) -> Request | None:
         """Make and queue one sequence's request; with ``hold``, return it instead of
         scheduling it (when it is servable)."""
-        text = prompt if isinstance(prompt, str) else None
-        if text is None and len(prompt) >= self.max_model_len:
-            # Refused at the cost of len(), before a look at each of a huge list's ids.
-            token_ids, error = [], self._check_length(len(prompt))
-        else:
-            token_ids, error = self._prompt_token_ids(prompt)
-            if params.truncate_prompt_tokens is not None:
-                token_ids = token_ids[-params.truncate_prompt_tokens :]
-            error = error or self._check_length(len(token_ids))
-        error = error or self._check_token_fields(params)
-        bad_words: tuple[tuple[int, ...], ...] = ()
-        if params.bad_words and error is None:
-            if self.tokenizer is None:
-                error = f"bad_words: {self.config.model} has no tokenizer.json to spell them"
-            else:
-                bad_words = self._bad_words_token_ids(params.bad_words)
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
-        detokenizer = Detokenizer(
-            self.tokenizer if detokenize else None,
-            token_ids,
-            params.stop,
-            params.include_stop_str_in_output,
-            params.skip_special_tokens,
-        )
-        request = Request(
-            request_id, text, token_ids, params, eos, time.perf_counter(), detokenizer, bad_words
-        )
+        tokenizer = self.tokenizer if detokenize else None
+        request = intake.build(request_id, params, tokenizer, eos)
         spec = params.structured_outputs
-        if error is None and spec is not None and self._grammars is None:
-            error = (
-                f"structured outputs need a tokenizer; {self.config.model} has no tokenizer.json"
-            )
-        if error is not None:
-            request.error = error
+        if intake.error is not None:
+            request.error = intake.error
             self._pending_outputs.append(self._scheduler.finish(request, FinishReason.ERROR))
         elif spec is not None:
             self._compiling[request_id] = (request, self._grammars.compiler.submit(spec))
@@ -332,6 +309,17 @@ class Engine:
         else:
             self._scheduler.add(request)
         return None
+
+    def _admit(self) -> list[RequestOutput]:
+        """Before a step: the outputs of requests that ended outside one (refused,
+        aborted, a grammar that did not compile), and the scheduler given what may now
+        run (compiled grammars, a family's held sequences once the first has prefilled)."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        if self._compiling:
+            outputs += self._admit_compiled(wait=not self._scheduler.has_unfinished)
+        for request in self._families.released(self._scheduler.requests):
+            self._scheduler.add(request)
+        return outputs
 
     def _admit_compiled(self, wait: bool) -> list[RequestOutput]:
         """Schedule the constrained requests whose grammar has compiled (with ``wait``,
@@ -354,59 +342,6 @@ class Engine:
             self._grammars.start(request_id, matcher)
             self._scheduler.add(request)
         return outputs
-
-    def _prompt_token_ids(self, prompt: str | Sequence[int]) -> tuple[list[int], str | None]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                return [], f"{self.config.model} has no tokenizer.json; pass token ids"
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as error:
-                return [], f"prompt has a lone surrogate at character {error.start}: not text"
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                return [], f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
-        if not token_ids:
-            return [], "prompt is empty"
-        return token_ids, None
-
-    def _check_token_fields(self, params: SamplingParams) -> str | None:
-        """Token ids a request names must be in the model's vocabulary."""
-        vocab = self.model_config.vocab_size
-        for name, ids in (
-            ("logit_bias", params.logit_bias or ()),
-            ("allowed_token_ids", params.allowed_token_ids or ()),
-            ("stop_token_ids", params.stop_token_ids),
-        ):
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                return f"{name}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
-        return None
-
-    def _bad_words_token_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
-        """Each bad word as the model would write it, alone and after a space (as vLLM
-        does: a word inside a sentence tokenizes with its leading space). Spellings are
-        cached (``BAD_WORDS_CACHE``): a word sent again costs a lookup."""
-        sequences: list[tuple[int, ...]] = []
-        for word in words:
-            for ids in self._spell(word):
-                if ids not in sequences:
-                    sequences.append(ids)
-        return tuple(sequences)
-
-    def _check_length(self, num_prompt_tokens: int) -> str | None:
-        if num_prompt_tokens < self.max_model_len:
-            return None
-        limit = (
-            f"the model's context length {self.context_len}"
-            if self.max_model_len == self.context_len
-            else f"the KV cache's capacity of {self.max_model_len} tokens"
-        )
-        return f"prompt of {num_prompt_tokens} tokens leaves no room to generate within {limit}"
 
     def abort(self, request_id: str) -> bool:
         if request_id in self._families:
@@ -437,13 +372,8 @@ class Engine:
     # -- stepping ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns an output for every request that produced text or
-        finished since the last call."""
-        outputs, self._pending_outputs = self._pending_outputs, []
-        if self._compiling:
-            outputs += self._admit_compiled(wait=not self._scheduler.has_unfinished)
-        for request in self._families.released(self._scheduler.requests):
-            self._scheduler.add(request)
+        """Run one step; the outputs of every request with news since the last call."""
+        outputs = self._admit()
         clock = self._clock.start()
         plan = self._scheduler.schedule(self._drafts)
         clock.lap("schedule")
@@ -454,10 +384,8 @@ class Engine:
             plan, self.config.positions_per_block, self._wants_hidden_states, self._rotary
         )
         clock.lap("build")
-        allowed = None
-        if self._grammars is not None and len(self._grammars):
-            allowed = self._grammars.masks(inputs)  # while the forward runs
-        result = self._runner.execute(inputs, allowed)
+        allowed = self._grammars.masks(inputs) if self._grammars else None
+        result = self._runner.execute(inputs, allowed)  # the masks are made while it runs
         clock.lap("sample", forward_seconds=result.forward_seconds)
         outputs += self._scheduler.update(plan, result)
         clock.lap("update")

@@ -7,7 +7,6 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from updraft.chat_template import ChatTemplate
 from updraft.config import EngineConfig
 from updraft.demo import DEMO_MODEL_DIR
 from updraft.engine.engine import Engine
@@ -39,7 +38,8 @@ class LLM:
             raise TypeError(f"unknown engine arguments {sorted(unknown)}; known: {sorted(known)}")
         config = EngineConfig(model=str(model or DEMO_MODEL_DIR), **engine_args)
         self.engine = Engine(config, worker_pool)
-        self._chat_template: ChatTemplate | None = None
+        # Intake (engine/input_processor.py): the same as the server's API processes run.
+        self.input_processor = self.engine.input_processor
 
     @property
     def tokenizer(self):
@@ -70,16 +70,9 @@ class LLM:
         simple one when it has none, exactly as ``updraft serve`` renders it. With
         ``continue_final_message`` (and ``add_generation_prompt`` False) the reply goes
         on with the last message instead of starting a new one."""
-        if continue_final_message and add_generation_prompt:
-            raise ValueError(
-                "continue_final_message needs add_generation_prompt=False: the reply "
-                "either continues the last message or starts a new one"
-            )
-        if self._chat_template is None:
-            self._chat_template = ChatTemplate.from_dir(self.engine.config.model)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            self._chat_template.render(
+            self.input_processor.render_chat(
                 list(c), add_generation_prompt, continue_final_message=continue_final_message
             )
             for c in conversations
@@ -123,7 +116,7 @@ class LLM:
             if not isinstance(params, SamplingParams):
                 raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
         return [
-            self.engine.add_request(prompt, params)
+            self.engine.add(self.input_processor.process(prompt, params))
             for prompt, params in zip(prompts, sampling_params, strict=True)
         ]
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import TypeVar
@@ -19,12 +18,17 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from updraft.chat_template import ChatTemplate
+from updraft.serve.chat.protocol import ChatCompletionRequest
+from updraft.serve.chat.serving import ChatServing
+from updraft.serve.completions.protocol import CompletionRequest
+from updraft.serve.completions.serving import CompletionServing
 from updraft.serve.engine_client import CoreLink, EngineClient
 from updraft.serve.engine_core import EngineInfo
-from updraft.serve.errors import APIError, error_body, install_error_handlers
+from updraft.serve.errors import error_body, install_error_handlers
 from updraft.serve.metrics import CONTENT_TYPE, ServerMetrics
-from updraft.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from updraft.serve.serving import OpenAIServing, ServeSettings
+from updraft.serve.models.protocol import ModelCard, ModelList
+from updraft.serve.models.serving import ModelsServing
+from updraft.serve.serving import ServeSettings, ServingBase
 from updraft.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -41,10 +45,12 @@ def build_app(link: CoreLink, info: EngineInfo, settings: ServeSettings) -> Fast
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.engine = engine
-    app.state.serving = OpenAIServing(engine, info, settings, ChatTemplate.from_dir(info.model))
-    app.state.model_card = ModelCard(
-        id=settings.model_name, created=int(time.time()), max_model_len=info.max_model_len
-    )
+    # One handler per endpoint, over the pieces they share (intake, threads, compiler).
+    base = ServingBase(engine, info, settings, ChatTemplate.from_dir(info.model))
+    app.state.serving = base
+    app.state.completions = CompletionServing(base)
+    app.state.chat = ChatServing(base)
+    app.state.models = ModelsServing(settings.model_name, info.max_model_len)
     install_error_handlers(app, metrics.rejected)
     # Middleware added last runs first: the key is checked before the body is read.
     app.add_middleware(
@@ -71,7 +77,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         # uvicorn has already waited for open responses; this bounds what is left.
         await state.engine.shutdown(state.settings.drain_timeout)
         state.serving.close()
-        del state.serving, state.engine
+        del state.serving, state.completions, state.chat, state.engine
 
 
 v1 = APIRouter(prefix="/v1")
@@ -80,30 +86,22 @@ probes = APIRouter()
 
 @v1.post("/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    return await _until_disconnect(request, request.app.state.serving.completion(body))
+    return await _until_disconnect(request, request.app.state.completions.create(body))
 
 
 @v1.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    return await _until_disconnect(request, request.app.state.serving.chat(body))
+    return await _until_disconnect(request, request.app.state.chat.create(body))
 
 
 @v1.get("/models")
 async def models(request: Request) -> ModelList:
-    return ModelList(data=[request.app.state.model_card])
+    return request.app.state.models.list()
 
 
 @v1.get("/models/{model_id:path}")
 async def model(model_id: str, request: Request) -> ModelCard:
-    card = request.app.state.model_card
-    if model_id != card.id:
-        raise APIError(
-            404,
-            f"model: {model_id[:200]!r} does not exist; this server serves {card.id!r}",
-            param="model",
-            code="model_not_found",
-        )
-    return card
+    return request.app.state.models.get(model_id)
 
 
 @probes.get("/health")

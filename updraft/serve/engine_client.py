@@ -21,6 +21,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from updraft.engine.input_processor import EngineRequest
 from updraft.outputs import RequestOutput
 from updraft.sampling_params import SamplingParams
 from updraft.serve import wire
@@ -150,19 +151,27 @@ class EngineClient:
     # -- requests --------------------------------------------------------------------------
 
     async def generate(
-        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: EngineRequest | Sequence[int],
+        params: SamplingParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes. Closing or cancelling the
-        iterator early aborts the request, which frees its KV blocks."""
+        iterator early aborts the request, which frees its KV blocks. ``prompt``: a
+        request through intake (engine/input_processor.py), or token ids the caller has
+        checked, with their ``params``: the engine core queues what it is sent as it is."""
         if not self.is_alive:
             raise EngineDeadError("the engine core is not running")
         if not self._accepting:
             raise ShuttingDownError("the server is shutting down")
-        served = ServedRequest(request_id, prompt, params, self.tokenizer)
+        intake = prompt
+        if not isinstance(intake, EngineRequest):
+            intake = EngineRequest(None, list(prompt), params)
+        served = ServedRequest(request_id, intake, self.tokenizer)
         self._requests[request_id] = served
         self._num_in_flight += 1
         self._unapplied.add(request_id)
-        self._send(["add", self.link.client, request_id, prompt, wire.params_to_wire(params)])
+        self._send(["add", self.link.client, request_id, *wire.request_to_wire(intake)])
         finished = failed = False
         try:
             while not finished:

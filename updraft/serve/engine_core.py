@@ -10,9 +10,10 @@ the API side talks to it only through ZeroMQ sockets (serve/wire.py):
 
 Sends never block (no high-water mark): the engine never waits on an API process. Adds
 and aborts are applied between steps, all that have arrived at once; an add whose abort
-arrived with it never reaches the engine. The engine does not decode text for these
-requests: detokenizing and stop strings are the API process's (serve/served_request.py),
-which stops a sequence its stop string has ended.
+arrived with it never reaches the engine. An add is a request the API process's intake
+finished (engine/input_processor.py), which the engine queues as it is. The engine does
+not decode text for these requests: detokenizing and stop strings are the API process's
+(serve/served_request.py), which stops a sequence its stop string has ended.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import zmq
 from updraft.config import EngineConfig
 from updraft.engine.engine import Engine
 from updraft.engine.families import child_id
+from updraft.engine.input_processor import ModelLimits
 from updraft.serve import wire
 
 logger = logging.getLogger("updraft.serve")
@@ -43,23 +45,13 @@ IDLE_POLL_MS = 500
 JOIN_SECONDS = 30
 
 
-@dataclass(frozen=True)
-class EngineInfo:
-    """What an API process needs to know of the engine it serves, sent once it is up."""
-
-    model: str  # the checkpoint directory: its tokenizer and chat template
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
+# What an API process needs to know of the engine it serves, sent once it is up: what
+# its intake checks requests against.
+EngineInfo = ModelLimits
 
 
 def engine_info(engine: Engine) -> EngineInfo:
-    return EngineInfo(
-        engine.config.model,
-        engine.max_model_len,
-        engine.model_config.vocab_size,
-        tuple(engine.model_config.eos_token_ids),
-    )
+    return engine.input_processor.limits
 
 
 @dataclass(frozen=True)
@@ -166,13 +158,14 @@ class EngineCore:
         else:
             self.engine.abort(child_id(request_id, index))
 
-    def _add(self, client: int, request_id: str, prompt, fields: dict, skip: bool) -> None:
+    def _add(self, client: int, request_id: str, *fields, skip: bool) -> None:
         self._applied[client].append(request_id)
         if skip:  # its client left before the engine saw it
             return
         try:
-            params = wire.params_from_wire(fields)
-            self.engine.add_request(prompt, params, request_id, detokenize=False)
+            intake = wire.request_from_wire(*fields)
+            params = intake.params
+            self.engine.add(intake, request_id, detokenize=False)
         except Exception as error:  # a bad request must not stop the loop
             logger.exception("cannot add request %s", request_id)
             self._fail_request(client, request_id, error)

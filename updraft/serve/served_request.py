@@ -13,52 +13,29 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
 from dataclasses import replace
 
+from updraft.engine.input_processor import EngineRequest
 from updraft.engine.stop import find_stop_string
 from updraft.outputs import RequestOutput, SpeculativeMetrics
-from updraft.request import FinishReason, Request, RequestStatus
-from updraft.sampling_params import SamplingParams
+from updraft.request import FinishReason, RequestStatus
 from updraft.serve.wire import SequenceDelta
-from updraft.tokenizer import Detokenizer, Tokenizer
+from updraft.tokenizer import Tokenizer
 
 
 class ServedRequest:
-    def __init__(
-        self,
-        request_id: str,
-        prompt: str | Sequence[int],
-        params: SamplingParams,
-        tokenizer: Tokenizer | None,
-    ) -> None:
+    def __init__(self, request_id: str, intake: EngineRequest, tokenizer: Tokenizer | None) -> None:
+        """``intake``: the request as this process's intake made it (its checked,
+        truncated prompt ids), one record per sequence."""
         self.request_id = request_id
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.arrival_time = time.perf_counter()
         self.last_token_time: float | None = None
-        text = prompt if isinstance(prompt, str) else None
-        token_ids = [] if text is not None else list(prompt)
-        if params.truncate_prompt_tokens is not None:
-            token_ids = token_ids[-params.truncate_prompt_tokens :]
         # No seed: the record draws nothing, and a generator would cost for nothing.
-        record_params = replace(params, n=1, seed=None)
+        record_params = replace(intake.params, n=1, seed=None)
         self.sequences = [
-            Request(
-                request_id,
-                text,
-                token_ids,
-                record_params,
-                (),
-                self.arrival_time,
-                Detokenizer(
-                    tokenizer,
-                    token_ids,
-                    params.stop,
-                    params.include_stop_str_in_output,
-                    params.skip_special_tokens,
-                ),
-            )
-            for _ in range(params.n)
+            intake.build(request_id, record_params, tokenizer, arrival_time=self.arrival_time)
+            for _ in range(intake.params.n)
         ]
 
     @property

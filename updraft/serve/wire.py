@@ -5,7 +5,7 @@ running any code, so whoever can reach the socket cannot make either process run
 and it packs a step's outputs for a hundred requests in tens of microseconds.
 
 API process -> engine core (one PULL socket, every API process pushes to it):
-    ["add", client, request_id, prompt token ids (or text), sampling params]
+    ["add", client, request_id, prompt token ids, sampling params, bad words' token ids]
     ["abort", client, request ids]
     ["stop", [[request id, sequence index], ...]]   (a stop string ended these sequences)
     ["shutdown"]
@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import msgpack
 import zmq
 
+from updraft.engine.input_processor import EngineRequest
 from updraft.outputs import RequestOutput, SpeculativeMetrics
 from updraft.sampling_params import SamplingParams
 from updraft.structured_outputs import StructuredOutputsParams
@@ -101,6 +102,19 @@ def params_from_wire(fields: dict[str, Any]) -> SamplingParams:
     if spec is not None:
         fields = {**fields, "structured_outputs": StructuredOutputsParams(**spec)}
     return SamplingParams(**fields)
+
+
+def request_to_wire(request: EngineRequest) -> list[Any]:
+    """A request through intake, as the fields of an "add" after its id."""
+    return [request.prompt_token_ids, params_to_wire(request.params), request.bad_words_token_ids]
+
+
+def request_from_wire(
+    token_ids: list[int], fields: dict[str, Any], bad_words: list[list[int]]
+) -> EngineRequest:
+    """An added request as the engine queues it: the API process's intake checked it."""
+    words = tuple(tuple(word) for word in bad_words)
+    return EngineRequest(None, token_ids, params_from_wire(fields), words)
 
 
 def delta_of(output: RequestOutput, send_prompt_logprobs: bool) -> SequenceDelta:

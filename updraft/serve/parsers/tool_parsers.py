@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any, Protocol
 
-from updraft.serve.tools import HERMES_CLOSE, HERMES_OPEN, Delta, ToolCall, head_delta
+from updraft.serve.parsers.tools import HERMES_CLOSE, HERMES_OPEN, Delta, ToolCall, head_delta
 
 
 class ReplyStream(Protocol):
