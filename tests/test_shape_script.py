@@ -1,6 +1,7 @@
 """scripts/shape.py measures a package by its stated rules: checked on a tiny package."""
 
 import importlib.util
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -115,3 +116,26 @@ def test_function_lengths_and_the_limits(shape, package, capsys):
     assert shape.main(["--package", str(package)]) == 1
     assert shape.main(["--package", str(package), "--report-only"]) == 0
     assert "Engine.step: 23 code lines" in capsys.readouterr().out
+
+
+def test_the_package_keeps_its_shape():
+    """updraft itself: no import circle, no module over 500 code lines, at most five
+    functions over 60, ``Engine.step`` at most 20 (the script's own limits)."""
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "all limits kept" in done.stdout
+
+
+def test_architecture_names_every_module():
+    """ARCHITECTURE.md is the map of the code: each module is named there by its path
+    in the package."""
+    root = SCRIPT.parent.parent
+    architecture = (root / "ARCHITECTURE.md").read_text()
+    modules = [
+        path.relative_to(root / "updraft").as_posix()
+        for path in sorted((root / "updraft").rglob("*.py"))
+        if path.name not in ("__init__.py", "__main__.py")
+    ]
+    assert [module for module in modules if module not in architecture] == []

@@ -55,7 +55,7 @@ from updraft.runner.threads import ThreadBudget
 from updraft.sampling_params import SamplingParams
 from updraft.speculative.registry import ProposerContext, check_method, make_proposer
 from updraft.step.inputs import StepInputs
-from updraft.step.plan import Draft
+from updraft.step.plan import Draft, StepPlan
 from updraft.tokenizer import Tokenizer
 
 # While only constrained requests wait for their grammars, a step waits this long for
@@ -380,9 +380,7 @@ class Engine:
         if not plan.scheduled:
             return self._families.relabel(outputs)
         self._threads.adjust()
-        inputs = StepInputs.build(
-            plan, self.config.positions_per_block, self._wants_hidden_states, self._rotary
-        )
+        inputs = self._inputs(plan)
         clock.lap("build")
         allowed = self._grammars.masks(inputs) if self._grammars else None
         result = self._runner.execute(inputs, allowed)  # the masks are made while it runs
@@ -393,6 +391,11 @@ class Engine:
             self._drafts = self._proposer.propose(inputs, result, self._scheduler.drafting())
             clock.lap("propose")
         return self._families.relabel(outputs)
+
+    def _inputs(self, plan: StepPlan) -> StepInputs:
+        return StepInputs.build(
+            plan, self.config.positions_per_block, self._wants_hidden_states, self._rotary
+        )
 
     def stats(self) -> EngineStats:
         """A snapshot: queue lengths, KV blocks, how steps ran, speculative acceptance."""

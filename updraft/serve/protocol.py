@@ -19,7 +19,11 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from updraft.sampling_params import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
 from updraft.serve.errors import APIError, logger
-from updraft.serve.structured_dialects import structured_outputs_field, structured_outputs_params
+from updraft.serve.structured_dialects import (
+    DIALECT_FIELDS,
+    structured_outputs_field,
+    structured_outputs_params,
+)
 from updraft.structured_outputs import StructuredOutputsParams
 
 # torch.Generator.manual_seed takes any 64-bit value, signed or unsigned.
@@ -136,10 +140,10 @@ class SamplingRequest(BaseModel):
 
     def structured_outputs_field(self) -> str | None:
         """The field that asks for structured outputs, if any; two are a 400."""
-        return structured_outputs_field(self)
+        return structured_outputs_field({name: getattr(self, name) for name in DIALECT_FIELDS})
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
-        return structured_outputs_params(self)
+        return structured_outputs_params({name: getattr(self, name) for name in DIALECT_FIELDS})
 
     def sampling_params(
         self, default_max_tokens: int, max_tokens_limit: int, logprobs: bool | int

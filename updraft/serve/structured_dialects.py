@@ -8,13 +8,10 @@ required tool call is a spec too: serve/parsers/tools.py.)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from updraft.serve.errors import APIError
 from updraft.structured_outputs import StructuredOutputsParams
-
-if TYPE_CHECKING:
-    from updraft.serve.protocol import SamplingRequest
 
 # vLLM's older fields, and the StructuredOutputsParams field each one is.
 GUIDED_FIELDS = {
@@ -25,14 +22,18 @@ GUIDED_FIELDS = {
 }
 # vLLM's structured_outputs keys that choose among its backends: nothing to choose here.
 IGNORED_STRUCTURED_KEYS = {"disable_fallback"}
+# Every request field that can ask for structured outputs.
+DIALECT_FIELDS = (*GUIDED_FIELDS, "structured_outputs", "response_format")
 
 
-def structured_outputs_field(body: SamplingRequest) -> str | None:
-    """The field that asks for structured outputs, if any; two are a 400."""
-    given = [name for name in GUIDED_FIELDS if getattr(body, name) is not None]
-    if body.structured_outputs is not None:
+def structured_outputs_field(fields: dict[str, Any]) -> str | None:
+    """Of a request's ``DIALECT_FIELDS`` (name -> value), the one that asks for
+    structured outputs, if any; two are a 400."""
+    given = [name for name in GUIDED_FIELDS if fields[name] is not None]
+    if fields["structured_outputs"] is not None:
         given.append("structured_outputs")
-    if body.response_format is not None and body.response_format.get("type") != "text":
+    response_format = fields["response_format"]
+    if response_format is not None and response_format.get("type") != "text":
         given.append("response_format")
     if len(given) > 1:
         raise APIError(
@@ -44,19 +45,19 @@ def structured_outputs_field(body: SamplingRequest) -> str | None:
     return given[0] if given else None
 
 
-def structured_outputs_params(body: SamplingRequest) -> StructuredOutputsParams | None:
-    """The spec the request asks for in whichever dialect it uses, or None."""
-    field = structured_outputs_field(body)
+def structured_outputs_params(fields: dict[str, Any]) -> StructuredOutputsParams | None:
+    """The spec a request's ``DIALECT_FIELDS`` ask for in whichever dialect, or None."""
+    field = structured_outputs_field(fields)
     if field is None:
-        if body.response_format is not None:
-            _response_format(body.response_format)  # a text one, checked all the same
+        if fields["response_format"] is not None:
+            _response_format(fields["response_format"])  # a text one, checked all the same
         return None
     if field == "response_format":
-        values = _response_format(body.response_format)
+        values = _response_format(fields["response_format"])
     elif field == "structured_outputs":
-        values = _structured_outputs(body.structured_outputs)
+        values = _structured_outputs(fields["structured_outputs"])
     else:
-        values = {GUIDED_FIELDS[field]: getattr(body, field)}
+        values = {GUIDED_FIELDS[field]: fields[field]}
     try:
         return StructuredOutputsParams(**values)
     except ValueError as error:
