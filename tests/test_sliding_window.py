@@ -167,6 +167,14 @@ def _run(checkpoint, **args):
     return token_ids(outputs), [logits_of(seen, output) for output in outputs], steps
 
 
+@pytest.fixture(scope="module")
+def gemma3_in_one_process(gemma3):
+    """(tokens, logits) one process computes on Gemma 3, for every layout's test: values
+    only, from an engine no test sees, so the layouts cannot disturb each other."""
+    tokens, logits, _ = _run(gemma3)
+    return tokens, logits
+
+
 @pytest.mark.parametrize(
     "layout",
     [
@@ -176,11 +184,11 @@ def _run(checkpoint, **args):
     ],
     ids=["tp2", "tp2-dcp2", "pcp2"],
 )
-def test_ranks_compute_what_one_process_computes(gemma3, layout, pool):
+def test_ranks_compute_what_one_process_computes(gemma3, gemma3_in_one_process, layout, pool):
     """Gemma 3's mix of sliding and full layers: under DCP each rank keeps every other
     position, and a window starts at a rank's own first position inside it; under PCP
     each rank's prefill chunks attend as continuations, narrowed by the window."""
-    tokens, logits, _ = _run(gemma3)
+    tokens, logits = gemma3_in_one_process
     split_tokens, split_logits, steps = _run(gemma3, worker_pool=pool, **layout)
     split = any("split over 2 ranks" in mode for mode in steps)
     assert split == ("prefill_context_parallel_size" in layout), steps
