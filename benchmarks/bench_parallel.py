@@ -94,7 +94,7 @@ def proposer_args(proposer: str, layout: dict, work_dir: Path) -> tuple[str, dic
     from updraft.demo import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
 
     if proposer == "MTP (random)":
-        from tests.heads import mtp_checkpoint
+        from tests.checkpoints import mtp_checkpoint
 
         directory = work_dir / "deepseek-v3-tiny-mtp"
         if not (directory / "config.json").is_file():

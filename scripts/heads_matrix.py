@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.conftest import make_tiny_checkpoint
+from tests.checkpoints import build_checkpoint
 from tests.heads import Head, make_head
 from tests.test_heads_across_ranks import (
     HEADS,
@@ -31,8 +31,8 @@ GRAPH_MODES = ("auto", "full", "piecewise", "eager")
 
 
 def draft_pair(root: Path) -> Head:
-    target = make_tiny_checkpoint("llama", root / "target", seed=0)
-    draft = make_tiny_checkpoint("llama", root / "draft", seed=1)
+    target = build_checkpoint("llama", root / "target", seed=0)
+    draft = build_checkpoint("llama", root / "draft", seed=1)
     return Head(
         target,
         {"speculative_model": str(draft), "draft_tensor_parallel_size": 2},

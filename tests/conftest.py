@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random Hugging Face checkpoints saved with ``save_pretrained``."""
+"""Shared fixtures: the tiny checkpoints (built by tests/checkpoints.py) most tests run,
+and the settings every test process starts with."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 import pytest
 import torch
 from hypothesis import settings
+
+from tests.checkpoints import DEEPSEEK, build_checkpoint
 
 # CI replays the same examples every run, so a red CI always reproduces; locally each
 # run explores new ones.
@@ -39,123 +42,22 @@ atexit.register(shutil.rmtree, os.environ["UPDRAFT_GGUF_CACHE"], ignore_errors=T
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
-TINY = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    max_position_embeddings=512,
-    initializer_range=0.2,  # sharp logits: greedy choices are not near-ties
-    eos_token_id=None,
-    bos_token_id=None,
-    pad_token_id=None,
-)
-
-ARCHITECTURES = {
-    # GQA with Llama 3 RoPE scaling and untied embeddings
-    "llama": dict(
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
-    ),
-    # MQA, tied embeddings, q/k/v bias
-    "qwen2": dict(num_key_value_heads=1, tie_word_embeddings=True),
-    # MHA, per-head q/k norm, explicit head_dim
-    "qwen3": dict(num_key_value_heads=4, head_dim=32, tie_word_embeddings=False),
-}
-
-
-def make_tiny_checkpoint(kind: str, directory: Path, seed: int = 0, dtype=torch.float32) -> Path:
-    import transformers
-
-    config_class, model_class = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-    }[kind]
-    config = config_class(**TINY, **ARCHITECTURES[kind])
-    torch.manual_seed(seed)
-    model = model_class(config).to(dtype).eval()
-    model.save_pretrained(directory)
-    return directory
-
-
-# DeepSeek: MLA with kv_lora_rank (24) unlike qk_rope_head_dim (8), so the cache's two
-# parts cannot be swapped unnoticed; 8 routed experts in 2 groups, 1 shared, layer 0
-# dense. V3.2's indexer keeps 6 tokens, fewer than most prompts, and has 16 heads: with
-# few heads a key's weighted ReLU score is exactly 0 often enough for the top-k to tie.
-DEEPSEEK_TINY = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=16,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    n_shared_experts=1,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    n_group=2,
-    topk_group=1,
-    first_k_dense_replace=1,
-    kv_lora_rank=24,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=12,
-    v_head_dim=10,
-    max_position_embeddings=512,
-    initializer_range=0.2,
-    eos_token_id=None,
-    bos_token_id=None,
-    pad_token_id=None,
-)
-DEEPSEEK = {
-    "deepseek-v3": dict(q_lora_rank=16),
-    "deepseek-v3-no-q-lora": dict(q_lora_rank=None),
-    "deepseek-v3.2": dict(q_lora_rank=16, index_topk=6, index_head_dim=16, index_n_heads=16),
-    # V2-Lite's attention (no q_lora); the softmax router, group-limited
-    "deepseek-v2": dict(q_lora_rank=None, topk_method="group_limited_greedy"),
-}
-
-
-def make_deepseek_checkpoint(kind: str, directory: Path, seed: int = 0) -> Path:
-    import transformers
-
-    config_class, model_class = {
-        "deepseek-v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
-        "deepseek-v3.2": (transformers.DeepseekV32Config, transformers.DeepseekV32ForCausalLM),
-    }.get(kind, (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM))
-    torch.manual_seed(seed)
-    model = model_class(config_class(**DEEPSEEK_TINY, **DEEPSEEK[kind])).eval()
-    with torch.no_grad():  # a bias that changes which experts win
-        for name, tensor in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                tensor.normal_(0, 0.5)
-    model.save_pretrained(directory)
-    return directory
-
 
 @pytest.fixture(scope="session", params=sorted(DEEPSEEK))
 def tiny_deepseek(request, tmp_path_factory) -> tuple[str, Path]:
     kind = request.param
-    return kind, make_deepseek_checkpoint(kind, tmp_path_factory.mktemp(kind))
+    return kind, build_checkpoint(kind, tmp_path_factory.mktemp(kind))
 
 
-@pytest.fixture(scope="session", params=sorted(ARCHITECTURES))
+@pytest.fixture(scope="session", params=["llama", "qwen2", "qwen3"])
 def tiny_checkpoint(request, tmp_path_factory) -> tuple[str, Path]:
     kind = request.param
-    return kind, make_tiny_checkpoint(kind, tmp_path_factory.mktemp(kind))
+    return kind, build_checkpoint(kind, tmp_path_factory.mktemp(kind))
 
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"))
+    return build_checkpoint("llama", tmp_path_factory.mktemp("llama"))
 
 
 def add_byte_tokenizer(model_dir: Path) -> Path:
@@ -184,7 +86,7 @@ def all_cores():
 
 @pytest.fixture(scope="session")
 def tiny_llama_with_tokenizer(tmp_path_factory) -> Path:
-    model_dir = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama_text"))
+    model_dir = build_checkpoint("llama", tmp_path_factory.mktemp("llama_text"))
     return add_byte_tokenizer(model_dir)
 
 

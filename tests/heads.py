@@ -1,10 +1,9 @@
-"""Draft heads for tests: random EAGLE-1 heads and DeepSeek MTP layers saved in the
-layouts they are published in, and what each drafts according to references built from
-transformers' own layers."""
+"""Draft heads for tests: what random EAGLE-1 heads and DeepSeek MTP layers (written by
+tests/checkpoints.py in the layouts they are published in) draft according to
+references built from transformers' own layers."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,59 +11,21 @@ from typing import Any
 
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 from transformers.modeling_layers import MtpModel
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from tests.conftest import DEEPSEEK, DEEPSEEK_TINY, make_deepseek_checkpoint, make_tiny_checkpoint
+from tests.checkpoints import build_checkpoint, eagle_head_checkpoint, mtp_checkpoint
 from updraft.attention.metadata import AttentionMetadata, GroupShape
 from updraft.models.draft_head import eagle_head, mtp_head
 
 # -- EAGLE ---------------------------------------------------------------------------------
 
 
-def eagle_head_checkpoint(directory: Path, target_dir: Path, seed: int = 1) -> Path:
-    """A random one-layer EAGLE-1 head for ``target_dir``: fc with a bias, layer 0
-    without an input norm, and a copy of an embedding (published heads carry one) that
-    must not be read."""
-    target = json.loads((target_dir / "config.json").read_text())
-    config = transformers.LlamaConfig(
-        hidden_size=target["hidden_size"],
-        intermediate_size=96,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=target["vocab_size"],
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-    )
-    torch.manual_seed(seed)
-    layer = LlamaDecoderLayer(config, 0)
-    fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=True)
-    tensors = {"fc.weight": fc.weight, "fc.bias": fc.bias}
-    for name, tensor in layer.state_dict().items():
-        if name.startswith("input_layernorm."):
-            continue
-        if "layernorm" in name:
-            tensor = 1 + 0.2 * torch.randn_like(tensor)
-        tensors[f"layers.0.{name}"] = tensor
-    tensors["embed_tokens.weight"] = torch.randn(config.vocab_size, config.hidden_size)
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(
-        {name: t.detach().contiguous() for name, t in tensors.items()},
-        directory / "model.safetensors",
-        metadata={"format": "pt"},
-    )
-    raw = config.to_dict()
-    raw.update(architectures=["LlamaForCausalLM"], torch_dtype="float32", bias=True)
-    (directory / "config.json").write_text(json.dumps(raw))
-    return directory
-
-
 def make_pair(kind: str, root: Path) -> tuple[Path, Path]:
     """(target, head) directories."""
-    target = make_tiny_checkpoint(kind, root / "target")
+    target = build_checkpoint(kind, root / "target")
     return target, eagle_head_checkpoint(root / "head", target)
 
 
@@ -137,81 +98,6 @@ def reference_for(target_dir: Path, head_dir: Path) -> ReferenceHead:
 
 
 # -- MTP -----------------------------------------------------------------------------------
-
-
-def mtp_checkpoint(directory: Path, kind: str = "deepseek-v3") -> Path:
-    """Save a tiny V3 (or V3.2) main model, then write a random MTP layer beside it
-    under the names DeepSeek's checkpoints use: the block's tensors at the layer's top
-    level, ``shared_head.norm`` for the output norm, one tensor per expert."""
-    if kind == "deepseek-v3":
-        config = transformers.DeepseekV3Config(
-            **DEEPSEEK_TINY, **DEEPSEEK[kind], num_nextn_predict_layers=1
-        )
-        torch.manual_seed(0)
-        main = transformers.DeepseekV3ForCausalLM(config).eval()
-        main.save_pretrained(directory)
-        block = mtp_block_of_v3(main)
-    else:
-        make_deepseek_checkpoint(kind, directory)
-        raw = json.loads((directory / "config.json").read_text())
-        (directory / "config.json").write_text(json.dumps({**raw, "num_nextn_predict_layers": 1}))
-        block = mtp_block_of_v32()
-    layer = DEEPSEEK_TINY["num_hidden_layers"]
-    tensors = load_file(directory / "model.safetensors")
-    prefix = f"model.layers.{layer}."
-    for rest, tensor in block.items():
-        if rest.endswith("experts.gate_up_proj"):
-            gate, up = tensor.chunk(2, dim=1)
-            for expert in range(tensor.shape[0]):
-                tensors[f"{prefix}mlp.experts.{expert}.gate_proj.weight"] = gate[expert].clone()
-                tensors[f"{prefix}mlp.experts.{expert}.up_proj.weight"] = up[expert].clone()
-        elif rest.endswith("experts.down_proj"):
-            for expert in range(tensor.shape[0]):
-                tensors[f"{prefix}mlp.experts.{expert}.down_proj.weight"] = tensor[expert].clone()
-        else:
-            tensors[prefix + rest] = tensor.clone().contiguous()
-    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
-    return directory
-
-
-def randomized(module: nn.Module, seed: int) -> dict[str, torch.Tensor]:
-    """``module``'s tensors, parameters drawn from N(0, 0.2) and the routers' score
-    biases from N(0, 0.5) (so that they change which experts win)."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for tensor in module.parameters():
-            tensor.normal_(0, 0.2)
-        for name, tensor in module.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                tensor.normal_(0, 0.5)
-    return module.state_dict()
-
-
-def mtp_block_of_v3(main: nn.Module) -> dict[str, torch.Tensor]:
-    """transformers' own MTP layer for ``main``, under the names of the layer's top
-    level in DeepSeek's checkpoints."""
-    tensors = randomized(MtpModel(main, 1).layers[0], seed=1)
-    return {
-        name.replace("mtp_block.", "").replace("post_norm.", "shared_head.norm."): tensor
-        for name, tensor in tensors.items()
-    }
-
-
-def mtp_block_of_v32() -> dict[str, torch.Tensor]:
-    """A V3.2 MTP layer: a decoder block with experts and the indexer (transformers has
-    no MTP layer for V3.2: its block comes from a V3.2 model one layer deeper) and the
-    depth's own norms and projection."""
-    layers = DEEPSEEK_TINY["num_hidden_layers"]
-    config = transformers.DeepseekV32Config(
-        **{**DEEPSEEK_TINY, "num_hidden_layers": layers + 1}, **DEEPSEEK["deepseek-v3.2"]
-    )
-    deeper = transformers.DeepseekV32ForCausalLM(config)
-    tensors = randomized(deeper.model.layers[layers], seed=1)
-    hidden = config.hidden_size
-    for name in ("enorm", "hnorm", "shared_head.norm"):
-        tensors[f"{name}.weight"] = 1 + 0.2 * torch.randn(hidden)
-    tensors["eh_proj.weight"] = 0.2 * torch.randn(hidden, 2 * hidden)
-    return tensors
 
 
 class MTPReference:

@@ -9,7 +9,7 @@ import shutil
 import pytest
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import make_tiny_checkpoint
+from tests.checkpoints import build_checkpoint, sharded_copy
 from tests.helpers import greedy
 from tests.probes import assert_idle
 from updraft import LLM, SamplingParams
@@ -84,11 +84,7 @@ def test_missing_tensor_is_named(checkpoint):
 
 
 def test_missing_shard_is_named(tmp_path):
-    import transformers
-
-    single = make_tiny_checkpoint("qwen2", tmp_path / "single")
-    model = transformers.AutoModelForCausalLM.from_pretrained(single)
-    model.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    sharded_copy(build_checkpoint("qwen2", tmp_path / "single"), tmp_path / "sharded")
     shard = sorted((tmp_path / "sharded").glob("model-*.safetensors"))[1]
     shard.unlink()
     with pytest.raises(FileNotFoundError, match=shard.name):

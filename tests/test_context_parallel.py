@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import make_tiny_checkpoint
+from tests.checkpoints import build_checkpoint
 from tests.helpers import greedy, token_ids, token_prompts
 from tests.mutations import draft_mirror_on, forget_refresh, local_seq_lens, rank0_chunks
 from tests.probes import assert_idle, logits_of, probe_dir, probed, records
@@ -64,7 +64,7 @@ def assert_same(ours, reference) -> None:
 def one_process(request, tmp_path_factory):
     """A tiny model and what one process computes on it: Llama (GQA, 2 KV heads) and
     Qwen3 (4 KV heads, q/k norms)."""
-    checkpoint = make_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+    checkpoint = build_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
     return checkpoint, run(checkpoint)
 
 

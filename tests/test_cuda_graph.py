@@ -130,7 +130,7 @@ def test_latent_and_sparse_attention_on_cuda_replay_like_eager(tiny_deepseek, gr
 def test_mtp_speculation_on_cuda_replays_like_eager(tmp_path, graph_mode):
     """DeepSeek MTP drafts on CUDA: the target's graphs as above, the MTP layer's own
     graphs reading the target's hidden states."""
-    from tests.heads import mtp_checkpoint
+    from tests.checkpoints import mtp_checkpoint
 
     model_dir = mtp_checkpoint(tmp_path)
     engine_on_cuda_replays_like_eager(model_dir, graph_mode, speculative_method="mtp")

@@ -10,7 +10,8 @@ import pytest
 import torch
 import transformers
 
-from tests.conftest import add_byte_tokenizer, make_deepseek_checkpoint
+from tests.checkpoints import build_checkpoint
+from tests.conftest import add_byte_tokenizer
 from tests.helpers import greedy, token_ids
 from tests.probes import assert_idle, logits_of, probed, records
 from tests.serving import running_server
@@ -46,8 +47,6 @@ def test_yarn_with_deepseeks_softmax_correction_matches_transformers(
     """DeepSeek's released configs scale RoPE with YaRN and ``mscale_all_dim``, which
     also multiplies the softmax scale by mscale squared. Prompts and decodes run past
     the original context of 16 positions."""
-    from tests.conftest import DEEPSEEK_TINY
-
     rope = {
         "rope_type": "yarn",
         "rope_theta": 10000.0,
@@ -58,23 +57,21 @@ def test_yarn_with_deepseeks_softmax_correction_matches_transformers(
         "mscale": mscale,
         "mscale_all_dim": mscale_all_dim,
     }
-    config = transformers.DeepseekV3Config(**DEEPSEEK_TINY, q_lora_rank=16, rope_parameters=rope)
-    torch.manual_seed(0)
-    transformers.DeepseekV3ForCausalLM(config).eval().save_pretrained(tmp_path)
+    build_checkpoint("deepseek-v3", tmp_path, sharpen=False, rope_parameters=rope)
     assert_logits_match(tmp_path)
 
 
 def test_v2s_ungrouped_greedy_router_matches_transformers(tmp_path):
-    from tests.conftest import DEEPSEEK_TINY
-
-    config = transformers.DeepseekV2Config(
-        **{**DEEPSEEK_TINY, "n_group": None, "topk_group": None},
+    build_checkpoint(
+        "deepseek-v2",
+        tmp_path,
+        sharpen=False,
+        n_group=None,
+        topk_group=None,
         q_lora_rank=16,
         topk_method="greedy",
         routed_scaling_factor=2.0,
     )
-    torch.manual_seed(0)
-    transformers.DeepseekV2ForCausalLM(config).eval().save_pretrained(tmp_path)
     assert_logits_match(tmp_path)
 
 
@@ -94,7 +91,7 @@ def test_greedy_equals_transformers_generate(tiny_deepseek):
 def test_the_cache_holds_the_normed_latent_then_the_rotated_key(tmp_path, kind):
     """kv_lora_rank + qk_rope_head_dim values per token per layer (+ the indexer's key
     for V3.2), with the latent and key equal to what transformers computes for them."""
-    model_dir = make_deepseek_checkpoint(kind, tmp_path / "model")
+    model_dir = build_checkpoint(kind, tmp_path / "model")
     llm = probed(model_dir, block_size=4, num_kv_blocks=16, enforce_eager=True)
     prompt = list(range(30, 41))
     llm.generate([prompt], greedy(1))
@@ -148,7 +145,7 @@ def test_decode_attends_in_latent_space_and_never_expands_the_cache(monkeypatch)
 
     monkeypatch.setattr(latent, "expand_latent", spy)
     with tempfile.TemporaryDirectory() as directory:
-        model_dir = make_deepseek_checkpoint("deepseek-v3", directory)
+        model_dir = build_checkpoint("deepseek-v3", directory)
         for eager in (True, False):
             expanded.clear()
             llm = LLM(model_dir, block_size=4, num_kv_blocks=32, enforce_eager=eager)
@@ -158,7 +155,7 @@ def test_decode_attends_in_latent_space_and_never_expands_the_cache(monkeypatch)
 
 
 def test_experts_see_tokens_times_top_k_rows_in_every_step(monkeypatch, tmp_path):
-    model_dir = make_deepseek_checkpoint("deepseek-v3", tmp_path / "model")
+    model_dir = build_checkpoint("deepseek-v3", tmp_path / "model")
     llm = probed(model_dir, block_size=4, num_kv_blocks=64, enforce_eager=True)
     rows_per_call = []
     ops = torch.ops.updraft
@@ -181,8 +178,8 @@ def test_experts_see_tokens_times_top_k_rows_in_every_step(monkeypatch, tmp_path
 
 
 def test_preemption_and_speculation_keep_greedy_outputs(tmp_path):
-    target = make_deepseek_checkpoint("deepseek-v3.2", tmp_path / "target")
-    draft = make_deepseek_checkpoint("deepseek-v3", tmp_path / "draft", seed=1)
+    target = build_checkpoint("deepseek-v3.2", tmp_path / "target")
+    draft = build_checkpoint("deepseek-v3", tmp_path / "draft", seed=1)
     prompts = [list(range(10, 30)) + [i, i + 1] * (i % 3 + 1) for i in range(40, 48)]
     prompts += [[7, 8, 9, 7, 8, 9, 7, 8]]
     params = [greedy(n) for n in (20, 7, 13, 25, 9, 16, 11, 18, 30)]
@@ -205,7 +202,7 @@ def test_preemption_and_speculation_keep_greedy_outputs(tmp_path):
 
 
 def test_sanitize_and_doctor_find_replay_equal_to_eager(tmp_path, capsys):
-    model_dir = add_byte_tokenizer(make_deepseek_checkpoint("deepseek-v3.2", tmp_path))
+    model_dir = add_byte_tokenizer(build_checkpoint("deepseek-v3.2", tmp_path))
     llm = LLM(model_dir, block_size=4, num_kv_blocks=64, sanitize=True, capture_sizes=(1, 2, 4))
     llm.generate(PROMPTS, greedy(8))
     report = llm.engine.stats().sanitize
@@ -215,7 +212,7 @@ def test_sanitize_and_doctor_find_replay_equal_to_eager(tmp_path, capsys):
 
 
 def test_the_server_serves_a_deepseek_model(tmp_path):
-    model_dir = add_byte_tokenizer(make_deepseek_checkpoint("deepseek-v3", tmp_path))
+    model_dir = add_byte_tokenizer(build_checkpoint("deepseek-v3", tmp_path))
     engine = Engine(EngineConfig(model=str(model_dir), block_size=4, num_kv_blocks=64))
     expected = LLM(model_dir, block_size=4, num_kv_blocks=64).generate("def f(x):", greedy(12))
     with running_server(ServeSettings(model_name="tiny-deepseek"), engine=engine) as url:
@@ -245,7 +242,7 @@ def test_the_server_serves_a_deepseek_model(tmp_path):
 def test_bad_deepseek_configs_are_named(tmp_path, change, message):
     import json
 
-    model_dir = make_deepseek_checkpoint("deepseek-v3", tmp_path)
+    model_dir = build_checkpoint("deepseek-v3", tmp_path)
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(ValueError, match=message):
@@ -255,7 +252,7 @@ def test_bad_deepseek_configs_are_named(tmp_path, change, message):
 def test_a_missing_expert_tensor_is_named(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    model_dir = make_deepseek_checkpoint("deepseek-v3", tmp_path)
+    model_dir = build_checkpoint("deepseek-v3", tmp_path)
     path = model_dir / "model.safetensors"
     tensors = load_file(path)
     del tensors["model.layers.2.mlp.experts.5.up_proj.weight"]

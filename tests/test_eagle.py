@@ -11,7 +11,7 @@ import json
 import pytest
 
 from benchmarks.bench_speculative import code_prompts
-from tests.heads import eagle_head_checkpoint
+from tests.checkpoints import eagle_head_checkpoint
 from tests.helpers import greedy
 from updraft import LLM, SamplingParams
 from updraft.demo import DEMO_DRAFT_DIR, DEMO_EAGLE_DIR, DEMO_MODEL_DIR

@@ -21,12 +21,11 @@ import json
 import numpy as np
 import pytest
 import torch
-import transformers
 from gguf import GGMLQuantizationType, quants
 from safetensors.torch import save_file
 
 from benchmarks.peers import make_gguf
-from tests.conftest import TINY
+from tests.checkpoints import build_checkpoint
 from tests.helpers import greedy, token_ids
 from tests.probes import logits_of, probed, records
 from tests.test_reference_models import PROMPTS
@@ -108,15 +107,7 @@ def test_the_portable_path_computes_what_the_avx512_path_does(kind):
 
 def plain(kind: str, directory, **shape):
     """A tiny float32 checkpoint without RoPE scaling (make_gguf writes none)."""
-    config_class, model_class = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-    }[kind]
-    torch.manual_seed(0)
-    config = config_class(**{**TINY, **shape}, num_key_value_heads=2, tie_word_embeddings=False)
-    model_class(config).eval().save_pretrained(directory)
-    return directory
+    return build_checkpoint(f"{kind}-plain", directory, **shape)
 
 
 def run(model, **args):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import make_deepseek_checkpoint
+from tests.checkpoints import build_checkpoint
 from tests.helpers import greedy
 from tests.mutations import forget_refresh
 from tests.probes import probed, records
@@ -67,7 +67,7 @@ def test_skipping_one_refresh_makes_outputs_diverge(
 
 @pytest.fixture(scope="module", params=["deepseek-v3", "deepseek-v3.2"])
 def deepseek(request, tmp_path_factory):
-    return make_deepseek_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+    return build_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
 
 
 # Op by op in both graph modes for both; compiled once each (inductor's seconds per
@@ -110,7 +110,7 @@ def test_a_stale_seq_lens_changes_the_sparse_attention_selection(tmp_path, monke
     the captured lengths would choose other tokens, and the output shows it. (Piecewise
     graphs run the selection as Python a spy can see; in FULL graphs it is recorded ops,
     and the stale-input tests above cover it through the output.)"""
-    model_dir = make_deepseek_checkpoint("deepseek-v3.2", tmp_path / "model")
+    model_dir = build_checkpoint("deepseek-v3.2", tmp_path / "model")
     chosen = []
     choose = latent.IndexerScores.choose
 

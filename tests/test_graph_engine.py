@@ -109,10 +109,9 @@ def test_an_engine_with_captured_steps_is_freed_without_the_cycle_collector(tiny
 def test_full_graphs_hold_attention_and_match_eager_in_decode_and_verify_steps(tmp_path, kind):
     """graph_mode="full": attention shaped by the bucket inside the graph (no task),
     through decode steps and n-gram and draft-model verify steps, with sanitize on."""
-    from tests.conftest import DEEPSEEK, make_deepseek_checkpoint, make_tiny_checkpoint
+    from tests.checkpoints import build_checkpoint
 
-    make = make_deepseek_checkpoint if kind in DEEPSEEK else make_tiny_checkpoint
-    model_dir = make(kind, tmp_path / kind)
+    model_dir = build_checkpoint(kind, tmp_path / kind)
     prompts = [*PROMPTS, [5, 6, 7] * 8]
     params = [greedy(n) for n in (24, 5, 12, 9, 30)]
     args = dict(block_size=4, num_kv_blocks=256, capture_sizes=(1, 2, 4))

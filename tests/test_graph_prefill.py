@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import make_deepseek_checkpoint, make_tiny_checkpoint
+from tests.checkpoints import build_checkpoint
 from tests.helpers import greedy
 from tests.mutations import forget_refresh
 from tests.probes import probed, records
-from tests.test_moe_families import make_moe_checkpoint
-from tests.test_phi3 import make_phi3
-from tests.test_sliding_window import make_windowed
 from updraft.config import CAPTURE_TOKENS, CAPTURE_TOKENS_ENV, EngineConfig
 from updraft.graph.sanitize import SanitizeReport
 
@@ -23,18 +20,19 @@ TOKENS = (8, 16, 32)  # mixed buckets; the prompts' chunks below fill each partl
 # several prompts, of chunks beside decodes, and a step above no bucket (eager).
 PROMPTS = (list(range(1, 6)), list(range(40, 70)), list(range(100, 113)), [7, 8])
 
-MAKERS = {
-    "llama": lambda d: make_tiny_checkpoint("llama", d),
-    "qwen2": lambda d: make_tiny_checkpoint("qwen2", d),
-    "qwen3": lambda d: make_tiny_checkpoint("qwen3", d),
-    "deepseek-v2": lambda d: make_deepseek_checkpoint("deepseek-v2", d),
-    "deepseek-v3": lambda d: make_deepseek_checkpoint("deepseek-v3", d),
-    "deepseek-v3.2": lambda d: make_deepseek_checkpoint("deepseek-v3.2", d),
-    "qwen3-moe": lambda d: make_moe_checkpoint("qwen3-moe", d),
-    "mixtral": lambda d: make_moe_checkpoint("mixtral", d),
-    "phi3-longrope": make_phi3,
-    "mistral-window": lambda d: make_windowed("mistral", d),
-    "gemma3": lambda d: make_windowed("gemma3", d),
+# Each test id's checkpoint family (tests/checkpoints.py).
+FAMILIES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "deepseek-v2": "deepseek-v2",
+    "deepseek-v3": "deepseek-v3",
+    "deepseek-v3.2": "deepseek-v3.2",
+    "qwen3-moe": "qwen3-moe",
+    "mixtral": "mixtral",
+    "phi3-longrope": "phi3",
+    "mistral-window": "mistral-window",
+    "gemma3": "gemma3",
 }
 
 
@@ -64,16 +62,16 @@ def run(model_dir, compile_runs: bool = False, **engine_args) -> SanitizeReport:
     return report
 
 
-@pytest.mark.parametrize("family", sorted(MAKERS))
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_mixed_steps_replay_like_eager_on_every_family(family, tmp_path):
-    report = run(MAKERS[family](tmp_path / family))
+    report = run(build_checkpoint(FAMILIES[family], tmp_path / family))
     assert report.healthy and report.max_output_diff < 1e-5, report.summary()
 
 
 def test_compiled_mixed_steps_replay_like_eager(tmp_path):
     """Compiled once, for Qwen3 (inductor's seconds per bucket); the runs are the same
     code paths as decode steps' compiled runs, which test_graph_decode.py checks."""
-    report = run(MAKERS["qwen3"](tmp_path / "qwen3"), compile_runs=True)
+    report = run(build_checkpoint("qwen3", tmp_path / "qwen3"), compile_runs=True)
     assert report.healthy and report.max_output_diff < 1e-5, report.summary()
 
 
@@ -82,7 +80,7 @@ def test_compiled_mixed_steps_replay_like_eager(tmp_path):
 )
 def test_skipping_one_refresh_of_a_mixed_step_makes_outputs_diverge(skip, tmp_path, monkeypatch):
     forget_refresh(monkeypatch, skip)
-    report = run(make_tiny_checkpoint("qwen3", tmp_path / "qwen3"))
+    report = run(build_checkpoint("qwen3", tmp_path / "qwen3"))
     assert report.max_output_diff > 1e-2, f"skipping the {skip} refresh went unnoticed"
     assert not report.healthy
 
@@ -92,7 +90,7 @@ def test_a_stale_query_start_loc_fails_the_step(tmp_path, monkeypatch):
     attention task reads token rows outside the step's and fails."""
     forget_refresh(monkeypatch, "query_start_loc")
     with pytest.raises(IndexError):
-        run(make_tiny_checkpoint("qwen3", tmp_path / "qwen3"))
+        run(build_checkpoint("qwen3", tmp_path / "qwen3"))
 
 
 def test_capture_tokens_come_from_the_setting_else_the_environment_else_the_default(

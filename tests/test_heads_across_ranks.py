@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import add_byte_tokenizer, make_tiny_checkpoint
+from tests.checkpoints import build_checkpoint
+from tests.conftest import add_byte_tokenizer
 from tests.heads import Head, make_head
 from tests.helpers import greedy, token_ids
 from tests.mutations import RANK_MUTATIONS, on_other_ranks
@@ -88,8 +89,8 @@ def head(request, tmp_path_factory) -> Head:
 def draft_pair(tmp_path_factory) -> Head:
     """A tiny Llama target and a draft model of its shape, as a Head's target and args."""
     root = tmp_path_factory.mktemp("draft-ranks")
-    target = make_tiny_checkpoint("llama", root / "target", seed=0)
-    draft = make_tiny_checkpoint("llama", root / "draft", seed=1)
+    target = build_checkpoint("llama", root / "target", seed=0)
+    draft = build_checkpoint("llama", root / "draft", seed=1)
     args = {"speculative_model": str(draft), "draft_tensor_parallel_size": 2}
     return Head(target, args, None, draft, None)
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 from safetensors import safe_open
 from torch import nn
 
@@ -24,22 +23,15 @@ from updraft.models.tensor_parallel import shard_model
 from updraft.parallel.topology import ParallelSizes, RankPlace
 from updraft.weights import WeightFormat
 
-from .conftest import TINY, make_deepseek_checkpoint, make_tiny_checkpoint
+from .checkpoints import build_checkpoint
 
 TWO_RANKS = [RankPlace(rank, ParallelSizes(tensor=2), "unconnected") for rank in (0, 1)]
 
 
 def checkpoint(kind: str, directory: Path) -> Path:
     if kind == "llama-257":  # a vocabulary that does not split evenly over 2 ranks
-        config = transformers.LlamaConfig(
-            **{**TINY, "vocab_size": 257}, num_key_value_heads=2, tie_word_embeddings=False
-        )
-        torch.manual_seed(0)
-        transformers.LlamaForCausalLM(config).save_pretrained(directory)
-        return directory
-    if kind.startswith("deepseek"):
-        return make_deepseek_checkpoint(kind, directory)
-    return make_tiny_checkpoint(kind, directory)
+        return build_checkpoint("llama-plain", directory, vocab_size=257)
+    return build_checkpoint(kind, directory)
 
 
 KINDS = ["llama-257", "qwen2", "deepseek-v3", "deepseek-v3-no-q-lora"]
@@ -138,7 +130,7 @@ def test_a_layer_in_the_checkpoint_s_dtype_lives_only_until_it_is_packed(tmp_pat
     and expert weights the model holds are at most one layer's (with everything loaded
     first and packed after, they would be all of them)."""
     model_dir = stored_in(
-        make_deepseek_checkpoint("deepseek-v3", tmp_path / "v3"), torch.bfloat16, tmp_path
+        build_checkpoint("deepseek-v3", tmp_path / "v3"), torch.bfloat16, tmp_path
     )
     config = ModelConfig.from_dir(model_dir)
     unpacked = []

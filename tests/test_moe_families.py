@@ -11,67 +11,19 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from tests.conftest import TINY
+from tests.checkpoints import TINY, build_checkpoint
 from tests.helpers import greedy, token_prompts
 from tests.test_reference_models import PROMPTS, assert_logits_match
 from updraft import LLM
 from updraft.model_config import ModelConfig
 
-MOE = {
-    # layers 0 and 2 dense (mlp_only_layers, then decoder_sparse_step 2 leaves odd ones)
-    "qwen3-moe": (
-        transformers.Qwen3MoeConfig,
-        transformers.Qwen3MoeForCausalLM,
-        dict(
-            num_hidden_layers=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            decoder_sparse_step=2,
-            mlp_only_layers=[3],
-            norm_topk_prob=True,
-            tie_word_embeddings=False,
-        ),
-    ),
-    "qwen3-moe-unnormalised": (
-        transformers.Qwen3MoeConfig,
-        transformers.Qwen3MoeForCausalLM,
-        dict(
-            num_key_value_heads=4,
-            num_experts=6,
-            num_experts_per_tok=3,
-            moe_intermediate_size=24,
-            norm_topk_prob=False,
-            tie_word_embeddings=True,
-        ),
-    ),
-    "mixtral": (
-        transformers.MixtralConfig,
-        transformers.MixtralForCausalLM,
-        dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
-    ),
-}
+MOE = ["mixtral", "qwen3-moe", "qwen3-moe-unnormalised"]
 
 
-def make_moe_checkpoint(kind: str, directory, seed: int = 0):
-    config_class, model_class, extra = MOE[kind]
-    torch.manual_seed(seed)
-    config = config_class(**{**TINY, **extra})
-    model = model_class(config).eval()
-    with torch.no_grad():  # routers with sharp, distinct choices
-        for name, param in model.named_parameters():
-            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
-                param.normal_(0, 1.0)
-    model.save_pretrained(directory)
-    return directory
-
-
-@pytest.fixture(scope="module", params=sorted(MOE))
+@pytest.fixture(scope="module", params=MOE)
 def moe_checkpoint(request, tmp_path_factory):
     kind = request.param
-    return kind, make_moe_checkpoint(kind, tmp_path_factory.mktemp(kind))
+    return kind, build_checkpoint(kind, tmp_path_factory.mktemp(kind))
 
 
 @pytest.mark.parametrize("token_budget", [1024, 10], ids=["whole-prefill", "chunked-prefill"])
@@ -141,7 +93,7 @@ def test_int8_experts_and_speculation_keep_greedy_output(moe_checkpoint):
 
 
 def test_a_mixtral_window_shorter_than_the_prompts_matches_transformers(tmp_path):
-    make_moe_checkpoint("mixtral", tmp_path)
+    build_checkpoint("mixtral", tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     config["sliding_window"] = 8
     (tmp_path / "config.json").write_text(json.dumps(config))

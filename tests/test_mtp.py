@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from tests.heads import mtp_checkpoint
+from tests.checkpoints import mtp_checkpoint
 from tests.helpers import greedy, token_ids
 from updraft import LLM
 from updraft.model_config import ModelConfig

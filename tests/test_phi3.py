@@ -11,49 +11,20 @@ import pytest
 import torch
 import transformers
 
-from tests.conftest import TINY
+from tests.checkpoints import build_checkpoint, eagle_head_checkpoint
 from tests.helpers import greedy, token_ids
 from tests.probes import logits_of, probed, records
 from updraft import LLM
 
-ORIGINAL = 32  # the original context: prompts and decodes cross it
+# The checkpoints' original context is 32 positions (tests/checkpoints.py).
 # Prompts inside the original context that decode past it, and prompts already past it.
 PROMPTS = [list(range(3, 20)), [200, 17, 9], list(range(40, 80)), [5] * 30 + [6, 7, 8, 9]]
 NEW_TOKENS = 24
 
 
-def make_phi3(directory, partial: float = 1.0, tied: bool = False, seed: int = 0):
-    head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
-    half = int(head_dim * partial) // 2
-    generator = torch.Generator().manual_seed(seed + 1)
-    short = (1 + torch.rand(half, generator=generator)).tolist()
-    long = (1 + 6 * torch.rand(half, generator=generator)).tolist()
-    config = transformers.Phi3Config(
-        **{**TINY, "pad_token_id": None},
-        num_key_value_heads=2,
-        tie_word_embeddings=tied,
-        original_max_position_embeddings=ORIGINAL,
-        sliding_window=None,
-        rope_parameters={
-            "rope_type": "longrope",
-            "rope_theta": 10000.0,
-            "short_factor": short,
-            "long_factor": long,
-            "partial_rotary_factor": partial,
-            "original_max_position_embeddings": ORIGINAL,
-        },
-    )
-    torch.manual_seed(seed)
-    transformers.Phi3ForCausalLM(config).eval().save_pretrained(directory)
-    return directory
-
-
 @pytest.fixture(scope="module", params=["phi3", "phi4-mini"])
 def phi3(request, tmp_path_factory):
-    directory = tmp_path_factory.mktemp(request.param)
-    if request.param == "phi3":
-        return make_phi3(directory)
-    return make_phi3(directory, partial=0.75, tied=True)
+    return build_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def generate_logits(model_dir, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
@@ -114,7 +85,7 @@ def test_two_ranks_split_the_fused_projections_like_one_process(phi3, pool):
 
 def test_a_window_shorter_than_the_context_beside_longrope_matches_transformers(tmp_path):
     """Phi-3-mini-4k's shape: a window (2047 of its 4096 positions) and LongRoPE."""
-    make_phi3(tmp_path)
+    build_checkpoint("phi3", tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     config["sliding_window"] = 9
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -130,7 +101,7 @@ def test_a_window_shorter_than_the_context_beside_longrope_matches_transformers(
 def test_a_fused_tensor_of_the_wrong_size_is_named(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    make_phi3(tmp_path)
+    build_checkpoint("phi3", tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")
     name = "model.layers.0.self_attn.qkv_proj.weight"
     tensors[name] = tensors[name][:-4]
@@ -153,8 +124,6 @@ def test_speculation_keeps_greedy_output_across_the_switch(phi3):
 def test_an_eagle_head_keeps_greedy_output_across_the_switch(phi3, tmp_path):
     """A head reads the target's hidden states; its mirror steps follow the target's,
     the recompute at the switch included."""
-    from tests.heads import eagle_head_checkpoint
-
     head = eagle_head_checkpoint(tmp_path / "head", phi3)
     plain = LLM(phi3, enforce_eager=True).generate(PROMPTS, greedy(NEW_TOKENS))
     drafted = LLM(
@@ -175,7 +144,7 @@ def test_the_server_serves_a_phi3_checkpoint(tmp_path):
     from updraft.engine.engine import Engine
     from updraft.serve.serving import ServeSettings
 
-    model = add_byte_tokenizer(make_phi3(tmp_path / "phi3"))
+    model = add_byte_tokenizer(build_checkpoint("phi3", tmp_path / "phi3"))
     shutil.copy(model / "tokenizer.json", tmp_path)  # the byte tokenizer speaks text
     engine = Engine(EngineConfig(model=str(model), enforce_eager=True))
     expected = LLM(model, enforce_eager=True).generate("x" * 40, greedy(12))[0].outputs[0]

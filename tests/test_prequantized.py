@@ -18,7 +18,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import TINY
+from tests.checkpoints import FAMILIES, tiny_model
 from tests.helpers import greedy
 from tests.probes import logits_of, probed, records
 from tests.test_reference_models import PROMPTS
@@ -120,7 +120,7 @@ def test_a_gptq_g_idx_out_of_order_is_refused():
 
 # -- whole checkpoints against transformers ------------------------------------------------
 
-SHAPE = {**TINY, "hidden_size": 128, "intermediate_size": 256}
+SHAPE = FAMILIES["llama-wide"].config  # the shape of both families' "-wide" checkpoints
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -206,12 +206,7 @@ def _quantization_config(method: str, group: int | None, symmetric: bool, v1: bo
 
 def make_quantized(root, kind: str, method: str, group: int | None, symmetric: bool, v1=False):
     """(quantized checkpoint, float32 checkpoint of the weights its codes stand for)."""
-    config_class, model_class = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-    }[kind]
-    torch.manual_seed(0)
-    model = model_class(config_class(**SHAPE, num_key_value_heads=2)).eval()
+    model = tiny_model(f"{kind}-wide")
     reference, quantized = root / "float", root / method
     state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     packed = {}

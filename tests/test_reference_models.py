@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from tests.conftest import make_tiny_checkpoint
+from tests.checkpoints import build_checkpoint, sharded_copy
 from tests.helpers import greedy
 from tests.probes import logits_of, probed, records
 from updraft import LLM
@@ -67,21 +67,8 @@ def test_logits_match_transformers_over_prefill_and_decode(tiny_checkpoint, toke
 )
 def test_yarn_rope_matches_transformers(tmp_path, rope):
     """Prompts and decodes run past the original context of 32 positions."""
-    from tests.conftest import TINY
-
-    config = transformers.Qwen2Config(
-        **TINY,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-        rope_parameters={
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "original_max_position_embeddings": 32,
-            **rope,
-        },
-    )
-    torch.manual_seed(0)
-    transformers.Qwen2ForCausalLM(config).eval().save_pretrained(tmp_path)
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "original_max_position_embeddings": 32}
+    build_checkpoint("qwen2-plain", tmp_path, rope_parameters={**yarn, **rope})
     assert_logits_match(tmp_path)
 
 
@@ -105,7 +92,7 @@ def test_greedy_equals_transformers_generate(tiny_checkpoint):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_checkpoints_load_and_compute_in_float32(tmp_path, dtype):
-    model_dir = make_tiny_checkpoint("qwen3", tmp_path, dtype=dtype)
+    model_dir = build_checkpoint("qwen3", tmp_path, dtype=dtype)
     llm = probed(model_dir, dtype="float32", num_kv_blocks=32)
     output = llm.generate(PROMPTS[0], greedy(4, ignore_eos=False))[0]
     sequence = PROMPTS[0] + output.outputs[0].token_ids
@@ -126,9 +113,8 @@ def test_bfloat16_compute_stays_close_to_float32(tiny_llama):
 
 
 def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
-    single = make_tiny_checkpoint("llama", tmp_path / "single")
-    model = transformers.AutoModelForCausalLM.from_pretrained(single)
-    model.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    single = build_checkpoint("llama", tmp_path / "single")
+    sharded_copy(single, tmp_path / "sharded")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
     params = greedy(8)
     a = LLM(single).generate(PROMPTS, params)

@@ -16,8 +16,7 @@ import pytest
 import torch
 import transformers
 
-from tests.conftest import TINY
-from tests.heads import eagle_head_checkpoint
+from tests.checkpoints import WINDOW, build_checkpoint, eagle_head_checkpoint, tiny_config
 from tests.helpers import greedy, token_ids
 from tests.probes import assert_idle, logits_of, probed, records
 from tests.test_reference_models import PROMPTS, assert_logits_match
@@ -26,103 +25,30 @@ from updraft.attention.metadata import AttentionGroup, AttentionMetadata
 from updraft.engine.kv_blocks import KVCacheManager
 from updraft.model_config import ModelConfig
 
-WINDOW = 8  # shorter than three of the four prompts
-
-
-def gemma3_config(**extra) -> transformers.Gemma3TextConfig:
-    return transformers.Gemma3TextConfig(
-        **{**TINY, "num_hidden_layers": 4},
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=WINDOW,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        query_pre_attn_scalar=24,
-        # Bases far apart: a sliding layer turned with the global base is caught.
-        rope_parameters={
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
-            "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
-        },
-        final_logit_softcapping=30.0,
-        **extra,
-    )
-
-
-def _randomize_norms(model: torch.nn.Module) -> None:
-    """Gemma's norms start at 0 (a scale of 1 + 0): random ones show a norm mixed up."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(0, 0.3)
-
-
-def make_windowed(kind: str, directory, window: int = WINDOW, positions: int = 512):
-    torch.manual_seed(0)
-    tiny = {**TINY, "max_position_embeddings": positions}
-    if kind == "mistral":
-        config = transformers.MistralConfig(**tiny, num_key_value_heads=2, sliding_window=window)
-        model = transformers.MistralForCausalLM(config)
-    elif kind == "qwen2":
-        config = transformers.Qwen2Config(
-            **{**tiny, "num_hidden_layers": 3},
-            num_key_value_heads=2,
-            use_sliding_window=True,
-            sliding_window=window - 2,
-            max_window_layers=1,
-        )
-        model = transformers.Qwen2ForCausalLM(config)
-    elif kind == "phi3":
-        config = transformers.Phi3Config(
-            **{**tiny, "pad_token_id": None}, num_key_value_heads=2, sliding_window=window
-        )
-        model = transformers.Phi3ForCausalLM(config)
-    elif kind == "gemma3":
-        model = transformers.Gemma3ForCausalLM(gemma3_config())
-        _randomize_norms(model)
-    else:
-        raise ValueError(kind)
-    model.eval().save_pretrained(directory)
-    return directory
-
-
-def make_gemma3_multimodal(directory):
-    """Gemma3ForConditionalGeneration with a tiny vision tower: updraft serves its text
-    tower, transformers runs the whole model on text alone."""
-    vision = transformers.SiglipVisionConfig(
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=28,
-        patch_size=14,
-    )
-    text = gemma3_config()
-    config = transformers.Gemma3Config(
-        text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4
-    )
-    torch.manual_seed(0)
-    model = transformers.Gemma3ForConditionalGeneration(config)
-    _randomize_norms(model)
-    model.eval().save_pretrained(directory)
-    return directory
-
-
-KINDS = ["gemma3", "mistral", "phi3", "qwen2"]
+# The families' names of each kind in tests/checkpoints.py.
+WINDOWED = {
+    "gemma3": "gemma3",
+    "mistral": "mistral-window",
+    "phi3": "phi3-window",
+    "qwen2": "qwen2-window",
+}
+KINDS = sorted(WINDOWED)
 
 
 @pytest.fixture(scope="module", params=KINDS)
 def windowed(request, tmp_path_factory):
     kind = request.param
-    return kind, make_windowed(kind, tmp_path_factory.mktemp(f"window-{kind}"))
+    return kind, build_checkpoint(WINDOWED[kind], tmp_path_factory.mktemp(f"window-{kind}"))
 
 
 @pytest.fixture(scope="module")
 def mistral(tmp_path_factory):
-    return make_windowed("mistral", tmp_path_factory.mktemp("window-mistral"))
+    return build_checkpoint("mistral-window", tmp_path_factory.mktemp("window-mistral"))
 
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory):
-    return make_windowed("gemma3", tmp_path_factory.mktemp("window-gemma3"))
+    return build_checkpoint("gemma3", tmp_path_factory.mktemp("window-gemma3"))
 
 
 def test_configs_give_each_layer_its_window(windowed):
@@ -187,7 +113,7 @@ def test_a_published_gemma3_config_is_read_as_transformers_reads_it():
     ],
 )
 def test_a_gemma3_config_it_cannot_serve_is_refused_by_name(change, named):
-    raw = {**gemma3_config().to_dict(), "architectures": ["Gemma3ForCausalLM"], **change}
+    raw = {**tiny_config("gemma3").to_dict(), "architectures": ["Gemma3ForCausalLM"], **change}
     with pytest.raises(ValueError, match=named):
         ModelConfig.from_dict(raw)
 
@@ -198,7 +124,7 @@ def test_logits_match_transformers(windowed, token_budget):
 
 
 def test_the_text_tower_of_gemma3_for_conditional_generation_loads_by_name(tmp_path):
-    assert_logits_match(make_gemma3_multimodal(tmp_path))
+    assert_logits_match(build_checkpoint("gemma3-multimodal", tmp_path))
 
 
 def assert_greedy_equals_generate(directory, modes) -> None:
@@ -241,6 +167,14 @@ def _run(checkpoint, **args):
     return token_ids(outputs), [logits_of(seen, output) for output in outputs], steps
 
 
+@pytest.fixture(scope="module")
+def gemma3_in_one_process(gemma3):
+    """(tokens, logits) one process computes on Gemma 3, for every layout's test: values
+    only, from an engine no test sees, so the layouts cannot disturb each other."""
+    tokens, logits, _ = _run(gemma3)
+    return tokens, logits
+
+
 @pytest.mark.parametrize(
     "layout",
     [
@@ -250,11 +184,11 @@ def _run(checkpoint, **args):
     ],
     ids=["tp2", "tp2-dcp2", "pcp2"],
 )
-def test_ranks_compute_what_one_process_computes(gemma3, layout, pool):
+def test_ranks_compute_what_one_process_computes(gemma3, gemma3_in_one_process, layout, pool):
     """Gemma 3's mix of sliding and full layers: under DCP each rank keeps every other
     position, and a window starts at a rank's own first position inside it; under PCP
     each rank's prefill chunks attend as continuations, narrowed by the window."""
-    tokens, logits, _ = _run(gemma3)
+    tokens, logits = gemma3_in_one_process
     split_tokens, split_logits, steps = _run(gemma3, worker_pool=pool, **layout)
     split = any("split over 2 ranks" in mode for mode in steps)
     assert split == ("prefill_context_parallel_size" in layout), steps
@@ -311,7 +245,9 @@ def test_a_long_output_holds_only_the_blocks_its_window_reaches(tmp_path):
     """Mistral-style, every layer's window 64: a 1,000-token output holds at most
     window / block_size + 2 blocks, and gets the logits of a run that gives none back."""
     window, block_size = 64, 16
-    directory = make_windowed("mistral", tmp_path, window=window, positions=2048)
+    directory = build_checkpoint(
+        "mistral-window", tmp_path, sliding_window=window, max_position_embeddings=2048
+    )
     prompt = list(range(1, 100))
     llm = LLM(directory, block_size=block_size, num_kv_blocks=200, enable_prefix_caching=False)
     held = _held_blocks_over_a_run(llm, prompt, 1000)

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import make_tiny_checkpoint
-from tests.heads import eagle_head_checkpoint, mtp_checkpoint
+from tests.checkpoints import build_checkpoint, eagle_head_checkpoint, mtp_checkpoint
 from tests.helpers import greedy, token_ids
 from updraft import LLM
 
@@ -49,9 +48,9 @@ def test_compiled_steps_of_every_proposer_replay_like_eager(method, tmp_path):
     if method == "mtp":
         target, head, blocks = mtp_checkpoint(tmp_path / "mtp"), {}, 64
     else:
-        target, blocks = make_tiny_checkpoint("llama", tmp_path / "llama"), 128
+        target, blocks = build_checkpoint("llama", tmp_path / "llama"), 128
         head_dir = {
-            "draft": lambda: make_tiny_checkpoint("llama", tmp_path / "draft", seed=1),
+            "draft": lambda: build_checkpoint("llama", tmp_path / "draft", seed=1),
             "eagle": lambda: eagle_head_checkpoint(tmp_path / "head", target),
         }.get(method, lambda: None)()
         head = {"speculative_model": str(head_dir)} if head_dir else {}

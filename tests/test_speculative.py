@@ -45,10 +45,10 @@ def test_greedy_with_speculation_equals_greedy_without_on_the_demo_model(method,
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_greedy_with_speculation_equals_greedy_without_on_tiny_models(tmp_path, kind):
-    from tests.conftest import make_tiny_checkpoint
+    from tests.checkpoints import build_checkpoint
 
-    target = make_tiny_checkpoint(kind, tmp_path / "target", seed=0)
-    draft = make_tiny_checkpoint(kind, tmp_path / "draft", seed=1)
+    target = build_checkpoint(kind, tmp_path / "target", seed=0)
+    draft = build_checkpoint(kind, tmp_path / "draft", seed=1)
     prompts = token_prompts(16)
     params = [greedy(n) for n in (24, 5, 17, 11) * 4]
     args = dict(block_size=4, num_kv_blocks=512)

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 
-from tests.conftest import TINY, make_tiny_checkpoint
+from tests.checkpoints import build_checkpoint
 from tests.helpers import greedy, token_ids
 from tests.probes import assert_idle, logits_of, probed, records
 from updraft import LLM
@@ -53,10 +52,7 @@ def assert_two_ranks_compute_like_one_process(checkpoint, pool, **args) -> None:
 def odd_vocabulary(tmp_path_factory):
     """A Llama whose 257-token vocabulary does not split evenly over 2 ranks."""
     directory = tmp_path_factory.mktemp("odd_vocab")
-    config = transformers.LlamaConfig(**{**TINY, "vocab_size": 257}, num_key_value_heads=2)
-    torch.manual_seed(3)
-    transformers.LlamaForCausalLM(config).eval().save_pretrained(directory)
-    return directory
+    return build_checkpoint("llama-plain", directory, seed=3, vocab_size=257)
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
@@ -141,7 +137,7 @@ def test_models_and_settings_tensor_parallelism_cannot_split_are_refused(tiny_ll
 
 def test_shards_hold_their_rank_s_heads(tmp_path, pool):
     """Each rank's KV cache holds its own KV heads: 4 over 2 ranks is 2 per rank."""
-    checkpoint = make_tiny_checkpoint("qwen3", tmp_path / "qwen3")
+    checkpoint = build_checkpoint("qwen3", tmp_path / "qwen3")
     llm = probed(str(checkpoint), worker_pool=pool, **ARGS, tensor_parallel_size=2)
     seen = records(llm)
     assert [seen.kv_caches(rank=rank)[0].shape[-2] for rank in (0, 1)] == [2, 2]

@@ -29,7 +29,7 @@ from updraft.models.moe import PackedExperts
 from updraft.models.packed_linear import PackedLinear
 from updraft.weights import WeightFormat
 
-from .conftest import make_deepseek_checkpoint, make_tiny_checkpoint
+from .checkpoints import build_checkpoint
 from .probes import logits_of, probed, records
 
 pytestmark = pytest.mark.skipif(
@@ -202,8 +202,7 @@ def test_the_engine_equals_float32_on_the_weights_each_format_stands_for(kind, f
     """Over a prefill and 24 decode steps, with graphs: half-precision weights kept in 2
     bytes against the same checkpoint widened to float32 at load; quantized weights
     against a float32 checkpoint of their dequantized values."""
-    make = make_deepseek_checkpoint if kind.startswith("deepseek") else make_tiny_checkpoint
-    source = make(kind, tmp_path / "source")
+    source = build_checkpoint(kind, tmp_path / "source")
     if fmt in ("bfloat16", "float16"):
         checkpoint = stored_in(source, getattr(torch, fmt), tmp_path)
         reference = probed(checkpoint, num_kv_blocks=32, dtype="float32", compile_graphs=False)
@@ -244,8 +243,7 @@ def test_no_float32_copy_of_a_linear_weight_is_made_in_a_step(quantization, tmp_
     """Prefill and decode steps (eager and graphs, a dense and an expert model) create no
     float32 tensor shaped like a linear or expert weight (or its transpose)."""
     for kind in ("llama", "deepseek-v3"):
-        make = make_deepseek_checkpoint if kind.startswith("deepseek") else make_tiny_checkpoint
-        checkpoint = stored_in(make(kind, tmp_path / kind), torch.bfloat16, tmp_path)
+        checkpoint = stored_in(build_checkpoint(kind, tmp_path / kind), torch.bfloat16, tmp_path)
         config = ModelConfig.from_dir(checkpoint)
         # Shapes of every packed weight: [N, K] of each linear, [E, N, K] of the experts.
         model = load_model(config, checkpoint, torch.float32, weights=WeightFormat("bfloat16"))
@@ -280,7 +278,7 @@ def test_no_float32_copy_of_a_linear_weight_is_made_in_a_step(quantization, tmp_
 
 def test_every_linear_and_expert_is_packed_and_the_embedding_stays_as_loaded(tmp_path):
     checkpoint = stored_in(
-        make_deepseek_checkpoint("deepseek-v3", tmp_path / "v3"), torch.bfloat16, tmp_path
+        build_checkpoint("deepseek-v3", tmp_path / "v3"), torch.bfloat16, tmp_path
     )
     config = ModelConfig.from_dir(checkpoint)
     model = load_model(config, checkpoint, torch.float32, weights=WeightFormat("bfloat16"))
@@ -294,9 +292,7 @@ def test_every_linear_and_expert_is_packed_and_the_embedding_stays_as_loaded(tmp
 
 
 def test_auto_keeps_a_half_precision_checkpoints_dtype_on_the_cpu(tmp_path):
-    checkpoint = stored_in(
-        make_tiny_checkpoint("llama", tmp_path / "llama"), torch.bfloat16, tmp_path
-    )
+    checkpoint = stored_in(build_checkpoint("llama", tmp_path / "llama"), torch.bfloat16, tmp_path)
     config = ModelConfig.from_dir(checkpoint)
     for engine, expected in [
         ({}, "bfloat16"),
@@ -349,9 +345,7 @@ def test_eagle_graphs_on_a_bfloat16_target_equal_eager(tmp_path):
 def test_two_ranks_keep_the_format_and_compute_what_one_process_computes(
     quantization, tmp_path, pool
 ):
-    checkpoint = stored_in(
-        make_tiny_checkpoint("llama", tmp_path / "llama"), torch.bfloat16, tmp_path
-    )
+    checkpoint = stored_in(build_checkpoint("llama", tmp_path / "llama"), torch.bfloat16, tmp_path)
     args = dict(
         num_kv_blocks=64,
         compile_graphs=False,
@@ -368,6 +362,6 @@ def test_two_ranks_keep_the_format_and_compute_what_one_process_computes(
 
 
 def test_quantization_groups_a_tensor_parallel_split_would_cut_are_refused(tmp_path):
-    checkpoint = make_tiny_checkpoint("llama", tmp_path / "llama")  # o_proj: 64 columns
+    checkpoint = build_checkpoint("llama", tmp_path / "llama")  # o_proj: 64 columns
     with pytest.raises(ValueError, match=r"groups of 128 columns would straddle .* o_proj \(32"):
         LLM(checkpoint, quantization="int4", tensor_parallel_size=2, num_kv_blocks=16)
