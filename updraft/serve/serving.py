@@ -69,7 +69,6 @@ class ServingBase:
         self.engine = engine
         self.info = info
         self.settings = settings
-        self.chat_template = chat_template
         # Intake (engine/input_processor.py), the same as LLM's, run here: the engine core
         # receives finished requests and never tokenizes.
         self.processor = InputProcessor(engine.tokenizer, info, chat_template)

@@ -50,7 +50,7 @@ class ChatServing:
     def __init__(self, base: ServingBase) -> None:
         self.base = base
         self.tool_parser = base.settings.tool_call_parser or default_parser(
-            base.chat_template.source
+            base.processor.chat_template.source
         )
 
     async def create(self, body: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
