@@ -1,0 +1,149 @@
+"""llama.cpp's own source tree, as the ``llama-cpp-python`` source distribution on PyPI
+vendors it: its tokenizer test vocabularies (``models/ggml-vocab-*.gguf`` with the
+``.inp`` strings and the ``.out`` ids llama.cpp gives them), its chat templates
+(``models/templates``) and its converter (``convert_hf_to_gguf.py``, with the
+``gguf-py`` it writes through).
+
+The archive is downloaded once, checked against its published SHA-256 and unpacked into
+``$UPDRAFT_TEST_CACHE`` (default: ``updraft-tests`` in the user's cache directory);
+only the parts named above are kept. A test that needs the tree skips, saying why, when
+it cannot be fetched.
+
+``convert`` writes a checkpoint directory as GGUF with the converter itself, in a
+process of its own. The one change made to it: every architecture's vocabulary is
+llama.cpp's built-in ``llama-spm`` one (the converter's own ``_set_vocab_builtin``) cut
+to the model's vocabulary size, because the tiny checkpoints here carry no tokenizer
+files of a real model, which the converter otherwise reads and fingerprints. The
+tensors and the metadata of the model are written exactly as the converter writes them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "llama-cpp-python"
+VERSION = "0.3.36"
+SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+INDEX = f"https://pypi.org/pypi/{PACKAGE}/json"
+# What is kept of the archive's vendor/llama.cpp.
+KEPT = ("models/", "convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+
+
+def cache_root() -> Path:
+    if os.environ.get("UPDRAFT_TEST_CACHE"):
+        return Path(os.environ["UPDRAFT_TEST_CACHE"]).expanduser()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
+    return cache / "updraft-tests"
+
+
+def _download(target: Path) -> None:
+    with urllib.request.urlopen(INDEX, timeout=60) as response:
+        release = json.load(response)
+    (sdist,) = [url for url in release["releases"][VERSION] if url["packagetype"] == "sdist"]
+    url = urllib.parse.urljoin(INDEX, sdist["url"])
+    digest = hashlib.sha256()
+    with urllib.request.urlopen(url, timeout=300) as response, target.open("wb") as out:
+        while chunk := response.read(1 << 20):
+            digest.update(chunk)
+            out.write(chunk)
+    if digest.hexdigest() != SHA256:
+        raise RuntimeError(f"{url}: SHA-256 {digest.hexdigest()}, expected {SHA256}")
+
+
+def _unpack(archive: Path, tree: Path) -> None:
+    prefix = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
+    staging = Path(tempfile.mkdtemp(dir=tree.parent, prefix=".unpacking-"))
+    with tarfile.open(archive) as tar:
+        for member in tar.getmembers():
+            inner = member.name.removeprefix(prefix)
+            if member.name.startswith(prefix) and inner.startswith(KEPT) and member.isfile():
+                member.name = inner
+                tar.extract(member, staging, filter="data")
+    staging.rename(tree)
+
+
+def llama_cpp_tree() -> Path:
+    """The unpacked tree, fetched on first use; skips the calling test if it cannot be."""
+    root = cache_root()
+    tree = root / f"llama.cpp-{PACKAGE}-{VERSION}"
+    if (tree / "convert_hf_to_gguf.py").is_file():
+        return tree
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=root) as scratch:
+            archive = Path(scratch) / "sdist.tar.gz"
+            _download(archive)
+            if not tree.exists():
+                _unpack(archive, tree)
+    except (OSError, RuntimeError, ValueError) as error:
+        pytest.skip(f"llama.cpp's tree ({PACKAGE} {VERSION} sdist) cannot be fetched: {error}")
+    return tree
+
+
+def vocab_files(tree: Path) -> dict[str, Path]:
+    """``name`` -> ``models/ggml-vocab-<name>.gguf`` for every vocabulary with cases."""
+    return {
+        path.name.removeprefix("ggml-vocab-").removesuffix(".gguf"): path
+        for path in sorted((tree / "models").glob("ggml-vocab-*.gguf"))
+        if path.with_name(path.name + ".inp").is_file()
+    }
+
+
+def vocab_cases(path: Path) -> list[tuple[str, list[int]]]:
+    """The ``.inp`` strings of a vocabulary and the ids llama.cpp gives each (``.out``)."""
+    separator = "\n__ggml_vocab_test__\n"
+    strings = path.with_name(path.name + ".inp").read_text(encoding="utf-8").split(separator)
+    ids = path.with_name(path.name + ".out").read_text(encoding="utf-8").split("\n")
+    strings = [s for s in strings if s != ""] if strings[-1] == "" else strings
+    ids = [line for line in ids if line.strip() or line == ""][: len(strings)]
+    return [(s, [int(t) for t in line.split()]) for s, line in zip(strings, ids, strict=True)]
+
+
+# Run in the converter's process: the vocabulary patch, then the converter's own main().
+_CONVERT = """
+import sys
+tree = sys.argv.pop(1)
+sys.path[0:0] = [tree, tree + "/gguf-py"]
+import convert_hf_to_gguf
+
+def builtin_vocabulary(self):
+    self._set_vocab_builtin("llama-spm", self.hparams["vocab_size"])
+
+find_class = convert_hf_to_gguf.get_model_class
+
+def with_builtin_vocabulary(*args, **kwargs):
+    cls = find_class(*args, **kwargs)
+    cls.set_vocab = builtin_vocabulary
+    return cls
+
+convert_hf_to_gguf.get_model_class = with_builtin_vocabulary
+convert_hf_to_gguf.main()
+"""
+
+
+def convert(checkpoint: Path, outfile: Path, outtype: str = "f32", *extra: str) -> Path:
+    """``checkpoint`` written as GGUF to ``outfile`` by llama.cpp's converter."""
+    tree = llama_cpp_tree()
+    command = [sys.executable, "-c", _CONVERT, str(tree), str(checkpoint)]
+    command += ["--outfile", str(outfile), "--outtype", outtype, *extra]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{done.stderr[-4000:]}")
+    return outfile
+
+
+def copy_tree_file(relative: str, target: Path) -> Path:
+    """A file of the tree copied to ``target``."""
+    return Path(shutil.copy(llama_cpp_tree() / relative, target))
