@@ -90,13 +90,32 @@ def linked_files(model_dir: Path) -> list[Path] | None:
     return [Path(p) for p in json.loads(link.read_text())["files"]]
 
 
-def metadata(parts: list[Path]) -> tuple[dict[str, Any], dict[str, tuple[str, tuple[int, ...]]]]:
-    """The first part's key-value metadata, and every part's tensors: name -> (type
-    name, shape as transformers orders it: rows first)."""
+# Small tensors that are part of a model's config rather than its weights: llama.cpp's
+# per-frequency RoPE factors (Llama 3.1's scaling; Phi-3's LongRoPE). Their values reach
+# the family's parser (``GGUFTensors.values_of``) and the loader leaves them out.
+CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+
+class GGUFTensors(dict):
+    """A file's tensors: name -> (type name, shape as transformers orders it: rows
+    first), and the values of its ``CONFIG_TENSORS``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config_values: dict[str, tuple[float, ...]] = {}
+
+    def values_of(self, name: str) -> tuple[float, ...]:
+        """The values of the config tensor ``name``."""
+        return self.config_values[name]
+
+
+def metadata(parts: list[Path]) -> tuple[dict[str, Any], GGUFTensors]:
+    """The first part's key-value metadata, and every part's tensors."""
+    import numpy as np
     from gguf import GGUFReader
 
     fields: dict[str, Any] = {}
-    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    tensors = GGUFTensors()
     for index, part in enumerate(parts):
         reader = GGUFReader(str(part))
         if index == 0:
@@ -106,6 +125,14 @@ def metadata(parts: list[Path]) -> tuple[dict[str, Any], dict[str, tuple[str, tu
         for tensor in reader.tensors:
             shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
             tensors[tensor.name] = (tensor.tensor_type.name, shape)
+            if tensor.name in CONFIG_TENSORS:
+                if tensor.tensor_type.name not in ("F32", "F16") or len(shape) != 1:
+                    raise ValueError(
+                        f"{part.name}: {tensor.name} must be a float vector, got "
+                        f"{tensor.tensor_type.name} of shape {shape}"
+                    )
+                values = np.asarray(tensor.data).astype(np.float32)
+                tensors.config_values[tensor.name] = tuple(float(v) for v in values)
     return fields, tensors
 
 

@@ -118,6 +118,11 @@ def rope_config(raw: dict[str, Any]) -> RopeConfig:
         name: float(params[name]) if params.get(name) is not None else None
         for name in ("mscale", "mscale_all_dim", "attention_factor")
     }
+    frequency_factors = params.get("frequency_factors")
+    if frequency_factors is not None:
+        if kind in ("llama3", "longrope"):
+            raise ValueError(f"RoPE frequency_factors cannot be combined with {kind} scaling")
+        frequency_factors = tuple(float(f) for f in frequency_factors)
     return RopeConfig(
         theta=float(theta),
         kind=kind,
@@ -128,6 +133,7 @@ def rope_config(raw: dict[str, Any]) -> RopeConfig:
         beta_fast=float(params.get("beta_fast") or 32.0),
         beta_slow=float(params.get("beta_slow") or 1.0),
         truncate=bool(params.get("truncate", True)),
+        frequency_factors=frequency_factors,
         **optional,
         **factors,
     )

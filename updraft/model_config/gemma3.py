@@ -96,3 +96,92 @@ def _text_config(raw: dict[str, Any], architecture: str) -> tuple[dict[str, Any]
         else text.get("final_logit_softcapping"),
     }
     return text, family
+
+
+# llama.cpp's names of Gemma's norms where they differ from a Llama file's (tried before
+# the shared names); its converter stores every norm's weight as 1 + the checkpoint's.
+GGUF_TENSORS = (
+    (
+        r"blk\.(\d+)\.post_attention_norm\.weight",
+        r"model.layers.\1.post_attention_layernorm.weight",
+    ),
+    (r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.pre_feedforward_layernorm.weight"),
+    (r"blk\.(\d+)\.post_ffw_norm\.weight", r"model.layers.\1.post_feedforward_layernorm.weight"),
+)
+GGUF_NORM_SHIFT = 1.0
+# What llama.cpp fixes for Gemma 3 rather than reads: every sixth layer global, the
+# sliding layers' RoPE base, and (for its 62-layer 27B) queries scaled by
+# hidden_size / heads rather than the head size.
+GGUF_WINDOW_PATTERN = 6
+GGUF_LOCAL_BASE = 10_000.0
+GGUF_HIDDEN_SCALED_LAYERS = 62
+
+
+def from_gguf(
+    file_name: str,
+    architecture: str,
+    get: Any,
+    tensors: dict[str, tuple[str, tuple[int, ...]]],
+) -> dict[str, Any]:
+    """The config.json of a Gemma 3 GGUF file (the text model), read as llama.cpp reads
+    it: the window's pattern from ``attention.sliding_window_pattern`` where the file
+    has one, else llama.cpp's fixed one; the local RoPE base likewise."""
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    layers = int(get("block_count"))
+    head_dim = int(get("attention.key_length", 256))
+    window = get("attention.sliding_window")
+    if not window:
+        raise ValueError(f"{file_name}: a Gemma 3 file needs gemma3.attention.sliding_window")
+    config: dict[str, Any] = {
+        "architectures": [architecture],
+        "vocab_size": tensors["token_embd.weight"][1][0],
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(get("context_length", 131_072)),
+        "rope_theta": float(get("rope.freq_base", 1_000_000.0)),
+        "rope_local_base_freq": float(get("rope.freq_base_swa", GGUF_LOCAL_BASE)),
+        "query_pre_attn_scalar": hidden // heads
+        if layers == GGUF_HIDDEN_SCALED_LAYERS
+        else head_dim,
+        "sliding_window": int(window),
+        "layer_types": _gguf_layer_types(
+            file_name, get("attention.sliding_window_pattern"), layers
+        ),
+        "final_logit_softcapping": get("final_logit_softcapping"),
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "torch_dtype": "float32",
+    }
+    scaling = get("rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling != "linear":
+            raise ValueError(f"{file_name}: Gemma 3 RoPE scaling {scaling!r} is not supported")
+        config["rope_scaling"] = {
+            "rope_type": "linear",
+            "factor": float(get("rope.scaling.factor", 1.0)),
+        }
+    return config
+
+
+def _gguf_layer_types(file_name: str, pattern: Any, layers: int) -> list[str]:
+    """Which layers slide: a list of flags as the file gives it, or a period ``n`` (as
+    llama.cpp counts it: in each ``n`` layers all but the last slide; 0: all slide)."""
+    if pattern is None:
+        pattern = GGUF_WINDOW_PATTERN
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise ValueError(
+                f"{file_name}: attention.sliding_window_pattern lists {len(pattern)} layers, "
+                f"the file has {layers}"
+            )
+        slides = [bool(flag) for flag in pattern]
+    else:
+        period = int(pattern)
+        slides = [period == 0 or layer % period < period - 1 for layer in range(layers)]
+    return [LAYER_TYPES[0] if slide else LAYER_TYPES[1] for slide in slides]

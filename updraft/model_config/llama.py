@@ -5,6 +5,7 @@ metadata."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from updraft.model_config.fields import decoder_fields, layer_windows, positive_int, require_silu
@@ -96,12 +97,9 @@ def from_gguf(
     tensors: dict[str, tuple[str, tuple[int, ...]]],
 ) -> dict[str, Any]:
     """The config.json that transformers would write for a Llama-family GGUF file:
-    ``get(key, default)`` reads the file's ``<arch>.<key>`` metadata."""
-    if "rope_freqs.weight" in tensors:
-        raise ValueError(
-            f"{file_name}: per-frequency RoPE factors (rope_freqs, Llama 3.1's scaling) "
-            "are not supported in GGUF files yet"
-        )
+    ``get(key, default)`` reads the file's ``<arch>.<key>`` metadata. A file's
+    ``rope_freqs`` (how llama.cpp holds Llama 3.1's scaling) becomes RoPE's
+    ``frequency_factors``."""
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     config: dict[str, Any] = {
@@ -131,4 +129,76 @@ def from_gguf(
                 get("rope.scaling.original_context_length", config["max_position_embeddings"])
             ),
         }
+    if "rope_freqs.weight" in tensors:
+        factors = frequency_factors(file_name, tensors, "rope_freqs.weight", config["head_dim"])
+        config.setdefault("rope_scaling", {"rope_type": "default"})["frequency_factors"] = factors
+    return config
+
+
+def frequency_factors(file_name: str, tensors: Any, name: str, rotary_dim: int) -> list[float]:
+    """The values of the GGUF tensor ``name``: one RoPE factor per frequency."""
+    values = list(tensors.values_of(name))
+    if len(values) != rotary_dim // 2:
+        raise ValueError(
+            f"{file_name}: {name} holds {len(values)} values; its {rotary_dim} rotary "
+            f"dimensions need {rotary_dim // 2}, one per frequency"
+        )
+    if not all(math.isfinite(v) and v > 0 for v in values):
+        raise ValueError(f"{file_name}: {name} holds a factor that is not a positive number")
+    return values
+
+
+# llama.cpp's names of Phi-3's fused projections (tried before the shared names).
+PHI3_GGUF_TENSORS = (
+    (r"blk\.(\d+)\.attn_qkv\.weight", r"model.layers.\1.self_attn.qkv_proj.weight"),
+    (r"blk\.(\d+)\.ffn_up\.weight", r"model.layers.\1.mlp.gate_up_proj.weight"),
+)
+
+
+def phi3_from_gguf(
+    file_name: str,
+    architecture: str,
+    get: Any,
+    tensors: dict[str, tuple[str, tuple[int, ...]]],
+) -> dict[str, Any]:
+    """The config.json of a Phi-3 (or Phi-4-mini) GGUF file: partial rotary from
+    ``rope.dimension_count``, LongRoPE from its ``rope_factors_long``/``_short`` tensors
+    and the attention factor the file names, a window from ``attention.sliding_window``
+    (0: none), applied to every layer as transformers does (llama.cpp leaves Phi's
+    windows off)."""
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    head_dim = hidden // heads
+    rotary_dim = int(get("rope.dimension_count", head_dim))
+    context = int(get("context_length", 4096))
+    config: dict[str, Any] = {
+        "architectures": [architecture],
+        "vocab_size": tensors["token_embd.weight"][1][0],
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "max_position_embeddings": context,
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "partial_rotary_factor": rotary_dim / head_dim,
+        "sliding_window": int(get("attention.sliding_window", 0)) or None,
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "torch_dtype": "float32",
+    }
+    long, short = "rope_factors_long.weight", "rope_factors_short.weight"
+    if (long in tensors) != (short in tensors):
+        raise ValueError(f"{file_name}: LongRoPE needs both {long} and {short}")
+    if long in tensors:
+        original = int(get("rope.scaling.original_context_length", context))
+        config["rope_scaling"] = {
+            "rope_type": "longrope",
+            "long_factor": frequency_factors(file_name, tensors, long, rotary_dim),
+            "short_factor": frequency_factors(file_name, tensors, short, rotary_dim),
+            "original_max_position_embeddings": original,
+            "factor": context / original,
+        }
+        if get("rope.scaling.attn_factor") is not None:
+            config["rope_scaling"]["attention_factor"] = float(get("rope.scaling.attn_factor"))
     return config

@@ -26,6 +26,10 @@ class RopeConfig:
     # context, and for one past it.
     short_factor: tuple[float, ...] | None = None
     long_factor: tuple[float, ...] | None = None
+    # llama.cpp's per-frequency divisors (a GGUF file's ``rope_freqs``, how its files
+    # hold Llama 3.1's scaling): each inverse frequency is divided by its factor before
+    # the kind's own scaling, as llama.cpp's RoPE does.
+    frequency_factors: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)

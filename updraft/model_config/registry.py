@@ -36,6 +36,10 @@ class Architecture:
     from_gguf: GGUFParser | None = None
     # llama.cpp's converter permutes the q and k rows of this architecture's files.
     gguf_permuted_qk: bool = False
+    # (pattern, replacement) of its GGUF tensor names tried before the shared ones, and
+    # what its converter added to every norm weight (Gemma's 1).
+    gguf_tensor_names: tuple[tuple[str, str], ...] = ()
+    gguf_norm_shift: float = 0.0
     eagle_head: bool = False  # an EAGLE head may be one layer of it
     prequantized: bool = False  # AWQ, GPTQ and compressed-tensors checkpoints are read
 
@@ -72,11 +76,29 @@ ARCHITECTURES: dict[str, Architecture] = {
             prequantized=True,
         ),
         # Fused qkv and gate/up in its checkpoints, LongRoPE.
-        Architecture("Phi3ForCausalLM", llama.parse, LLAMA, eagle_head=True, prequantized=True),
+        Architecture(
+            "Phi3ForCausalLM",
+            llama.parse,
+            LLAMA,
+            gguf_name="phi3",
+            from_gguf=llama.phi3_from_gguf,
+            gguf_tensor_names=llama.PHI3_GGUF_TENSORS,
+            eagle_head=True,
+            prequantized=True,
+        ),
         Architecture("MistralForCausalLM", llama.parse, LLAMA, eagle_head=True, prequantized=True),
         Architecture("Qwen3MoeForCausalLM", llama.parse, LLAMA),
         Architecture("MixtralForCausalLM", llama.parse, LLAMA),
-        Architecture("Gemma3ForCausalLM", gemma3.parse, GEMMA3, prequantized=True),
+        Architecture(
+            "Gemma3ForCausalLM",
+            gemma3.parse,
+            GEMMA3,
+            gguf_name="gemma3",
+            from_gguf=gemma3.from_gguf,
+            gguf_tensor_names=gemma3.GGUF_TENSORS,
+            gguf_norm_shift=gemma3.GGUF_NORM_SHIFT,
+            prequantized=True,
+        ),
         Architecture("Gemma3ForConditionalGeneration", gemma3.parse, GEMMA3, prequantized=True),
         Architecture("DeepseekV2ForCausalLM", deepseek.parse, DEEPSEEK),
         Architecture("DeepseekV3ForCausalLM", deepseek.parse, DEEPSEEK),

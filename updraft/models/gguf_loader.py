@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from updraft.checkpoints.gguf import CONFIG_TENSORS
 from updraft.kernels.gguf_ops import (
     BLOCK_TYPES,
     GGUF_MAX_ROWS,
@@ -85,8 +86,10 @@ NAMES = (
 FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
-def hf_name(gguf_name: str) -> str | None:
-    for pattern, replacement in NAMES:
+def hf_name(gguf_name: str, family_names: tuple[tuple[str, str], ...] = ()) -> str | None:
+    """transformers' name of a GGUF tensor: the family's own names first (its registry
+    row's ``gguf_tensor_names``), then the shared ones."""
+    for pattern, replacement in (*family_names, *NAMES):
         if re.fullmatch(pattern, gguf_name):
             return re.sub(pattern, replacement, gguf_name)
     return None
@@ -246,26 +249,32 @@ def load_gguf_model(
         model = model_class(config)(config, max_positions=max_positions)
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
-    permuted_qk = ARCHITECTURES[config.architecture].gguf_permuted_qk
+    row = ARCHITECTURES[config.architecture]
     floats: dict[str, dict[int, torch.Tensor]] = {}
     blocks: dict[str, dict[int, Part]] = {}
     float_kinds: Counter[str] = Counter()
     for path in parts:
         for tensor in GGUFReader(str(path)).tensors:
-            name = hf_name(tensor.name)
+            if tensor.name in CONFIG_TENSORS:  # read into the config, not a weight
+                continue
+            name = hf_name(tensor.name, row.gguf_tensor_names)
             if name is None:
                 raise ValueError(f"{path.name}: unexpected GGUF tensor {tensor.name}")
             target = target_of(name, params, modules)
             if target is None:
                 raise ValueError(f"{path.name}: GGUF tensor {tensor.name} fits no parameter")
             data = tensor.data
-            if permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
+            if row.gguf_permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = config.num_heads if "q_proj" in name else config.num_kv_heads
                 data = unpermute(np.asarray(data), heads)
             kind = tensor.tensor_type.name
             param, index = target
             if kind in FLOAT_DTYPES:
-                floats.setdefault(param, {})[index] = _float(data, kind)
+                values = _float(data, kind)
+                if row.gguf_norm_shift and name.endswith("norm.weight"):
+                    # back to the checkpoint's weight: exact while 1 + w lies in [0.5, 2]
+                    values = values.float() - row.gguf_norm_shift
+                floats.setdefault(param, {})[index] = values
                 if name.endswith(".weight") and np.asarray(data).ndim == 2:
                     float_kinds[kind] += 1
             elif tensor.name == "token_embd.weight" or param.endswith(".weight"):

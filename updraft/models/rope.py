@@ -13,6 +13,13 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int, long: bool = False) -> 
     """``long``: LongRoPE's frequencies for a sequence past its original context."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.frequency_factors is not None:
+        if len(rope.frequency_factors) != head_dim // 2:
+            raise ValueError(
+                f"RoPE needs {head_dim // 2} frequency factors, one per frequency of its "
+                f"{head_dim} rotary dimensions, got {len(rope.frequency_factors)}"
+            )
+        inv_freq = inv_freq / torch.tensor(rope.frequency_factors, dtype=torch.float32)
     if rope.kind == "longrope":
         factors = rope.long_factor if long else rope.short_factor
         if factors is None or len(factors) != head_dim // 2:
