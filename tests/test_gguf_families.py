@@ -1,0 +1,168 @@
+"""GGUF files of the dense families as llama.cpp's own converter writes them give what
+transformers gives on the checkpoint they came from.
+
+* Llama 3.1's RoPE scaling reaches the file as ``rope_freqs``, one divisor per
+  frequency; updraft turns its queries and keys by those very factors.
+* Phi-3 and Phi-4-mini: fused q/k/v and gate/up tensors, LongRoPE's factors as tensors
+  beside the attention factor in the metadata (both sides of the original context of
+  32 positions), partial rotary, a tied head, a sliding window.
+* Gemma 3: norms stored as 1 + the checkpoint's weight, its own norm names, llama.cpp's
+  fixed pattern of sliding layers (every sixth global) and local RoPE base, a linearly
+  scaled global RoPE and a final logit cap.
+* A Q8_0 file gives transformers' outputs on the weights its blocks stand for.
+
+Each runs eager and from captured graphs, with ``--activations float32``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from gguf import MODEL_ARCH, GGMLQuantizationType, GGUFReader, get_tensor_name_map, quants
+
+from tests.checkpoints import build_checkpoint
+from tests.helpers import greedy
+from tests.llama_cpp_tree import convert_many, llama_cpp_tree
+from tests.probes import logits_of, probed, records
+
+# Inside the original LongRoPE context of 32 positions and decoding past it, and past it
+# from the start; each longer than the windows of 8.
+PROMPTS = [list(range(3, 20)), [200, 17, 9], list(range(40, 80)), [5] * 30 + [6, 7, 8, 9]]
+NEW_TOKENS = 24
+
+# Gemma 3 as llama.cpp reads it: seven layers of which the sixth is global (its fixed
+# pattern), the local base its fixed 10000, a global base far from it (scaled linearly),
+# queries scaled by the head size.
+GEMMA3 = dict(
+    num_hidden_layers=7,
+    layer_types=[*["sliding_attention"] * 5, "full_attention", "sliding_attention"],
+    query_pre_attn_scalar=16,
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100.0},
+    },
+)
+# name -> (tiny checkpoint, its changes, the converter's outtype)
+FILES = {
+    "llama-3.1": ("llama", {}, "f32"),
+    "llama-3.1-q8_0": ("llama", {}, "q8_0"),
+    "phi4-mini": ("phi4-mini", {}, "f32"),
+    "phi3-window": ("phi3-window", {}, "f32"),
+    "gemma3": ("gemma3", GEMMA3, "f32"),
+}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """name -> (checkpoint, GGUF file), every file converted in one process."""
+    llama_cpp_tree()
+    root = tmp_path_factory.mktemp("gguf-families")
+    checkpoints: dict[str, Path] = {}
+    jobs, made = [], {}
+    for name, (kind, changes, outtype) in FILES.items():
+        key = (kind, json.dumps(changes, sort_keys=True))
+        if key not in checkpoints:
+            checkpoint = build_checkpoint(kind, root / kind, **changes)
+            # Gemma's converter cuts the embedding to the tokenizer's size; these
+            # checkpoints' vocabulary is llama.cpp's built-in one cut to theirs.
+            vocab = {str(i): i for i in range(256)}
+            tokenizer = {"model": {"vocab": vocab}, "added_tokens": []}
+            (checkpoint / "tokenizer.json").write_text(json.dumps(tokenizer))
+            checkpoints[key] = checkpoint
+        path = root / f"{name}.gguf"
+        jobs.append((checkpoints[key], path, outtype))
+        made[name] = (checkpoints[key], path)
+    convert_many(jobs)
+    return made
+
+
+@pytest.fixture(scope="module")
+def references(files) -> Callable[[str], list[tuple[list[int], torch.Tensor]]]:
+    """name -> transformers' greedy tokens and logits for each prompt, computed once."""
+    cache: dict[str, list] = {}
+
+    def of(name: str) -> list[tuple[list[int], torch.Tensor]]:
+        if name not in cache:
+            checkpoint, path = files[name]
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                checkpoint, dtype=torch.float32
+            )
+            if FILES[name][2] != "f32":
+                as_its_blocks_stand_for(model, path)
+            cache[name] = [generate_logits(model.eval(), prompt) for prompt in PROMPTS]
+        return cache[name]
+
+    return of
+
+
+def generate_logits(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy generate with its cache (LongRoPE switching as the sequence
+    grows past the original context, as it does)."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits)
+
+
+def as_its_blocks_stand_for(model, path: Path) -> None:
+    """Each of ``model``'s weights that the file holds in blocks replaced by what its
+    blocks stand for. The converter quantizes each row apart (its q/k row permutation
+    moves whole rows), so llama.cpp's own quantizer and dequantizer, applied to the
+    checkpoint's weight, give them; gguf-py's name map says which tensor is which."""
+    reader = GGUFReader(str(path))
+    kinds = {tensor.name: tensor.tensor_type for tensor in reader.tensors}
+    names = get_tensor_name_map(MODEL_ARCH.LLAMA, model.config.num_hidden_layers)
+    replaced = set()
+    with torch.no_grad():
+        for hf_name, param in model.named_parameters():
+            gguf_name = names.get_name(hf_name, try_suffixes=(".weight",))
+            kind = kinds.get(gguf_name)
+            if kind is None or kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+                continue
+            blocks = quants.quantize(param.numpy(), kind)
+            param.copy_(torch.from_numpy(quants.dequantize(blocks, kind)))
+            replaced.add(gguf_name)
+    in_blocks = {n for n, k in kinds.items() if k == GGMLQuantizationType.Q8_0}
+    assert replaced == in_blocks and in_blocks, (replaced, in_blocks)
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+@pytest.mark.parametrize("name", sorted(FILES))
+def test_a_converted_file_gives_transformers_tokens_and_logits(files, references, name, eager):
+    _, path = files[name]
+    llm = probed(
+        str(path), block_size=4, num_kv_blocks=128, enforce_eager=eager, activations="float32"
+    )
+    outputs = llm.generate(PROMPTS, greedy(NEW_TOKENS))
+    seen = records(llm)
+    for (tokens, expected), output in zip(references(name), outputs, strict=True):
+        assert list(output.outputs[0].token_ids) == tokens
+        assert (logits_of(seen, output) - expected).abs().max().item() < 1e-4
+    assert ("graph" in llm.engine.stats().steps) != eager
+
+
+def test_the_config_is_read_from_the_file_s_own_metadata(files):
+    from updraft.checkpoints.local import local_checkpoint
+    from updraft.model_config import ModelConfig
+
+    llama = ModelConfig.from_dir(local_checkpoint(str(files["llama-3.1"][1])))
+    assert llama.rope.kind == "default" and len(llama.rope.frequency_factors) == 8
+    phi4 = ModelConfig.from_dir(local_checkpoint(str(files["phi4-mini"][1])))
+    assert (phi4.rotary_dim, phi4.rope.kind, phi4.tie_word_embeddings) == (12, "longrope", True)
+    phi3 = ModelConfig.from_dir(local_checkpoint(str(files["phi3-window"][1])))
+    assert phi3.layer_windows == (8, 8) and phi3.rope.kind == "default"
+    gemma = ModelConfig.from_dir(local_checkpoint(str(files["gemma3"][1])))
+    assert gemma.layer_windows == (8, 8, 8, 8, 8, None, 8)
+    assert (gemma.rope.theta, gemma.rope.kind, gemma.local_rope.theta) == (100.0, "linear", 1e4)
+    assert gemma.final_logit_softcapping == 30.0
