@@ -9,7 +9,8 @@ transformers gives on the checkpoint they came from.
 * Gemma 3: norms stored as 1 + the checkpoint's weight, its own norm names, llama.cpp's
   fixed pattern of sliding layers (every sixth global) and local RoPE base, a linearly
   scaled global RoPE and a final logit cap.
-* A Q8_0 file gives transformers' outputs on the weights its blocks stand for.
+* Q8_0 files (Llama's, and Phi-4-mini's with its fused tensors and tied head in blocks)
+  give transformers' outputs on the weights their blocks stand for.
 
 Each runs eager and from captured graphs, with ``--activations float32``.
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from gguf import MODEL_ARCH, GGMLQuantizationType, GGUFReader, get_tensor_name_map, quants
+from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, get_tensor_name_map, quants
 
 from tests.checkpoints import build_checkpoint
 from tests.helpers import greedy
@@ -52,6 +53,7 @@ FILES = {
     "llama-3.1": ("llama", {}, "f32"),
     "llama-3.1-q8_0": ("llama", {}, "q8_0"),
     "phi4-mini": ("phi4-mini", {}, "f32"),
+    "phi4-mini-q8_0": ("phi4-mini", {}, "q8_0"),
     "phi3-window": ("phi3-window", {}, "f32"),
     "gemma3": ("gemma3", GEMMA3, "f32"),
 }
@@ -122,7 +124,9 @@ def as_its_blocks_stand_for(model, path: Path) -> None:
     checkpoint's weight, give them; gguf-py's name map says which tensor is which."""
     reader = GGUFReader(str(path))
     kinds = {tensor.name: tensor.tensor_type for tensor in reader.tensors}
-    names = get_tensor_name_map(MODEL_ARCH.LLAMA, model.config.num_hidden_layers)
+    arch = reader.fields["general.architecture"].contents()
+    arch = next(key for key, name in MODEL_ARCH_NAMES.items() if name == arch)
+    names = get_tensor_name_map(arch, model.config.num_hidden_layers)
     replaced = set()
     with torch.no_grad():
         for hf_name, param in model.named_parameters():
