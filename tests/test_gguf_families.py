@@ -21,6 +21,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -124,6 +125,7 @@ def as_its_blocks_stand_for(model, path: Path) -> None:
     checkpoint's weight, give them; gguf-py's name map says which tensor is which."""
     reader = GGUFReader(str(path))
     kinds = {tensor.name: tensor.tensor_type for tensor in reader.tensors}
+    in_file = {tensor.name: tensor for tensor in reader.tensors}
     arch = reader.fields["general.architecture"].contents()
     arch = next(key for key, name in MODEL_ARCH_NAMES.items() if name == arch)
     names = get_tensor_name_map(arch, model.config.num_hidden_layers)
@@ -134,8 +136,11 @@ def as_its_blocks_stand_for(model, path: Path) -> None:
             kind = kinds.get(gguf_name)
             if kind is None or kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
                 continue
-            blocks = quants.quantize(param.numpy(), kind)
-            param.copy_(torch.from_numpy(quants.dequantize(blocks, kind)))
+            stands_for = quants.dequantize(quants.quantize(param.numpy(), kind), kind)
+            # the file's own values, rows in its order: the same rows
+            file_values = quants.dequantize(np.asarray(in_file[gguf_name].data), kind)
+            assert np.array_equal(np.sort(file_values, 0), np.sort(stands_for, 0)), gguf_name
+            param.copy_(torch.from_numpy(stands_for))
             replaced.add(gguf_name)
     in_blocks = {n for n, k in kinds.items() if k == GGMLQuantizationType.Q8_0}
     assert replaced == in_blocks and in_blocks, (replaced, in_blocks)
