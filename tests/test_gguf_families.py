@@ -175,3 +175,31 @@ def test_the_config_is_read_from_the_file_s_own_metadata(files):
     assert gemma.layer_windows == (8, 8, 8, 8, 8, None, 8)
     assert (gemma.rope.theta, gemma.rope.kind, gemma.local_rope.theta) == (100.0, "linear", 1e4)
     assert gemma.final_logit_softcapping == 30.0
+
+
+@pytest.mark.parametrize(
+    ("pattern", "sliding"),
+    [
+        (None, [True] * 5 + [False, True]),  # llama.cpp's fixed period of 6
+        (3, [True, True, False] * 2 + [True]),
+        (0, [True] * 7),  # every layer slides
+        ([False, True] * 3 + [True], [False, True] * 3 + [True]),  # listed per layer
+    ],
+)
+def test_gemma3_s_sliding_layers_follow_the_file_s_pattern_as_llama_cpp_counts_it(pattern, sliding):
+    from updraft.model_config import gemma3
+
+    metadata = {
+        "attention.head_count": 4,
+        "embedding_length": 64,
+        "feed_forward_length": 128,
+        "block_count": 7,
+        "attention.sliding_window": 8,
+        "attention.sliding_window_pattern": pattern,
+    }
+    tensors = {"token_embd.weight": ("F32", (256, 64))}
+    config = gemma3.from_gguf("x.gguf", "Gemma3ForCausalLM", metadata.get, tensors)
+    assert [kind == "sliding_attention" for kind in config["layer_types"]] == sliding
+    metadata["attention.sliding_window_pattern"] = [True] * 3
+    with pytest.raises(ValueError, match="lists 3 layers, the file has 7"):
+        gemma3.from_gguf("x.gguf", "Gemma3ForCausalLM", metadata.get, tensors)
