@@ -1,14 +1,14 @@
 """GGUF files: blocks read where they lie, and a model from a file equal to transformers.
 
 * Each block type's widening equals the ``gguf`` package's numpy dequantization bit for
-  bit (K-quant blocks are random bytes with finite half scales: the package reads them
-  but cannot write them), and the kernel's product with a block weight equals float32's
-  on its dequantization.
+  bit (K-quant and IQ4 blocks are random bytes with finite half scales: the package
+  reads them but cannot write them), and the kernel's product with a block weight
+  equals float32's on its dequantization, in its AVX-512, AVX2 and plain-C builds.
 * A Llama GGUF written by ``benchmarks/peers/make_gguf.py`` (which permutes q/k rows as
   llama.cpp's converter does) gives the safetensors checkpoint's logits; a loader that
   skips the un-permute does not.
-* Files whose linears and embedding are in each block type (a Q4_K_M-like mix
-  included) give the logits transformers computes on the float32 weights their blocks
+* Files whose linears and embedding are in each block type (Q4_K_M-, Q3_K_M-, Q2_K-
+  and IQ4_XS-like mixes included) give the logits transformers computes on the float32 weights their blocks
   stand for; a file split in parts loads like one; the loaded weights take about the
   file's tensor bytes; an architecture, a tensor type or a RoPE table that cannot be read
   is refused by name.
