@@ -314,7 +314,7 @@ static inline __m512 floats16(__m128i bytes) {
 /* The types read since the first seven (their layouts at widen_block_more). */
 static void block_fma_more(int type, const uint8_t *b, const float *x, int64_t k,
                            int64_t base, int64_t m, __m512 *acc) {
-    const __m512i three = _mm512_set1_epi32(3), one = _mm512_set1_epi32(1);
+    const __m512i three = _mm512_set1_epi32(3);
     switch (type) {
     case 10: { /* Q2_K: d * (scale & 15) * q - dmin * (scale >> 4) per sub-block of 16 */
         const uint8_t *scales = b, *q = b + 16;
@@ -342,10 +342,9 @@ static void block_fma_more(int type, const uint8_t *b, const float *x, int64_t k
                 const __m512i bytes = bytes16(q + 32 * half + 16 * part);
                 for (int pair = 0; pair < 4; pair++) {
                     const __m512i low = _mm512_and_si512(_mm512_srli_epi32(bytes, 2 * pair), three);
-                    const __m512i set =
-                        _mm512_and_si512(_mm512_srli_epi32(thirds, 4 * half + pair), one);
-                    const __m512i code =
-                        _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(set, 2)), four);
+                    const __mmask16 clear =
+                        _mm512_testn_epi32_mask(thirds, _mm512_set1_epi32(1 << (4 * half + pair)));
+                    const __m512i code = _mm512_mask_sub_epi32(low, clear, low, four);
                     const float dl = d * (float)scale_k3(8 * half + 2 * pair + part, scales);
                     ROWS_FMA(_mm512_mul_ps(_mm512_cvtepi32_ps(code), splat(dl)),
                              128 * half + 32 * pair + 16 * part)
@@ -363,17 +362,23 @@ static void block_fma_more(int type, const uint8_t *b, const float *x, int64_t k
             scale_min_k4(j, scales, &scale, &min);
             factor[j] = d * (float)scale, offset[j] = -dmin * (float)min;
         }
-        const __m512i low4 = _mm512_set1_epi32(0xF);
+        const __m512i low4 = _mm512_set1_epi32(0xF), sixteen = _mm512_set1_epi32(16);
         for (int part = 0; part < 2; part++) {
             const __m512i fifths = bytes16(fifth + 16 * part);
-            for (int j = 0; j < 8; j++) {
-                const __m512i bytes = bytes16(q + 32 * (j / 2) + 16 * part);
-                const __m512i low = _mm512_and_si512(_mm512_srli_epi32(bytes, 4 * (j & 1)), low4);
-                const __m512i high = _mm512_and_si512(_mm512_srli_epi32(fifths, j), one);
-                const __m512i code = _mm512_or_si512(low, _mm512_slli_epi32(high, 4));
-                const __m512 w =
-                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(code), splat(factor[j]), splat(offset[j]));
-                ROWS_FMA(w, 32 * j + 16 * part)
+            for (int chunk = 0; chunk < 4; chunk++) { /* sub-blocks 2 chunk, 2 chunk + 1 */
+                const __m512i bytes = bytes16(q + 32 * chunk + 16 * part);
+                const __m512i lo = _mm512_and_si512(bytes, low4), hi = _mm512_srli_epi32(bytes, 4);
+                const __mmask16 lo_set =
+                    _mm512_test_epi32_mask(fifths, _mm512_set1_epi32(1 << (2 * chunk)));
+                const __mmask16 hi_set =
+                    _mm512_test_epi32_mask(fifths, _mm512_set1_epi32(2 << (2 * chunk)));
+                const __m512 q_lo = _mm512_cvtepi32_ps(_mm512_mask_add_epi32(lo, lo_set, lo, sixteen));
+                const __m512 q_hi = _mm512_cvtepi32_ps(_mm512_mask_add_epi32(hi, hi_set, hi, sixteen));
+                ROWS_FMA(_mm512_fmadd_ps(q_lo, splat(factor[2 * chunk]), splat(offset[2 * chunk])),
+                         64 * chunk + 16 * part)
+                ROWS_FMA(_mm512_fmadd_ps(q_hi, splat(factor[2 * chunk + 1]),
+                                         splat(offset[2 * chunk + 1])),
+                         64 * chunk + 32 + 16 * part)
             }
         }
         break;
