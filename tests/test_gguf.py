@@ -8,10 +8,10 @@
   llama.cpp's converter does) gives the safetensors checkpoint's logits; a loader that
   skips the un-permute does not.
 * Files whose linears and embedding are in each block type (Q4_K_M-, Q3_K_M-, Q2_K-
-  and IQ4_XS-like mixes included) give the logits transformers computes on the float32 weights their blocks
-  stand for; a file split in parts loads like one; the loaded weights take about the
-  file's tensor bytes; an architecture, a tensor type or a RoPE table that cannot be read
-  is refused by name.
+  and IQ4_XS-like mixes included) give the logits transformers computes on the float32
+  weights their blocks stand for; a file split in parts loads like one; the loaded
+  weights take about the file's tensor bytes; an architecture, a tensor type or a RoPE
+  table that cannot be read is refused by name.
 """
 
 from __future__ import annotations
@@ -182,8 +182,8 @@ MIXES = {
     "Q5_0-Q5_1-F16": {"attn_q": "Q5_0", "attn_k": "Q5_1", "ffn": "Q5_0", "attn_output": "F16"},
     # Q4_K_M's pattern: v and down in Q6_K, the rest in Q4_K, the output in Q6_K
     "Q4_K_M": {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output.": "Q6_K", "blk": "Q4_K"},
-    # Q3_K_M's and Q2_K's patterns in one file: v and down in Q5_K, q and k in Q2_K, the
-    # rest (the embedding included) in Q3_K
+    # after Q3_K_M's and Q2_K's patterns, in one file: v and down in Q5_K, q and k in
+    # Q2_K, the output in Q6_K, the rest (the embedding included) in Q3_K
     "Q3_K_M-Q2_K": {
         "attn_v": "Q5_K",
         "ffn_down": "Q5_K",
