@@ -324,8 +324,10 @@ static void block_fma_more(int type, const uint8_t *b, const float *x, int64_t k
                 const __m512i bytes = bytes16(q + 32 * half + 16 * part);
                 for (int pair = 0; pair < 4; pair++) {
                     const int scale = scales[8 * half + 2 * pair + part];
-                    const __m512i code = _mm512_and_si512(_mm512_srli_epi32(bytes, 2 * pair), three);
-                    const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(code), splat(d * (float)(scale & 0xF)),
+                    const __m512i code =
+                        _mm512_and_si512(_mm512_srli_epi32(bytes, 2 * pair), three);
+                    const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(code),
+                                                     splat(d * (float)(scale & 0xF)),
                                                      splat(-dmin * (float)(scale >> 4)));
                     ROWS_FMA(w, 128 * half + 32 * pair + 16 * part)
                 }
@@ -372,8 +374,10 @@ static void block_fma_more(int type, const uint8_t *b, const float *x, int64_t k
                     _mm512_test_epi32_mask(fifths, _mm512_set1_epi32(1 << (2 * chunk)));
                 const __mmask16 hi_set =
                     _mm512_test_epi32_mask(fifths, _mm512_set1_epi32(2 << (2 * chunk)));
-                const __m512 q_lo = _mm512_cvtepi32_ps(_mm512_mask_add_epi32(lo, lo_set, lo, sixteen));
-                const __m512 q_hi = _mm512_cvtepi32_ps(_mm512_mask_add_epi32(hi, hi_set, hi, sixteen));
+                const __m512 q_lo =
+                    _mm512_cvtepi32_ps(_mm512_mask_add_epi32(lo, lo_set, lo, sixteen));
+                const __m512 q_hi =
+                    _mm512_cvtepi32_ps(_mm512_mask_add_epi32(hi, hi_set, hi, sixteen));
                 ROWS_FMA(_mm512_fmadd_ps(q_lo, splat(factor[2 * chunk]), splat(offset[2 * chunk])),
                          64 * chunk + 16 * part)
                 ROWS_FMA(_mm512_fmadd_ps(q_hi, splat(factor[2 * chunk + 1]),
@@ -569,7 +573,8 @@ static inline __attribute__((always_inline)) void block_fma8_more(
 #pragma GCC unroll 4
                 for (int pair = 0; pair < 4; pair++) {
                     const int scale = scales[8 * half + 2 * pair + part / 2];
-                    const __m256i code = _mm256_and_si256(_mm256_srli_epi32(bytes, 2 * pair), three);
+                    const __m256i code =
+                        _mm256_and_si256(_mm256_srli_epi32(bytes, 2 * pair), three);
                     const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code),
                                                      splat8(d * (float)(scale & 0xF)),
                                                      splat8(-dmin * (float)(scale >> 4)));
