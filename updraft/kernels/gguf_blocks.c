@@ -111,10 +111,11 @@ static int scale_iq4xs(int j, const uint8_t *b) {
 static const int8_t IQ4_VALUES[16] __attribute__((aligned(16))) = {
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
-/* The types read since the first seven, one block at b -> its 256 (IQ4_NL: 32) values:
-   Q2_K's and Q3_K's value 32s + l of each half of 128 is bits 2s, 2s + 1 of the half's
-   code byte l; Q5_K's value 32j + l has byte l's nibble of the pair of sub-blocks j / 2
-   and bit j of fifth-bit byte l. */
+/* widen_block's other half: a block of Q2_K, Q3_K, Q5_K, IQ4_XS (256 values) or IQ4_NL
+   (32) at b -> its values. Q2_K's and Q3_K's value 32s + l of each half of 128 has
+   bits 2s, 2s + 1 of the half's code byte l (and Q3_K's third bit is bit 4 half + s of
+   byte l); Q5_K's value 32j + l has the low (j even) or high nibble of code byte
+   32 (j / 2) + l, and bit j of fifth-bit byte l. */
 static void widen_block_more(int type, const uint8_t *b, float *restrict y) {
     switch (type) {
     case 10: { /* Q2_K: d * (scale & 15) * q - dmin * (scale >> 4) per sub-block of 16 */
@@ -311,7 +312,7 @@ static inline __m512 floats16(__m128i bytes) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
 }
 
-/* The types read since the first seven (their layouts at widen_block_more). */
+/* Q2_K, Q3_K, Q5_K, IQ4_NL and IQ4_XS (their layouts at widen_block_more). */
 static void block_fma_more(int type, const uint8_t *b, const float *x, int64_t k,
                            int64_t base, int64_t m, __m512 *acc) {
     const __m512i three = _mm512_set1_epi32(3);
@@ -557,7 +558,7 @@ static inline __m256 floats8(__m128i bytes) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
 }
 
-/* The types read since the first seven (their layouts at widen_block_more). */
+/* Q2_K, Q3_K, Q5_K, IQ4_NL and IQ4_XS (their layouts at widen_block_more). */
 static inline __attribute__((always_inline)) void block_fma8_more(
     int type, const uint8_t *b, const float *x, int64_t k, int64_t base, int64_t m, __m256 *acc) {
     const __m256i three = _mm256_set1_epi32(3), one = _mm256_set1_epi32(1);
