@@ -1,17 +1,17 @@
 """GGUF files: blocks read where they lie, and a model from a file equal to transformers.
 
 * Each block type's widening equals the ``gguf`` package's numpy dequantization bit for
-  bit (K-quant blocks are random bytes with finite half scales: the package reads them
-  but cannot write them), and the kernel's product with a block weight equals float32's
-  on its dequantization.
+  bit (K-quant and IQ4 blocks are random bytes with finite half scales: the package
+  reads them but cannot write them), and the kernel's product with a block weight
+  equals float32's on its dequantization, in its AVX-512, AVX2 and plain-C builds.
 * A Llama GGUF written by ``benchmarks/peers/make_gguf.py`` (which permutes q/k rows as
   llama.cpp's converter does) gives the safetensors checkpoint's logits; a loader that
   skips the un-permute does not.
-* Files whose linears and embedding are in each block type (a Q4_K_M-like mix
-  included) give the logits transformers computes on the float32 weights their blocks
-  stand for; a file split in parts loads like one; the loaded weights take about the
-  file's tensor bytes; an architecture, a tensor type or a RoPE table that cannot be read
-  is refused by name.
+* Files whose linears and embedding are in each block type (Q4_K_M-, Q3_K_M-, Q2_K-
+  and IQ4_XS-like mixes included) give the logits transformers computes on the float32
+  weights their blocks stand for; a file split in parts loads like one; the loaded
+  weights take about the file's tensor bytes; an architecture, a tensor type or a RoPE
+  table that cannot be read is refused by name.
 """
 
 from __future__ import annotations
@@ -43,7 +43,14 @@ SCALE_BYTES = {
     "Q5_1": (0, 2),
     "Q4_K": (0, 2),
     "Q6_K": (208, 1),
+    "Q2_K": (80, 2),
+    "Q3_K": (108, 1),
+    "Q5_K": (0, 2),
+    "IQ4_NL": (0, 1),
+    "IQ4_XS": (0, 1),
 }
+# The types the gguf package can write; the others' blocks are random bytes here.
+WRITTEN = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
 
 def random_blocks(
@@ -85,21 +92,22 @@ def test_blocks_widen_to_the_gguf_package_s_values_bit_for_bit(kind):
 @pytest.mark.parametrize("kind", sorted(BLOCK_TYPES))
 @pytest.mark.usefixtures("all_cores")
 def test_the_portable_path_computes_what_the_avx512_path_does(kind):
-    """The kernel built for a CPU without AVX-512 (haswell) widens each block into a
-    buffer instead; both give the same product."""
+    """The kernel built for a CPU without AVX-512 (haswell: AVX2's 8 lanes) and for one
+    without any vector extension (x86-64: each block widened into a buffer) gives the
+    machine's own build's product, one row of x (AVX2's path of its own) and several."""
     from updraft.kernels.gguf_ops import gguf_linear
 
     values = BLOCKS[BLOCK_TYPES[kind]][0]
-    blocks = random_blocks(kind, 20, 2 * values, np.random.default_rng(3))
-    weight = torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType[kind])).double()
+    blocks = torch.from_numpy(random_blocks(kind, 20, 2 * values, np.random.default_rng(3)))
+    weight = torch.from_numpy(quants.dequantize(blocks.numpy(), GGMLQuantizationType[kind]))
     x = torch.randn(5, 2 * values, generator=torch.Generator().manual_seed(3))
-    native = gguf_linear(x, torch.from_numpy(blocks), None, BLOCK_TYPES[kind], 2 * values)
-    portable = gguf_linear(
-        x, torch.from_numpy(blocks), None, BLOCK_TYPES[kind], 2 * values, march="haswell"
-    )
-    # the two sum in different orders: float32's rounding on the scale of the terms
-    bound = 2e-5 * (x.double().abs() @ weight.abs().T) + 1e-6
-    assert ((portable.double() - native.double()).abs() <= bound).all()
+    for rows in (x[:1], x):
+        native = gguf_linear(rows, blocks, None, BLOCK_TYPES[kind], 2 * values)
+        # the paths sum in different orders: float32's rounding on the scale of the terms
+        bound = 2e-5 * (rows.double().abs() @ weight.double().abs().T) + 1e-6
+        for march in ("haswell", "x86-64"):
+            portable = gguf_linear(rows, blocks, None, BLOCK_TYPES[kind], 2 * values, march=march)
+            assert ((portable.double() - native.double()).abs() <= bound).all(), march
 
 
 # -- whole files ---------------------------------------------------------------------------
@@ -155,9 +163,10 @@ def convert_to(types: dict[str, str], rng: np.random.Generator, reference: dict)
             reference[name] = array.astype(np.float16).astype(np.float32)
             return array.astype(np.float16), None
         qtype = GGMLQuantizationType[kind]
-        if kind in ("Q4_K", "Q6_K"):  # the package cannot write K-quants: random blocks
-            # a sub-block scale of up to 63 (Q4_K) or 127 (Q6_K) times codes of up to 15
-            # or 32: half scales small enough that weights stay near the model's own
+        if kind not in WRITTEN:  # the package cannot write K-quants or IQ4: random blocks
+            # a sub-block scale of up to 63 (Q4_K, Q5_K), 127 (Q6_K) or 32 (Q3_K, IQ4_XS)
+            # times codes of up to 15, 31, 32, 4 or 127: half scales small enough that
+            # weights stay near the model's own
             blocks = random_blocks(kind, array.shape[0], array.shape[1], rng, scale=2e-4)
         else:
             blocks = quants.quantize(array, qtype)
@@ -173,16 +182,41 @@ MIXES = {
     "Q5_0-Q5_1-F16": {"attn_q": "Q5_0", "attn_k": "Q5_1", "ffn": "Q5_0", "attn_output": "F16"},
     # Q4_K_M's pattern: v and down in Q6_K, the rest in Q4_K, the output in Q6_K
     "Q4_K_M": {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output.": "Q6_K", "blk": "Q4_K"},
+    # after Q3_K_M's and Q2_K's patterns, in one file: v and down in Q5_K, q and k in
+    # Q2_K, the output in Q6_K, the rest (the embedding included) in Q3_K
+    "Q3_K_M-Q2_K": {
+        "attn_v": "Q5_K",
+        "ffn_down": "Q5_K",
+        "attn_q": "Q2_K",
+        "attn_k": "Q2_K",
+        "output.": "Q6_K",
+        "": "Q3_K",
+    },
+    # IQ4_XS, with IQ4_NL where llama.cpp falls back to it (and for the embedding)
+    "IQ4_XS-IQ4_NL": {"ffn_down": "IQ4_NL", "token_embd": "IQ4_NL", "": "IQ4_XS"},
 }
 
 
-@pytest.mark.parametrize("mix", sorted(MIXES))
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+# The first mixes in each family; the later ones once each, as what a block stands for
+# does not depend on the family (Llama's file has its Q2_K q/k rows permuted, too).
+FILES = [
+    *(
+        (kind, mix)
+        for mix in ("Q8_0", "Q4_0-Q4_1", "Q5_0-Q5_1-F16", "Q4_K_M")
+        for kind in ("llama", "qwen2", "qwen3")
+    ),
+    ("llama", "Q3_K_M-Q2_K"),
+    ("qwen3", "IQ4_XS-IQ4_NL"),
+]
+
+
+@pytest.mark.parametrize(("kind", "mix"), FILES)
 def test_a_file_in_blocks_gives_transformers_logits_on_what_its_blocks_stand_for(
     tmp_path, kind, mix
 ):
-    # K-quants take rows of 256 values: a wider model for them.
-    shape = {"hidden_size": 256, "intermediate_size": 512} if "K" in mix else {}
+    # K-quants and IQ4_XS take rows of 256 values: a wider model for them.
+    wide = any(BLOCKS[BLOCK_TYPES[t]][0] == 256 for t in MIXES[mix].values() if t != "F16")
+    shape = {"hidden_size": 256, "intermediate_size": 512} if wide else {}
     checkpoint = plain(kind, tmp_path / "hf", **shape)
     stands_for: dict[str, np.ndarray] = {}
     path = tmp_path / "model.gguf"
@@ -303,11 +337,11 @@ def test_what_cannot_be_read_is_refused_by_name(llama_f32, tmp_path):
     mamba = _rewrite(path, tmp_path / "mamba.gguf", arch="mamba")
     with pytest.raises(ValueError, match="architecture 'mamba'"):
         LLM(str(mamba))
-    q2 = np.zeros((4, 84), dtype=np.uint8)  # four rows of 256 values in Q2_K
+    iq2 = np.zeros((4, 66), dtype=np.uint8)  # four rows of 256 values in IQ2_XXS
     odd = _rewrite(
-        path, tmp_path / "q2.gguf", tensors={"extra.weight": (q2, GGMLQuantizationType.Q2_K)}
+        path, tmp_path / "iq2.gguf", tensors={"extra.weight": (iq2, GGMLQuantizationType.IQ2_XXS)}
     )
-    with pytest.raises(ValueError, match="Q2_K"):
+    with pytest.raises(ValueError, match="IQ2_XXS"):
         LLM(str(odd))
     # one RoPE factor per frequency: a head of 16 dimensions turns 8
     freqs = (np.ones(5, dtype=np.float32), None)

@@ -108,6 +108,25 @@ def test_a_prefill_takes_x_as_a_decode_step_does(kind):
     assert torch.equal(rounded[7], _rounded(x[7]).float())
 
 
+def test_a_type_without_an_int8_kernel_keeps_its_blocks_and_takes_x_unrounded():
+    """Under int8 activations a part in a type ``gguf_int8.c`` does not multiply (Q5_K
+    here) stays in the file's blocks and computes the float path's product, beside a
+    Q4_K part that is regrouped and rounds x."""
+    k = 256
+    rng = np.random.default_rng(5)
+    q4 = gguf_loader.Part(torch.from_numpy(random_blocks("Q4_K", 16, k, rng)), BLOCK_TYPES["Q4_K"])
+    q5 = gguf_loader.Part(torch.from_numpy(random_blocks("Q5_K", 24, k, rng)), BLOCK_TYPES["Q5_K"])
+    assert BLOCK_TYPES["Q5_K"] not in INT8_TYPES
+    linear = gguf_loader.GGUFLinear(k, [q4, q5], None, True)
+    assert linear.grouped == [True, False]
+    assert torch.equal(linear.part1, q5.weight)
+    floats = gguf_loader.GGUFLinear(k, [q5], None)
+    generator = torch.Generator().manual_seed(5)
+    for rows in (1, 100):  # a decode step's kernel, a prefill's widened rows
+        x = torch.randn(rows, k, generator=generator)
+        assert torch.equal(linear(x)[:, 16:], floats(x))
+
+
 def _rounded(x: torch.Tensor) -> torch.Tensor:
     """x as the kernel rounds it, in float64."""
     codes, scales = gguf_round_x(x)

@@ -2,13 +2,16 @@
    for a few rows of x that widens each block in registers as it goes.
 
    A weight [N, K] of a block type is N rows of K / B blocks of ``block_bytes`` bytes,
-   B = 32 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) or 256 (Q4_K, Q6_K), exactly as in the file.
-   Each block widens to B float32 values the way llama.cpp's reference does: every
-   product of a scale and a code is exact in float32 (a half's 11 significant bits times
-   a code of at most 6 bits and a sub-block scale of at most 7), so fused or separate
-   multiply-adds give the same bits as the ``gguf`` package's numpy dequantization.
+   B = 32 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL) or 256 (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+   IQ4_XS), exactly as in the file. Each block widens to B float32 values the way
+   llama.cpp's reference does: every product of a scale and a code is exact in float32
+   (a half's 11 significant bits times a sub-block scale and a code of at most 13 bits
+   together, Q6_K's 7 + 6, IQ4_XS's 5 + 7 with its table's -127..113: float32's 24), so
+   fused or separate multiply-adds give the same bits as the ``gguf`` package's numpy
+   dequantization.
 
-   Types are ggml's numbers: Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q6_K 14. */
+   Types are ggml's numbers: Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q2_K 10, Q3_K 11,
+   Q4_K 12, Q5_K 13, Q6_K 14, IQ4_NL 20, IQ4_XS 23. */
 
 #include <stdint.h>
 #include <string.h>
@@ -50,7 +53,12 @@ static inline float half_at(const uint8_t *p) {
 #endif
 }
 
-int64_t gguf_block_values(int type) { return type == 12 || type == 14 ? 256 : 32; }
+int64_t gguf_block_values(int type) {
+    switch (type) {
+    case 10: case 11: case 12: case 13: case 14: case 23: return 256;
+    default: return 32;
+    }
+}
 
 int64_t gguf_block_bytes(int type) {
     switch (type) {
@@ -59,8 +67,14 @@ int64_t gguf_block_bytes(int type) {
     case 6: return 22;  /* Q5_0: d, 32 high bits, 16 bytes */
     case 7: return 24;  /* Q5_1: d, m, 32 high bits, 16 bytes */
     case 8: return 34;  /* Q8_0: d, 32 int8 */
+    case 10: return 84;  /* Q2_K: 16 scale-and-min bytes, 64 bytes of 2-bit codes, d, dmin */
+    case 11: return 110; /* Q3_K: 32 bytes of third bits, 64 bytes low 2 bits, 12 bytes of
+                            6-bit scales, d */
     case 12: return 144; /* Q4_K: d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes */
+    case 13: return 176; /* Q5_K: Q4_K's d, dmin and scales, 32 bytes of fifth bits, 128 */
     case 14: return 210; /* Q6_K: 128 bytes low 4 bits, 64 bytes high 2 bits, 16 scales, d */
+    case 20: return 18;  /* IQ4_NL: d, 16 bytes of nibbles indexing IQ4_VALUES */
+    case 23: return 136; /* IQ4_XS: d, 2 + 4 bytes of 6-bit scales, 128 bytes of nibbles */
     default: return 0;
     }
 }
@@ -73,6 +87,96 @@ static void scale_min_k4(int j, const uint8_t *q, int *scale, int *min) {
     } else {
         *scale = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
         *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* Q3_K's sub-block j (of 16): its 6-bit scale, less 32. The low 4 bits are byte j % 8's
+   low (j < 8) or high nibble, the top two bits pair j / 4 of byte 8 + j % 4. */
+static int scale_k3(int j, const uint8_t *scales) {
+    const int low = (scales[j & 7] >> (j < 8 ? 0 : 4)) & 0xF;
+    const int high = (scales[8 + (j & 3)] >> (2 * (j >> 2))) & 3;
+    return (low | (high << 4)) - 32;
+}
+
+/* IQ4_XS's sub-block j (of 8) of the block at b: its 6-bit scale, less 32. The low 4
+   bits are a nibble of bytes 4..7, the top two bits pair j of the 16-bit word at 2. */
+static int scale_iq4xs(int j, const uint8_t *b) {
+    const int low = (b[4 + j / 2] >> (4 * (j & 1))) & 0xF;
+    const int high = ((b[2] | (b[3] << 8)) >> (2 * j)) & 3;
+    return (low | (high << 4)) - 32;
+}
+
+/* The 16 values IQ4_NL's and IQ4_XS's 4-bit codes stand for (ggml's kvalues_iq4nl):
+   non-linear, denser near zero where most weights lie. */
+static const int8_t IQ4_VALUES[16] __attribute__((aligned(16))) = {
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* widen_block's other half: a block of Q2_K, Q3_K, Q5_K, IQ4_XS (256 values) or IQ4_NL
+   (32) at b -> its values. Q2_K's and Q3_K's value 32s + l of each half of 128 has
+   bits 2s, 2s + 1 of the half's code byte l (and Q3_K's third bit is bit 4 half + s of
+   byte l); Q5_K's value 32j + l has the low (j even) or high nibble of code byte
+   32 (j / 2) + l, and bit j of fifth-bit byte l. */
+static void widen_block_more(int type, const uint8_t *b, float *restrict y) {
+    switch (type) {
+    case 10: { /* Q2_K: d * (scale & 15) * q - dmin * (scale >> 4) per sub-block of 16 */
+        const uint8_t *scales = b, *q = b + 16;
+        const float d = half_at(b + 80), dmin = half_at(b + 82);
+        for (int v = 0; v < 256; v++) {
+            const int code = (q[32 * (v >> 7) + (v & 31)] >> (2 * ((v >> 5) & 3))) & 3;
+            const int scale = scales[v >> 4];
+            y[v] = d * (float)(scale & 0xF) * (float)code - dmin * (float)(scale >> 4);
+        }
+        break;
+    }
+    case 11: { /* Q3_K: d * scale * (q - 4, or q where the value's third bit is set) */
+        const uint8_t *third = b, *q = b + 32, *scales = b + 96;
+        const float d = half_at(b + 108);
+        for (int j = 0; j < 16; j++) {
+            const float dl = d * (float)scale_k3(j, scales);
+            for (int v = 16 * j; v < 16 * j + 16; v++) {
+                const int half = v >> 7, pair = (v >> 5) & 3, l = v & 31;
+                const int low = (q[32 * half + l] >> (2 * pair)) & 3;
+                const int set = (third[l] >> (4 * half + pair)) & 1;
+                y[v] = dl * (float)(set ? low : low - 4);
+            }
+        }
+        break;
+    }
+    case 13: { /* Q5_K: d * scale * q - dmin * min per sub-block of 32, as Q4_K's */
+        const float d = half_at(b), dmin = half_at(b + 2);
+        const uint8_t *scales = b + 4, *fifth = b + 16, *q = b + 48;
+        for (int j = 0; j < 8; j++) {
+            int scale, min;
+            scale_min_k4(j, scales, &scale, &min);
+            const float dl = d * (float)scale, ml = dmin * (float)min;
+            for (int l = 0; l < 32; l++) {
+                const int low = (q[32 * (j / 2) + l] >> (4 * (j & 1))) & 0xF;
+                y[32 * j + l] = dl * (float)(low | (((fifth[l] >> j) & 1) << 4)) - ml;
+            }
+        }
+        break;
+    }
+    case 20: { /* IQ4_NL: d * table[q], low nibbles values 0..15, high ones 16..31 */
+        const float d = half_at(b);
+        const uint8_t *q = b + 2;
+        for (int j = 0; j < 16; j++) {
+            y[j] = d * (float)IQ4_VALUES[q[j] & 0xF];
+            y[j + 16] = d * (float)IQ4_VALUES[q[j] >> 4];
+        }
+        break;
+    }
+    case 23: { /* IQ4_XS: d * scale * table[q] per sub-block of 32 (16 bytes, as IQ4_NL) */
+        const float d = half_at(b);
+        const uint8_t *q = b + 8;
+        for (int j = 0; j < 8; j++) {
+            const float dl = d * (float)scale_iq4xs(j, b);
+            for (int l = 0; l < 16; l++) {
+                y[32 * j + l] = dl * (float)IQ4_VALUES[q[16 * j + l] & 0xF];
+                y[32 * j + 16 + l] = dl * (float)IQ4_VALUES[q[16 * j + l] >> 4];
+            }
+        }
+        break;
+    }
     }
 }
 
@@ -162,6 +266,7 @@ static void widen_block(int type, const uint8_t *b, float *restrict y) {
         }
         break;
     }
+    default: widen_block_more(type, b, y);
     }
 }
 
@@ -174,6 +279,17 @@ void gguf_dequantize(int type, const uint8_t *w, int64_t rows, int64_t k, int64_
         for (int64_t blk = 0; blk < k / values; blk++)
             widen_block(type, w + r * row_bytes + blk * bytes, out + r * k + blk * values);
 }
+
+#if defined(__AVX2__)
+/* 16 bytes' low and high nibbles (values 0..15 and 16..31 of an IQ4 run of 32) looked
+   up in IQ4_VALUES, as int8: one byte shuffle each. */
+static inline void iq4_lookup16(const uint8_t *p, __m128i *lo, __m128i *hi) {
+    const __m128i table = _mm_load_si128((const __m128i *)IQ4_VALUES);
+    const __m128i nibble = _mm_set1_epi8(0xF), bytes = _mm_loadu_si128((const __m128i *)p);
+    *lo = _mm_shuffle_epi8(table, _mm_and_si128(bytes, nibble));
+    *hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
+}
+#endif
 
 #if defined(__AVX512F__)
 /* One block's values, 16 at a time in registers, multiplied into each row's 16 partial
@@ -191,6 +307,108 @@ static inline __m512i signed16(const uint8_t *p) {
     return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
 }
 static inline __m512 splat(float value) { return _mm512_set1_ps(value); }
+
+static inline __m512 floats16(__m128i bytes) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+}
+
+/* Q2_K, Q3_K, Q5_K, IQ4_NL and IQ4_XS (their layouts at widen_block_more). */
+static void block_fma_more(int type, const uint8_t *b, const float *x, int64_t k,
+                           int64_t base, int64_t m, __m512 *acc) {
+    const __m512i three = _mm512_set1_epi32(3);
+    switch (type) {
+    case 10: { /* Q2_K: d * (scale & 15) * q - dmin * (scale >> 4) per sub-block of 16 */
+        const uint8_t *scales = b, *q = b + 16;
+        const float d = half_at(b + 80), dmin = half_at(b + 82);
+        for (int half = 0; half < 2; half++)
+            for (int part = 0; part < 2; part++) {
+                const __m512i bytes = bytes16(q + 32 * half + 16 * part);
+                for (int pair = 0; pair < 4; pair++) {
+                    const int scale = scales[8 * half + 2 * pair + part];
+                    const __m512i code =
+                        _mm512_and_si512(_mm512_srli_epi32(bytes, 2 * pair), three);
+                    const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(code),
+                                                     splat(d * (float)(scale & 0xF)),
+                                                     splat(-dmin * (float)(scale >> 4)));
+                    ROWS_FMA(w, 128 * half + 32 * pair + 16 * part)
+                }
+            }
+        break;
+    }
+    case 11: { /* Q3_K: d * scale * (q - 4, or q where the value's third bit is set) */
+        const uint8_t *third = b, *q = b + 32, *scales = b + 96;
+        const float d = half_at(b + 108);
+        const __m512i four = _mm512_set1_epi32(4);
+        for (int part = 0; part < 2; part++) {
+            const __m512i thirds = bytes16(third + 16 * part);
+            for (int half = 0; half < 2; half++) {
+                const __m512i bytes = bytes16(q + 32 * half + 16 * part);
+                for (int pair = 0; pair < 4; pair++) {
+                    const __m512i low = _mm512_and_si512(_mm512_srli_epi32(bytes, 2 * pair), three);
+                    const __mmask16 clear =
+                        _mm512_testn_epi32_mask(thirds, _mm512_set1_epi32(1 << (4 * half + pair)));
+                    const __m512i code = _mm512_mask_sub_epi32(low, clear, low, four);
+                    const float dl = d * (float)scale_k3(8 * half + 2 * pair + part, scales);
+                    ROWS_FMA(_mm512_mul_ps(_mm512_cvtepi32_ps(code), splat(dl)),
+                             128 * half + 32 * pair + 16 * part)
+                }
+            }
+        }
+        break;
+    }
+    case 13: { /* Q5_K: d * scale * q - dmin * min per sub-block of 32, as Q4_K's */
+        const float d = half_at(b), dmin = half_at(b + 2);
+        const uint8_t *scales = b + 4, *fifth = b + 16, *q = b + 48;
+        float factor[8], offset[8];
+        for (int j = 0; j < 8; j++) {
+            int scale, min;
+            scale_min_k4(j, scales, &scale, &min);
+            factor[j] = d * (float)scale, offset[j] = -dmin * (float)min;
+        }
+        const __m512i low4 = _mm512_set1_epi32(0xF), sixteen = _mm512_set1_epi32(16);
+        for (int part = 0; part < 2; part++) {
+            const __m512i fifths = bytes16(fifth + 16 * part);
+            for (int chunk = 0; chunk < 4; chunk++) { /* sub-blocks 2 chunk, 2 chunk + 1 */
+                const __m512i bytes = bytes16(q + 32 * chunk + 16 * part);
+                const __m512i lo = _mm512_and_si512(bytes, low4), hi = _mm512_srli_epi32(bytes, 4);
+                const __mmask16 lo_set =
+                    _mm512_test_epi32_mask(fifths, _mm512_set1_epi32(1 << (2 * chunk)));
+                const __mmask16 hi_set =
+                    _mm512_test_epi32_mask(fifths, _mm512_set1_epi32(2 << (2 * chunk)));
+                const __m512 q_lo =
+                    _mm512_cvtepi32_ps(_mm512_mask_add_epi32(lo, lo_set, lo, sixteen));
+                const __m512 q_hi =
+                    _mm512_cvtepi32_ps(_mm512_mask_add_epi32(hi, hi_set, hi, sixteen));
+                ROWS_FMA(_mm512_fmadd_ps(q_lo, splat(factor[2 * chunk]), splat(offset[2 * chunk])),
+                         64 * chunk + 16 * part)
+                ROWS_FMA(_mm512_fmadd_ps(q_hi, splat(factor[2 * chunk + 1]),
+                                         splat(offset[2 * chunk + 1])),
+                         64 * chunk + 32 + 16 * part)
+            }
+        }
+        break;
+    }
+    case 20: { /* IQ4_NL: d * table[q], low nibbles values 0..15, high ones 16..31 */
+        const __m512 d = splat(half_at(b));
+        __m128i lo, hi;
+        iq4_lookup16(b + 2, &lo, &hi);
+        ROWS_FMA(_mm512_mul_ps(floats16(lo), d), 0)
+        ROWS_FMA(_mm512_mul_ps(floats16(hi), d), 16)
+        break;
+    }
+    case 23: { /* IQ4_XS: d * scale * table[q] per sub-block of 32 (16 bytes, as IQ4_NL) */
+        const float d = half_at(b);
+        for (int j = 0; j < 8; j++) {
+            const __m512 dl = splat(d * (float)scale_iq4xs(j, b));
+            __m128i lo, hi;
+            iq4_lookup16(b + 8 + 16 * j, &lo, &hi);
+            ROWS_FMA(_mm512_mul_ps(floats16(lo), dl), 32 * j)
+            ROWS_FMA(_mm512_mul_ps(floats16(hi), dl), 32 * j + 16)
+        }
+        break;
+    }
+    }
+}
 
 static void block_fma(int type, const uint8_t *b, const float *x, int64_t k, int64_t base,
                       int64_t m, __m512 *acc) {
@@ -309,6 +527,7 @@ static void block_fma(int type, const uint8_t *b, const float *x, int64_t k, int
 #endif
         break;
     }
+    default: block_fma_more(type, b, x, k, base, m, acc);
     }
 }
 #endif
@@ -334,6 +553,117 @@ static inline __m256i signed8(const uint8_t *p) {
     return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
 }
 static inline __m256 splat8(float value) { return _mm256_set1_ps(value); }
+
+static inline __m256 floats8(__m128i bytes) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+}
+
+/* Q2_K, Q3_K, Q5_K, IQ4_NL and IQ4_XS (their layouts at widen_block_more). */
+static inline __attribute__((always_inline)) void block_fma8_more(
+    int type, const uint8_t *b, const float *x, int64_t k, int64_t base, int64_t m, __m256 *acc) {
+    const __m256i three = _mm256_set1_epi32(3), one = _mm256_set1_epi32(1);
+    switch (type) {
+    case 10: { /* Q2_K: d * (scale & 15) * q - dmin * (scale >> 4) per sub-block of 16 */
+        const uint8_t *scales = b, *q = b + 16;
+        const float d = half_at(b + 80), dmin = half_at(b + 82);
+#pragma GCC unroll 2
+        for (int half = 0; half < 2; half++)
+#pragma GCC unroll 4
+            for (int part = 0; part < 4; part++) { /* values 32 pair + 8 part .. + 8 */
+                const __m256i bytes = bytes8(q + 32 * half + 8 * part);
+#pragma GCC unroll 4
+                for (int pair = 0; pair < 4; pair++) {
+                    const int scale = scales[8 * half + 2 * pair + part / 2];
+                    const __m256i code =
+                        _mm256_and_si256(_mm256_srli_epi32(bytes, 2 * pair), three);
+                    const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code),
+                                                     splat8(d * (float)(scale & 0xF)),
+                                                     splat8(-dmin * (float)(scale >> 4)));
+                    ROWS_FMA8(w, 128 * half + 32 * pair + 8 * part)
+                }
+            }
+        break;
+    }
+    case 11: { /* Q3_K: d * scale * (q - 4, or q where the value's third bit is set) */
+        const uint8_t *third = b, *q = b + 32, *scales = b + 96;
+        const float d = half_at(b + 108);
+        float factor[16];
+        for (int j = 0; j < 16; j++) factor[j] = d * (float)scale_k3(j, scales);
+        const __m256i four = _mm256_set1_epi32(4);
+#pragma GCC unroll 4
+        for (int part = 0; part < 4; part++) {
+            const __m256i thirds = bytes8(third + 8 * part);
+#pragma GCC unroll 2
+            for (int half = 0; half < 2; half++) {
+                const __m256i bytes = bytes8(q + 32 * half + 8 * part);
+#pragma GCC unroll 4
+                for (int pair = 0; pair < 4; pair++) {
+                    const __m256i low = _mm256_and_si256(_mm256_srli_epi32(bytes, 2 * pair), three);
+                    const __m256i set =
+                        _mm256_and_si256(_mm256_srli_epi32(thirds, 4 * half + pair), one);
+                    const __m256i code =
+                        _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(set, 2)), four);
+                    const __m256 dl = splat8(factor[8 * half + 2 * pair + part / 2]);
+                    ROWS_FMA8(_mm256_mul_ps(_mm256_cvtepi32_ps(code), dl),
+                              128 * half + 32 * pair + 8 * part)
+                }
+            }
+        }
+        break;
+    }
+    case 13: { /* Q5_K: d * scale * q - dmin * min per sub-block of 32, as Q4_K's */
+        const float d = half_at(b), dmin = half_at(b + 2);
+        const uint8_t *scales = b + 4, *fifth = b + 16, *q = b + 48;
+        float factor[8], offset[8];
+        for (int j = 0; j < 8; j++) {
+            int scale, min;
+            scale_min_k4(j, scales, &scale, &min);
+            factor[j] = d * (float)scale, offset[j] = -dmin * (float)min;
+        }
+        const __m256i low4 = _mm256_set1_epi32(0xF);
+#pragma GCC unroll 4
+        for (int part = 0; part < 4; part++) {
+            const __m256i fifths = bytes8(fifth + 8 * part);
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                const __m256i bytes = bytes8(q + 32 * (j / 2) + 8 * part);
+                const __m256i low =
+                    _mm256_and_si256(_mm256_srli_epi32(bytes, 4 * (j & 1)), low4);
+                const __m256i high = _mm256_and_si256(_mm256_srli_epi32(fifths, j), one);
+                const __m256i code = _mm256_or_si256(low, _mm256_slli_epi32(high, 4));
+                const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), splat8(factor[j]),
+                                                 splat8(offset[j]));
+                ROWS_FMA8(w, 32 * j + 8 * part)
+            }
+        }
+        break;
+    }
+    case 20: { /* IQ4_NL: d * table[q], low nibbles values 0..15, high ones 16..31 */
+        const __m256 d = splat8(half_at(b));
+        __m128i lo, hi;
+        iq4_lookup16(b + 2, &lo, &hi);
+        ROWS_FMA8(_mm256_mul_ps(floats8(lo), d), 0)
+        ROWS_FMA8(_mm256_mul_ps(floats8(_mm_srli_si128(lo, 8)), d), 8)
+        ROWS_FMA8(_mm256_mul_ps(floats8(hi), d), 16)
+        ROWS_FMA8(_mm256_mul_ps(floats8(_mm_srli_si128(hi, 8)), d), 24)
+        break;
+    }
+    case 23: { /* IQ4_XS: d * scale * table[q] per sub-block of 32 (16 bytes, as IQ4_NL) */
+        const float d = half_at(b);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            const __m256 dl = splat8(d * (float)scale_iq4xs(j, b));
+            __m128i lo, hi;
+            iq4_lookup16(b + 8 + 16 * j, &lo, &hi);
+            ROWS_FMA8(_mm256_mul_ps(floats8(lo), dl), 32 * j)
+            ROWS_FMA8(_mm256_mul_ps(floats8(_mm_srli_si128(lo, 8)), dl), 32 * j + 8)
+            ROWS_FMA8(_mm256_mul_ps(floats8(hi), dl), 32 * j + 16)
+            ROWS_FMA8(_mm256_mul_ps(floats8(_mm_srli_si128(hi, 8)), dl), 32 * j + 24)
+        }
+        break;
+    }
+    }
+}
 
 static inline __attribute__((always_inline)) void block_fma8(int type, const uint8_t *b, const float *x, int64_t k, int64_t base,
                        int64_t m, __m256 *acc) {
@@ -437,6 +767,7 @@ static inline __attribute__((always_inline)) void block_fma8(int type, const uin
         }
         break;
     }
+    default: block_fma8_more(type, b, x, k, base, m, acc);
     }
 }
 
@@ -474,7 +805,10 @@ void gguf_linear(int type, const float *x, int64_t m, int64_t k, const uint8_t *
         for (int64_t blk = 0; blk < blocks; blk++)                                           \
             block_fma8(TYPE, row + blk * bytes, x, k, blk * values, 1, acc);                 \
         break;
-            switch (type) { ONE_ROW(2) ONE_ROW(3) ONE_ROW(6) ONE_ROW(7) ONE_ROW(8) ONE_ROW(12) ONE_ROW(14) }
+            switch (type) {
+                ONE_ROW(2) ONE_ROW(3) ONE_ROW(6) ONE_ROW(7) ONE_ROW(8) ONE_ROW(10) ONE_ROW(11)
+                ONE_ROW(12) ONE_ROW(13) ONE_ROW(14) ONE_ROW(20) ONE_ROW(23)
+            }
 #undef ONE_ROW
             const __m256 four = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
             const __m256 more = _mm256_add_ps(_mm256_add_ps(acc[4], acc[5]), _mm256_add_ps(acc[6], acc[7]));
