@@ -144,32 +144,31 @@ def convert(checkpoint: Path, outfile: Path, outtype: str = "f32", *extra: str) 
     return outfile
 
 
-# Several conversions in one process: sys.argv is set for each in turn, and the
-# built-in vocabulary's file is read once (reading its 32,000 tokens is most of a tiny
-# model's conversion).
-_CONVERT_EACH = _CONVERT.replace(
-    "convert_hf_to_gguf.main()",
-    """import functools, json
-convert_hf_to_gguf.gguf.GGUFReader = functools.cache(convert_hf_to_gguf.gguf.GGUFReader)
-for argv in json.loads(sys.argv[1]):
-    sys.argv = ["convert_hf_to_gguf.py", *argv]
-    convert_hf_to_gguf.main()""",
-)
-
-
-def convert_each(jobs: list[tuple[Path, Path, str]]) -> list[Path]:
-    """Each ``(checkpoint, outfile, outtype)`` written as ``convert`` writes it, all in one
-    converter process: its start (about 3 s of imports) and the vocabulary's reading
-    are paid once."""
-    tree = llama_cpp_tree()
-    argvs = [[str(source), "--outfile", str(out), "--outtype", kind] for source, out, kind in jobs]
-    command = [sys.executable, "-c", _CONVERT_EACH, str(tree), json.dumps(argvs)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{done.stderr[-4000:]}")
-    return [out for _, out, _ in jobs]
-
-
 def copy_tree_file(relative: str, target: Path) -> Path:
     """A file of the tree copied to ``target``."""
     return Path(shutil.copy(llama_cpp_tree() / relative, target))
+
+
+# The converter's main() once per job, in one process: its imports and its reading of
+# the built-in vocabulary's file (memoised here) are most of its time.
+_CONVERT_MANY = _CONVERT.replace(
+    "convert_hf_to_gguf.main()\n",
+    """import functools, json
+import gguf
+gguf.GGUFReader = functools.lru_cache(gguf.GGUFReader)
+for job in json.loads(sys.argv.pop(1)):
+    sys.argv = [sys.argv[0], *job]
+    convert_hf_to_gguf.main()
+""",
+)
+
+
+def convert_many(jobs: list[tuple[Path, Path, str]]) -> None:
+    """Each (checkpoint, outfile, outtype) written as ``convert`` writes it, in one
+    process."""
+    tree = llama_cpp_tree()
+    argv = [[str(c), "--outfile", str(o), "--outtype", t] for c, o, t in jobs]
+    command = [sys.executable, "-c", _CONVERT_MANY, str(tree), json.dumps(argv)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{done.stderr[-4000:]}")

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.checkpoints import DEEPSEEK_TINY, build_checkpoint
 from tests.helpers import greedy, token_ids
-from tests.llama_cpp_tree import convert_each
+from tests.llama_cpp_tree import convert_many
 from tests.probes import logits_of, probed, records
 from tests.test_reference_models import PROMPTS
 from updraft import LLM
@@ -66,7 +66,7 @@ def files(tmp_path_factory):
     for name, (kind, outtype, changes) in FILES.items():
         checkpoints[name] = build_checkpoint(kind, root / name, **changes)
         jobs.append((checkpoints[name], root / f"{name}.gguf", outtype))
-    convert_each(jobs)
+    convert_many(jobs)
     made = {name: (checkpoints[name], root / f"{name}.gguf") for name in FILES}
     reference = stands_for(checkpoints["v2-q8_0"], root / "v2-q8_0.gguf", root / "v2-ref")
     made["v2-q8_0"] = (reference, root / "v2-q8_0.gguf")
