@@ -101,7 +101,14 @@ ARCHITECTURES: dict[str, Architecture] = {
         ),
         Architecture("Gemma3ForConditionalGeneration", gemma3.parse, GEMMA3, prequantized=True),
         Architecture("DeepseekV2ForCausalLM", deepseek.parse, DEEPSEEK),
-        Architecture("DeepseekV3ForCausalLM", deepseek.parse, DEEPSEEK),
+        # V2's GGUF files say deepseek2 too: the parser tells the two apart by their router.
+        Architecture(
+            "DeepseekV3ForCausalLM",
+            deepseek.parse,
+            DEEPSEEK,
+            gguf_name="deepseek2",
+            from_gguf=deepseek.from_gguf,
+        ),
         Architecture("DeepseekV32ForCausalLM", deepseek.parse, DEEPSEEK),
     )
 }

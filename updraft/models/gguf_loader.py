@@ -53,6 +53,7 @@ from updraft.kernels.gguf_ops import (
 from updraft.kernels.panels import Panels, pack_codes
 from updraft.model_config import ModelConfig
 from updraft.model_config.registry import ARCHITECTURES
+from updraft.models.gguf_mla import LatentKV
 from updraft.models.packed_linear import PackedLinear
 from updraft.models.packing import pack_model
 from updraft.models.registry import model_class
@@ -82,6 +83,22 @@ NAMES = (
     (r"blk\.(\d+)\.ffn_gate\.weight", r"model.layers.\1.mlp.gate_proj.weight"),
     (r"blk\.(\d+)\.ffn_up\.weight", r"model.layers.\1.mlp.up_proj.weight"),
     (r"blk\.(\d+)\.ffn_down\.weight", r"model.layers.\1.mlp.down_proj.weight"),
+    # DeepSeek's latent attention (gguf_mla.py joins attn_k_b and attn_v_b into attn_kv_b)
+    (r"blk\.(\d+)\.attn_q_a\.weight", r"model.layers.\1.self_attn.q_a_proj.weight"),
+    (r"blk\.(\d+)\.attn_q_a_norm\.weight", r"model.layers.\1.self_attn.q_a_layernorm.weight"),
+    (r"blk\.(\d+)\.attn_q_b\.weight", r"model.layers.\1.self_attn.q_b_proj.weight"),
+    (
+        r"blk\.(\d+)\.attn_kv_a_mqa\.weight",
+        r"model.layers.\1.self_attn.kv_a_proj_with_mqa.weight",
+    ),
+    (r"blk\.(\d+)\.attn_kv_a_norm\.weight", r"model.layers.\1.self_attn.kv_a_layernorm.weight"),
+    (r"blk\.(\d+)\.attn_kv_b\.weight", r"model.layers.\1.self_attn.kv_b_proj.weight"),
+    # DeepSeek's shared experts and its router's score bias
+    (
+        r"blk\.(\d+)\.ffn_(gate|up|down)_shexp\.weight",
+        r"model.layers.\1.mlp.shared_experts.\2_proj.weight",
+    ),
+    (r"blk\.(\d+)\.exp_probs_b\.bias", r"model.layers.\1.mlp.gate.e_score_correction_bias"),
 )
 FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -253,8 +270,9 @@ def load_gguf_model(
     floats: dict[str, dict[int, torch.Tensor]] = {}
     blocks: dict[str, dict[int, Part]] = {}
     float_kinds: Counter[str] = Counter()
+    latent = LatentKV()
     for path in parts:
-        for tensor in GGUFReader(str(path)).tensors:
+        for tensor in latent.tensors(GGUFReader(str(path)).tensors, path.name):
             if tensor.name in CONFIG_TENSORS:  # read into the config, not a weight
                 continue
             name = hf_name(tensor.name, row.gguf_tensor_names)
@@ -284,6 +302,7 @@ def load_gguf_model(
                 blocks.setdefault(param, {})[index] = Part(rows, BLOCK_TYPES[kind])
             else:
                 raise ValueError(f"{path.name}: a quantized {tensor.name} is not supported")
+    latent.finish(parts[0].name)
     _place_blocks(model, modules, blocks, floats, config, int8_activations)
     _fill_floats(model, floats)
     left = [name for name, param in model.named_parameters() if param.is_meta]
