@@ -170,7 +170,7 @@ class ChatServing:
         return ChatChoice(
             index=completion.index,
             message=ChatResponseMessage(
-                content=content if content.strip() or not calls else None,
+                content=content if content.strip() or not (calls or reply.reasoning) else None,
                 tool_calls=[call.to_openai() for call in calls] or None,
                 reasoning_content=reply.reasoning or None,
             ),
