@@ -151,11 +151,11 @@ def add_http_arguments(http: argparse._ArgumentGroup) -> None:
     )
     http.add_argument(
         "--reasoning-parser",
-        choices=["qwen3", "deepseek_r1", "deepseek_v3", "none"],
         default=None,
         help="split <think>...</think> out of chat replies into reasoning_content (a "
-        "grammar then constrains only the answer after it); default: on where the model's "
-        "chat template shows thinking, none to turn it off",
+        "grammar then constrains only the answer after it): qwen3, deepseek_r1 or "
+        "deepseek_v3 (as vLLM names them); default: on where the model's chat template "
+        "shows thinking, none to turn it off",
     )
     http.add_argument(
         "--structured-outputs-in-reasoning",
