@@ -26,6 +26,7 @@ from updraft.serve.parsers.reasoning import (
 from updraft.serve.parsers.reply import ReplyReader
 from updraft.serve.parsers.tool_parsers import parse, reply_stream
 from updraft.serve.parsers.tools import default_parser
+from updraft.serve.serving import ServeSettings
 
 from .llama_cpp_tree import llama_cpp_tree
 from .test_serve_tools import SCHEMAS, assembled, cut
@@ -223,3 +224,11 @@ def test_a_gate_opens_where_its_trigger_first_ends_however_tokens_arrive(
         gate.append(tokens[a:b])
         seen += b - a
     assert opened_at == first_end
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("tool_call_parser", "pythonic"), ("reasoning_parser", "granite")]
+)
+def test_a_parser_the_server_does_not_know_is_refused_by_name(field, value):
+    with pytest.raises(ValueError, match=f"{field}: '{value}' is not one of"):
+        ServeSettings(model_name="m", **{field: value})

@@ -79,7 +79,7 @@ class ChatServing:
         )
         structured_field = "tools" if body.calls_required() else body.structured_outputs_field()
         await base.compile(params, structured_field)
-        prompt, start, params = self._reasoning(await self._render(body), params)
+        prompt, start, params = self._reasoning(await self._render(body), params, body)
         if self.tool_parser == "mistral" and self.reply_stream(body) is not None:
             # Mistral's [TOOL_CALLS] is a special token: kept in the text to be read.
             params = replace(params, skip_special_tokens=False)
@@ -95,10 +95,11 @@ class ChatServing:
         return await self._response(request_id, body, streams, start)
 
     def _reasoning(
-        self, prompt: str, params: SamplingParams
+        self, prompt: str, params: SamplingParams, body: ChatCompletionRequest
     ) -> tuple[str, Start | None, SamplingParams]:
         """The prompt, where its reply starts with respect to reasoning (None without a
-        reasoning parser), and the params with any grammar set to start after it."""
+        reasoning parser), and the params with any grammar set to start after it. A
+        continued final message is not opened: its grammar applies from the start."""
         tags = self.reasoning_tags
         if tags is None:
             return prompt, None, params
@@ -108,10 +109,13 @@ class ChatServing:
             spec is None
             or start is Start.AFTER
             or self.base.settings.structured_outputs_in_reasoning
+            or (start is Start.MAYBE and body.continue_final_message)
         ):
             return prompt, start, params
         if start is Start.MAYBE:
             prompt, start = prompt + tags[0], Start.INSIDE
+        # The closing tag as the tokenizer spells it: one added token in the families that
+        # think (Qwen3, DeepSeek-R1), which is how their models write it.
         tokenizer = self.base.tokenizer
         closing = tuple(tokenizer.backend.encode(tags[1], add_special_tokens=False).ids)
         return (
