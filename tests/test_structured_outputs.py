@@ -346,3 +346,31 @@ def test_thousands_of_distinct_schemas_compile_within_a_bounded_cache():
         matcher = compiler.matcher(StructuredOutputsParams(json=schema))
         assert not matcher.is_error()
     assert len(compiler.cached_keys()) == grammar_compiler.CACHE_SIZE
+
+
+def test_a_grammar_that_starts_after_the_reasoning_is_exact_under_speculation(demo):
+    """Free up to the first appearance of its ``starts_after`` tokens, then the schema:
+    the same greedy tokens whether drafts come or not, the trigger inside a draft or
+    not."""
+    free = demo.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    trigger = tuple(free.token_ids[5:7])
+    pairs = [tuple(free.token_ids[i : i + 2]) for i in range(len(free.token_ids) - 1)]
+    opened = pairs.index(trigger) + 2  # where the grammar starts: after the first
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    spec = StructuredOutputsParams(json=schema, starts_after=trigger)
+    params = SamplingParams(temperature=0, max_tokens=60, structured_outputs=spec)
+    plain = demo.generate(PROMPT, params)[0].outputs[0]
+    assert plain.token_ids[:opened] == free.token_ids[:opened]
+    answer = demo.tokenizer.decode(plain.token_ids[opened:])
+    jsonschema.validate(json.loads(answer), schema)
+    assert plain.finish_reason == "stop"
+    drafted = LLM(
+        speculative_model=str(DEMO_DRAFT_DIR), num_speculative_tokens=3, enforce_eager=True
+    )
+    assert drafted.generate(PROMPT, params)[0].outputs[0].token_ids == plain.token_ids
+    assert drafted.engine.stats().structured.speculative.rounds > 0

@@ -21,6 +21,7 @@ checkpoint's template is code from whoever published the checkpoint.
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,8 @@ class ChatTemplate:
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
         environment.globals["raise_exception"] = _raise_exception
+        # As transformers: templates that write today's date (Mistral Small 3.x).
+        environment.globals["strftime_now"] = _strftime_now
         # As transformers renders templates: JSON as json.dumps writes it, not jinja2's
         # HTML-safe form (which turns < into \u003c inside a tool's description).
         environment.filters["tojson"] = _tojson
@@ -141,6 +144,10 @@ def _tojson(
     return json.dumps(
         value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
 
 
 def _raise_exception(message: str) -> None:

@@ -142,11 +142,26 @@ def add_http_arguments(http: argparse._ArgumentGroup) -> None:
     )
     http.add_argument(
         "--tool-call-parser",
-        choices=["hermes", "llama3_json"],
+        choices=["hermes", "llama3_json", "mistral", "deepseek_v3", "phi4_mini_json"],
         default=None,
         help="how tool calls are read from a reply with tool_choice auto: hermes "
-        "(<tool_call> blocks, Qwen2.5/Qwen3) or llama3_json (Llama 3.x's JSON calls); "
-        "default: the one the model's chat template writes",
+        "(<tool_call> blocks, Qwen2.5/Qwen3), llama3_json (Llama 3.x's JSON calls), "
+        "mistral ([TOOL_CALLS]), deepseek_v3 (<｜tool▁calls▁begin｜>, V3/R1/V3.1) or "
+        "phi4_mini_json (functools[...]); default: the one the model's chat template writes",
+    )
+    http.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="split <think>...</think> out of chat replies into reasoning_content (a "
+        "grammar then constrains only the answer after it): qwen3, deepseek_r1 or "
+        "deepseek_v3 (as vLLM names them); default: on where the model's chat template "
+        "shows thinking, none to turn it off",
+    )
+    http.add_argument(
+        "--structured-outputs-in-reasoning",
+        action="store_true",
+        help="a grammar (response_format, a required tool call) constrains the reasoning "
+        "too, not only the answer after it",
     )
     http.add_argument(
         "--drain-timeout",
@@ -358,6 +373,8 @@ def run_serve(args: argparse.Namespace) -> int:
         max_connections=args.max_connections,
         request_timeout=args.request_timeout,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        structured_outputs_in_reasoning=args.structured_outputs_in_reasoning,
     )
     return serve(
         args.model, engine_kwargs(args), settings, args.host, args.port, args.api_server_count

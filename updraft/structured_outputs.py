@@ -22,13 +22,18 @@ MAX_CHOICES = 4096
 class StructuredOutputsParams:
     """Exactly one of: ``json`` (a JSON schema, as a dict or its text), ``json_object``
     (any JSON object), ``regex``, ``choice`` (the output is one of these strings) or
-    ``grammar`` (Lark, or GBNF, told apart by its ``::=`` rules)."""
+    ``grammar`` (Lark, or GBNF, told apart by its ``::=`` rules).
+
+    ``starts_after``: token ids the output must contain before the grammar applies (a
+    reasoning model's end of reasoning): the output is free up to and including their
+    first appearance, and the grammar constrains what follows."""
 
     json: dict[str, Any] | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
+    starts_after: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name)]
@@ -54,6 +59,11 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"structured_outputs.{name} must be a string")
+        if not isinstance(self.starts_after, list | tuple) or not all(
+            isinstance(token, int) and token >= 0 for token in self.starts_after
+        ):
+            raise ValueError("structured_outputs.starts_after must be a list of token ids")
+        object.__setattr__(self, "starts_after", tuple(self.starts_after))
         if self.json is not None and not isinstance(self.json, dict | str):
             raise ValueError(
                 "structured_outputs.json must be a JSON schema (an object or its text)"

@@ -339,7 +339,8 @@ class Engine:
                 request.error = str(error) if isinstance(error, ValueError) else repr(error)
                 outputs.append(self._scheduler.finish(request, FinishReason.ERROR))
                 continue
-            self._grammars.start(request_id, matcher)
+            spec = request.sampling_params.structured_outputs
+            self._grammars.start(request_id, matcher, spec.starts_after)
             self._scheduler.add(request)
         return outputs
 

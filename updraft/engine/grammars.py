@@ -11,12 +11,21 @@ request's last known token, and after each of its drafts in turn (each mask from
 state the drafts before it lead to; past a draft the grammar forbids nothing is computed,
 since verification stops there anyway). llguidance's executor drops the GIL, so with
 ``overlap`` the masks are computed in a thread while the forward runs.
+
+A grammar may start only after its request has written some tokens (a reasoning model's
+end of reasoning: ``StructuredOutputsParams.starts_after``). Until then the request is
+unconstrained and its matcher untouched; the gate that watches for them keeps only the
+last few appended tokens, advanced by ``accept`` like the matcher, and a step's drafts
+are read through it without changing it: a row's mask depends only on the tokens before
+it, whether appended or drafted.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import llguidance
 import torch
@@ -32,10 +41,35 @@ class Verdict(enum.Enum):
     BROKEN = "broken"  # a token the grammar forbids was appended (never by a masked row)
 
 
+@dataclass
+class Gate:
+    """Waits for ``trigger`` in a request's output; ``tail`` holds the output's last
+    tokens, as many as could begin the trigger."""
+
+    trigger: tuple[int, ...]
+    tail: tuple[int, ...] = ()
+
+    def opened_by(self, tokens: Sequence[int]) -> int | None:
+        """How many of ``tokens`` (following the output so far) it takes to complete the
+        trigger, or None when they do not."""
+        window = self.tail
+        for count, token in enumerate(tokens, start=1):
+            window = (*window, token)[-len(self.trigger) :]
+            if window == self.trigger:
+                return count
+        return None
+
+    def append(self, tokens: Sequence[int]) -> None:
+        keep = len(self.trigger) - 1
+        joined = (*self.tail, *tokens)
+        self.tail = joined[len(joined) - keep :] if keep else ()
+
+
 class Grammars:
     def __init__(self, compiler: GrammarCompiler, overlap: bool = True) -> None:
         self.compiler = compiler
         self._matchers: dict[str, llguidance.LLMatcher] = {}
+        self._gates: dict[str, Gate] = {}  # requests whose grammar has not started yet
         self._executor = llguidance.LLExecutor(1)
         self._thread = (
             ThreadPoolExecutor(1, thread_name_prefix="updraft-masks") if overlap else None
@@ -48,11 +82,18 @@ class Grammars:
     def __len__(self) -> int:
         return len(self._matchers)
 
-    def start(self, request_id: str, matcher: llguidance.LLMatcher) -> None:
+    def start(
+        self, request_id: str, matcher: llguidance.LLMatcher, after: Sequence[int] = ()
+    ) -> None:
+        """Constrain ``request_id`` by ``matcher``, from the token after the output's
+        first ``after`` on (at once if ``after`` is empty)."""
         self._matchers[request_id] = matcher
+        if after:
+            self._gates[request_id] = Gate(tuple(after))
 
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        self._gates.pop(request_id, None)
 
     def accept(self, request_id: str, token_ids: list[int]) -> tuple[Verdict, str | None]:
         """Advance ``request_id``'s grammar over tokens appended to its output; the
@@ -60,6 +101,16 @@ class Grammars:
         matcher = self._matchers.get(request_id)
         if matcher is None:
             return Verdict.GOING, None
+        gate = self._gates.get(request_id)
+        if gate is not None:
+            opened = gate.opened_by(token_ids)
+            if opened is None:
+                gate.append(token_ids)
+                return Verdict.GOING, None
+            del self._gates[request_id]
+            token_ids = token_ids[opened:]
+            if not token_ids:
+                return Verdict.GOING, None
         if not matcher.consume_tokens(token_ids):
             return Verdict.BROKEN, matcher.get_error() or "a token the grammar forbids"
         return (Verdict.COMPLETE if matcher.is_stopped() else Verdict.GOING), None
@@ -80,11 +131,15 @@ class Grammars:
         for index, (row, num_drafts) in enumerate(
             zip(sampling.rows, sampling.num_drafts, strict=True)
         ):
-            matcher = self._matchers.get(inputs.request_ids[row])
-            if matcher is not None:
-                tokens = [] if drafts is None else drafts[index][:num_drafts]
-                jobs.append((matcher, len(rows), tokens))
-                rows.extend(range(first, first + 1 + num_drafts))
+            request_id = inputs.request_ids[row]
+            matcher = self._matchers.get(request_id)
+            tokens = [] if drafts is None or matcher is None else drafts[index][:num_drafts]
+            gate = self._gates.get(request_id)
+            # Rows before the grammar starts are free: it starts after this many drafts.
+            skip = 0 if gate is None or matcher is None else gate.opened_by(tokens)
+            if matcher is not None and skip is not None:
+                jobs.append((matcher, len(rows), tokens[skip:]))
+                rows.extend(range(first + skip, first + 1 + num_drafts))
             first += 1 + num_drafts
         if not jobs:
             return None

@@ -13,12 +13,14 @@ def stop_condition(request: Request, token_id: int, max_model_len: int) -> Finis
     # Before min_tokens nothing stops a request but its length (as vLLM: the EOS and
     # stop tokens are masked then, and stop strings are not looked for).
     early = request.num_output_tokens < params.min_tokens
-    stop_string = find_stop_string(request, token_id)
-    if early or not (
-        token_id in request.eos_token_ids
-        or token_id in params.stop_token_set
-        or stop_string is not None
-    ):
+    stop_token = not early and (
+        token_id in request.eos_token_ids or token_id in params.stop_token_set
+    )
+    # As vLLM: a token that stops the request adds no text (a spelled EOS would end
+    # every reply with skip_special_tokens false), unless the stop is asked for.
+    spelled = not stop_token or params.include_stop_str_in_output
+    stop_string = find_stop_string(request, token_id) if spelled else None
+    if not stop_token and stop_string is None:
         too_long = request.num_output_tokens >= params.max_tokens
         return FinishReason.LENGTH if too_long or request.num_tokens >= max_model_len else None
     if token_id in request.eos_token_ids:

@@ -40,7 +40,7 @@ def build_app(link: CoreLink, info: EngineInfo, settings: ServeSettings) -> Fast
     it there at shutdown: FastAPI keeps route callables in module-wide caches, and a
     closure over the client would outlive the server."""
     metrics = ServerMetrics(settings.model_name)
-    engine = EngineClient(link, Tokenizer.from_dir(info.model), metrics)
+    engine = EngineClient(link, Tokenizer.from_dir(info.model), metrics, info.eos_token_ids)
     app = FastAPI(title="updraft", version="0.1.0", lifespan=_lifespan)
     app.state.settings = settings
     app.state.metrics = metrics

@@ -61,10 +61,16 @@ class CoreLink:
 
 class EngineClient:
     def __init__(
-        self, link: CoreLink, tokenizer: Tokenizer | None, metrics: ServerMetrics | None = None
+        self,
+        link: CoreLink,
+        tokenizer: Tokenizer | None,
+        metrics: ServerMetrics | None = None,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
+        """``eos_token_ids``: the model's, whose text a reply they end leaves out."""
         self.link = link
         self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
         self.metrics = metrics
         self.stats = wire.CoreStats()
         self._requests: dict[str, ServedRequest] = {}
@@ -167,7 +173,7 @@ class EngineClient:
         intake = prompt
         if not isinstance(intake, EngineRequest):
             intake = EngineRequest(None, list(prompt), params)
-        served = ServedRequest(request_id, intake, self.tokenizer)
+        served = ServedRequest(request_id, intake, self.tokenizer, self.eos_token_ids)
         self._requests[request_id] = served
         self._num_in_flight += 1
         self._unapplied.add(request_id)

@@ -18,23 +18,30 @@ from dataclasses import replace
 from updraft.engine.input_processor import EngineRequest
 from updraft.engine.stop import find_stop_string
 from updraft.outputs import RequestOutput, SpeculativeMetrics
-from updraft.request import FinishReason, RequestStatus
+from updraft.request import FinishReason, Request, RequestStatus
 from updraft.serve.wire import SequenceDelta
 from updraft.tokenizer import Tokenizer
 
 
 class ServedRequest:
-    def __init__(self, request_id: str, intake: EngineRequest, tokenizer: Tokenizer | None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        intake: EngineRequest,
+        tokenizer: Tokenizer | None,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
         """``intake``: the request as this process's intake made it (its checked,
-        truncated prompt ids), one record per sequence."""
+        truncated prompt ids), one record per sequence; ``eos_token_ids``: the model's."""
         self.request_id = request_id
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.arrival_time = time.perf_counter()
         self.last_token_time: float | None = None
         # No seed: the record draws nothing, and a generator would cost for nothing.
         record_params = replace(intake.params, n=1, seed=None)
+        eos = () if record_params.ignore_eos else eos_token_ids
         self.sequences = [
-            intake.build(request_id, record_params, tokenizer, arrival_time=self.arrival_time)
+            intake.build(request_id, record_params, tokenizer, eos, self.arrival_time)
             for _ in range(intake.params.n)
         ]
 
@@ -57,6 +64,8 @@ class ServedRequest:
                 sequence.logprobs.append(logprobs[count - 1])
             if top is not None:
                 sequence.top_logprobs.append(top[count - 1])
+            if count == len(delta.token_ids) and _spells_no_text(sequence, token_id, delta):
+                break
             stop_string = find_stop_string(sequence, token_id)
             if stop_string is not None:
                 tokens = tokens[:count]
@@ -90,3 +99,14 @@ class ServedRequest:
         output.finished = self.finished
         early_stop = stopped_here and delta.finish_reason is None
         return output, early_stop
+
+
+def _spells_no_text(sequence: Request, token_id: int, delta: SequenceDelta) -> bool:
+    """Whether ``token_id`` is the EOS or stop token the engine ended the sequence on,
+    whose text stays out of the reply (as the engine's stop_condition leaves it out)."""
+    params = sequence.sampling_params
+    return (
+        delta.finish_reason == FinishReason.STOP
+        and not params.include_stop_str_in_output
+        and (token_id in sequence.eos_token_ids or token_id in params.stop_token_set)
+    )

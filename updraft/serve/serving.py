@@ -25,6 +25,8 @@ from updraft.sampling_params import SamplingParams
 from updraft.serve.engine_client import EngineClient, EngineDeadError, ShuttingDownError
 from updraft.serve.engine_core import EngineInfo
 from updraft.serve.errors import APIError
+from updraft.serve.parsers.reasoning import REASONING_PARSERS
+from updraft.serve.parsers.tools import PARSERS
 from updraft.serve.protocol import PromptLogprob, PromptLogprobs
 from updraft.serve.streams import Started
 from updraft.tokenizer import Tokenizer
@@ -48,10 +50,24 @@ class ServeSettings:
     max_connections: int = 1024  # open at once; past it the idlest is closed
     request_timeout: float = 30.0  # seconds for a whole request to arrive
     tool_call_parser: str | None = None  # None: the one the chat template's syntax calls for
+    # None: on (named as the template's family) where the chat template shows thinking;
+    # "none": off.
+    reasoning_parser: str | None = None
+    # A grammar constrains the reasoning too, as vLLM's enable_in_reasoning does.
+    structured_outputs_in_reasoning: bool = False
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("the API key is empty: it would let anyone in; use None for no key")
+        if self.tool_call_parser not in (None, *PARSERS):
+            raise ValueError(
+                f"tool_call_parser: {self.tool_call_parser!r} is not one of {', '.join(PARSERS)}"
+            )
+        reasoning = (*REASONING_PARSERS, "none")
+        if self.reasoning_parser not in (None, *reasoning):
+            raise ValueError(
+                f"reasoning_parser: {self.reasoning_parser!r} is not one of {', '.join(reasoning)}"
+            )
 
 
 class ServingBase:

@@ -221,6 +221,7 @@ class ChatResponseMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = Field(
         default=None, exclude_if=lambda calls: calls is None
     )
+    reasoning_content: str | None = Field(default=None, exclude_if=lambda text: text is None)
 
 
 class ChatChoice(BaseModel):
@@ -246,6 +247,7 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(BaseModel):

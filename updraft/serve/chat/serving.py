@@ -1,21 +1,28 @@
 """/v1/chat/completions: from a validated request to a response or a stream of events.
 
 The conversation is rendered with the chat template (off the event loop), then goes
-through intake like any prompt. Tool calls are read out of each reply by one stream
-object (serve/parsers), fed the reply's text whether it is streamed or not, so a whole
-response and a stream cannot disagree.
+through intake like any prompt. Reasoning and tool calls are read out of each reply by
+one reader (serve/parsers/reply.py), fed the reply's text whether it is streamed or not,
+so a whole response and a stream cannot disagree.
+
+With a reasoning parser, a grammar (a response_format, a required tool call) constrains
+only the answer: it starts once the reply has written the end of its reasoning. A reply
+the model would open reasoning in itself gets the opening tag in its prompt instead, so
+that the grammar knows where it stands from the first token.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
+from dataclasses import replace
 
 from fastapi.responses import JSONResponse
 from starlette.responses import StreamingResponse
 
 from updraft.chat_template import ChatTemplateError
 from updraft.outputs import CompletionOutput, RequestOutput
+from updraft.sampling_params import SamplingParams
 from updraft.serve.chat.protocol import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -30,7 +37,15 @@ from updraft.serve.chat.protocol import (
     TopLogprob,
 )
 from updraft.serve.errors import APIError
-from updraft.serve.parsers.tool_parsers import ReplyStream, parse, reply_stream
+from updraft.serve.parsers.reasoning import (
+    REASONING_PARSERS,
+    ReasoningStream,
+    Start,
+    default_reasoning,
+    reply_start,
+)
+from updraft.serve.parsers.reply import ReplyReader
+from updraft.serve.parsers.tool_parsers import ReplyStream, reply_stream
 from updraft.serve.parsers.tools import CallStream, default_parser
 from updraft.serve.protocol import PromptLogprobs, StreamOptions, new_id, now
 from updraft.serve.serving import ServingBase
@@ -49,9 +64,10 @@ from updraft.serve.streams import (
 class ChatServing:
     def __init__(self, base: ServingBase) -> None:
         self.base = base
-        self.tool_parser = base.settings.tool_call_parser or default_parser(
-            base.processor.chat_template.source
-        )
+        source = base.processor.chat_template.source
+        self.tool_parser = base.settings.tool_call_parser or default_parser(source)
+        reasoning = base.settings.reasoning_parser or default_reasoning(source)
+        self.reasoning_tags = REASONING_PARSERS.get(reasoning or "none")
 
     async def create(self, body: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
         base = self.base
@@ -63,16 +79,50 @@ class ChatServing:
         )
         structured_field = "tools" if body.calls_required() else body.structured_outputs_field()
         await base.compile(params, structured_field)
-        intake = await base.intake(await self._render(body), params, "messages")
+        prompt, start, params = self._reasoning(await self._render(body), params, body)
+        if self.tool_parser == "mistral" and self.reply_stream(body) is not None:
+            # Mistral's [TOOL_CALLS] is a special token: kept in the text to be read.
+            params = replace(params, skip_special_tokens=False)
+        intake = await base.intake(prompt, params, "messages")
         request_id = new_id("chatcmpl")
         streams = await base.start_all(
             request_id, [intake], explicit, body.max_tokens_field(), "messages", structured_field
         )
         if body.stream:
             options = body.stream_options or StreamOptions()
-            events = ChatEvents(self, request_id, body, streams, options).events()
+            events = ChatEvents(self, request_id, body, streams, options, start).events()
             return ClosingStreamingResponse(sse(events), media_type="text/event-stream")
-        return await self._response(request_id, body, streams)
+        return await self._response(request_id, body, streams, start)
+
+    def _reasoning(
+        self, prompt: str, params: SamplingParams, body: ChatCompletionRequest
+    ) -> tuple[str, Start | None, SamplingParams]:
+        """The prompt, where its reply starts with respect to reasoning (None without a
+        reasoning parser), and the params with any grammar set to start after it. A
+        continued final message is not opened: its grammar applies from the start."""
+        tags = self.reasoning_tags
+        if tags is None:
+            return prompt, None, params
+        start = reply_start(prompt, tags)
+        spec = params.structured_outputs
+        if (
+            spec is None
+            or start is Start.AFTER
+            or self.base.settings.structured_outputs_in_reasoning
+            or (start is Start.MAYBE and body.continue_final_message)
+        ):
+            return prompt, start, params
+        if start is Start.MAYBE:
+            prompt, start = prompt + tags[0], Start.INSIDE
+        # The closing tag as the tokenizer spells it: one added token in the families that
+        # think (Qwen3, DeepSeek-R1), which is how their models write it.
+        tokenizer = self.base.tokenizer
+        closing = tuple(tokenizer.backend.encode(tags[1], add_special_tokens=False).ids)
+        return (
+            prompt,
+            start,
+            replace(params, structured_outputs=replace(spec, starts_after=closing)),
+        )
 
     async def _render(self, body: ChatCompletionRequest) -> str:
         """The conversation as the prompt text, rendered off the event loop: a template
@@ -91,11 +141,15 @@ class ChatServing:
             raise APIError(400, f"messages: {error}", param="messages") from error
 
     async def _response(
-        self, request_id: str, body: ChatCompletionRequest, streams: list[Started]
+        self,
+        request_id: str,
+        body: ChatCompletionRequest,
+        streams: list[Started],
+        start: Start | None,
     ) -> JSONResponse:
         """The whole response, once every choice has finished."""
         finals = await final_outputs(streams)
-        choices = [self._choice(body, completion) for completion in finals[0].outputs]
+        choices = [self._choice(body, completion, start) for completion in finals[0].outputs]
         response = ChatCompletionResponse(
             id=request_id,
             created=now(),
@@ -106,25 +160,33 @@ class ChatServing:
         )
         return JSONResponse(response.model_dump())
 
-    def _choice(self, body: ChatCompletionRequest, completion: CompletionOutput) -> ChatChoice:
+    def _choice(
+        self, body: ChatCompletionRequest, completion: CompletionOutput, start: Start | None
+    ) -> ChatChoice:
         logprobs = None
         if body.logprobs:
             logprobs = self.logprobs(
                 completion.token_ids, completion.logprobs, completion.top_logprobs
             )
-        content, calls = completion.text, []
-        replies = self.reply_stream(body)
-        if replies is not None:
-            content, calls = parse(replies, completion.text)
+        reader = self.reply_reader(body, start)
+        reply = reader.read_all(completion.text)
+        content, calls = reply.content, reader.calls
         return ChatChoice(
             index=completion.index,
             message=ChatResponseMessage(
-                content=content if content.strip() or not calls else None,
+                content=content if content.strip() or not (calls or reply.reasoning) else None,
                 tool_calls=[call.to_openai() for call in calls] or None,
+                reasoning_content=reply.reasoning or None,
             ),
             logprobs=logprobs,
             finish_reason=finish_reason(completion.finish_reason, bool(calls)),
         )
+
+    def reply_reader(self, body: ChatCompletionRequest, start: Start | None) -> ReplyReader:
+        """What reads one choice's reply: its reasoning where the server has a reasoning
+        parser (``start``: where the reply starts), then its tool calls."""
+        reasoning = None if start is None else ReasoningStream(self.reasoning_tags, start)
+        return ReplyReader(reasoning, self.reply_stream(body))
 
     def reply_stream(self, body: ChatCompletionRequest) -> ReplyStream | None:
         """What reads tool calls out of the reply: none without tools or with
@@ -183,15 +245,17 @@ class ChatEvents:
         body: ChatCompletionRequest,
         streams: list[Started],
         options: StreamOptions,
+        start: Start | None,
     ) -> None:
         self.serving = serving
+        self.start = start
         self.request_id = request_id
         self.body = body
         self.streams = streams
         self.options = options
         self.created = now()
         self.want_logprobs = streams[0][1].outputs[0].logprobs is not None
-        self.replies: dict[int, ReplyStream | None] = {}
+        self.replies: dict[int, ReplyReader] = {}
         self.called: set[int] = set()
         self.usage = UsageSoFar()
 
@@ -231,20 +295,20 @@ class ChatEvents:
                 completion.delta_logprobs,
                 completion.delta_top_logprobs,
             )
-        text, tool_calls = completion.delta_text, None
         if index not in self.replies:
-            self.replies[index] = self.serving.reply_stream(self.body)
-        parser = self.replies[index]
-        if parser is not None:  # calls taken out of the text
-            reply = parser.feed(text)
-            if completion.finish_reason is not None:
-                reply = reply + parser.finish()
-            text, tool_calls = reply.content, reply.tool_calls or None
-            if tool_calls:
-                self.called.add(index)
-            if not (text or tool_calls or completion.finish_reason or want_logprobs):
-                return None
-        delta = ChatDelta(content=text or None, tool_calls=tool_calls)
+            self.replies[index] = self.serving.reply_reader(self.body, self.start)
+        reader = self.replies[index]  # reasoning and calls taken out of the text
+        reply = reader.feed(completion.delta_text)
+        if completion.finish_reason is not None:
+            reply = reply + reader.finish()
+        text, tool_calls, reasoning = reply.content, reply.tool_calls or None, reply.reasoning
+        if tool_calls:
+            self.called.add(index)
+        if not (text or tool_calls or reasoning or completion.finish_reason or want_logprobs):
+            return None
+        delta = ChatDelta(
+            content=text or None, tool_calls=tool_calls, reasoning_content=reasoning or None
+        )
         reason = finish_reason(completion.finish_reason, index in self.called)
         return self._chunk(index, delta, reason, logprobs)
 

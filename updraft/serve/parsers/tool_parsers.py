@@ -10,14 +10,25 @@ as it streams: content goes out as it comes, calls go out once each is whole and
   the calls, ``{"name": ..., "parameters": {...}}`` objects separated by ``;``. A reply
   that begins with ``{`` is held until its end, then read as calls, or sent as content
   if it is not one.
+* ``mistral``, ``deepseek_v3``, ``phi4_mini_json``: calls in a section after a marker
+  (marked_calls.py).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Protocol
+from typing import Protocol
 
-from updraft.serve.parsers.tools import HERMES_CLOSE, HERMES_OPEN, Delta, ToolCall, head_delta
+from updraft.serve.parsers.marked_calls import DeepSeekV3Stream, MistralStream, Phi4MiniJsonStream
+from updraft.serve.parsers.tools import (
+    HERMES_CLOSE,
+    HERMES_OPEN,
+    Delta,
+    ToolCall,
+    call_from_json,
+    held_back,
+    send_call,
+)
 
 
 class ReplyStream(Protocol):
@@ -34,32 +45,6 @@ def parse(stream: ReplyStream, text: str) -> tuple[str, list[ToolCall]]:
     return first.content + last.content, stream.calls
 
 
-def _call(value: Any) -> ToolCall | None:
-    """A parsed JSON value as a call: an object with a string name and object
-    arguments (``arguments`` or ``parameters``)."""
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    arguments = value.get("arguments", value.get("parameters"))
-    if not isinstance(arguments, dict):
-        return None
-    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
-
-
-def _send(delta: Delta, calls: list[ToolCall], call: ToolCall) -> None:
-    head = head_delta(len(calls), call)
-    head["function"]["arguments"] = call.arguments
-    calls.append(call)
-    delta.tool_calls.append(head)
-
-
-def _held(text: str, tag: str) -> int:
-    """How many characters at the end of ``text`` could begin ``tag``."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:size]):
-            return size
-    return 0
-
-
 class HermesStream:
     def __init__(self) -> None:
         self.calls: list[ToolCall] = []
@@ -73,7 +58,7 @@ class HermesStream:
             tag = HERMES_OPEN if self._call is None else HERMES_CLOSE
             at = self._pending.find(tag)
             if at < 0:
-                taken = len(self._pending) - _held(self._pending, tag)
+                taken = len(self._pending) - held_back(self._pending, tag)
                 self._take(delta, self._pending[:taken])
                 self._pending = self._pending[taken:]
                 return delta
@@ -93,13 +78,13 @@ class HermesStream:
     def _close(self, delta: Delta, closing: str) -> None:
         text, self._call = self._call, None
         try:
-            call = _call(json.loads(text))
+            call = call_from_json(json.loads(text))
         except (ValueError, RecursionError):
             call = None
         if call is None:
             delta.content += HERMES_OPEN + text + closing
         else:
-            _send(delta, self.calls, call)
+            send_call(delta, self.calls, call)
 
     def finish(self) -> Delta:
         delta = Delta()
@@ -138,7 +123,7 @@ class Llama3JsonStream:
             return Delta(content=text)
         delta = Delta()
         for call in calls:
-            _send(delta, self.calls, call)
+            send_call(delta, self.calls, call)
         return delta
 
 
@@ -151,7 +136,7 @@ def _semicolon_calls(text: str) -> list[ToolCall] | None:
             value, position = decoder.raw_decode(text, position)
         except (ValueError, RecursionError):
             return None
-        call = _call(value)
+        call = call_from_json(value)
         if call is None:
             return None
         calls.append(call)
@@ -164,5 +149,14 @@ def _semicolon_calls(text: str) -> list[ToolCall] | None:
         position += 1
 
 
+STREAMS: dict[str, type[ReplyStream]] = {
+    "hermes": HermesStream,
+    "llama3_json": Llama3JsonStream,
+    "mistral": MistralStream,
+    "deepseek_v3": DeepSeekV3Stream,
+    "phi4_mini_json": Phi4MiniJsonStream,
+}
+
+
 def reply_stream(parser: str) -> ReplyStream:
-    return {"hermes": HermesStream, "llama3_json": Llama3JsonStream}[parser]()
+    return STREAMS[parser]()

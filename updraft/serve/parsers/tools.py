@@ -9,7 +9,9 @@ calls read back out of what a model wrote, whole or as a stream of deltas.
 * ``tool_choice: "auto"`` reads the model's own syntax with a named parser: ``hermes``
   (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, as Qwen2.5 and Qwen3
   write it) or ``llama3_json`` (Llama 3.x: the whole reply is the calls, JSON objects
-  ``{"name": ..., "parameters": {...}}`` separated by ``;``). A model may write a
+  ``{"name": ..., "parameters": {...}}`` separated by ``;``), ``mistral``
+  (``[TOOL_CALLS]``), ``deepseek_v3`` (``<｜tool▁calls▁begin｜>``) or ``phi4_mini_json``
+  (``functools[...]``); see tool_parsers.py and marked_calls.py. A model may write a
   malformed call, so each call is checked whole before it is sent; one that does not
   parse is sent as content.
 """
@@ -24,7 +26,7 @@ from typing import Any
 
 from updraft.structured_outputs import StructuredOutputsParams
 
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "llama3_json", "mistral", "deepseek_v3", "phi4_mini_json")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 # A call's head in the JSON shapes above: its name, then where its arguments begin.
 _CALL_HEAD = re.compile(
@@ -47,14 +49,25 @@ class ToolCall:
         }
 
 
+# What in a chat template's text shows which syntax its model writes calls in, looked
+# for in this order (a template that names <tool_call> is Hermes-style whatever else it
+# says). DeepSeek's markers are matched without their bars, which templates escape in
+# more than one way.
+TEMPLATE_MARKERS = (
+    ("hermes", (HERMES_OPEN,)),
+    ("mistral", ("[TOOL_CALLS]",)),
+    ("deepseek_v3", ("tool▁calls▁begin", "tool\\u2581calls\\u2581begin")),
+    ("phi4_mini_json", ("functools", "<|/tool|>")),
+    ("llama3_json", ("<|python_tag|>", '"parameters"')),
+)
+
+
 def default_parser(template_source: str) -> str:
-    """The parser a chat template's own tool syntax calls for: hermes where it writes
-    <tool_call> blocks or says nothing of tools, llama3_json where it speaks of
-    Llama 3's python tag or of "parameters"."""
-    if HERMES_OPEN in template_source:
-        return "hermes"
-    if "<|python_tag|>" in template_source or '"parameters"' in template_source:
-        return "llama3_json"
+    """The parser a chat template's own tool syntax calls for (``TEMPLATE_MARKERS``);
+    hermes for a template that says nothing of tools."""
+    for parser, markers in TEMPLATE_MARKERS:
+        if any(marker in template_source for marker in markers):
+            return parser
     return "hermes"
 
 
@@ -123,13 +136,19 @@ def json_value_end(text: str, start: int) -> int | None:
 
 @dataclass
 class Delta:
-    """What one step of a reply adds: content, and tool-call deltas (OpenAI's shape)."""
+    """What one step of a reply adds: content, tool-call deltas (OpenAI's shape) and
+    reasoning."""
 
     content: str = ""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    reasoning: str = ""
 
     def __add__(self, later: Delta) -> Delta:
-        return Delta(self.content + later.content, self.tool_calls + later.tool_calls)
+        return Delta(
+            self.content + later.content,
+            self.tool_calls + later.tool_calls,
+            self.reasoning + later.reasoning,
+        )
 
 
 class CallStream:
@@ -183,6 +202,43 @@ class CallStream:
 
     def finish(self) -> Delta:
         return Delta()
+
+
+def call_from_json(value: Any) -> ToolCall | None:
+    """A parsed JSON value as a call: an object with a string name and object
+    arguments (``arguments`` or ``parameters``; an object's JSON text is taken too)."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    return call_of(value["name"], value.get("arguments", value.get("parameters")))
+
+
+def call_of(name: str, arguments: Any) -> ToolCall | None:
+    """A call to ``name`` if ``arguments`` is a JSON object (or its text), else None."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):
+            return None
+    if not name or not isinstance(arguments, dict):
+        return None
+    return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+def send_call(delta: Delta, calls: list[ToolCall], call: ToolCall) -> None:
+    """A whole call into ``delta`` as OpenAI streams one: its id and name first, then
+    its arguments."""
+    index = len(calls)
+    calls.append(call)
+    delta.tool_calls.append(head_delta(index, call))
+    delta.tool_calls.append({"index": index, "function": {"arguments": call.arguments}})
+
+
+def held_back(text: str, tag: str) -> int:
+    """How many characters at the end of ``text`` could begin ``tag``."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:size]):
+            return size
+    return 0
 
 
 def head_delta(index: int, call: ToolCall) -> dict[str, Any]:
