@@ -22,9 +22,9 @@ from updraft.model_config.registry import ARCHITECTURES
 from updraft.models.llama import LlamaForCausalLM
 
 PACKAGE = Path(registry_module.__file__).resolve().parent.parent
-# llama.cpp's pre-tokenizer names share words with its architecture names ("qwen2"):
-# the GGUF tokenizer's table names tokenizers, not families.
-PRE_TOKENIZER_TABLE = PACKAGE / "checkpoints" / "gguf_tokenizer.py"
+# llama.cpp's tokenizer and pre-tokenizer names share words with its architecture names
+# ("llama", "qwen2"): the GGUF tokenizer's modules name tokenizers, not families.
+GGUF_VOCAB = PACKAGE / "checkpoints" / "gguf_vocab"
 
 
 def named_architectures(source: str, gguf: bool = True) -> set[str]:
@@ -81,7 +81,9 @@ def test_a_family_is_named_only_in_its_parser_its_model_file_and_the_registry():
     naming = {
         path.relative_to(PACKAGE).as_posix(): sorted(found)
         for path in sorted(PACKAGE.rglob("*.py"))
-        if (found := named_architectures(path.read_text(), gguf=path != PRE_TOKENIZER_TABLE))
+        if (
+            found := named_architectures(path.read_text(), gguf=not path.is_relative_to(GGUF_VOCAB))
+        )
         and path.resolve() not in allowed
     }
     assert naming == {}, "architectures named outside their family's files"
