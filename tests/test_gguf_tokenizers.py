@@ -130,7 +130,7 @@ def transformers_tokenizer(name: str) -> Tokenizer:
 
 
 @pytest.mark.parametrize("name", LIKE_TRANSFORMERS)
-def test_generated_text_gets_transformers_ids(name):
+def test_generated_text_gets_transformers_ids_and_decodes_back(name):
     ours, theirs = rebuilt(name), transformers_tokenizer(name)
 
     @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
@@ -140,6 +140,7 @@ def test_generated_text_gets_transformers_ids(name):
             text = "x" + text
         want = theirs.encode(text, add_special_tokens=False).ids
         assert ours.encode(text, add_special_tokens=False).ids == want
+        assert ours.decode(want, skip_special_tokens=False) == text
 
     same_ids()
 

@@ -3,7 +3,8 @@ pre-tokenizers: how a byte-level BPE tokenizer cuts text into words before mergi
 
 Each entry is the split patterns of the tokenizer that name stands for, as the model's
 own tokenizer.json writes them (llama.cpp runs the same patterns, rewritten for its
-regex engine, in ``src/llama-vocab.cpp``). Several patterns are applied one after
+regex engine, in ``src/llama-vocab.cpp``; where a rewrite cuts otherwise, the
+tokenizer.json's pattern is kept). Several patterns are applied one after
 another, each cutting the pieces of the one before, with what lies between matches
 kept as pieces of its own. A name not in the table is refused by name: no other
 pattern stands in for it.
@@ -45,6 +46,9 @@ QWEN35 = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 # Mistral's Tekken: a word is an optional capitalised run then lower-case letters.
+# llama.cpp's rewrite of it for its regex engine cuts otherwise where a capital is not
+# ASCII ("ÉCOLE": "É", "COLE") or a combining mark follows a letter; this is the
+# pattern the model was trained with, as its tokenizer.json writes it.
 TEKKEN = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
