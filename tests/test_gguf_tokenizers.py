@@ -148,7 +148,7 @@ def test_generated_text_gets_transformers_ids_and_decodes_back(name):
 # -- pre-tokenizers refused by name --------------------------------------------------------
 
 
-def test_a_pre_tokenizer_not_known_is_refused_by_name(caplog):
+def test_a_pre_tokenizer_not_known_is_refused_by_name():
     fields = {**vocab_fields("gpt-2"), "tokenizer.ggml.pre": "no-such-splitter"}
     with pytest.raises(NotRebuilt, match="'no-such-splitter'"):
         build(fields)
@@ -156,6 +156,13 @@ def test_a_pre_tokenizer_not_known_is_refused_by_name(caplog):
     assert text is None and "no-such-splitter" in why
     with pytest.raises(NotRebuilt, match="'bert'"):
         build({**fields, "tokenizer.ggml.model": "bert"})
+    count = len(fields[TOKENS])
+    short = {
+        **vocab_fields("gpt-2"),
+        "tokenizer.ggml.token_type": fields["tokenizer.ggml.token_type"][:10],
+    }
+    with pytest.raises(ValueError, match=f"token_type has 10 entries for {count} tokens"):
+        build(short)
 
 
 # -- stop ids ------------------------------------------------------------------------------

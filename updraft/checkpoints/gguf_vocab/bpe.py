@@ -53,12 +53,12 @@ def byte_level(fields: dict[str, Any], pre: str) -> Tokenizer:
 
 def gemma4(fields: dict[str, Any]) -> Tokenizer:
     tokens: list[str] = list(fields["tokenizer.ggml.tokens"])
-    unknown = fields.get("tokenizer.ggml.unknown_token_id")
+    unknown = int(fields.get("tokenizer.ggml.unknown_token_id", -1))
     tokenizer = Tokenizer(
         models.BPE(
             vocab={token: i for i, token in enumerate(tokens)},
             merges=file_merges(fields),
-            unk_token=tokens[int(unknown)] if unknown is not None else None,
+            unk_token=tokens[unknown] if 0 <= unknown < len(tokens) else None,
             fuse_unk=True,
             byte_fallback=True,
         )

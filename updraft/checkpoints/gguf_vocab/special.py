@@ -21,10 +21,19 @@ _PHI3_NAMES = ("phi-3", "phi3")
 _PHI3_KEEP_BLANKS = {"<unk>", "<s>", "<|endoftext|>"}
 
 
+def per_token(fields: dict[str, Any], key: str, default: float) -> list:
+    """The array ``key`` holds one entry a token (``default`` for each when absent)."""
+    count = len(fields["tokenizer.ggml.tokens"])
+    values = fields.get(key)
+    if values is None:
+        return [default] * count
+    if len(values) < count:
+        raise ValueError(f"{key} has {len(values)} entries for {count} tokens")
+    return list(values[:count])
+
+
 def token_types(fields: dict[str, Any]) -> list[int]:
-    tokens = fields["tokenizer.ggml.tokens"]
-    types = fields.get("tokenizer.ggml.token_type")
-    return [int(kind) for kind in types] if types else [NORMAL] * len(tokens)
+    return [int(kind) for kind in per_token(fields, "tokenizer.ggml.token_type", NORMAL)]
 
 
 def add_special_tokens(tokenizer: Tokenizer, fields: dict[str, Any]) -> None:

@@ -37,14 +37,14 @@ def merges_by_score(tokens: list[str], scores: list[float]) -> list[tuple[str, s
 
 def rebuild(fields: dict[str, Any]) -> Tokenizer:
     tokens: list[str] = list(fields["tokenizer.ggml.tokens"])
-    scores = [float(s) for s in fields.get("tokenizer.ggml.scores") or [0.0] * len(tokens)]
+    scores = [float(s) for s in special.per_token(fields, "tokenizer.ggml.scores", 0.0)]
     vocab = {token: i for i, token in enumerate(tokens)}
-    unknown = fields.get("tokenizer.ggml.unknown_token_id", 0)
+    unknown = int(fields.get("tokenizer.ggml.unknown_token_id", 0))
     tokenizer = Tokenizer(
         models.BPE(
             vocab=vocab,
             merges=merges_by_score(tokens, scores),
-            unk_token=tokens[int(unknown)] if 0 <= int(unknown) < len(tokens) else None,
+            unk_token=tokens[unknown] if 0 <= unknown < len(tokens) else None,
             fuse_unk=True,
             byte_fallback=True,
         )
