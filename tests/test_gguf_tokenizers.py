@@ -148,7 +148,7 @@ def test_generated_text_gets_transformers_ids_and_decodes_back(name):
 # -- pre-tokenizers refused by name --------------------------------------------------------
 
 
-def test_a_pre_tokenizer_not_known_is_refused_by_name():
+def test_what_cannot_be_rebuilt_is_refused_naming_it():
     fields = {**vocab_fields("gpt-2"), "tokenizer.ggml.pre": "no-such-splitter"}
     with pytest.raises(NotRebuilt, match="'no-such-splitter'"):
         build(fields)
