@@ -102,13 +102,23 @@ def vocab_files(tree: Path) -> dict[str, Path]:
 
 
 def vocab_cases(path: Path) -> list[tuple[str, list[int]]]:
-    """The ``.inp`` strings of a vocabulary and the ids llama.cpp gives each (``.out``)."""
+    """The ``.inp`` strings of a vocabulary and the ids llama.cpp gives each (``.out``,
+    one line a case), read as llama.cpp's test-tokenizer-0 reads them: every string
+    ends with the separator, an empty string is a case, and a carriage return is text."""
     separator = "\n__ggml_vocab_test__\n"
-    strings = path.with_name(path.name + ".inp").read_text(encoding="utf-8").split(separator)
-    ids = path.with_name(path.name + ".out").read_text(encoding="utf-8").split("\n")
-    strings = [s for s in strings if s != ""] if strings[-1] == "" else strings
-    ids = [line for line in ids if line.strip() or line == ""][: len(strings)]
-    return [(s, [int(t) for t in line.split()]) for s, line in zip(strings, ids, strict=True)]
+    strings = _read_exactly(path.with_name(path.name + ".inp")).split(separator)
+    if strings[-1] == "":
+        strings.pop()
+    lines = _read_exactly(path.with_name(path.name + ".out")).split("\n")
+    return [
+        (s, [int(t) for t in line.split()])
+        for s, line in zip(strings, lines[: len(strings)], strict=True)
+    ]
+
+
+def _read_exactly(path: Path) -> str:
+    """A file's text with its line ends as they are."""
+    return path.read_bytes().decode("utf-8")
 
 
 # Run in the converter's process: the vocabulary patch, then the converter's own main().

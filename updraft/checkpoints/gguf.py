@@ -2,7 +2,7 @@
 
 The file's metadata becomes the files every other part of updraft reads from a
 checkpoint directory: ``config.json`` (the architecture and sizes, as transformers would
-write them), ``generation_config.json`` (its EOS id) and, where the file carries one,
+write them), ``generation_config.json`` (the ids that end a turn) and, where the file carries one,
 ``tokenizer_config.json`` with its chat template. They are written once per file into a
 cache directory beside a ``gguf.json`` that names the file (and its split parts); the
 weights stay in the file, memory-mapped, and ``models/gguf_loader.py`` reads them from
@@ -33,7 +33,7 @@ BLOCK_TYPES += ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")  # blocks of 2
 SPLIT = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf")
 LINK = "gguf.json"
 # Bumped when what is written into a cached directory changes.
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 
 log = logging.getLogger(__name__)
 
@@ -161,9 +161,12 @@ def describe(parts: list[Path]) -> dict[str, Any]:
         LINK: {"files": [str(part) for part in parts], "architecture": arch},
         "config.json": config,
     }
-    if "eos_token_id" in config:
-        files["generation_config.json"] = {"eos_token_id": config["eos_token_id"]}
-    from updraft.checkpoints.gguf_tokenizer import rebuild, tokenizer_config
+    from updraft.checkpoints.gguf_vocab import rebuild, tokenizer_config
+    from updraft.checkpoints.gguf_vocab.stops import stop_token_ids
+
+    stops = stop_token_ids(fields)
+    if stops:
+        files["generation_config.json"] = {"eos_token_id": stops}
 
     tokenizer, why_not = rebuild(fields)
     if tokenizer is None:

@@ -1,0 +1,261 @@
+"""Tokenizers rebuilt from GGUF metadata give llama.cpp's ids, and a file's end-of-turn
+tokens end a generation.
+
+The ground truth is llama.cpp's own: its ``models/ggml-vocab-*.gguf`` vocabularies with
+the strings of their ``.inp`` files and the ids llama.cpp gives each (``.out``, written
+by its test-tokenizer-0 with no BOS and no special-token parsing). Every vocabulary of
+a tokenizer that a family updraft serves is checked, and StarCoder's, whose split
+patterns are SmolLM's. Not checked: ``bert-bge`` (WordPiece) and ``nomic-bert-moe``
+(Unigram), encoders' tokenizers; ``command-r``, ``falcon``, ``mpt`` and ``refact``,
+tokenizers of families updraft does not serve (the last three do pass); ``aquila``,
+``baichuan`` and ``gpt-neox`` come with no cases.
+
+Beyond those cases, generated text is compared with transformers' own GGUF tokenizer
+(``AutoTokenizer.from_pretrained(..., gguf_file=...)``) on the vocabularies whose
+pre-tokenizer it rebuilds as llama.cpp does.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+
+from tests.helpers import greedy
+from tests.llama_cpp_tree import llama_cpp_tree, vocab_cases, vocab_files
+from updraft.checkpoints import gguf
+from updraft.checkpoints.gguf_vocab import NotRebuilt, build, rebuild
+from updraft.checkpoints.gguf_vocab.stops import stop_token_ids
+
+SERVED = [
+    "llama-spm",
+    "phi-3",
+    "gemma-4",
+    "gpt-2",
+    "llama-bpe",
+    "qwen2",
+    "qwen35",
+    "deepseek-llm",
+    "deepseek-coder",
+    "starcoder",
+]
+TOKENS, MERGES = "tokenizer.ggml.tokens", "tokenizer.ggml.merges"
+
+
+@functools.cache
+def vocab_path(name: str) -> Path:
+    files = vocab_files(llama_cpp_tree())
+    if name not in files:
+        pytest.skip(f"llama.cpp's tree has no ggml-vocab-{name}.gguf with cases")
+    return files[name]
+
+
+@functools.cache
+def vocab_fields(name: str) -> dict:
+    """A vocabulary file's metadata. transformers' reader walks the string arrays in a
+    few seconds where the ``gguf`` package's takes half a minute."""
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+
+    metadata, _ = read_gguf_metadata(str(vocab_path(name)), (TOKENS, MERGES))
+    return metadata
+
+
+@functools.cache
+def rebuilt(name: str) -> Tokenizer:
+    tokenizer = build(vocab_fields(name))
+    # test-tokenizer-0 does not parse control tokens in the text (user-defined ones it does)
+    tokenizer.encode_special_tokens = True
+    return tokenizer
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_the_ids_of_llama_cpp_s_cases_and_their_decoding(name):
+    tokenizer = rebuilt(name)
+    cases = vocab_cases(vocab_path(name))
+    assert len(cases) > 40
+    for text, ids in cases:
+        assert tokenizer.encode(text, add_special_tokens=False).ids == ids, repr(text)
+        assert tokenizer.decode(ids, skip_special_tokens=False) == text, repr(text)
+
+
+def test_a_bos_is_added_where_llama_cpp_adds_one():
+    for name, bos in [("llama-spm", 1), ("phi-3", 1), ("gemma-4", 2), ("llama-bpe", 128000)]:
+        assert rebuilt(name).encode("Hi there").ids[0] == bos, name
+    qwen = rebuilt("qwen2")
+    assert qwen.encode("Hi there").ids == qwen.encode("Hi there", add_special_tokens=False).ids
+
+
+# -- generated text, against transformers' GGUF tokenizer ----------------------------------
+
+FRAGMENTS = [
+    " ", "  ", "    ", "\t", "\n", "\n\n", "\r\n", " \n ", "   \t\n",
+    "Hello", "world", "It's", "DON'T", "we'll", "naïve", "Ünïcödé",
+    "日本語", "中文字符", "한국어", "ひらがな", "カタカナ",
+    "🙂", "👩‍💻", "🦙", "🏳️‍🌈",
+    "def f(x):\n    return x**2", "if (a<b) { i += 1; }", "#include <stdio.h>", "x = [1, 2, 3]",
+    "\u0301", "\u0308", "e\u0301", "\u0915\u094d\u0937",
+    "1234567", "3.14", "0x1F", "$$", "...", "--", "'", "\"",
+]  # fmt: skip
+texts = st.lists(st.sampled_from(FRAGMENTS), min_size=1, max_size=12).map("".join)
+# transformers rebuilds these vocabularies' pre-tokenizers as llama.cpp does (it keeps
+# GPT-2's split for DeepSeek's, and no file of Gemma 3 or of Tekken's, DeepSeek V3's or
+# SmolLM's pre-tokenizers is at hand).
+LIKE_TRANSFORMERS = ["llama-spm", "phi-3", "llama-bpe", "qwen35"]
+# Before a text that starts with a space, llama.cpp still writes the "▁" prefix (its
+# case " Hello" is "▁" "▁Hello"); transformers' Llama tokenizer does not ("▁Hello").
+# Such texts are compared with a letter in front.
+PREFIX_SPACE_DIFFERS = {"llama-spm"}
+
+
+@functools.cache
+def transformers_tokenizer(name: str) -> Tokenizer:
+    """What ``AutoTokenizer.from_pretrained(..., gguf_file=...)`` builds for the file,
+    from the metadata already read (its own loading reads the file again, and the
+    model's config with it, ten times slower)."""
+    from transformers.integrations.gguf import gguf_tokenizer_mapping as mapping
+
+    fields = vocab_fields(name)
+    renames = mapping.GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+    found = {
+        new: fields[f"tokenizer.{old}"] for old, new in renames if f"tokenizer.{old}" in fields
+    }
+    tokenizer, _ = mapping.convert_gguf_tokenizer(fields["general.architecture"], found)
+    return tokenizer
+
+
+@pytest.mark.parametrize("name", LIKE_TRANSFORMERS)
+def test_generated_text_gets_transformers_ids_and_decodes_back(name):
+    ours, theirs = rebuilt(name), transformers_tokenizer(name)
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(texts)
+    def same_ids(text):
+        if name in PREFIX_SPACE_DIFFERS and text.startswith(" "):
+            text = "x" + text
+        want = theirs.encode(text, add_special_tokens=False).ids
+        assert ours.encode(text, add_special_tokens=False).ids == want
+        assert ours.decode(want, skip_special_tokens=False) == text
+
+    same_ids()
+
+
+# -- pre-tokenizers refused by name --------------------------------------------------------
+
+
+def test_what_cannot_be_rebuilt_is_refused_naming_it():
+    fields = {**vocab_fields("gpt-2"), "tokenizer.ggml.pre": "no-such-splitter"}
+    with pytest.raises(NotRebuilt, match="'no-such-splitter'"):
+        build(fields)
+    text, why = rebuild(fields)
+    assert text is None and "no-such-splitter" in why
+    with pytest.raises(NotRebuilt, match="'bert'"):
+        build({**fields, "tokenizer.ggml.model": "bert"})
+    count = len(fields[TOKENS])
+    short = {
+        **vocab_fields("gpt-2"),
+        "tokenizer.ggml.token_type": fields["tokenizer.ggml.token_type"][:10],
+    }
+    with pytest.raises(ValueError, match=f"token_type has 10 entries for {count} tokens"):
+        build(short)
+
+
+# -- stop ids ------------------------------------------------------------------------------
+
+
+def test_the_end_of_turn_tokens_llama_cpp_stops_at_are_stop_ids():
+    def ids(name, *texts):
+        tokens = vocab_fields(name)[TOKENS]
+        return [tokens.index(text) for text in texts]
+
+    llama3 = stop_token_ids(vocab_fields("llama-bpe"))
+    assert llama3[0] == vocab_fields("llama-bpe")["tokenizer.ggml.eos_token_id"]
+    assert set(ids("llama-bpe", "<|eot_id|>", "<|end_of_text|>")) <= set(llama3)
+    assert set(ids("phi-3", "<|end|>", "<|endoftext|>")) <= set(
+        stop_token_ids(vocab_fields("phi-3"))
+    )
+    gemma = stop_token_ids(vocab_fields("gemma-4"))
+    assert set(ids("gemma-4", "<eos>", "<turn|>")) <= set(gemma)
+    assert set(ids("qwen2", "<|im_end|>", "<|endoftext|>")) <= set(
+        stop_token_ids(vocab_fields("qwen2"))
+    )
+    # ids the file names come first, whatever their text
+    fields = {**vocab_fields("llama-spm"), "tokenizer.ggml.eot_token_id": 7}
+    assert stop_token_ids(fields)[:2] == [2, 7]
+
+
+@pytest.fixture(scope="module")
+def demo_file(tmp_path_factory) -> Path:
+    """The demo model (Llama, byte-level BPE) as an F16 GGUF."""
+    from benchmarks.peers import make_gguf
+    from tests.test_gguf import as_float16
+    from updraft.demo import DEMO_MODEL_DIR
+
+    out = tmp_path_factory.mktemp("demo-gguf") / "demo-f16.gguf"
+    make_gguf.main(Path(DEMO_MODEL_DIR), out, as_float16)
+    return out
+
+
+def test_a_file_s_end_of_turn_id_goes_into_generation_config_and_stops_generation(
+    demo_file, tmp_path
+):
+    from updraft import LLM
+
+    path = demo_file
+    plain = (
+        LLM(str(path), enforce_eager=True)
+        .generate(["def fib(n):"], greedy(8))[0]
+        .outputs[0]
+        .token_ids
+    )
+    eot, eom = plain[3], plain[5]
+    ids = {"tokenizer.ggml.eot_token_id": eot, "tokenizer.ggml.eom_token_id": eom}
+    marked = with_metadata(path, tmp_path / "eot.gguf", ids)
+    directory = Path(gguf.checkpoint_dir(str(marked)))
+    stops = json.loads((directory / "generation_config.json").read_text())["eos_token_id"]
+    assert {eot, eom} <= set(stops)
+    out = (
+        LLM(str(marked), enforce_eager=True)
+        .generate(["def fib(n):"], greedy(8, ignore_eos=False))[0]
+        .outputs[0]
+    )
+    assert out.token_ids == plain[: plain.index(eot) + 1]
+    assert out.finish_reason == "stop"
+
+
+def test_a_file_whose_tokenizer_is_not_rebuilt_says_why_when_loaded(demo_file, tmp_path, caplog):
+    path = demo_file
+    odd = with_metadata(path, tmp_path / "odd.gguf", {"tokenizer.ggml.pre": "no-such-splitter"})
+    with caplog.at_level(logging.WARNING):
+        directory = Path(gguf.checkpoint_dir(str(odd)))
+    assert not (directory / "tokenizer.json").exists()
+    assert "no-such-splitter" in caplog.text
+
+
+def with_metadata(path: Path, out: Path, changes: dict) -> Path:
+    """``path`` written again by gguf-py's writer, with metadata keys set: integers as
+    uint32, strings as strings."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    reader = GGUFReader(str(path))
+    writer = GGUFWriter(str(out), reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in changes:
+            continue
+        sub_type = field.types[-1] if len(field.types) > 1 else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+    for key, value in changes.items():
+        kind = GGUFValueType.STRING if isinstance(value, str) else GGUFValueType.UINT32
+        writer.add_key_value(key, value, kind)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
