@@ -203,3 +203,30 @@ def test_gemma3_s_sliding_layers_follow_the_file_s_pattern_as_llama_cpp_counts_i
     metadata["attention.sliding_window_pattern"] = [True] * 3
     with pytest.raises(ValueError, match="lists 3 layers, the file has 7"):
         gemma3.from_gguf("x.gguf", "Gemma3ForCausalLM", metadata.get, tensors)
+
+
+def test_a_chat_template_that_writes_its_bos_gets_no_second_one(files, tmp_path):
+    """The file's SentencePiece tokenizer adds a BOS (``add_bos_token``); a template that
+    spells ``{{ bos_token }}`` itself must not get another, as transformers' and vLLM's
+    chat tokenization give; updraft's own template, which writes none, keeps the
+    tokenizer's."""
+    from updraft import LLM, SamplingParams
+    from updraft.chat_template import ChatTemplate
+    from updraft.engine.input_processor import InputProcessor
+
+    _, path = files["llama-3.1"]
+    llm = LLM(str(path), block_size=4, num_kv_blocks=64, enforce_eager=True)
+    bos = llm.tokenizer.backend.token_to_id("<s>")
+    messages = [{"role": "user", "content": "hi"}]
+    simple = llm.chat(messages, SamplingParams(max_tokens=1))[0].prompt_token_ids
+    assert simple[0] == bos and simple[1] != bos
+    template = ChatTemplate(
+        "{{ bos_token }}{% for m in messages %}[{{ m['content'] }}]{% endfor %}",
+        {"bos_token": "<s>"},
+    )
+    processor = InputProcessor(llm.tokenizer, llm.input_processor.limits, template)
+    request = processor.process(
+        processor.render_chat(messages), SamplingParams(), processor.chat_adds_special_tokens
+    )
+    own = list(request.prompt_token_ids)
+    assert own.count(bos) == 1 and own[0] == bos

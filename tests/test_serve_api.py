@@ -323,7 +323,9 @@ def test_a_text_longer_than_any_context_is_refused_before_it_is_tokenized(monkey
     calls = []
     encode = Tokenizer.encode
     monkeypatch.setattr(
-        Tokenizer, "encode", lambda self, text: calls.append(text) or encode(self, text)
+        Tokenizer,
+        "encode",
+        lambda self, text, *special: calls.append(text) or encode(self, text, *special),
     )
     with running_server(enforce_eager=True) as url:  # the default 1 MiB body limit
         context = httpx.get(f"{url}/v1/models").json()["data"][0]["max_model_len"]

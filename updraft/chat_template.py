@@ -86,6 +86,13 @@ class ChatTemplate:
             source = named.get("default")
         return cls(source or SIMPLE_CHAT_TEMPLATE, special_tokens)
 
+    @property
+    def spells_special_tokens(self) -> bool:
+        """A model's own template writes its BOS and turn tokens into the text, which
+        is then encoded without the tokenizer's (a second BOS would change what the
+        model reads); updraft's simple template writes none."""
+        return self.source is not SIMPLE_CHAT_TEMPLATE
+
     def render(
         self,
         messages: list[dict[str, Any]],

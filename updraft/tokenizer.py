@@ -46,13 +46,15 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``. A long text goes through ``encode_batch``, which drops
-        the GIL while it works (``encode`` holds it: 86,000 characters held every other
-        thread, the engine's included, for 26 ms here)."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens=False`` leaves out the BOS (or
+        other marks) the tokenizer adds, for a text that spells its own, as a rendered
+        chat does. A long text goes through ``encode_batch``, which drops the GIL while
+        it works (``encode`` holds it: 86,000 characters held every other thread, the
+        engine's included, for 26 ms here)."""
         if len(text) < RELEASE_GIL_FROM:
-            return self._tokenizer.encode(text).ids
-        return self._tokenizer.encode_batch([text])[0].ids
+            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -128,15 +128,24 @@ class InputProcessor:
             messages, add_generation_prompt, template_kwargs, tools, continue_final_message
         )
 
-    def process(self, prompt: str | Sequence[int], params: SamplingParams) -> EngineRequest:
+    @property
+    def chat_adds_special_tokens(self) -> bool:
+        """Whether a rendered chat is encoded with the tokenizer's BOS (only when the
+        template does not write its own)."""
+        return not self.chat_template.spells_special_tokens
+
+    def process(
+        self, prompt: str | Sequence[int], params: SamplingParams, add_special_tokens: bool = True
+    ) -> EngineRequest:
         """The request ready for the engine, or one that carries why it cannot be
-        served. Ids are checked before anything is built from them."""
+        served. Ids are checked before anything is built from them; a text is encoded
+        with the tokenizer's special tokens unless ``add_special_tokens`` is False."""
         text = prompt if isinstance(prompt, str) else None
         if text is None and len(prompt) >= self.limits.max_model_len:
             # Refused at the cost of len(), before a look at each of a huge list's ids.
             token_ids, error = [], self._check_length(len(prompt))
         else:
-            token_ids, error = self._prompt_token_ids(prompt)
+            token_ids, error = self._prompt_token_ids(prompt, add_special_tokens)
             if params.truncate_prompt_tokens is not None:
                 token_ids = token_ids[-params.truncate_prompt_tokens :]
             error = error or self._check_length(len(token_ids))
@@ -153,7 +162,9 @@ class InputProcessor:
             )
         return EngineRequest(text, token_ids, params, bad_words, error)
 
-    def _prompt_token_ids(self, prompt: str | Sequence[int]) -> tuple[list[int], str | None]:
+    def _prompt_token_ids(
+        self, prompt: str | Sequence[int], add_special_tokens: bool
+    ) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 return [], f"{self.limits.model} has no tokenizer.json; pass token ids"
@@ -161,7 +172,7 @@ class InputProcessor:
                 prompt.encode("utf-8")
             except UnicodeEncodeError as error:
                 return [], f"prompt has a lone surrogate at character {error.start}: not text"
-            token_ids = self.tokenizer.encode(prompt)
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens)
         else:
             token_ids = list(prompt)
             vocab = self.limits.vocab_size

@@ -49,11 +49,13 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_special_tokens: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order, each with
-        its ``n`` completions in index order."""
+        its ``n`` completions in index order. A text prompt gets the tokenizer's BOS
+        unless ``add_special_tokens`` is False."""
         latest: dict[str, dict[int, RequestOutput]] = {}
-        request_ids = self._add(prompts, sampling_params)
+        request_ids = self._add(prompts, sampling_params, add_special_tokens)
         for output in self._run(request_ids):
             latest.setdefault(output.request_id, {})[output.outputs[0].index] = output
         return [merge_outputs(list(latest[request_id].values())) for request_id in request_ids]
@@ -77,7 +79,8 @@ class LLM:
             )
             for c in conversations
         ]
-        return self.generate(prompts, sampling_params)
+        special = self.input_processor.chat_adds_special_tokens
+        return self.generate(prompts, sampling_params, add_special_tokens=special)
 
     def generate_stream(
         self,
@@ -97,6 +100,7 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        add_special_tokens: bool = True,
     ) -> list[str]:
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
@@ -116,7 +120,7 @@ class LLM:
             if not isinstance(params, SamplingParams):
                 raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
         return [
-            self.engine.add(self.input_processor.process(prompt, params))
+            self.engine.add(self.input_processor.process(prompt, params, add_special_tokens))
             for prompt, params in zip(prompts, sampling_params, strict=True)
         ]
 

@@ -145,7 +145,11 @@ class ServingBase:
             raise APIError(400, f"{field}: {error.detail}", param=field) from error
 
     async def intake(
-        self, prompt: str | list[int], params: SamplingParams, field: str
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        field: str,
+        add_special_tokens: bool = True,
     ) -> EngineRequest:
         """The prompt through intake; a text is tokenized in a worker thread: the engine
         thread, which steps every running request, never tokenizes, and a long text is
@@ -160,7 +164,7 @@ class ServingBase:
                 "the context length, can hold",
                 param=field,
             )
-        return await self.off_loop(self.processor.process, prompt, params)
+        return await self.off_loop(self.processor.process, prompt, params, add_special_tokens)
 
     async def _start(
         self,

@@ -83,7 +83,8 @@ class ChatServing:
         if self.tool_parser == "mistral" and self.reply_stream(body) is not None:
             # Mistral's [TOOL_CALLS] is a special token: kept in the text to be read.
             params = replace(params, skip_special_tokens=False)
-        intake = await base.intake(prompt, params, "messages")
+        special = base.processor.chat_adds_special_tokens
+        intake = await base.intake(prompt, params, "messages", special)
         request_id = new_id("chatcmpl")
         streams = await base.start_all(
             request_id, [intake], explicit, body.max_tokens_field(), "messages", structured_field
