@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -211,3 +212,56 @@ if __name__ == "__main__":
     while process_lives(worker) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not process_lives(worker)
+
+
+# -- GGUF files: each rank maps only its rows of the file ---------------------------------
+
+
+def gguf_in_blocks(directory: Path, kind: str, mix: dict[str, str], **shape) -> Path:
+    """A tiny checkpoint of ``kind`` written as GGUF with ``mix``'s tensor types."""
+    from benchmarks.peers import make_gguf
+    from tests.test_gguf import convert_to
+
+    checkpoint = build_checkpoint(kind, directory / kind, **shape)
+    path = directory / f"{kind}.gguf"
+    make_gguf.main(checkpoint, path, convert_to(mix, np.random.default_rng(4), {}))
+    return path
+
+
+def test_gguf_files_split_over_two_ranks_compute_what_one_process_computes(tmp_path, pool):
+    """llama.cpp's converter's Q8_0 Llama (q/k rows permuted; linears, embedding and
+    head in blocks that become panels; a 257-token vocabulary, its last shard padded),
+    and a tied Qwen2 (one KV head, q/k/v bias) in K-quant blocks that stay blocks, with
+    a float32 embedding and an F16 o_proj: eager, and the Llama with graphs too."""
+    from tests.llama_cpp_tree import convert
+
+    checkpoint = build_checkpoint("llama-plain", tmp_path / "llama", vocab_size=257)
+    llama = convert(checkpoint, tmp_path / "llama-q8_0.gguf", "q8_0")
+    # K-quants take rows of 256 values, and o_proj's inputs are split: 512 wide
+    mix = {"attn_output": "F16", "attn_v": "Q6_K", "ffn_down": "Q6_K", "blk": "Q4_K"}
+    wide = dict(hidden_size=512, intermediate_size=1024)
+    qwen2 = gguf_in_blocks(tmp_path, "qwen2", mix, **wide)
+    assert_two_ranks_compute_like_one_process(llama, pool, enforce_eager=True)
+    graphs = dict(enforce_eager=False, capture_sizes=(4,), capture_tokens=(32,))
+    assert_two_ranks_compute_like_one_process(llama, pool, **graphs)
+    assert_two_ranks_compute_like_one_process(qwen2, pool, enforce_eager=True)
+
+
+def test_a_gguf_width_whose_share_is_not_whole_blocks_is_refused_with_the_numbers(tmp_path):
+    """o_proj's 256 inputs in Q4_K blocks of 256: 128 per rank would cut every block; the
+    engine refuses before any rank starts, and a rank's loader refuses alike."""
+    wide = dict(hidden_size=256, intermediate_size=512)
+    path = gguf_in_blocks(tmp_path, "llama-plain", {"blk": "Q4_K"}, **wide)
+    message = (
+        "blk.0.attn_output.weight: 256 inputs in Q4_K blocks of 256 cannot be split over 2 "
+        "ranks: 128 each is not a whole number of blocks"
+    )
+    with pytest.raises(ValueError, match=message):
+        LLM(str(path), tensor_parallel_size=2)
+    assert not rank_processes()
+    from updraft.checkpoints.local import local_checkpoint
+
+    directory = local_checkpoint(str(path))
+    place = RankPlace(1, ParallelSizes(tensor=2), "unconnected")
+    with pytest.raises(ValueError, match=message):
+        load_model(ModelConfig.from_dir(directory), directory, torch.float32, place=place)

@@ -41,6 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from updraft.checkpoints.gguf import linked_files
+from updraft.checkpoints.gguf_header import read_gguf, walk
+from updraft.config import ParallelSizes
 from updraft.kernels.gguf_ops import (
     BLOCK_TYPES,
     GGUF_MAX_ROWS,
@@ -52,9 +55,17 @@ from updraft.kernels.gguf_ops import (
 from updraft.kernels.panels import Panels, pack_codes
 from updraft.model_config import ModelConfig
 from updraft.model_config.registry import ARCHITECTURES
+from updraft.models.gguf_shards import (
+    block_columns,
+    embedding_over,
+    kept_part,
+    new_names,
+    rank_share,
+)
 from updraft.models.packed_linear import PackedLinear
 from updraft.models.packing import pack_model
 from updraft.models.registry import model_class
+from updraft.models.tensor_parallel import VocabParallelHead, shard_model, splits_tensors
 from updraft.models.weight_targets import (
     FUSED,
     MadeParameters,
@@ -63,6 +74,7 @@ from updraft.models.weight_targets import (
     part_of,
     target_of,
 )
+from updraft.parallel.topology import RankPlace
 from updraft.weights import WeightFormat
 
 # llama.cpp's tensor names -> transformers' (the loader's fused slices take it from there)
@@ -235,35 +247,38 @@ def load_gguf_model(
     device: torch.device | str = "cpu",
     max_positions: int | None = None,
     int8_activations: bool = False,
+    place: RankPlace | None = None,
 ) -> nn.Module:
     """The model ``config`` describes, its weights read from the GGUF ``parts`` (with
-    ``int8_activations``, its quantized linears round a decode step's x to int8)."""
-    from gguf import GGUFReader
-
+    ``int8_activations``, its quantized linears round a decode step's x to int8; with
+    ``place``, the rank's shard: ``gguf_shards.py``)."""
     if dtype != torch.float32 or torch.device(device).type != "cpu":
         raise ValueError("a GGUF file runs on the CPU in float32")
     with building(torch.float32, "meta"):
         model = model_class(config)(config, max_positions=max_positions)
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
+    kept = shard_model(model, place) if splits_tensors(place) else {}
+    ranks = place.sizes.tensor if kept else 1
     permuted_qk = ARCHITECTURES[config.architecture].gguf_permuted_qk
     floats: dict[str, dict[int, torch.Tensor]] = {}
     blocks: dict[str, dict[int, Part]] = {}
     float_kinds: Counter[str] = Counter()
     for path in parts:
-        for tensor in GGUFReader(str(path)).tensors:
+        for tensor in read_gguf(path).tensors:
             name = hf_name(tensor.name)
             if name is None:
                 raise ValueError(f"{path.name}: unexpected GGUF tensor {tensor.name}")
             target = target_of(name, params, modules)
             if target is None:
                 raise ValueError(f"{path.name}: GGUF tensor {tensor.name} fits no parameter")
-            data = tensor.data
-            if permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
-                heads = config.num_heads if "q_proj" in name else config.num_kv_heads
-                data = unpermute(np.asarray(data), heads)
             kind = tensor.tensor_type.name
             param, index = target
+            split_sizes = getattr(modules[param.rpartition(".")[0]], "split_sizes", None)
+            keep = kept.get(params[param])
+            data = rank_share(tensor.name, kind, tensor.data, keep, index, split_sizes, ranks)
+            if permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
+                data = unpermute(np.asarray(data), data.shape[0] // config.head_dim)
             if kind in FLOAT_DTYPES:
                 floats.setdefault(param, {})[index] = _float(data, kind)
                 if name.endswith(".weight") and np.asarray(data).ndim == 2:
@@ -275,6 +290,11 @@ def load_gguf_model(
                 blocks.setdefault(param, {})[index] = Part(rows, BLOCK_TYPES[kind])
             else:
                 raise ValueError(f"{path.name}: a quantized {tensor.name} is not supported")
+    if kept:  # from here on, the names of the rank's split model
+        renamed = new_names(model, params, kept)
+        floats = {renamed[name]: slices for name, slices in floats.items()}
+        blocks = {renamed[name]: slices for name, slices in blocks.items()}
+        modules = dict(model.named_modules())
     _place_blocks(model, modules, blocks, floats, config, int8_activations)
     _fill_floats(model, floats)
     left = [name for name, param in model.named_parameters() if param.is_meta]
@@ -299,11 +319,15 @@ def _place_blocks(model, modules, blocks, floats, config: ModelConfig, int8: boo
         dim = config.hidden_size
         if config.tie_word_embeddings:  # the embedding reads the LM head's blocks
             head = GGUFLinear(dim, [part], None, int8)
-            model.lm_head = head
+            if isinstance(model.lm_head, VocabParallelHead):
+                model.lm_head.linear = head
+            else:
+                model.lm_head = head
             grouped = head.rows[0] if head.grouped[0] else 0
-            model.model.embed_tokens = GGUFEmbedding(head.part0, part.code, dim, grouped)
+            table = GGUFEmbedding(head.part0, part.code, dim, grouped)
         else:
-            model.model.embed_tokens = GGUFEmbedding(part.weight, part.code, dim)
+            table = GGUFEmbedding(part.weight, part.code, dim)
+        model.model.embed_tokens = embedding_over(model.model.embed_tokens, table)
     for param, slices in blocks.items():
         module_name = param.removesuffix(".weight")
         module = modules[module_name]
@@ -373,3 +397,26 @@ def _fill_floats(model: nn.Module, floats: dict[str, dict[int, torch.Tensor]]) -
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(f"GGUF tensor of shape {tuple(tensor.shape)} for {name}")
             target.data.copy_(tensor)
+
+
+def check_gguf_split(config: ModelConfig, model_dir: str | Path, sizes: ParallelSizes) -> None:
+    """Refuse, with the numbers, a GGUF file (the one ``model_dir`` stands for, if any)
+    whose row-parallel tensors in blocks ``sizes``' tensor-parallel ranks would cut
+    mid-block: read from the headers alone, before any rank loads."""
+    parts = linked_files(Path(model_dir))
+    if parts is None or sizes.tensor == 1:
+        return
+    with building(torch.float32, "meta"):
+        model = model_class(config)(config)
+    params, modules = dict(model.named_parameters()), dict(model.named_modules())
+    kept = shard_model(model, RankPlace(0, sizes, "unconnected"))
+    kinds = {code: kind for kind, code in BLOCK_TYPES.items()}
+    for part in parts:
+        for info in walk(part).tensors:
+            name = hf_name(info.name)
+            target = None if name is None else target_of(name, params, modules)
+            keep = None if target is None else kept.get(params[target[0]])
+            if keep is None or keep.dim != 1 or keep.zeros or info.type_code not in kinds:
+                continue
+            columns = kept_part(keep, target[1])
+            block_columns(info.name, kinds[info.type_code], info.dims[0], columns, sizes.tensor)
