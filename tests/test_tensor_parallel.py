@@ -229,22 +229,36 @@ def gguf_in_blocks(directory: Path, kind: str, mix: dict[str, str], **shape) -> 
 
 
 def test_gguf_files_split_over_two_ranks_compute_what_one_process_computes(tmp_path, pool):
-    """llama.cpp's converter's Q8_0 Llama (q/k rows permuted; linears, embedding and
-    head in blocks that become panels; a 257-token vocabulary, its last shard padded),
-    and a tied Qwen2 (one KV head, q/k/v bias) in K-quant blocks that stay blocks, with
-    a float32 embedding and an F16 o_proj: eager, and the Llama with graphs too."""
+    """llama.cpp's converter's Q8_0 Llama (q/k rows permuted; linears and the LM head in
+    blocks that become panels, the embedding in blocks; a 257-token vocabulary, its last
+    shard padded) and a tied Qwen2 (one KV head, q/k/v bias) in K-quant blocks that stay
+    blocks, its embedding and LM head one Q6_K table, with an F16 o_proj: greedy tokens
+    identical and logits within 1e-4 over TP=2 and one process, eager, and the Llama
+    with graphs too."""
     from tests.llama_cpp_tree import convert
+    from updraft.models.gguf_loader import GGUFLinear
+    from updraft.models.gguf_shards import VocabParallelBlocks
+    from updraft.models.packed_linear import PackedLinear
 
     checkpoint = build_checkpoint("llama-plain", tmp_path / "llama", vocab_size=257)
     llama = convert(checkpoint, tmp_path / "llama-q8_0.gguf", "q8_0")
-    # K-quants take rows of 256 values, and o_proj's inputs are split: 512 wide
-    mix = {"attn_output": "F16", "attn_v": "Q6_K", "ffn_down": "Q6_K", "blk": "Q4_K"}
+    # K-quants take rows of 256 values, and o_proj's and down_proj's are split: 512 wide
+    mix = {"attn_output": "F16", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"}
     wide = dict(hidden_size=512, intermediate_size=1024)
-    qwen2 = gguf_in_blocks(tmp_path, "qwen2", mix, **wide)
-    assert_two_ranks_compute_like_one_process(llama, pool, enforce_eager=True)
+    qwen2 = gguf_in_blocks(tmp_path, "qwen2", {**mix, "blk": "Q4_K"}, **wide)
     graphs = dict(enforce_eager=False, capture_sizes=(4,), capture_tokens=(32,))
-    assert_two_ranks_compute_like_one_process(llama, pool, **graphs)
-    assert_two_ranks_compute_like_one_process(qwen2, pool, enforce_eager=True)
+    head_kinds = {llama: PackedLinear, qwen2: GGUFLinear}
+    for path, args in ((llama, dict(enforce_eager=True)), (llama, graphs), (qwen2, {})):
+        args = {"enforce_eager": True, **args}
+        _, plain, plain_logits = run(path, **args)
+        llm, split, split_logits = run(path, pool, tensor_parallel_size=2, **args)
+        assert token_ids(split) == token_ids(plain)
+        for ours, reference in zip(split_logits, plain_logits, strict=True):
+            torch.testing.assert_close(ours, reference, atol=1e-4, rtol=0)
+        model = llm.engine._runner.model  # noqa: SLF001
+        assert isinstance(model.model.embed_tokens, VocabParallelBlocks)
+        assert isinstance(model.lm_head.linear, head_kinds[path])
+        assert ("graph" in llm.engine.stats().steps) != args["enforce_eager"]
 
 
 def test_a_gguf_width_whose_share_is_not_whole_blocks_is_refused_with_the_numbers(tmp_path):
