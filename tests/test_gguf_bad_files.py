@@ -36,11 +36,15 @@ def _value_offset(reader: GGUFReader, key: str) -> int:
     return reader.fields[key].offset + 8 + len(key.encode()) + 4
 
 
+def _tensor_dims_field(reader: GGUFReader) -> int:
+    """Where the last tensor's first dimension is written in its description."""
+    tensor = reader.tensors[-1]
+    return tensor.field.offset + 8 + len(tensor.name.encode()) + 4
+
+
 def _tensor_offset_field(reader: GGUFReader) -> int:
     """Where the last tensor's data offset is written in its description."""
-    tensor = reader.tensors[-1]
-    dims = len(tensor.shape)
-    return tensor.field.offset + 8 + len(tensor.name.encode()) + 4 + 8 * dims + 4
+    return _tensor_dims_field(reader) + 8 * len(reader.tensors[-1].shape) + 4
 
 
 def _patched(data: bytes, offset: int, fmt: str, value: int) -> bytes:
@@ -64,6 +68,8 @@ def corrupt(good_path, kind: str) -> bytes:
         return _patched(data, _value_offset(reader, "general.architecture"), "<Q", HUGE)
     if kind == "array length":  # after the array's item type
         return _patched(data, _value_offset(reader, "tokenizer.ggml.tokens") + 4, "<Q", HUGE)
+    if kind == "tensor size":
+        return _patched(data, _tensor_dims_field(reader), "<Q", HUGE)
     if kind == "tensor offset":
         return _patched(data, _tensor_offset_field(reader), "<Q", 2**40)
     raise AssertionError(kind)
@@ -79,6 +85,7 @@ CASES = {
     "string length": rf"metadata 'general\.architecture' \(a string of {HUGE} bytes\) runs past",
     "array length": rf"metadata 'tokenizer\.ggml\.tokens''s item count {HUGE} cannot fit",
     "tensor offset": r"tensor 'output_norm\.weight''s data \(offset 1099511627776, .* runs past",
+    "tensor size": rf"tensor 'output_norm\.weight''s data \(offset \d+, {4 * HUGE} bytes\) runs",
 }
 
 

@@ -189,7 +189,10 @@ def _walk(cursor: _Cursor, block_sizes: dict[int, tuple[int, int]]) -> Header:
         value = _value(cursor, kind, f"metadata {key!r}")
         if key == "general.alignment":
             if value is None or value == 0 or value & (value - 1):
-                raise cursor.fail(f"general.alignment must be a power of two, not {value}")
+                raise cursor.fail(
+                    "general.alignment must be a uint32 power of two, not "
+                    f"{'a value of type ' + str(kind) if value is None else value}"
+                )
             alignment = value
     described = [_tensor_info(cursor, index, block_sizes) for index in range(tensor_count)]
     data_start = -(-cursor.at // alignment) * alignment
