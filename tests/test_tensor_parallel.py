@@ -229,35 +229,44 @@ def gguf_in_blocks(directory: Path, kind: str, mix: dict[str, str], **shape) -> 
 
 
 def test_gguf_files_split_over_two_ranks_compute_what_one_process_computes(tmp_path, pool):
-    """llama.cpp's converter's Q8_0 Llama (q/k rows permuted; linears and the LM head in
-    blocks that become panels, the embedding in blocks; a 257-token vocabulary, its last
-    shard padded) and a tied Qwen2 (one KV head, q/k/v bias) in K-quant blocks that stay
-    blocks, its embedding and LM head one Q6_K table, with an F16 o_proj: greedy tokens
-    identical and logits within 1e-4 over TP=2 and one process, eager, and the Llama
-    with graphs too."""
+    """A float32 Llama with a 257-token vocabulary (its last shard padded) against the
+    safetensors checkpoint it was written from; llama.cpp's converter's Q8_0 file of it
+    (linears and the LM head in blocks that become panels, the embedding in blocks),
+    eager and with graphs; a tied Qwen2 (one KV head, q/k/v bias) in K-quant blocks that
+    stay blocks, its embedding and LM head one Q6_K table, with an F16 o_proj. Each at
+    TP=2 gives one process's greedy tokens, and its logits within 1e-4."""
+    from benchmarks.peers import make_gguf
     from tests.llama_cpp_tree import convert
     from updraft.models.gguf_loader import GGUFLinear
     from updraft.models.gguf_shards import VocabParallelBlocks
     from updraft.models.packed_linear import PackedLinear
+    from updraft.models.tensor_parallel import VocabParallelEmbedding
 
     checkpoint = build_checkpoint("llama-plain", tmp_path / "llama", vocab_size=257)
-    llama = convert(checkpoint, tmp_path / "llama-q8_0.gguf", "q8_0")
+    llama_f32 = tmp_path / "llama-f32.gguf"
+    make_gguf.main(checkpoint, llama_f32)
+    llama_q8_0 = convert(checkpoint, tmp_path / "llama-q8_0.gguf", "q8_0")
     # K-quants take rows of 256 values, and o_proj's and down_proj's are split: 512 wide
     mix = {"attn_output": "F16", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"}
     wide = dict(hidden_size=512, intermediate_size=1024)
     qwen2 = gguf_in_blocks(tmp_path, "qwen2", {**mix, "blk": "Q4_K"}, **wide)
+    eager = dict(enforce_eager=True)
     graphs = dict(enforce_eager=False, capture_sizes=(4,), capture_tokens=(32,))
-    head_kinds = {llama: PackedLinear, qwen2: GGUFLinear}
-    for path, args in ((llama, dict(enforce_eager=True)), (llama, graphs), (qwen2, {})):
-        args = {"enforce_eager": True, **args}
-        _, plain, plain_logits = run(path, **args)
+    cases = [  # file, what one process runs, engine settings, the rank's embedding and head
+        (llama_f32, checkpoint, eager, VocabParallelEmbedding, PackedLinear),
+        (llama_q8_0, llama_q8_0, eager, VocabParallelBlocks, PackedLinear),
+        (llama_q8_0, llama_q8_0, graphs, VocabParallelBlocks, PackedLinear),
+        (qwen2, qwen2, eager, VocabParallelBlocks, GGUFLinear),
+    ]
+    for path, reference, args, embedding, head in cases:
+        _, plain, plain_logits = run(reference, **args)
         llm, split, split_logits = run(path, pool, tensor_parallel_size=2, **args)
         assert token_ids(split) == token_ids(plain)
-        for ours, reference in zip(split_logits, plain_logits, strict=True):
-            torch.testing.assert_close(ours, reference, atol=1e-4, rtol=0)
+        for ours, theirs in zip(split_logits, plain_logits, strict=True):
+            torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
         model = llm.engine._runner.model  # noqa: SLF001
-        assert isinstance(model.model.embed_tokens, VocabParallelBlocks)
-        assert isinstance(model.lm_head.linear, head_kinds[path])
+        assert isinstance(model.model.embed_tokens, embedding)
+        assert isinstance(model.lm_head.linear, head)
         assert ("graph" in llm.engine.stats().steps) != args["enforce_eager"]
 
 
