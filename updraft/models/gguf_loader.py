@@ -55,17 +55,11 @@ from updraft.kernels.gguf_ops import (
 from updraft.kernels.panels import Panels, pack_codes
 from updraft.model_config import ModelConfig
 from updraft.model_config.registry import ARCHITECTURES
-from updraft.models.gguf_shards import (
-    block_columns,
-    embedding_over,
-    kept_part,
-    new_names,
-    rank_share,
-)
+from updraft.models.gguf_shards import RankShare, block_columns, embedding_over, kept_part
 from updraft.models.packed_linear import PackedLinear
 from updraft.models.packing import pack_model
 from updraft.models.registry import model_class
-from updraft.models.tensor_parallel import VocabParallelHead, shard_model, splits_tensors
+from updraft.models.tensor_parallel import VocabParallelHead, shard_model
 from updraft.models.weight_targets import (
     FUSED,
     MadeParameters,
@@ -256,10 +250,8 @@ def load_gguf_model(
         raise ValueError("a GGUF file runs on the CPU in float32")
     with building(torch.float32, "meta"):
         model = model_class(config)(config, max_positions=max_positions)
-    params = dict(model.named_parameters())
-    modules = dict(model.named_modules())
-    kept = shard_model(model, place) if splits_tensors(place) else {}
-    ranks = place.sizes.tensor if kept else 1
+    share = RankShare(model, place)
+    params, modules = share.params, share.modules  # the unsplit model's
     permuted_qk = ARCHITECTURES[config.architecture].gguf_permuted_qk
     floats: dict[str, dict[int, torch.Tensor]] = {}
     blocks: dict[str, dict[int, Part]] = {}
@@ -274,9 +266,7 @@ def load_gguf_model(
                 raise ValueError(f"{path.name}: GGUF tensor {tensor.name} fits no parameter")
             kind = tensor.tensor_type.name
             param, index = target
-            split_sizes = getattr(modules[param.rpartition(".")[0]], "split_sizes", None)
-            keep = kept.get(params[param])
-            data = rank_share(tensor.name, kind, tensor.data, keep, index, split_sizes, ranks)
+            data = share(tensor.name, kind, tensor.data, param, index)
             if permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
                 data = unpermute(np.asarray(data), data.shape[0] // config.head_dim)
             if kind in FLOAT_DTYPES:
@@ -290,12 +280,8 @@ def load_gguf_model(
                 blocks.setdefault(param, {})[index] = Part(rows, BLOCK_TYPES[kind])
             else:
                 raise ValueError(f"{path.name}: a quantized {tensor.name} is not supported")
-    if kept:  # from here on, the names of the rank's split model
-        renamed = new_names(model, params, kept)
-        floats = {renamed[name]: slices for name, slices in floats.items()}
-        blocks = {renamed[name]: slices for name, slices in blocks.items()}
-        modules = dict(model.named_modules())
-    _place_blocks(model, modules, blocks, floats, config, int8_activations)
+    floats, blocks = share.renamed(floats), share.renamed(blocks)  # the rank's names
+    _place_blocks(model, blocks, floats, config, int8_activations)
     _fill_floats(model, floats)
     left = [name for name, param in model.named_parameters() if param.is_meta]
     if left:
@@ -311,8 +297,9 @@ def _float(data: np.ndarray, kind: str) -> torch.Tensor:
     return tensor.view(torch.bfloat16) if kind == "BF16" else tensor
 
 
-def _place_blocks(model, modules, blocks, floats, config: ModelConfig, int8: bool) -> None:
+def _place_blocks(model, blocks, floats, config: ModelConfig, int8: bool) -> None:
     """Put a ``GGUFLinear`` (and a ``GGUFEmbedding``) where tensors came in blocks."""
+    modules = dict(model.named_modules())
     embedding = blocks.pop("model.embed_tokens.weight", None)
     if embedding is not None:
         part = embedding[0]

@@ -18,13 +18,24 @@ heads, so the rows a rank keeps are un-permuted on their own.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import numpy as np
 import torch
 from torch import nn
 
 from updraft.kernels.gguf_ops import BLOCK_TYPES, BLOCKS
-from updraft.models.tensor_parallel import Kept, Shards, VocabParallelEmbedding
+from updraft.models.tensor_parallel import (
+    Kept,
+    Shards,
+    VocabParallelEmbedding,
+    shard_model,
+    splits_tensors,
+)
 from updraft.models.weight_targets import FUSED, Slice
+from updraft.parallel.topology import RankPlace
+
+T = TypeVar("T")
 
 
 def block_columns(name: str, kind: str, width: int, columns: slice, ranks: int) -> slice:
@@ -86,17 +97,38 @@ def kept_part(keep: Kept, index: Slice) -> slice:
     return keep.parts[index[1] if isinstance(index, tuple) else index]
 
 
-def new_names(model: nn.Module, params: dict[str, nn.Parameter], kept: Shards) -> dict[str, str]:
-    """Each unsplit parameter's name -> the name of what the rank keeps of it, in the
-    split ``model`` (a row-parallel linear's weight is ``...o_proj.module.weight``)."""
-    names = {id(param): name for name, param in model.named_parameters()}
-    renamed = {}
-    for name, param in params.items():
-        keep = kept.get(param)
-        held = keep.param if keep is not None else param
-        if id(held) in names:
-            renamed[name] = names[id(held)]
-    return renamed
+class RankShare:
+    """What the rank at ``place`` keeps of ``model`` (built on the meta device), which it
+    splits in place: its share of each GGUF tensor, named by the unsplit model's
+    parameters; with no ``place``, or one that splits no tensor, all of each."""
+
+    def __init__(self, model: nn.Module, place: RankPlace | None) -> None:
+        self.model = model
+        self.params = dict(model.named_parameters())
+        self.modules = dict(model.named_modules())
+        self.kept: Shards = shard_model(model, place) if splits_tensors(place) else {}
+        self.ranks = place.sizes.tensor if self.kept else 1
+
+    def __call__(self, name: str, kind: str, data: np.ndarray, param: str, index: Slice):
+        """The rank's share of GGUF tensor ``name`` (``data``: the file's rows, floats
+        or block bytes in ``kind``), which fills slice ``index`` of ``param``."""
+        module = self.modules[param.rpartition(".")[0]]
+        keep = self.kept.get(self.params[param])
+        sizes = getattr(module, "split_sizes", None)
+        return rank_share(name, kind, data, keep, index, sizes, self.ranks)
+
+    def renamed(self, by_param: dict[str, T]) -> dict[str, T]:
+        """``by_param`` keyed by the names of what the rank keeps in the split model (a
+        row-parallel linear's weight is ``...o_proj.module.weight``)."""
+        if not self.kept:
+            return by_param
+        names = {id(param): name for name, param in self.model.named_parameters()}
+        renamed = {}
+        for name, value in by_param.items():
+            keep = self.kept.get(self.params[name])
+            held = keep.param if keep is not None else self.params[name]
+            renamed[names[id(held)]] = value
+        return renamed
 
 
 class VocabParallelBlocks(nn.Module):
