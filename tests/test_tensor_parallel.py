@@ -228,6 +228,18 @@ def gguf_in_blocks(directory: Path, kind: str, mix: dict[str, str], **shape) -> 
     return path
 
 
+def held_bytes(model: torch.nn.Module) -> int:
+    """The bytes of a GGUF model's weights, each tensor once (a tied head shares its
+    table), the RoPE tables left out: blocks, panels and float tensors (norms, and
+    biases, whole on every rank)."""
+    held = {
+        tensor.data_ptr(): tensor.numel() * tensor.element_size()
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+        if "rotary" not in name
+    }
+    return sum(held.values())
+
+
 def test_gguf_files_split_over_two_ranks_compute_what_one_process_computes(tmp_path, pool):
     """A float32 Llama with a 257-token vocabulary (its last shard padded) against the
     safetensors checkpoint it was written from; llama.cpp's converter's Q8_0 file of it
@@ -235,6 +247,8 @@ def test_gguf_files_split_over_two_ranks_compute_what_one_process_computes(tmp_p
     eager and with graphs; a tied Qwen2 (one KV head, q/k/v bias) in K-quant blocks that
     stay blocks, its embedding and LM head one Q6_K table, with an F16 o_proj. Each at
     TP=2 gives one process's greedy tokens, and its logits within 1e-4."""
+    from gguf import GGUFReader
+
     from benchmarks.peers import make_gguf
     from tests.llama_cpp_tree import convert
     from updraft.models.gguf_loader import GGUFLinear
@@ -268,6 +282,9 @@ def test_gguf_files_split_over_two_ranks_compute_what_one_process_computes(tmp_p
         assert isinstance(model.model.embed_tokens, embedding)
         assert isinstance(model.lm_head.linear, head)
         assert ("graph" in llm.engine.stats().steps) != args["enforce_eager"]
+        if path is not llama_f32:  # a rank holds about half of a file's blocks
+            file_bytes = sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
+            assert 0.45 * file_bytes < held_bytes(model) < 0.6 * file_bytes, path.name
 
 
 def test_a_gguf_width_whose_share_is_not_whole_blocks_is_refused_with_the_numbers(tmp_path):
