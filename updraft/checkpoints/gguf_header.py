@@ -112,7 +112,9 @@ def _value(cursor: _Cursor, kind: int, field: str, depth: int = 0) -> int | None
     elif kind == STRING:
         length = cursor.unpack("<Q", f"{field}'s length")
         cursor.skip(length, f"{field} (a string of {length} bytes)")
-    elif kind == ARRAY and depth < MAX_NESTING:
+    elif kind == ARRAY:
+        if depth == MAX_NESTING:
+            raise cursor.fail(f"{field}: arrays nested more than {MAX_NESTING} deep")
         item = cursor.unpack("<I", f"{field}'s item type")
         if item not in SCALAR_SIZES and item not in (STRING, ARRAY):
             raise cursor.fail(f"{field}: unknown array item type {item}")
