@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -211,3 +212,96 @@ if __name__ == "__main__":
     while process_lives(worker) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not process_lives(worker)
+
+
+# -- GGUF files: each rank maps only its rows of the file ---------------------------------
+
+
+def gguf_in_blocks(directory: Path, kind: str, mix: dict[str, str], **shape) -> Path:
+    """A tiny checkpoint of ``kind`` written as GGUF with ``mix``'s tensor types."""
+    from benchmarks.peers import make_gguf
+    from tests.test_gguf import convert_to
+
+    checkpoint = build_checkpoint(kind, directory / kind, **shape)
+    path = directory / f"{kind}.gguf"
+    make_gguf.main(checkpoint, path, convert_to(mix, np.random.default_rng(4), {}))
+    return path
+
+
+def held_bytes(model: torch.nn.Module) -> int:
+    """The bytes of a GGUF model's weights, each tensor once (a tied head shares its
+    table), the RoPE tables left out: blocks, panels and float tensors (norms, and
+    biases, whole on every rank)."""
+    held = {
+        tensor.data_ptr(): tensor.numel() * tensor.element_size()
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+        if "rotary" not in name
+    }
+    return sum(held.values())
+
+
+def test_gguf_files_split_over_two_ranks_compute_what_one_process_computes(tmp_path, pool):
+    """A float32 Llama with a 257-token vocabulary (its last shard padded) against the
+    safetensors checkpoint it was written from; llama.cpp's converter's Q8_0 file of it
+    (linears and the LM head in blocks that become panels, the embedding in blocks),
+    eager and with graphs; a tied Qwen2 (one KV head, q/k/v bias) in K-quant blocks that
+    stay blocks, its embedding and LM head one Q6_K table, with an F16 o_proj. Each at
+    TP=2 gives one process's greedy tokens, and its logits within 1e-4."""
+    from gguf import GGUFReader
+
+    from benchmarks.peers import make_gguf
+    from tests.llama_cpp_tree import convert
+    from updraft.models.gguf_loader import GGUFLinear
+    from updraft.models.gguf_shards import VocabParallelBlocks
+    from updraft.models.packed_linear import PackedLinear
+    from updraft.models.tensor_parallel import VocabParallelEmbedding
+
+    checkpoint = build_checkpoint("llama-plain", tmp_path / "llama", vocab_size=257)
+    llama_f32 = tmp_path / "llama-f32.gguf"
+    make_gguf.main(checkpoint, llama_f32)
+    llama_q8_0 = convert(checkpoint, tmp_path / "llama-q8_0.gguf", "q8_0")
+    # K-quants take rows of 256 values, and o_proj's and down_proj's are split: 512 wide
+    mix = {"attn_output": "F16", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"}
+    wide = dict(hidden_size=512, intermediate_size=1024)
+    qwen2 = gguf_in_blocks(tmp_path, "qwen2", {**mix, "blk": "Q4_K"}, **wide)
+    eager = dict(enforce_eager=True)
+    graphs = dict(enforce_eager=False, capture_sizes=(4,), capture_tokens=(32,))
+    cases = [  # file, what one process runs, engine settings, the rank's embedding and head
+        (llama_f32, checkpoint, eager, VocabParallelEmbedding, PackedLinear),
+        (llama_q8_0, llama_q8_0, eager, VocabParallelBlocks, PackedLinear),
+        (llama_q8_0, llama_q8_0, graphs, VocabParallelBlocks, PackedLinear),
+        (qwen2, qwen2, eager, VocabParallelBlocks, GGUFLinear),
+    ]
+    for path, reference, args, embedding, head in cases:
+        _, plain, plain_logits = run(reference, **args)
+        llm, split, split_logits = run(path, pool, tensor_parallel_size=2, **args)
+        assert token_ids(split) == token_ids(plain)
+        for ours, theirs in zip(split_logits, plain_logits, strict=True):
+            torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+        model = llm.engine._runner.model  # noqa: SLF001
+        assert isinstance(model.model.embed_tokens, embedding)
+        assert isinstance(model.lm_head.linear, head)
+        assert ("graph" in llm.engine.stats().steps) != args["enforce_eager"]
+        if path is not llama_f32:  # a rank holds about half of a file's blocks
+            file_bytes = sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
+            assert 0.45 * file_bytes < held_bytes(model) < 0.6 * file_bytes, path.name
+
+
+def test_a_gguf_width_whose_share_is_not_whole_blocks_is_refused_with_the_numbers(tmp_path):
+    """o_proj's 256 inputs in Q4_K blocks of 256: 128 per rank would cut every block; the
+    engine refuses before any rank starts, and a rank's loader refuses alike."""
+    wide = dict(hidden_size=256, intermediate_size=512)
+    path = gguf_in_blocks(tmp_path, "llama-plain", {"blk": "Q4_K"}, **wide)
+    message = (
+        "blk.0.attn_output.weight: 256 inputs in Q4_K blocks of 256 cannot be split over 2 "
+        "ranks: 128 each is not a whole number of blocks"
+    )
+    with pytest.raises(ValueError, match=message):
+        LLM(str(path), tensor_parallel_size=2)
+    assert not rank_processes()
+    from updraft.checkpoints.local import local_checkpoint
+
+    directory = local_checkpoint(str(path))
+    place = RankPlace(1, ParallelSizes(tensor=2), "unconnected")
+    with pytest.raises(ValueError, match=message):
+        load_model(ModelConfig.from_dir(directory), directory, torch.float32, place=place)

@@ -23,6 +23,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from updraft.checkpoints.gguf_header import read_gguf
 from updraft.model_config import registry
 
 # Tensor types read: the float ones as tensors, the rest in their blocks.
@@ -114,16 +115,21 @@ class GGUFTensors(dict):
 def metadata(parts: list[Path]) -> tuple[dict[str, Any], GGUFTensors]:
     """The first part's key-value metadata, and every part's tensors."""
     import numpy as np
-    from gguf import GGUFReader
 
     fields: dict[str, Any] = {}
     tensors = GGUFTensors()
     for index, part in enumerate(parts):
-        reader = GGUFReader(str(part))
+        reader = read_gguf(part)
         if index == 0:
             for key, field in reader.fields.items():
-                if not key.startswith("GGUF."):
+                if key.startswith("GGUF."):
+                    continue
+                try:
                     fields[key] = field.contents()
+                except UnicodeDecodeError as error:
+                    raise ValueError(
+                        f"{part}: metadata {key!r} is not UTF-8 ({error.reason})"
+                    ) from None
         for tensor in reader.tensors:
             shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
             tensors[tensor.name] = (tensor.tensor_type.name, shape)

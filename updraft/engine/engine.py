@@ -45,6 +45,7 @@ from updraft.engine.workers import (
     torchrun_rendezvous,
 )
 from updraft.model_config import ModelConfig
+from updraft.models.gguf_loader import check_gguf_split
 from updraft.models.tensor_parallel import check_parallel
 from updraft.outputs import RequestOutput
 from updraft.parallel.topology import RankPlace
@@ -80,6 +81,7 @@ class Engine:
         check_parallel(
             self.model_config, config.parallel_sizes, config.weight_format(self.model_config)
         )
+        check_gguf_split(self.model_config, config.model, config.parallel_sizes)
         # The other ranks of a split model: started first, since every rank captures
         # its steps together (the collectives inside them pair up).
         self._workers = None

@@ -41,7 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from updraft.checkpoints.gguf import CONFIG_TENSORS
+from updraft.checkpoints.gguf import CONFIG_TENSORS, linked_files
+from updraft.checkpoints.gguf_header import read_gguf, walk
+from updraft.config import ParallelSizes
 from updraft.kernels.gguf_ops import (
     BLOCK_TYPES,
     GGUF_MAX_ROWS,
@@ -54,9 +56,11 @@ from updraft.kernels.panels import Panels, pack_codes
 from updraft.model_config import ModelConfig
 from updraft.model_config.registry import ARCHITECTURES
 from updraft.models.gguf_mla import LatentKV
+from updraft.models.gguf_shards import RankShare, block_columns, embedding_over, kept_part
 from updraft.models.packed_linear import PackedLinear
 from updraft.models.packing import pack_model
 from updraft.models.registry import model_class
+from updraft.models.tensor_parallel import VocabParallelHead, shard_model
 from updraft.models.weight_targets import (
     FUSED,
     MadeParameters,
@@ -65,6 +69,7 @@ from updraft.models.weight_targets import (
     part_of,
     target_of,
 )
+from updraft.parallel.topology import RankPlace
 from updraft.weights import WeightFormat
 
 # llama.cpp's tensor names -> transformers' (the loader's fused slices take it from there)
@@ -255,24 +260,24 @@ def load_gguf_model(
     device: torch.device | str = "cpu",
     max_positions: int | None = None,
     int8_activations: bool = False,
+    place: RankPlace | None = None,
 ) -> nn.Module:
     """The model ``config`` describes, its weights read from the GGUF ``parts`` (with
-    ``int8_activations``, its quantized linears round a decode step's x to int8)."""
-    from gguf import GGUFReader
-
+    ``int8_activations``, its quantized linears round a decode step's x to int8; with
+    ``place``, the rank's shard: ``gguf_shards.py``)."""
     if dtype != torch.float32 or torch.device(device).type != "cpu":
         raise ValueError("a GGUF file runs on the CPU in float32")
     with building(torch.float32, "meta"):
         model = model_class(config)(config, max_positions=max_positions)
-    params = dict(model.named_parameters())
-    modules = dict(model.named_modules())
+    share = RankShare(model, place)
+    params, modules = share.params, share.modules  # the unsplit model's
     row = ARCHITECTURES[config.architecture]
     floats: dict[str, dict[int, torch.Tensor]] = {}
     blocks: dict[str, dict[int, Part]] = {}
     float_kinds: Counter[str] = Counter()
     latent = LatentKV()
     for path in parts:
-        for tensor in latent.tensors(GGUFReader(str(path)).tensors, path.name):
+        for tensor in latent.tensors(read_gguf(path).tensors, path.name):
             if tensor.name in CONFIG_TENSORS:  # read into the config, not a weight
                 continue
             name = hf_name(tensor.name, row.gguf_tensor_names)
@@ -281,12 +286,11 @@ def load_gguf_model(
             target = target_of(name, params, modules)
             if target is None:
                 raise ValueError(f"{path.name}: GGUF tensor {tensor.name} fits no parameter")
-            data = tensor.data
-            if row.gguf_permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
-                heads = config.num_heads if "q_proj" in name else config.num_kv_heads
-                data = unpermute(np.asarray(data), heads)
             kind = tensor.tensor_type.name
             param, index = target
+            data = share(tensor.name, kind, tensor.data, param, index)
+            if row.gguf_permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
+                data = unpermute(np.asarray(data), data.shape[0] // config.head_dim)
             if kind in FLOAT_DTYPES:
                 values = _float(data, kind)
                 if row.gguf_norm_shift and name.endswith("norm.weight"):
@@ -303,7 +307,8 @@ def load_gguf_model(
             else:
                 raise ValueError(f"{path.name}: a quantized {tensor.name} is not supported")
     latent.finish(parts[0].name)
-    _place_blocks(model, modules, blocks, floats, config, int8_activations)
+    floats, blocks = share.renamed(floats), share.renamed(blocks)  # the rank's names
+    _place_blocks(model, blocks, floats, config, int8_activations)
     _fill_floats(model, floats)
     left = [name for name, param in model.named_parameters() if param.is_meta]
     if left:
@@ -319,19 +324,24 @@ def _float(data: np.ndarray, kind: str) -> torch.Tensor:
     return tensor.view(torch.bfloat16) if kind == "BF16" else tensor
 
 
-def _place_blocks(model, modules, blocks, floats, config: ModelConfig, int8: bool) -> None:
+def _place_blocks(model, blocks, floats, config: ModelConfig, int8: bool) -> None:
     """Put a ``GGUFLinear`` (and a ``GGUFEmbedding``) where tensors came in blocks."""
+    modules = dict(model.named_modules())
     embedding = blocks.pop("model.embed_tokens.weight", None)
     if embedding is not None:
         part = embedding[0]
         dim = config.hidden_size
         if config.tie_word_embeddings:  # the embedding reads the LM head's blocks
             head = GGUFLinear(dim, [part], None, int8)
-            model.lm_head = head
+            if isinstance(model.lm_head, VocabParallelHead):
+                model.lm_head.linear = head
+            else:
+                model.lm_head = head
             grouped = head.rows[0] if head.grouped[0] else 0
-            model.model.embed_tokens = GGUFEmbedding(head.part0, part.code, dim, grouped)
+            table = GGUFEmbedding(head.part0, part.code, dim, grouped)
         else:
-            model.model.embed_tokens = GGUFEmbedding(part.weight, part.code, dim)
+            table = GGUFEmbedding(part.weight, part.code, dim)
+        model.model.embed_tokens = embedding_over(model.model.embed_tokens, table)
     for param, slices in blocks.items():
         module_name = param.removesuffix(".weight")
         module = modules[module_name]
@@ -401,3 +411,27 @@ def _fill_floats(model: nn.Module, floats: dict[str, dict[int, torch.Tensor]]) -
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(f"GGUF tensor of shape {tuple(tensor.shape)} for {name}")
             target.data.copy_(tensor)
+
+
+def check_gguf_split(config: ModelConfig, model_dir: str | Path, sizes: ParallelSizes) -> None:
+    """Refuse, with the numbers, a GGUF file (the one ``model_dir`` stands for, if any)
+    whose row-parallel tensors in blocks ``sizes``' tensor-parallel ranks would cut
+    mid-block: read from the headers alone, before any rank loads."""
+    parts = linked_files(Path(model_dir))
+    if parts is None or sizes.tensor == 1:
+        return
+    with building(torch.float32, "meta"):
+        model = model_class(config)(config)
+    params, modules = dict(model.named_parameters()), dict(model.named_modules())
+    kept = shard_model(model, RankPlace(0, sizes, "unconnected"))
+    kinds = {code: kind for kind, code in BLOCK_TYPES.items()}
+    family_names = ARCHITECTURES[config.architecture].gguf_tensor_names
+    for part in parts:
+        for info in walk(part).tensors:
+            name = hf_name(info.name, family_names)
+            target = None if name is None else target_of(name, params, modules)
+            keep = None if target is None else kept.get(params[target[0]])
+            if keep is None or keep.dim != 1 or keep.zeros or info.type_code not in kinds:
+                continue
+            columns = kept_part(keep, target[1])
+            block_columns(info.name, kinds[info.type_code], info.dims[0], columns, sizes.tensor)

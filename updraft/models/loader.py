@@ -95,11 +95,9 @@ def load_model(
     whole model in the checkpoint's dtype."""
     gguf = linked_files(Path(model_dir))
     if gguf is not None:
-        if splits_tensors(place):
-            raise ValueError("a GGUF file is not split over tensor-parallel ranks yet")
         if weights is not None and weights != WeightFormat.of(dtype):
             raise ValueError(f"a GGUF file keeps its own weight types; {weights} was asked")
-        return load_gguf_model(config, gguf, dtype, device, max_positions, int8_activations)
+        return load_gguf_model(config, gguf, dtype, device, max_positions, int8_activations, place)
     if int8_activations:
         raise ValueError(
             f"{model_dir}: --activations int8 is for a GGUF file's quantized blocks, and "

@@ -1,0 +1,122 @@
+"""Broken and hostile GGUF files: each is refused in one line that names the file and
+the field, through ``LLM`` and through ``updraft generate``, before anything of the size
+its header claims is allocated.
+
+A good file (a tiny Llama with a byte-level vocabulary, written by gguf-py's writer)
+is corrupted one field at a time, at the offsets gguf-py's own reader finds for it.
+"""
+
+from __future__ import annotations
+
+import struct
+import tracemalloc
+
+import pytest
+from gguf import GGUFReader
+
+from benchmarks.peers import make_gguf
+from tests.checkpoints import build_checkpoint
+from tests.conftest import add_byte_tokenizer
+from updraft import LLM
+from updraft.cli import main
+
+HUGE = 2**60
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf-bad-files")
+    checkpoint = add_byte_tokenizer(build_checkpoint("llama-plain", root / "hf"))
+    make_gguf.main(checkpoint, root / "good.gguf")
+    return root / "good.gguf"
+
+
+def _value_offset(reader: GGUFReader, key: str) -> int:
+    """Where a metadata value starts: after the key's length, the key and the type."""
+    return reader.fields[key].offset + 8 + len(key.encode()) + 4
+
+
+def _tensor_dims_field(reader: GGUFReader) -> int:
+    """Where the last tensor's first dimension is written in its description."""
+    tensor = reader.tensors[-1]
+    return tensor.field.offset + 8 + len(tensor.name.encode()) + 4
+
+
+def _tensor_offset_field(reader: GGUFReader) -> int:
+    """Where the last tensor's data offset is written in its description."""
+    return _tensor_dims_field(reader) + 8 * len(reader.tensors[-1].shape) + 4
+
+
+def _patched(data: bytes, offset: int, fmt: str, value: int) -> bytes:
+    return data[:offset] + struct.pack(fmt, value) + data[offset + struct.calcsize(fmt) :]
+
+
+def corrupt(good_path, kind: str) -> bytes:
+    data = good_path.read_bytes()
+    reader = GGUFReader(str(good_path))
+    if kind == "truncated data":
+        return data[: len(data) - 100]
+    if kind == "truncated header":
+        return data[: reader.tensors[-1].field.offset + 5]
+    if kind == "magic":
+        return b"GGUG" + data[4:]
+    if kind == "tensor count":
+        return _patched(data, 8, "<Q", HUGE)
+    if kind == "key count":
+        return _patched(data, 16, "<Q", HUGE)
+    if kind == "string length":
+        return _patched(data, _value_offset(reader, "general.architecture"), "<Q", HUGE)
+    if kind == "array length":  # after the array's item type
+        return _patched(data, _value_offset(reader, "tokenizer.ggml.tokens") + 4, "<Q", HUGE)
+    if kind == "tensor size":
+        return _patched(data, _tensor_dims_field(reader), "<Q", HUGE)
+    if kind == "tensor offset":
+        return _patched(data, _tensor_offset_field(reader), "<Q", 2**40)
+    raise AssertionError(kind)
+
+
+# What the line says about each: the field, and what is wrong with it.
+CASES = {
+    "truncated data": r"tensor 'output_norm\.weight''s data .* runs past the end of the file",
+    "truncated header": r"tensor \d+'s name's length runs past the end of the file",
+    "magic": r"not a GGUF file: its magic is b'GGUG'",
+    "tensor count": rf"the tensor count {HUGE} cannot fit in the file",
+    "key count": rf"the metadata key count {HUGE} cannot fit in the file",
+    "string length": rf"metadata 'general\.architecture' \(a string of {HUGE} bytes\) runs past",
+    "array length": rf"metadata 'tokenizer\.ggml\.tokens''s item count {HUGE} cannot fit",
+    "tensor offset": r"tensor 'output_norm\.weight''s data \(offset 1099511627776, .* runs past",
+    "tensor size": rf"tensor 'output_norm\.weight''s data \(offset \d+, {4 * HUGE} bytes\) runs",
+}
+
+
+def test_the_good_file_loads(good):
+    LLM(str(good), num_kv_blocks=8, enforce_eager=True)
+
+
+@pytest.mark.parametrize("kind", sorted(CASES))
+def test_each_broken_field_is_one_line_naming_the_file_and_the_field(good, tmp_path, kind, capsys):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(corrupt(good, kind))
+    with pytest.raises(ValueError, match=CASES[kind]) as refused:
+        LLM(str(bad))
+    line = str(refused.value)
+    assert "\n" not in line and str(bad) in line, line
+    assert main(["generate", "--model", str(bad), "--prompt", "hi", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {line}\n"
+
+
+@pytest.mark.parametrize("kind", ["string length", "array length", "tensor count"])
+def test_a_claimed_length_allocates_nothing_of_its_size(good, tmp_path, kind):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(corrupt(good, kind))
+    with pytest.raises(ValueError):
+        LLM(str(bad))  # imports and caches warmed
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=str(HUGE)):
+            LLM(str(bad))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20, peak
