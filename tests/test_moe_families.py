@@ -17,7 +17,7 @@ from tests.test_reference_models import PROMPTS, assert_logits_match
 from updraft import LLM
 from updraft.model_config import ModelConfig
 
-MOE = ["mixtral", "qwen3-moe", "qwen3-moe-unnormalised"]
+MOE = ["mixtral", "qwen3-moe", "qwen3-moe-unnormalised", "qwen2-moe"]
 
 
 @pytest.fixture(scope="module", params=MOE)

@@ -75,6 +75,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("Phi3ForCausalLM", llama.parse, LLAMA, eagle_head=True, prequantized=True),
         Architecture("MistralForCausalLM", llama.parse, LLAMA, eagle_head=True, prequantized=True),
         Architecture("Qwen3MoeForCausalLM", llama.parse, LLAMA),
+        Architecture("Qwen2MoeForCausalLM", llama.parse, LLAMA),
         Architecture("MixtralForCausalLM", llama.parse, LLAMA),
         Architecture("Gemma3ForCausalLM", gemma3.parse, GEMMA3, prequantized=True),
         Architecture("Gemma3ForConditionalGeneration", gemma3.parse, GEMMA3, prequantized=True),
