@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from updraft.model_config.fields import decoder_fields, layer_windows, positive_int, require_silu
+from updraft.model_config.gguf_experts import ExpertShape, read_experts
 from updraft.model_config.parts import MoEConfig
 
 SPARSE_MOE = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM")
@@ -153,4 +154,39 @@ def from_gguf(
                 get("rope.scaling.original_context_length", config["max_position_embeddings"])
             ),
         }
+    experts = read_experts(file_name, get, tensors, config["num_hidden_layers"])
+    if experts is not None:
+        config.update(_gguf_expert_fields(file_name, architecture, experts))
     return config
+
+
+def _gguf_expert_fields(file_name: str, architecture: str, experts: ExpertShape) -> dict[str, Any]:
+    """config.json's expert fields, as each family names them. The file is routed as
+    llama.cpp's code routes its architecture, whatever the checkpoint said: Qwen3-MoE's
+    and Mixtral's (a llama file with experts) top-k weights renormalised, Qwen2-MoE's
+    not (the converter writes no norm_topk_prob); a layer without a router is dense."""
+    if architecture == "LlamaForCausalLM":
+        if experts.dense_layers or experts.shared_width:
+            raise ValueError(
+                f"{file_name}: a llama file with experts is read as Mixtral, whose every "
+                "layer has routed experts only"
+            )
+        return {
+            "architectures": ["MixtralForCausalLM"],
+            "num_local_experts": experts.num_experts,
+            "num_experts_per_tok": experts.experts_per_token,
+            "intermediate_size": experts.width,
+        }
+    fields = {
+        "num_experts": experts.num_experts,
+        "num_experts_per_tok": experts.experts_per_token,
+        "moe_intermediate_size": experts.width,
+        "norm_topk_prob": architecture == "Qwen3MoeForCausalLM",
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(experts.dense_layers),
+    }
+    if architecture == "Qwen2MoeForCausalLM":
+        if not experts.shared_width:
+            raise ValueError(f"{file_name}: a qwen2moe file without its shared expert")
+        fields["shared_expert_intermediate_size"] = experts.shared_width
+    return fields

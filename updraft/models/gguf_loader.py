@@ -49,9 +49,11 @@ from updraft.kernels.gguf_ops import (
     gguf_group,
     int8_kernel_builds,
 )
-from updraft.kernels.panels import Panels, pack_codes
 from updraft.model_config import ModelConfig
 from updraft.model_config.registry import ARCHITECTURES
+from updraft.models.gguf_experts import NAMES as EXPERT_NAMES
+from updraft.models.gguf_experts import ExpertTensors
+from updraft.models.gguf_panels import PANEL_FORMATS, block_panels
 from updraft.models.packed_linear import PackedLinear
 from updraft.models.packing import pack_model
 from updraft.models.registry import model_class
@@ -86,7 +88,7 @@ FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat
 
 
 def hf_name(gguf_name: str) -> str | None:
-    for pattern, replacement in NAMES:
+    for pattern, replacement in (*NAMES, *EXPERT_NAMES):
         if re.fullmatch(pattern, gguf_name):
             return re.sub(pattern, replacement, gguf_name)
     return None
@@ -250,8 +252,11 @@ def load_gguf_model(
     floats: dict[str, dict[int, torch.Tensor]] = {}
     blocks: dict[str, dict[int, Part]] = {}
     float_kinds: Counter[str] = Counter()
+    experts = ExpertTensors(modules, parts[0].name)
     for path in parts:
         for tensor in GGUFReader(str(path)).tensors:
+            if experts.take(tensor.name, tensor.tensor_type.name, tensor.data):
+                continue  # a layer's stacked experts, placed below
             name = hf_name(tensor.name)
             if name is None:
                 raise ValueError(f"{path.name}: unexpected GGUF tensor {tensor.name}")
@@ -276,6 +281,7 @@ def load_gguf_model(
             else:
                 raise ValueError(f"{path.name}: a quantized {tensor.name} is not supported")
     _place_blocks(model, modules, blocks, floats, config, int8_activations)
+    experts.place()
     _fill_floats(model, floats)
     left = [name for name, param in model.named_parameters() if param.is_meta]
     if left:
@@ -327,10 +333,6 @@ def _place_blocks(model, modules, blocks, floats, config: ModelConfig, int8: boo
         setattr(modules[parent], child, _linear(module.in_features, parts, bias, int8))
 
 
-# ggml's Q8_0 and Q4_0 -> the panel format that holds their codes and scales as they are
-PANEL_FORMATS = {BLOCK_TYPES["Q8_0"]: "int8", BLOCK_TYPES["Q4_0"]: "int4"}
-
-
 def _linear(
     in_features: int, parts: list[Part], bias: torch.Tensor | None, int8: bool
 ) -> nn.Module:
@@ -340,24 +342,8 @@ def _linear(
     if int8 or len(kinds) != 1 or next(iter(kinds)) not in PANEL_FORMATS:
         return GGUFLinear(in_features, parts, bias, int8)
     fmt = PANEL_FORMATS[next(iter(kinds))]
-    panels = _block_panels([part.weight for part in parts], fmt, in_features)
+    panels = block_panels([part.weight for part in parts], fmt, in_features)
     return PackedLinear.over(panels, bias, WeightFormat(fmt, 32))
-
-
-def _block_panels(blocks: list[torch.Tensor], fmt: str, k: int) -> Panels:
-    """Q8_0 or Q4_0 rows (stacked parts) -> int8 or int4 panels of the same codes with
-    groups of 32: a block's half scale is its group's scale."""
-    codes, scales = [], []
-    for rows in blocks:
-        array = rows.numpy().reshape(rows.shape[0], k // 32, -1)
-        scales.append(torch.from_numpy(array[..., :2].copy().view(np.float16)[..., 0]).float())
-        quants = array[..., 2:]
-        if fmt == "int8":
-            codes.append(torch.from_numpy(quants.copy().view(np.int8)).reshape(rows.shape[0], k))
-        else:  # low nibbles are values 0..15 of a block, high ones 16..31
-            both = np.concatenate([quants & 0xF, quants >> 4], axis=-1)
-            codes.append(torch.from_numpy(both).reshape(rows.shape[0], k))
-    return pack_codes(torch.cat(codes), torch.cat(scales), None, fmt, 32)
 
 
 def _fill_floats(model: nn.Module, floats: dict[str, dict[int, torch.Tensor]]) -> None:
