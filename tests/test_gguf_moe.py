@@ -99,9 +99,9 @@ def _k_quant_experts(path, root):
     return _with_tensors(path, root / "qwen2-moe-q4_k_m.gguf", changed)
 
 
-def _with_tensors(path, out, replaced):
+def _with_tensors(path, out, replaced, fields=None):
     """``path`` written again by the ``gguf`` package's writer, the tensors named in
-    ``replaced`` as (blocks, type)."""
+    ``replaced`` as (blocks, type) and the metadata named in ``fields`` as given."""
     from gguf import GGUFWriter
 
     reader = GGUFReader(str(path))
@@ -111,7 +111,8 @@ def _with_tensors(path, out, replaced):
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
         sub_type = field.types[-1] if len(field.types) > 1 else None
-        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+        value = (fields or {}).get(key, field.contents())
+        writer.add_key_value(key, value, field.types[0], sub_type=sub_type)
     for tensor in reader.tensors:
         if tensor.name in replaced:
             blocks, qtype = replaced[tensor.name]
@@ -243,3 +244,22 @@ def test_the_grouped_op_over_blocks_computes_each_expert_s_mlp_fused_or_not():
     apart = torch.ops.updraft.gguf_grouped_mlp(x, offsets, [gate, up], [q41, q41], down, q80, inter)
     together = torch.ops.updraft.gguf_grouped_mlp(x, offsets, [fused], [q41], down, q80, inter)
     torch.testing.assert_close(together, apart, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"qwen3moe.expert_feed_forward_length": 48}, "expert_feed_forward_length is 48"),
+        ({"qwen3moe.expert_used_count": 9}, "expert_used_count 9 is not between 1 and the 8"),
+        ({"qwen3moe.expert_count": 4}, r"ffn_down_exps has shape \(8, 64, 32\)"),
+    ],
+)
+def test_expert_metadata_that_disagrees_with_the_tensors_is_refused_by_name(
+    files, tmp_path, fields, message
+):
+    from updraft.checkpoints.gguf import describe
+
+    _, _, paths = files
+    bad = _with_tensors(paths["qwen3-moe-f32"], tmp_path / "bad.gguf", {}, fields)
+    with pytest.raises(ValueError, match=message):
+        describe([bad])
