@@ -7,7 +7,7 @@ the file lays them out: a linear layer becomes a ``GGUFLinear`` over its blocks 
 q/k/v or gate/up keeps one block tensor per part, each of its own type, as a Q4_K_M file
 mixes them; neighbouring slices of one type are joined) and a quantized embedding a
 ``GGUFEmbedding``, which widens only the rows it looks up. Neither ever holds a float32
-copy of its weight.
+copy of its weight. A layer's stacked experts are placed by ``gguf_experts``.
 
 With ``int8_activations`` (``--activations int8``), the linears in the block types
 ``kernels/gguf_int8.c`` multiplies as bytes (Q4_0, Q8_0, Q4_K, Q6_K) keep their rows
