@@ -4,11 +4,11 @@ shared expert).
 
 * A float32 file gives the tokens and logits transformers gives on the checkpoint it was
   converted from, eager and captured.
-* A Q8_0 file (its experts' codes moved into int8 panels) and a file whose experts are
-  in K-quant blocks (Q4_K gate and up, Q6_K down, as Q4_K_M keeps them; read through the
-  block kernels) beside Q8_0 matrices give transformers' tokens and logits on the
-  weights their blocks stand for (dequantized by the ``gguf`` package), eager and
-  captured.
+* A Q8_0 file and one in Q4_0 (their experts' codes moved into int8 and int4 panels),
+  and a file whose experts are in K-quant blocks (Q4_K gate and up, Q6_K down, as
+  Q4_K_M keeps them; read through the block kernels) beside Q8_0 matrices, give
+  transformers' tokens and logits on the weights their blocks stand for (dequantized by
+  the ``gguf`` package), eager and captured.
 * The loaded model holds about the file's tensor bytes: no float copy of an expert.
 """
 
@@ -73,30 +73,40 @@ def files(tmp_path_factory):
     }
     convert_all([(checkpoints[c], root / f"{f}.gguf", t, x) for f, c, t, x in FILES])
     paths = {name: root / f"{name}.gguf" for name, *_ in FILES}
-    paths["qwen2-moe-q4_k_m"] = _k_quant_experts(paths["qwen2-moe-f32"], root)
+    # Q4_K_M's pattern for experts: gate and up in Q4_K, down in Q6_K
+    k_quants = {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}
+    paths["qwen2-moe-q4_k_m"] = _requantized(
+        paths["qwen2-moe-f32"], root / "qwen2-moe-q4_k_m.gguf", k_quants, "Q8_0"
+    )
+    q4_0 = dict.fromkeys(("gate", "up", "down"), "Q4_0")
+    paths["qwen3-moe-q4_0"] = _requantized(
+        paths["qwen3-moe-f32"], root / "qwen3-moe-q4_0.gguf", q4_0, "Q4_0"
+    )
     return root, checkpoints, paths
 
 
-def _k_quant_experts(path, root):
-    """``path`` written again with its experts in random Q4_K (gate, up) and Q6_K (down)
-    blocks of about the model's scale, and its other matrices in Q8_0 (the routers and
-    the shared expert's gate stay float32, as llama.cpp keeps them)."""
+def _requantized(path, out, experts_in: dict[str, str], others_in: str):
+    """``path`` written again with its experts' projections in the types
+    ``experts_in`` names (K-quants as random blocks of about the model's scale: the
+    ``gguf`` package cannot write them) and its other matrices in ``others_in`` (the
+    routers and the shared expert's gate stay float32, as llama.cpp keeps them)."""
     rng = np.random.default_rng(4)
     changed = {}
     for tensor in GGUFReader(str(path)).tensors:
         data = np.asarray(tensor.data)
         match = re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)_exps\.weight", tensor.name)
         if match:
-            kind = "Q6_K" if match[1] == "down" else "Q4_K"
-            experts, rows, k = data.shape
-            blocks = random_blocks(kind, experts * rows, k, rng, scale=2e-4)
-            changed[tensor.name] = (blocks.reshape(experts, rows, -1), GGMLQuantizationType[kind])
+            kind = GGMLQuantizationType[experts_in[match[1]]]
+            if kind.name.endswith("_K"):
+                experts, rows, k = data.shape
+                blocks = random_blocks(kind.name, experts * rows, k, rng, scale=2e-4)
+                changed[tensor.name] = (blocks.reshape(experts, rows, -1), kind)
+            else:
+                changed[tensor.name] = (quants.quantize(data, kind), kind)
         elif data.ndim == 2 and "norm" not in tensor.name and "gate_inp" not in tensor.name:
-            changed[tensor.name] = (
-                quants.quantize(data, GGMLQuantizationType.Q8_0),
-                GGMLQuantizationType.Q8_0,
-            )
-    return _with_tensors(path, root / "qwen2-moe-q4_k_m.gguf", changed)
+            kind = GGMLQuantizationType[others_in]
+            changed[tensor.name] = (quants.quantize(data, kind), kind)
+    return _with_tensors(path, out, changed)
 
 
 def _with_tensors(path, out, replaced, fields=None):
@@ -185,6 +195,7 @@ def test_a_float_file_gives_the_checkpoint_s_tokens_and_logits(files, name):
     ("file", "checkpoint", "held"),
     [
         ("qwen3-moe-q8_0", "qwen3-moe", PackedExperts),
+        ("qwen3-moe-q4_0", "qwen3-moe", PackedExperts),
         ("qwen2-moe-q4_k_m", "qwen2-moe", BlockExperts),
     ],
 )
@@ -197,8 +208,8 @@ def test_experts_in_blocks_give_transformers_logits_on_what_the_blocks_stand_for
     llm = LLM(str(paths[file]), enforce_eager=True, num_kv_blocks=8)
     experts, model = _routed_experts(llm)
     assert len(experts) == 2 and all(isinstance(e, held) for e in experts)
-    if held is PackedExperts:  # Q8_0's codes in int8 panels
-        assert all(e.format.name == "int8" for e in experts)
+    if held is PackedExperts:  # Q8_0's codes in int8 panels, Q4_0's in int4
+        assert all(e.format.name == ("int8" if "q8_0" in file else "int4") for e in experts)
     # no float copy of an expert: the model holds about the file's tensor bytes
     file_bytes = sum(int(t.n_bytes) for t in GGUFReader(str(paths[file])).tensors)
     held_bytes = {
