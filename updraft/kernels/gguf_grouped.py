@@ -15,12 +15,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from updraft.kernels.gguf_ops import GGUF_MAX_ROWS, gguf_linear, gguf_widened_linear
+from updraft.kernels.gguf_ops import (
+    BLOCK_PASSES_UP_TO,
+    GGUF_MAX_ROWS,
+    gguf_linear,
+    gguf_widened_linear,
+)
 from updraft.kernels.launch import check, define_op
-
-# Up to this many rows of x, passes of the block kernel (one per 8 rows) cost less than
-# widening the weight (as ``models/gguf_loader.py`` decides for a linear).
-BLOCK_PASSES_UP_TO = 64
 
 
 def _block_linear(x: torch.Tensor, blocks: torch.Tensor, block_type: int, k: int) -> torch.Tensor:

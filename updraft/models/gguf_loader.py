@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from updraft.kernels.gguf_ops import (
+    BLOCK_PASSES_UP_TO,
     BLOCK_TYPES,
     GGUF_MAX_ROWS,
     INT8_MAX_ROWS,
@@ -198,11 +199,6 @@ def _merged(parts: list[Part]) -> list[Part]:
         else:
             merged.append(part)
     return merged
-
-
-# Up to this many rows of x, passes of the block kernel over the weight (one per 8 rows)
-# cost less than widening the whole weight to float32 and reading that back.
-BLOCK_PASSES_UP_TO = 64
 
 
 class GGUFEmbedding(nn.Module):
