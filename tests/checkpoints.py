@@ -221,6 +221,25 @@ FAMILIES: dict[str, Family] = {
         },
         _routers,
     ),
+    # a gated shared expert of its own width beside 8 routed experts; layer 1 dense
+    # (decoder_sparse_step 1, mlp_only_layers)
+    "qwen2-moe": Family(
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        {
+            **TINY,
+            "num_hidden_layers": 3,
+            "num_key_value_heads": 2,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 96,
+            "mlp_only_layers": [1],
+            "norm_topk_prob": False,
+            "tie_word_embeddings": False,
+        },
+        _routers,
+    ),
     "mixtral": Family(
         "MixtralConfig",
         "MixtralForCausalLM",

@@ -154,6 +154,25 @@ def convert(checkpoint: Path, outfile: Path, outtype: str = "f32", *extra: str) 
     return outfile
 
 
+# The converter run once per argument list (as JSON in argv), in one process.
+_CONVERT_ALL = _CONVERT.replace(
+    "convert_hf_to_gguf.main()\n",
+    "import json\nfor argv in json.loads(sys.argv[1]):\n"
+    "    sys.argv = [sys.argv[0], *argv]\n    convert_hf_to_gguf.main()\n",
+)
+
+
+def convert_all(jobs: list[tuple[Path, Path, str, tuple[str, ...]]]) -> None:
+    """``convert`` of each (checkpoint, outfile, outtype, extra arguments), in one
+    process: the converter's imports are paid once."""
+    tree = llama_cpp_tree()
+    argvs = [[str(c), "--outfile", str(o), "--outtype", t, *extra] for c, o, t, extra in jobs]
+    command = [sys.executable, "-c", _CONVERT_ALL, str(tree), json.dumps(argvs)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{done.stderr[-4000:]}")
+
+
 def copy_tree_file(relative: str, target: Path) -> Path:
     """A file of the tree copied to ``target``."""
     return Path(shutil.copy(llama_cpp_tree() / relative, target))

@@ -1,6 +1,7 @@
 """Qwen3-MoE (softmax top-k router, normalised where the config says, dense layers where
-mlp_only_layers and decoder_sparse_step say) and Mixtral (softmax top-2, renormalised,
-its experts as w1/w2/w3 in block_sparse_moe) against transformers."""
+mlp_only_layers and decoder_sparse_step say), Mixtral (softmax top-2, renormalised,
+its experts as w1/w2/w3 in block_sparse_moe) and Qwen2-MoE (a shared expert of its own
+width scaled by sigmoid(shared_expert_gate(x)), q/k/v biases) against transformers."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ from tests.test_reference_models import PROMPTS, assert_logits_match
 from updraft import LLM
 from updraft.model_config import ModelConfig
 
-MOE = ["mixtral", "qwen3-moe", "qwen3-moe-unnormalised"]
+MOE = ["mixtral", "qwen3-moe", "qwen3-moe-unnormalised", "qwen2-moe"]
+# What speculation and int8 experts do to a mixture is the same for every family's
+# router: three families show it.
+SPECULATED = ["mixtral", "qwen3-moe", "qwen3-moe-unnormalised"]
 
 
 @pytest.fixture(scope="module", params=MOE)
@@ -76,6 +80,7 @@ def test_mixtral_hub_names_are_what_loads(moe_checkpoint):
         assert any(n.endswith("mlp.experts.0.gate_proj.weight") for n in names)
 
 
+@pytest.mark.parametrize("moe_checkpoint", SPECULATED, indirect=True)
 def test_int8_experts_and_speculation_keep_greedy_output(moe_checkpoint):
     model_dir = moe_checkpoint[1]
     prompts = token_prompts(6, seed=3)
@@ -106,6 +111,7 @@ def test_two_ranks_split_the_experts_and_compute_what_one_process_computes(moe_c
     assert_two_ranks_compute_like_one_process(moe_checkpoint[1], pool)
 
 
+@pytest.mark.parametrize("moe_checkpoint", SPECULATED, indirect=True)
 def test_a_draft_model_keeps_greedy_output(moe_checkpoint):
     """The model drafting for itself: every draft accepted, the output unchanged."""
     model_dir = moe_checkpoint[1]

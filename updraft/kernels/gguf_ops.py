@@ -26,6 +26,9 @@ BLOCKS = {code: GGML_QUANT_SIZES[GGMLQuantizationType(code)] for code in BLOCK_T
 # Up to this many rows of x the kernel runs (its partial sums live in registers and
 # the stack); more rows widen a chunk of weight rows and multiply it with torch.
 GGUF_MAX_ROWS = 8
+# Up to this many rows of x, passes of the block kernel over the weight (one per 8 rows)
+# cost less than widening the whole weight to float32 and reading that back.
+BLOCK_PASSES_UP_TO = 64
 # The block types ``gguf_int8.c`` multiplies by x rounded to int8 in blocks of
 # INT8_X_BLOCK, up to INT8_MAX_ROWS rows of it, over weight rows regrouped eight at a time.
 INT8_TYPES = {BLOCK_TYPES[name] for name in ("Q4_0", "Q8_0", "Q4_K", "Q6_K")}

@@ -1,7 +1,7 @@
 """The Llama family's configs: Llama, Mistral, Qwen2, Qwen3 and Phi-3 (one decoder with
-per-architecture flags), Qwen3-MoE and Mixtral (the same attention with a softmax top-k
-mixture of experts in place of the MLP), from config.json or from a GGUF file's
-metadata."""
+per-architecture flags), Qwen3-MoE, Mixtral and Qwen2-MoE (the same attention with a
+softmax top-k mixture of experts in place of the MLP; Qwen2-MoE's with a gated shared
+expert), from config.json or from a GGUF file's metadata."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import math
 from typing import Any
 
 from updraft.model_config.fields import decoder_fields, layer_windows, positive_int, require_silu
+from updraft.model_config.gguf_experts import ExpertShape, read_experts
 from updraft.model_config.parts import MoEConfig
 
-SPARSE_MOE = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+SPARSE_MOE = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM")
 QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Where a config's sliding_window applies to every layer; Qwen's windows apply only with
 # use_sliding_window (Qwen2's and Qwen3's from layer max_window_layers on, Qwen3-MoE's
@@ -22,7 +23,12 @@ EVERY_LAYER_WINDOWED = (
     "Phi3ForCausalLM",
     "Qwen3MoeForCausalLM",
 )
-QWEN_WINDOWED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+QWEN_WINDOWED = (
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM",
+)
 FROM_MAX_WINDOW_LAYERS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
@@ -30,8 +36,13 @@ def parse(raw: dict[str, Any], architecture: str) -> dict[str, Any]:
     """``ModelConfig`` fields of a Llama-family config.json."""
     require_silu(raw)
     fields = decoder_fields(raw)
-    # Qwen2 always has q/k/v biases; Llama has them only when asked.
-    fields["attention_bias"] = architecture == "Qwen2ForCausalLM" or fields["attention_bias"]
+    # Qwen2 always has q/k/v biases, Qwen2-MoE unless qkv_bias says not; Llama has them
+    # only when asked.
+    fields["attention_bias"] = (
+        architecture == "Qwen2ForCausalLM"
+        or (architecture == "Qwen2MoeForCausalLM" and raw.get("qkv_bias", True))
+        or fields["attention_bias"]
+    )
     fields["qk_norm"] = architecture in QK_NORM
     fields["layer_windows"] = _layer_windows(raw, architecture)
     if architecture in SPARSE_MOE:
@@ -51,12 +62,16 @@ def _layer_windows(raw: dict[str, Any], architecture: str) -> tuple[int | None, 
     if architecture in FROM_MAX_WINDOW_LAYERS:
         first = raw.get("max_window_layers", 28)  # transformers' default
         return layer_windows(raw, lambda layers: [layer >= first for layer in range(layers)])
+    if architecture == "Qwen2MoeForCausalLM":  # even-numbered layers below max_window_layers
+        last = raw.get("max_window_layers", 28)
+        return layer_windows(raw, lambda layers: [i % 2 == 0 and i < last for i in range(layers)])
     return ()
 
 
 def _sparse_moe_parts(raw: dict[str, Any], architecture: str) -> dict[str, Any]:
-    """Qwen3-MoE and Mixtral: softmax over every expert, the top k kept (renormalised
-    where norm_topk_prob says so; Mixtral always), no shared experts."""
+    """Qwen3-MoE, Mixtral and Qwen2-MoE: softmax over every expert, the top k kept
+    (renormalised where norm_topk_prob says so; Mixtral always); Qwen2-MoE's one shared
+    expert, gated."""
     layers = positive_int(raw, "num_hidden_layers")
     # Published Qwen3-MoE configs say num_experts; transformers 5 writes num_local_experts.
     key = "num_experts" if raw.get("num_experts") is not None else "num_local_experts"
@@ -76,11 +91,11 @@ def _sparse_moe_parts(raw: dict[str, Any], architecture: str) -> dict[str, Any]:
         num_experts_per_tok=positive_int(raw, "num_experts_per_tok"),
         n_group=1,
         topk_group=1,
-        n_shared_experts=0,
         routed_scaling_factor=1.0,
         norm_topk_prob=norm,
         scoring="softmax",
         group_score="max",
+        **_shared_expert(raw, architecture),
     )
     if moe.num_experts_per_tok > num_experts:
         raise ValueError(
@@ -88,6 +103,14 @@ def _sparse_moe_parts(raw: dict[str, Any], architecture: str) -> dict[str, Any]:
             f"{num_experts} experts"
         )
     return {"moe": moe, "dense_layers": dense}
+
+
+def _shared_expert(raw: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """Qwen2-MoE's shared expert: shared_expert_intermediate_size rows, gated."""
+    if architecture != "Qwen2MoeForCausalLM":
+        return {"n_shared_experts": 0}
+    size = positive_int(raw, "shared_expert_intermediate_size")
+    return {"n_shared_experts": 1, "shared_intermediate_size": size, "shared_expert_gate": True}
 
 
 def from_gguf(
@@ -132,6 +155,9 @@ def from_gguf(
     if "rope_freqs.weight" in tensors:
         factors = frequency_factors(file_name, tensors, "rope_freqs.weight", config["head_dim"])
         config.setdefault("rope_scaling", {"rope_type": "default"})["frequency_factors"] = factors
+    experts = read_experts(file_name, get, tensors, config["num_hidden_layers"])
+    if experts is not None:
+        config.update(_gguf_expert_fields(file_name, architecture, experts))
     return config
 
 
@@ -202,3 +228,35 @@ def phi3_from_gguf(
         if get("rope.scaling.attn_factor") is not None:
             config["rope_scaling"]["attention_factor"] = float(get("rope.scaling.attn_factor"))
     return config
+
+
+def _gguf_expert_fields(file_name: str, architecture: str, experts: ExpertShape) -> dict[str, Any]:
+    """config.json's expert fields, as each family names them. The file is routed as
+    llama.cpp's code routes its architecture, whatever the checkpoint said: Qwen3-MoE's
+    and Mixtral's (a llama file with experts) top-k weights renormalised, Qwen2-MoE's
+    not (the converter writes no norm_topk_prob); a layer without a router is dense."""
+    if architecture == "LlamaForCausalLM":
+        if experts.dense_layers or experts.shared_width:
+            raise ValueError(
+                f"{file_name}: a llama file with experts is read as Mixtral, whose every "
+                "layer has routed experts only"
+            )
+        return {
+            "architectures": ["MixtralForCausalLM"],
+            "num_local_experts": experts.num_experts,
+            "num_experts_per_tok": experts.experts_per_token,
+            "intermediate_size": experts.width,
+        }
+    fields = {
+        "num_experts": experts.num_experts,
+        "num_experts_per_tok": experts.experts_per_token,
+        "moe_intermediate_size": experts.width,
+        "norm_topk_prob": architecture == "Qwen3MoeForCausalLM",
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(experts.dense_layers),
+    }
+    if architecture == "Qwen2MoeForCausalLM":
+        if not experts.shared_width:
+            raise ValueError(f"{file_name}: a qwen2moe file without its shared expert")
+        fields["shared_expert_intermediate_size"] = experts.shared_width
+    return fields

@@ -52,7 +52,8 @@ class MoEConfig:
     experts every token passes through. DeepSeek-V3's router scores with a sigmoid (plus
     a bias for choosing) and ranks groups by their two best scores; V2's with a softmax,
     ranking groups by their best. Qwen3-MoE and Mixtral are a softmax over one group,
-    with no shared experts."""
+    with no shared experts; Qwen2-MoE adds one shared expert of its own width whose
+    output each token scales by sigmoid(shared_expert_gate(x))."""
 
     hidden_size: int
     moe_intermediate_size: int
@@ -65,6 +66,16 @@ class MoEConfig:
     norm_topk_prob: bool
     scoring: str = "sigmoid"  # sigmoid (V3, with e_score_correction_bias) | softmax (V2)
     group_score: str = "top2_sum"  # top2_sum (V3) | max (V2)
+    # The shared experts' rows when not n_shared_experts * moe_intermediate_size.
+    shared_intermediate_size: int | None = None
+    shared_expert_gate: bool = False
+
+    @property
+    def shared_size(self) -> int:
+        """Rows of the MLP that stands for every shared expert (0: none)."""
+        if self.shared_intermediate_size is not None:
+            return self.shared_intermediate_size
+        return self.moe_intermediate_size * self.n_shared_experts
 
 
 @dataclass(frozen=True)

@@ -87,8 +87,22 @@ ARCHITECTURES: dict[str, Architecture] = {
             prequantized=True,
         ),
         Architecture("MistralForCausalLM", llama.parse, LLAMA, eagle_head=True, prequantized=True),
-        Architecture("Qwen3MoeForCausalLM", llama.parse, LLAMA),
-        Architecture("MixtralForCausalLM", llama.parse, LLAMA),
+        Architecture(
+            "Qwen3MoeForCausalLM",
+            llama.parse,
+            LLAMA,
+            gguf_name="qwen3moe",
+            from_gguf=llama.from_gguf,
+        ),
+        Architecture(
+            "Qwen2MoeForCausalLM",
+            llama.parse,
+            LLAMA,
+            gguf_name="qwen2moe",
+            from_gguf=llama.from_gguf,
+        ),
+        # Its GGUF files say llama: llama.from_gguf tells them by their experts.
+        Architecture("MixtralForCausalLM", llama.parse, LLAMA, gguf_permuted_qk=True),
         Architecture(
             "Gemma3ForCausalLM",
             gemma3.parse,

@@ -7,7 +7,7 @@ the file lays them out: a linear layer becomes a ``GGUFLinear`` over its blocks 
 q/k/v or gate/up keeps one block tensor per part, each of its own type, as a Q4_K_M file
 mixes them; neighbouring slices of one type are joined) and a quantized embedding a
 ``GGUFEmbedding``, which widens only the rows it looks up. Neither ever holds a float32
-copy of its weight.
+copy of its weight. A layer's stacked experts are placed by ``gguf_experts``.
 
 With ``int8_activations`` (``--activations int8``), the linears in the block types
 ``kernels/gguf_int8.c`` multiplies as bytes (Q4_0, Q8_0, Q4_K, Q6_K) keep their rows
@@ -45,6 +45,7 @@ from updraft.checkpoints.gguf import CONFIG_TENSORS, linked_files
 from updraft.checkpoints.gguf_header import read_gguf, walk
 from updraft.config import ParallelSizes
 from updraft.kernels.gguf_ops import (
+    BLOCK_PASSES_UP_TO,
     BLOCK_TYPES,
     GGUF_MAX_ROWS,
     INT8_MAX_ROWS,
@@ -52,10 +53,12 @@ from updraft.kernels.gguf_ops import (
     gguf_group,
     int8_kernel_builds,
 )
-from updraft.kernels.panels import Panels, pack_codes
 from updraft.model_config import ModelConfig
 from updraft.model_config.registry import ARCHITECTURES
+from updraft.models.gguf_experts import NAMES as EXPERT_NAMES
+from updraft.models.gguf_experts import ExpertTensors
 from updraft.models.gguf_mla import LatentKV
+from updraft.models.gguf_panels import PANEL_FORMATS, block_panels
 from updraft.models.gguf_shards import RankShare, block_columns, embedding_over, kept_part
 from updraft.models.packed_linear import PackedLinear
 from updraft.models.packing import pack_model
@@ -111,7 +114,7 @@ FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat
 def hf_name(gguf_name: str, family_names: tuple[tuple[str, str], ...] = ()) -> str | None:
     """transformers' name of a GGUF tensor: the family's own names first (its registry
     row's ``gguf_tensor_names``), then the shared ones."""
-    for pattern, replacement in (*family_names, *NAMES):
+    for pattern, replacement in (*family_names, *NAMES, *EXPERT_NAMES):
         if re.fullmatch(pattern, gguf_name):
             return re.sub(pattern, replacement, gguf_name)
     return None
@@ -223,11 +226,6 @@ def _merged(parts: list[Part]) -> list[Part]:
     return merged
 
 
-# Up to this many rows of x, passes of the block kernel over the weight (one per 8 rows)
-# cost less than widening the whole weight to float32 and reading that back.
-BLOCK_PASSES_UP_TO = 64
-
-
 class GGUFEmbedding(nn.Module):
     """An embedding table in blocks: the looked-up rows are widened, the table never.
     ``grouped_rows`` (if not 0): the table is a tied LM head's that many rows,
@@ -275,11 +273,19 @@ def load_gguf_model(
     floats: dict[str, dict[int, torch.Tensor]] = {}
     blocks: dict[str, dict[int, Part]] = {}
     float_kinds: Counter[str] = Counter()
+    experts = ExpertTensors(modules, parts[0].name)
     latent = LatentKV()
     for path in parts:
         for tensor in latent.tensors(read_gguf(path).tensors, path.name):
             if tensor.name in CONFIG_TENSORS:  # read into the config, not a weight
                 continue
+            if experts.take(tensor.name, tensor.tensor_type.name, tensor.data):
+                if share.ranks > 1:
+                    raise ValueError(
+                        f"{path.name}: a GGUF file's experts ({tensor.name}) are not split "
+                        "over tensor-parallel ranks yet"
+                    )
+                continue  # a layer's stacked experts, placed below
             name = hf_name(tensor.name, row.gguf_tensor_names)
             if name is None:
                 raise ValueError(f"{path.name}: unexpected GGUF tensor {tensor.name}")
@@ -309,6 +315,7 @@ def load_gguf_model(
     latent.finish(parts[0].name)
     floats, blocks = share.renamed(floats), share.renamed(blocks)  # the rank's names
     _place_blocks(model, blocks, floats, config, int8_activations)
+    experts.place()
     _fill_floats(model, floats)
     left = [name for name, param in model.named_parameters() if param.is_meta]
     if left:
@@ -365,10 +372,6 @@ def _place_blocks(model, blocks, floats, config: ModelConfig, int8: bool) -> Non
         setattr(modules[parent], child, _linear(module.in_features, parts, bias, int8))
 
 
-# ggml's Q8_0 and Q4_0 -> the panel format that holds their codes and scales as they are
-PANEL_FORMATS = {BLOCK_TYPES["Q8_0"]: "int8", BLOCK_TYPES["Q4_0"]: "int4"}
-
-
 def _linear(
     in_features: int, parts: list[Part], bias: torch.Tensor | None, int8: bool
 ) -> nn.Module:
@@ -378,24 +381,8 @@ def _linear(
     if int8 or len(kinds) != 1 or next(iter(kinds)) not in PANEL_FORMATS:
         return GGUFLinear(in_features, parts, bias, int8)
     fmt = PANEL_FORMATS[next(iter(kinds))]
-    panels = _block_panels([part.weight for part in parts], fmt, in_features)
+    panels = block_panels([part.weight for part in parts], fmt, in_features)
     return PackedLinear.over(panels, bias, WeightFormat(fmt, 32))
-
-
-def _block_panels(blocks: list[torch.Tensor], fmt: str, k: int) -> Panels:
-    """Q8_0 or Q4_0 rows (stacked parts) -> int8 or int4 panels of the same codes with
-    groups of 32: a block's half scale is its group's scale."""
-    codes, scales = [], []
-    for rows in blocks:
-        array = rows.numpy().reshape(rows.shape[0], k // 32, -1)
-        scales.append(torch.from_numpy(array[..., :2].copy().view(np.float16)[..., 0]).float())
-        quants = array[..., 2:]
-        if fmt == "int8":
-            codes.append(torch.from_numpy(quants.copy().view(np.int8)).reshape(rows.shape[0], k))
-        else:  # low nibbles are values 0..15 of a block, high ones 16..31
-            both = np.concatenate([quants & 0xF, quants >> 4], axis=-1)
-            codes.append(torch.from_numpy(both).reshape(rows.shape[0], k))
-    return pack_codes(torch.cat(codes), torch.cat(scales), None, fmt, 32)
 
 
 def _fill_floats(model: nn.Module, floats: dict[str, dict[int, torch.Tensor]]) -> None:

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, and with experts Qwen3-MoE
-and Mixtral): grouped-query attention over a paged cache, read top to bottom. q/k/v are
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, and with experts Qwen3-MoE,
+Mixtral and Qwen2-MoE): grouped-query attention over a paged cache, read top to bottom. q/k/v are
 fused into one matmul (and gate/up, in ``layers.MLP``); the loader fills their slices.
 A layer with a sliding window attends to the last ``window`` positions only.
 """
@@ -73,8 +73,9 @@ def llama_layer(config: ModelConfig, index: int) -> DecoderLayer:
 
 class LlamaForCausalLM(CausalLM):
     """Also serves Mistral, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm), Phi-3,
-    Qwen3-MoE and Mixtral (experts in place of the MLP): they differ from Llama only in
-    what ``ModelConfig`` switches on."""
+    Qwen3-MoE, Mixtral and Qwen2-MoE (experts in place of the MLP; Qwen2-MoE's with a
+    gated shared expert): they differ from Llama only in what ``ModelConfig`` switches
+    on."""
 
     def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__(config, llama_layer, config.rotary_dim, max_positions)

@@ -9,7 +9,8 @@ their uncorrected scores, normalised to sum to 1 (``norm_topk_prob``), times
 ``routed_scaling_factor``. V2's router is the same with a softmax, no bias, groups
 worth their best score, and no normalising. Qwen3-MoE's and Mixtral's is the softmax
 over a single group, normalised where the config says (Mixtral always). The shared
-experts see every token.
+experts see every token; Qwen2-MoE's one shared expert is scaled per token by
+sigmoid(shared_expert_gate(x)), a gate the router's width with one output.
 
 Routed experts cost the tokens routed to them, not every expert for every token: the
 (token, expert) pairs are sorted by expert and, on the CPU, ``updraft::grouped_mlp``
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from updraft.kernels.panels import pack_stacked
+from updraft.kernels.panels import Panels, pack_stacked
 from updraft.model_config import MoEConfig
 from updraft.models.layers import MLP
 from updraft.weights import WeightFormat
@@ -129,28 +130,29 @@ class PackedExperts(RoutedExperts):
     through ``updraft::grouped_mlp``, which streams each chosen expert's weights once over
     its rows (the work follows the tokens routed, not the number of experts)."""
 
-    def __init__(self, experts: Experts, fmt: WeightFormat) -> None:
+    def __init__(self, gate_up: Panels, down: Panels, fmt: WeightFormat) -> None:
+        """Over stacked panels already made: gate_up [E, 2I, H] and down [E, H, I]."""
         super().__init__()
-        self.num_experts = experts.num_experts
+        self.num_experts = gate_up.codes.shape[0]
         self.format = fmt
-        self.inter = experts.down_proj.shape[2]
-        gate_up = pack_stacked(experts.gate_up_proj.detach(), fmt)
-        down = pack_stacked(experts.down_proj.detach(), fmt)
+        self.inter = down.in_features
         self.code, self.groups = gate_up.code, (gate_up.group, down.group)
         for prefix, panels in (("gate_up", gate_up), ("down", down)):
             for name in ("codes", "scales", "zeros"):
                 self.register_buffer(f"{prefix}_{name}", getattr(panels, name), persistent=False)
 
+    @classmethod
+    def packed(cls, experts: Experts, fmt: WeightFormat) -> PackedExperts:
+        """``experts``' float weights packed into ``fmt``'s panels."""
+        gate_up = pack_stacked(experts.gate_up_proj.detach(), fmt)
+        return cls(gate_up, pack_stacked(experts.down_proj.detach(), fmt), fmt)
+
     def _grouped(
         self, rows: torch.Tensor, chosen: torch.Tensor, order: torch.Tensor
     ) -> torch.Tensor:
-        counts = torch.zeros(self.num_experts, dtype=torch.int64).scatter_add(
-            0, chosen, torch.ones_like(chosen)
-        )
-        offsets = F.pad(counts.cumsum(0), (1, 0))
         return torch.ops.updraft.grouped_mlp(
             rows,
-            offsets,
+            expert_offsets(chosen, self.num_experts),
             self.gate_up_codes,
             self.gate_up_scales,
             self.gate_up_zeros,
@@ -166,16 +168,44 @@ class PackedExperts(RoutedExperts):
         return f"num_experts={self.num_experts}, {self.format}"
 
 
+def expert_offsets(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Where each expert's rows start among the rows sorted by expert, and the end
+    [E + 1] (int64), from each (token, expert) pair's expert."""
+    counts = torch.zeros(num_experts, dtype=torch.int64).scatter_add(
+        0, chosen, torch.ones_like(chosen)
+    )
+    return F.pad(counts.cumsum(0), (1, 0))
+
+
+class SharedExpertGate(nn.Module):
+    """Qwen2-MoE's per-token scale of its shared expert: sigmoid(x w), w [1, H]."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(F.linear(x, self.weight.to(x.dtype)))
+
+
 class SparseMoE(nn.Module):
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
         self.gate = TopKRouter(config)
         self.experts = Experts(config)
-        shared = config.moe_intermediate_size * config.n_shared_experts
+        shared = config.shared_size
         self.shared_experts = MLP(config.hidden_size, shared) if shared else None
+        self.shared_expert_gate = (
+            SharedExpertGate(config.hidden_size) if config.shared_expert_gate else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
         weights, experts = self.gate(x)
         out = self.experts(x, weights, experts)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        if self.shared_experts is None:
+            return out
+        shared = self.shared_experts(x)
+        if self.shared_expert_gate is not None:
+            shared = shared * self.shared_expert_gate(x)
+        return out + shared

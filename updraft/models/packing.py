@@ -67,7 +67,7 @@ def pack_model(
             continue  # its table stays as it is
         for name, child in list(module.named_children()):
             if isinstance(child, Experts) and _loaded(child):
-                setattr(module, name, PackedExperts(child, fmt))
+                setattr(module, name, PackedExperts.packed(child, fmt))
             elif isinstance(child, EMBEDDINGS) and _loaded(child) and child.weight.dtype != compute:
                 setattr(module, name, WidenedEmbedding(child, compute))
     pack_linears(model, fmt, few_rows)

@@ -84,6 +84,8 @@ def check_parallel(
         problems.append(f"an MLP of {config.intermediate_size} rows")
     if config.moe is not None and config.moe.moe_intermediate_size % size:
         problems.append(f"experts of {config.moe.moe_intermediate_size} rows")
+    if config.moe is not None and config.moe.shared_size % size:
+        problems.append(f"shared experts of {config.moe.shared_size} rows")
     if problems:
         raise ValueError(
             f"tensor_parallel_size {size} does not divide this model's {', '.join(problems)}"
@@ -100,6 +102,8 @@ def _check_groups(config: ModelConfig, size: int, weights: WeightFormat) -> None
     widths = {"o_proj": config.num_heads * v_dim, "down_proj": config.intermediate_size}
     if config.moe is not None:
         widths["the experts' down_proj"] = config.moe.moe_intermediate_size
+        if config.moe.shared_size:
+            widths["the shared experts' down_proj"] = config.moe.shared_size
     group = weights.group_size
     cut = [
         f"{name} ({width // size} columns per rank)"

@@ -41,8 +41,9 @@ EXPERT_PARTS = {
     "w2": ("down_proj", 0),
 }
 # Mixtral's checkpoints hold a layer's experts and router in block_sparse_moe; the model
-# names its mixture mlp, as Qwen3-MoE's checkpoints do.
-RENAMED_MODULES = ((".block_sparse_moe.", ".mlp."),)
+# names its mixture mlp, as Qwen3-MoE's checkpoints do. Qwen2-MoE's one shared expert is
+# the model's shared_experts, as DeepSeek's are.
+RENAMED_MODULES = ((".block_sparse_moe.", ".mlp."), (".mlp.shared_expert.", ".mlp.shared_experts."))
 # A multimodal checkpoint's text tower (Gemma 3: transformers 5's names, then the older
 # ones) is served as the text model; its vision tower and projector are not read.
 TEXT_TOWER_PREFIXES = (

@@ -1,0 +1,84 @@
+"""``updraft::gguf_grouped_mlp``: a mixture-of-experts layer's routed experts over
+weights in GGUF blocks, as ``updraft::grouped_mlp`` is over panels. Rows come sorted by
+expert; each chosen expert's SiLU MLP runs over its rows through the block kernels
+(``kernels/gguf_ops.py``: a pass of ``gguf_linear`` per 8 rows for a few rows, a chunk
+of weight rows widened and multiplied for many), reading only that expert's blocks, in
+the file's bytes: nothing is widened beyond a chunk, and an idle expert is not read.
+
+One op for the whole layer, so a captured graph holds it as one node whose shapes are
+fixed by the token count: the split of rows among experts is read inside it, at each
+run, from the offsets the graph computes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from updraft.kernels.gguf_ops import (
+    BLOCK_PASSES_UP_TO,
+    GGUF_MAX_ROWS,
+    gguf_linear,
+    gguf_widened_linear,
+)
+from updraft.kernels.launch import check, define_op
+
+
+def _block_linear(x: torch.Tensor, blocks: torch.Tensor, block_type: int, k: int) -> torch.Tensor:
+    """x [M, k] @ the weight in ``blocks`` [N, row_bytes] transposed -> [M, N]."""
+    if x.shape[0] > BLOCK_PASSES_UP_TO:
+        return gguf_widened_linear(x, blocks, block_type, k, blocks.shape[0], False)
+    return torch.cat(
+        [gguf_linear(rows, blocks, None, block_type, k) for rows in x.split(GGUF_MAX_ROWS)]
+    )
+
+
+def gguf_grouped_mlp(
+    x: torch.Tensor,
+    offsets: torch.Tensor,
+    gate_up: list[torch.Tensor],
+    gate_up_types: list[int],
+    down: torch.Tensor,
+    down_type: int,
+    inter: int,
+) -> torch.Tensor:
+    """Rows of x [R, H] grouped by expert (rows [offsets[e], offsets[e+1]) to expert e)
+    through each expert's SiLU MLP -> [R, H]. ``gate_up``: the stacked gate and up
+    projections in blocks, either one tensor [E, 2I, row_bytes] (gate rows, then up
+    rows) or two [E, I, row_bytes], each of its own type in ``gate_up_types``; ``down``
+    [E, H, row_bytes] of ``down_type``."""
+    op = "gguf_grouped_mlp"
+    check(x.dtype == torch.float32 and x.dim() == 2, op, "float32 x [rows, hidden]")
+    experts, hidden = down.shape[0], x.shape[1]
+    check(
+        offsets.dtype == torch.int64 and offsets.shape == (experts + 1,),
+        op,
+        "int64 offsets, one more than experts",
+    )
+    check(len(gate_up) in (1, 2) and len(gate_up_types) == len(gate_up), op, "gate and up parts")
+    rows_per_part = 2 * inter // len(gate_up)
+    for part in gate_up:
+        check(part.dim() == 3 and part.shape[:2] == (experts, rows_per_part), op, "gate/up rows")
+    check(down.dim() == 3 and down.shape[1] == hidden, op, f"down [experts, {hidden}, bytes]")
+    out = torch.zeros_like(x)
+    bounds = offsets.tolist()
+    for expert in range(experts):
+        start, end = bounds[expert], bounds[expert + 1]
+        if start == end:
+            continue
+        rows = x[start:end]
+        parts = [
+            _block_linear(rows, part[expert], code, hidden)
+            for part, code in zip(gate_up, gate_up_types, strict=True)
+        ]
+        gate, up = torch.cat(parts, dim=1).split(inter, dim=1)
+        out[start:end] = _block_linear(F.silu(gate) * up, down[expert], down_type, inter)
+    return out
+
+
+define_op(
+    "gguf_grouped_mlp(Tensor x, Tensor offsets, Tensor[] gate_up, int[] gate_up_types, "
+    "Tensor down, int down_type, int inter) -> Tensor",
+    gguf_grouped_mlp,
+    lambda x, *rest: torch.empty_like(x),
+)
