@@ -8,13 +8,15 @@ logits, eager and captured.
 * V3 with a query LoRA, V3 without, and V2 (V2-Lite's shape, a softmax router, YaRN with
   ``mscale_all_dim``) in Q8_0 blocks, whose reference is transformers on the values its
   blocks stand for (llama.cpp's own quantizer, in gguf-py).
-* Every layer is dense (``first_k_dense_replace``): the routed experts' tensors are read
-  by the MoE GGUF path, not here.
+* V3's and V2's files route their later layers through experts (stacked ``ffn_*_exps``,
+  a shared expert ``ffn_*_shexp``, V3's ``exp_probs_b``), in groups; the V3 file without
+  a query LoRA is dense throughout.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -33,6 +35,8 @@ from updraft import LLM
 from updraft.model_config import ModelConfig
 
 LAYERS = DEEPSEEK_TINY["num_hidden_layers"]
+# A routed expert's weight, which the file holds in its layer's stack of them.
+EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight")
 DENSE = dict(first_k_dense_replace=LAYERS)
 # What published configs say (transformers' tiny ones leave it out); the converter
 # writes it as expert_gating_func, which tells V3's files from V2's.
@@ -49,11 +53,16 @@ YARN = {
     "mscale": 0.707,
     "mscale_all_dim": 0.707,
 }
-# kv_lora_rank 32 puts attn_v_b (rows of kv_lora_rank values) in Q8_0 blocks.
+# kv_lora_rank 32 puts attn_v_b (rows of kv_lora_rank values) in Q8_0 blocks, and experts
+# 32 wide put every expert projection in them.
 FILES = {
-    "v3": ("deepseek-v3", "f32", {**DENSE, **SIGMOID}),
+    "v3": ("deepseek-v3", "f32", SIGMOID),
     "v3-no-q-lora": ("deepseek-v3-no-q-lora", "f32", {**DENSE, **SIGMOID}),
-    "v2-q8_0": ("deepseek-v2", "q8_0", {**DENSE, "kv_lora_rank": 32, "rope_parameters": YARN}),
+    "v2-q8_0": (
+        "deepseek-v2",
+        "q8_0",
+        {"kv_lora_rank": 32, "moe_intermediate_size": 32, "rope_parameters": YARN},
+    ),
 }
 
 
@@ -96,6 +105,9 @@ def stands_for(checkpoint, path, directory):
             keys = rounded(rows[:, :nope], types[gguf_name.replace("kv_b", "k_b")])
             vals = rounded(rows[:, nope:], types[gguf_name.replace("kv_b", "v_b")])
             values = np.concatenate([keys, vals], axis=1).reshape(tensor.shape)
+        elif (expert := EXPERT.fullmatch(name)) is not None:  # a row block of its stack
+            layer, projection = expert.groups()
+            values = rounded(values, types[f"blk.{layer}.ffn_{projection}_exps.weight"])
         else:
             values = rounded(values, types[gguf_name])
         tensors[name] = torch.from_numpy(np.ascontiguousarray(values))
@@ -203,7 +215,8 @@ def test_the_file_s_metadata_becomes_the_checkpoint_s_config(files):
         theirs = ModelConfig.from_dir(reference)
         assert ours.architecture == theirs.architecture, name
         assert ours.mla == theirs.mla, name
-        assert (ours.first_k_dense_replace, ours.num_heads) == (LAYERS, theirs.num_heads)
+        assert ours.first_k_dense_replace == theirs.first_k_dense_replace, name
+        assert ours.num_heads == theirs.num_heads, name
         assert ours.moe.scoring == theirs.moe.scoring, name
         assert ours.rope.kind == theirs.rope.kind, name
         if ours.rope.kind == "yarn":
@@ -220,8 +233,9 @@ def without_v_b_of_layer_1(tensor):
     [
         ({}, without_v_b_of_layer_1, "blk.1.attn_k_b has no attn_v_b"),
         ({"expert_gating_func": 4}, None, r"expert_gating_func 4 \(sqrtsoftplus\)"),
-        # a softmax router, V2's, never renormalises its top-k weights in transformers
-        ({"expert_gating_func": None}, None, "softmax router .* with expert_weights_norm"),
+        # a softmax router, V2's, has no score biases (nor renormalises its top k) in
+        # transformers
+        ({"expert_gating_func": None}, None, "softmax router .* with exp_probs_b"),
         ({"attention.q_lora_rank": None}, None, "q_lora_rank is None but blk.0.attn_q_a"),
         ({"rope.dimension_count": 20}, None, "key length 20 leaves no room beside its 20"),
     ],
