@@ -3,7 +3,8 @@ the field, through ``LLM`` and through ``updraft generate``, before anything of 
 its header claims is allocated.
 
 A good file (a tiny Llama with a byte-level vocabulary, written by gguf-py's writer)
-is corrupted one field at a time, at the offsets gguf-py's own reader finds for it.
+is corrupted one field at a time, at the offsets gguf-py's own reader finds for it; read
+whole, it gives what gguf-py's reader gives.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from benchmarks.peers import make_gguf
 from tests.checkpoints import build_checkpoint
 from tests.conftest import add_byte_tokenizer
 from updraft import LLM
+from updraft.checkpoints.gguf_header import read_gguf
 from updraft.cli import main
 
 HUGE = 2**60
@@ -120,3 +122,24 @@ def test_a_claimed_length_allocates_nothing_of_its_size(good, tmp_path, kind):
     finally:
         tracemalloc.stop()
     assert peak < 2**20, peak
+
+
+def test_a_good_file_reads_as_gguf_py_reads_it(good, tmp_path):
+    """The checked reader gives gguf-py's ``GGUFReader``'s metadata values and tensors
+    (names, types, shapes, bytes), on a model file and on llama.cpp's SentencePiece
+    vocabulary (32,000 tokens with scores and types)."""
+    import numpy as np
+
+    from tests.llama_cpp_tree import llama_cpp_tree, vocab_files
+
+    for path in (good, vocab_files(llama_cpp_tree())["llama-spm"]):
+        theirs = GGUFReader(str(path))
+        ours = read_gguf(path)
+        fields = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+        assert ours.fields == fields
+        assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+        for mine, reference in zip(ours.tensors, theirs.tensors, strict=True):
+            assert mine.tensor_type == reference.tensor_type
+            assert mine.shape == tuple(reference.shape.tolist())
+            assert mine.data.dtype == reference.data.dtype
+            assert np.array_equal(mine.data, reference.data)

@@ -121,17 +121,9 @@ def metadata(parts: list[Path]) -> tuple[dict[str, Any], GGUFTensors]:
     for index, part in enumerate(parts):
         reader = read_gguf(part)
         if index == 0:
-            for key, field in reader.fields.items():
-                if key.startswith("GGUF."):
-                    continue
-                try:
-                    fields[key] = field.contents()
-                except UnicodeDecodeError as error:
-                    raise ValueError(
-                        f"{part}: metadata {key!r} is not UTF-8 ({error.reason})"
-                    ) from None
+            fields = dict(reader.fields)
         for tensor in reader.tensors:
-            shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+            shape = tuple(reversed(tensor.shape))
             tensors[tensor.name] = (tensor.tensor_type.name, shape)
             if tensor.name in CONFIG_TENSORS:
                 if tensor.tensor_type.name not in ("F32", "F16") or len(shape) != 1:

@@ -27,7 +27,7 @@ LATENT = re.compile(r"blk\.(\d+)\.attn_(k_b|v_b|kv_b)\.weight")
 
 @dataclass(frozen=True)
 class MadeTensor:
-    """A float tensor made here, read like one of ``GGUFReader.tensors``."""
+    """A float tensor made here, read like one of ``read_gguf``'s tensors."""
 
     name: str
     data: np.ndarray
