@@ -180,15 +180,20 @@ def test_echo_and_stop_strings_and_special_tokens(client, offline):
     )
     assert kept.choices[0].text.endswith(stop) and kept.choices[0].finish_reason == "stop"
     eos = offline.engine.model_config.eos_token_ids[0]
-    spelled = client.completions.create(
-        model=MODEL,
-        prompt=PROMPT,
-        max_tokens=1,
-        extra_body={"allowed_token_ids": [eos], "skip_special_tokens": False},
-    )
-    assert spelled.choices[0].text == offline.tokenizer.backend.decode(
-        [eos], skip_special_tokens=False
-    )
+    # The EOS that ends a reply adds no text, as vLLM's does, unless the stop is asked
+    # for in the output; then it is spelled, being a special token kept.
+    for include, text in ((False, ""), (True, offline.tokenizer.decode([eos], False))):
+        ended = client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=1,
+            extra_body={
+                "allowed_token_ids": [eos],
+                "skip_special_tokens": False,
+                "include_stop_str_in_output": include,
+            },
+        )
+        assert ended.choices[0].text == text and ended.choices[0].finish_reason == "stop"
 
 
 def test_usage_in_every_chunk_with_continuous_usage_stats(client):

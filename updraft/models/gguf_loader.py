@@ -270,9 +270,7 @@ def load_gguf_model(
     share = RankShare(model, place)
     params, modules = share.params, share.modules  # the unsplit model's
     row = ARCHITECTURES[config.architecture]
-    floats: dict[str, dict[int, torch.Tensor]] = {}
-    blocks: dict[str, dict[int, Part]] = {}
-    float_kinds: Counter[str] = Counter()
+    gathered = Gathered(row.gguf_norm_shift)
     experts = ExpertTensors(modules, parts[0].name)
     latent = LatentKV()
     for path in parts:
@@ -287,43 +285,57 @@ def load_gguf_model(
                     )
                 continue  # a layer's stacked experts, placed below
             name = hf_name(tensor.name, row.gguf_tensor_names)
-            if name is None:
-                raise ValueError(f"{path.name}: unexpected GGUF tensor {tensor.name}")
-            target = target_of(name, params, modules)
+            target = None if name is None else target_of(name, params, modules)
             if target is None:
                 raise ValueError(f"{path.name}: GGUF tensor {tensor.name} fits no parameter")
             kind = tensor.tensor_type.name
-            param, index = target
-            data = share(tensor.name, kind, tensor.data, param, index)
+            data = share(tensor.name, kind, tensor.data, *target)
             if row.gguf_permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
                 data = unpermute(np.asarray(data), data.shape[0] // config.head_dim)
-            if kind in FLOAT_DTYPES:
-                values = _float(data, kind)
-                if row.gguf_norm_shift and name.endswith("norm.weight"):
-                    # back to the checkpoint's weight: exact while 1 + w lies in [0.5, 2]
-                    values = values.float() - row.gguf_norm_shift
-                floats.setdefault(param, {})[index] = values
-                if name.endswith(".weight") and np.asarray(data).ndim == 2:
-                    float_kinds[kind] += 1
-            elif tensor.name == "token_embd.weight" or param.endswith(".weight"):
-                with warnings.catch_warnings():  # read-only: the file's map, never written
-                    warnings.simplefilter("ignore", UserWarning)
-                    rows = torch.from_numpy(np.asarray(data))
-                blocks.setdefault(param, {})[index] = Part(rows, BLOCK_TYPES[kind])
-            else:
-                raise ValueError(f"{path.name}: a quantized {tensor.name} is not supported")
+            gathered.add(f"{path.name}: {tensor.name}", name, kind, data, *target)
     latent.finish(parts[0].name)
-    floats, blocks = share.renamed(floats), share.renamed(blocks)  # the rank's names
+    floats, blocks = share.renamed(gathered.floats), share.renamed(gathered.blocks)
     _place_blocks(model, blocks, floats, config, int8_activations)
     experts.place()
     _fill_floats(model, floats)
     left = [name for name, param in model.named_parameters() if param.is_meta]
     if left:
         raise ValueError(f"{parts[0].name}: no GGUF tensor for {left[:8]}")
-    kind = float_kinds.most_common(1)[0][0] if float_kinds else "F32"
-    fmt = WeightFormat(str(FLOAT_DTYPES[kind]).removeprefix("torch."))
-    pack_model(model, fmt, torch.float32)
+    pack_model(model, gathered.float_format(), torch.float32)
     return model.to(device).eval().requires_grad_(False)
+
+
+class Gathered:
+    """A file's tensors by the parameter (and slice of it) each fills: float values, or
+    parts in blocks; and the float type most of its float matrices came in."""
+
+    def __init__(self, norm_shift: float) -> None:
+        self.norm_shift = norm_shift  # what the converter added to every norm weight
+        self.floats: dict[str, dict[int, torch.Tensor]] = {}
+        self.blocks: dict[str, dict[int, Part]] = {}
+        self.float_kinds: Counter[str] = Counter()
+
+    def add(self, where: str, name: str, kind: str, data, param: str, index: int) -> None:
+        if kind in FLOAT_DTYPES:
+            values = _float(data, kind)
+            if self.norm_shift and name.endswith("norm.weight"):
+                # back to the checkpoint's weight: exact while 1 + w lies in [0.5, 2]
+                values = values.float() - self.norm_shift
+            self.floats.setdefault(param, {})[index] = values
+            if name.endswith(".weight") and np.asarray(data).ndim == 2:
+                self.float_kinds[kind] += 1
+        elif where.endswith("token_embd.weight") or param.endswith(".weight"):
+            with warnings.catch_warnings():  # read-only: the file's map, never written
+                warnings.simplefilter("ignore", UserWarning)
+                rows = torch.from_numpy(np.asarray(data))
+            self.blocks.setdefault(param, {})[index] = Part(rows, BLOCK_TYPES[kind])
+        else:
+            raise ValueError(f"{where}: a quantized tensor of this kind is not supported")
+
+    def float_format(self) -> WeightFormat:
+        """The format the model's float weights are packed in: the file's own."""
+        kind = self.float_kinds.most_common(1)[0][0] if self.float_kinds else "F32"
+        return WeightFormat(str(FLOAT_DTYPES[kind]).removeprefix("torch."))
 
 
 def _float(data: np.ndarray, kind: str) -> torch.Tensor:
