@@ -22,3 +22,21 @@ def token_prompts(count: int, seed: int = 0) -> list[list[int]]:
 
 def token_ids(outputs: list[RequestOutput]) -> list[list[int]]:
     return [output.outputs[0].token_ids for output in outputs]
+
+
+def generate_logits(model: Any, prompt: list[int], new_tokens: int) -> tuple[list[int], Any]:
+    """transformers' greedy ``generate`` with its cache: the prompt in one forward, then
+    a token at a time (so LongRoPE switches as the sequence grows, as it does there), its
+    ``new_tokens`` tokens and the logits of each."""
+    import torch
+
+    with torch.no_grad():
+        out = model.eval().generate(
+            torch.tensor([prompt]),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits)

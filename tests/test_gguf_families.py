@@ -28,7 +28,7 @@ import transformers
 from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, get_tensor_name_map, quants
 
 from tests.checkpoints import build_checkpoint
-from tests.helpers import greedy
+from tests.helpers import generate_logits, greedy
 from tests.llama_cpp_tree import convert_many, llama_cpp_tree
 from tests.probes import logits_of, probed, records
 
@@ -97,25 +97,10 @@ def references(files) -> Callable[[str], list[tuple[list[int], torch.Tensor]]]:
             )
             if FILES[name][2] != "f32":
                 as_its_blocks_stand_for(model, path)
-            cache[name] = [generate_logits(model.eval(), prompt) for prompt in PROMPTS]
+            cache[name] = [generate_logits(model, prompt, NEW_TOKENS) for prompt in PROMPTS]
         return cache[name]
 
     return of
-
-
-def generate_logits(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy generate with its cache (LongRoPE switching as the sequence
-    grows past the original context, as it does)."""
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    return out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits)
 
 
 def as_its_blocks_stand_for(model, path: Path) -> None:

@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from tests.checkpoints import build_checkpoint, eagle_head_checkpoint
-from tests.helpers import greedy, token_ids
+from tests.helpers import generate_logits, greedy, token_ids
 from tests.probes import logits_of, probed, records
 from updraft import LLM
 
@@ -27,20 +27,8 @@ def phi3(request, tmp_path_factory):
     return build_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
 
 
-def generate_logits(model_dir, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy generate with its cache: the prompt in one forward, then a
-    token at a time, LongRoPE switching as the sequence grows."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        out = model.eval().generate(
-            torch.tensor([prompt]),
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    return out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits)
+def load(model_dir):
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("token_budget", [1024, 10], ids=["whole-prefill", "chunked-prefill"])
@@ -56,7 +44,7 @@ def test_logits_match_transformers_generate_on_both_sides_of_the_switch(phi3, to
     outputs = llm.generate(PROMPTS, greedy(NEW_TOKENS))
     seen = records(llm)
     for prompt, output in zip(PROMPTS, outputs, strict=True):
-        tokens, expected = generate_logits(phi3, prompt)
+        tokens, expected = generate_logits(load(phi3), prompt, NEW_TOKENS)
         assert list(output.outputs[0].token_ids) == tokens
         got = logits_of(seen, output)
         assert (got - expected).abs().max().item() < 1e-4
@@ -93,7 +81,7 @@ def test_a_window_shorter_than_the_context_beside_longrope_matches_transformers(
     outputs = llm.generate(PROMPTS, greedy(NEW_TOKENS))
     seen = records(llm)
     for prompt, output in zip(PROMPTS, outputs, strict=True):
-        tokens, expected = generate_logits(tmp_path, prompt)
+        tokens, expected = generate_logits(load(tmp_path), prompt, NEW_TOKENS)
         assert list(output.outputs[0].token_ids) == tokens
         assert (logits_of(seen, output) - expected).abs().max().item() < 1e-4
 

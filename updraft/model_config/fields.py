@@ -149,3 +149,32 @@ def read_eos_token_ids(model_dir: Path, raw: dict[str, Any]) -> tuple[int, ...]:
     if value is None:
         return ()
     return tuple(value) if isinstance(value, list) else (int(value),)
+
+
+def gguf_decoder_fields(
+    architecture: str,
+    get: Any,
+    tensors: dict[str, tuple[str, tuple[int, ...]]],
+    *,
+    eps: float = 1e-6,
+    context: int = 2048,
+    rope_base: float = 10000.0,
+) -> dict[str, Any]:
+    """The config.json sizes every decoder's GGUF file gives alike: ``get(key,
+    default)`` reads its ``<arch>.<key>`` metadata; the defaults are llama.cpp's for the
+    family, where a file leaves a key out."""
+    heads = int(get("attention.head_count"))
+    return {
+        "architectures": [architecture],
+        "vocab_size": tensors["token_embd.weight"][1][0],
+        "hidden_size": int(get("embedding_length")),
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", eps)),
+        "max_position_embeddings": int(get("context_length", context)),
+        "rope_theta": float(get("rope.freq_base", rope_base)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "torch_dtype": "float32",
+    }

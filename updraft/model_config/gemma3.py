@@ -7,6 +7,7 @@ from typing import Any
 from updraft.model_config.fields import (
     LAYER_TYPES,
     decoder_fields,
+    gguf_decoder_fields,
     layer_windows,
     positive_int,
     rope_config,
@@ -133,18 +134,9 @@ def from_gguf(
     window = get("attention.sliding_window")
     if not window:
         raise ValueError(f"{file_name}: a Gemma 3 file needs gemma3.attention.sliding_window")
-    config: dict[str, Any] = {
-        "architectures": [architecture],
-        "vocab_size": tensors["token_embd.weight"][1][0],
-        "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+    config = gguf_decoder_fields(architecture, get, tensors, context=131_072, rope_base=1_000_000.0)
+    config |= {
         "head_dim": head_dim,
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "max_position_embeddings": int(get("context_length", 131_072)),
-        "rope_theta": float(get("rope.freq_base", 1_000_000.0)),
         "rope_local_base_freq": float(get("rope.freq_base_swa", GGUF_LOCAL_BASE)),
         "query_pre_attn_scalar": hidden // heads
         if layers == GGUF_HIDDEN_SCALED_LAYERS
@@ -155,8 +147,6 @@ def from_gguf(
         ),
         "final_logit_softcapping": get("final_logit_softcapping"),
         "hidden_activation": "gelu_pytorch_tanh",
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "torch_dtype": "float32",
     }
     scaling = get("rope.scaling.type")
     if scaling not in (None, "none"):

@@ -8,7 +8,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from updraft.model_config.fields import decoder_fields, layer_windows, positive_int, require_silu
+from updraft.model_config.fields import (
+    decoder_fields,
+    gguf_decoder_fields,
+    layer_windows,
+    positive_int,
+    require_silu,
+)
 from updraft.model_config.gguf_experts import ExpertShape, read_experts
 from updraft.model_config.parts import MoEConfig
 
@@ -123,24 +129,10 @@ def from_gguf(
     ``get(key, default)`` reads the file's ``<arch>.<key>`` metadata. A file's
     ``rope_freqs`` (how llama.cpp holds Llama 3.1's scaling) becomes RoPE's
     ``frequency_factors``."""
-    heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    config: dict[str, Any] = {
-        "architectures": [architecture],
-        "vocab_size": tensors["token_embd.weight"][1][0],
-        "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-        "head_dim": int(get("attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "max_position_embeddings": int(get("context_length", 2048)),
-        "rope_theta": float(get("rope.freq_base", 10000.0)),
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "attention_bias": "blk.0.attn_q.bias" in tensors,
-        "torch_dtype": "float32",
-    }
+    config = gguf_decoder_fields(architecture, get, tensors)
+    heads, hidden = config["num_attention_heads"], config["hidden_size"]
+    config["head_dim"] = int(get("attention.key_length", hidden // heads))
+    config["attention_bias"] = "blk.0.attn_q.bias" in tensors
     scaling = get("rope.scaling.type")
     if scaling not in (None, "none"):
         if scaling not in ("linear", "yarn"):
@@ -192,27 +184,12 @@ def phi3_from_gguf(
     and the attention factor the file names, a window from ``attention.sliding_window``
     (0: none), applied to every layer as transformers does (llama.cpp leaves Phi's
     windows off)."""
-    heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    head_dim = hidden // heads
+    config = gguf_decoder_fields(architecture, get, tensors, eps=1e-5, context=4096)
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
     rotary_dim = int(get("rope.dimension_count", head_dim))
-    context = int(get("context_length", 4096))
-    config: dict[str, Any] = {
-        "architectures": [architecture],
-        "vocab_size": tensors["token_embd.weight"][1][0],
-        "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        "max_position_embeddings": context,
-        "rope_theta": float(get("rope.freq_base", 10000.0)),
-        "partial_rotary_factor": rotary_dim / head_dim,
-        "sliding_window": int(get("attention.sliding_window", 0)) or None,
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "torch_dtype": "float32",
-    }
+    context = config["max_position_embeddings"]
+    config["partial_rotary_factor"] = rotary_dim / head_dim
+    config["sliding_window"] = int(get("attention.sliding_window", 0)) or None
     long, short = "rope_factors_long.weight", "rope_factors_short.weight"
     if (long in tensors) != (short in tensors):
         raise ValueError(f"{file_name}: LongRoPE needs both {long} and {short}")
