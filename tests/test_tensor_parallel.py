@@ -277,13 +277,34 @@ def converted(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     (checkpoints["gemma3"] / "tokenizer.json").write_text(json.dumps(words))
     convert_many(jobs)
     (checkpoints["gemma3"] / "tokenizer.json").unlink()
+    checkpoint, path = made["qwen3-moe"]
     blocks = {"gate": "Q4_1", "up": "Q5_0", "down": "Q8_0"}
-    path = root / "qwen3-moe-blocks.gguf"
-    made["qwen3-moe-blocks"] = (
-        checkpoints["qwen3-moe"],
-        _requantized(made["qwen3-moe"][1], path, blocks, "Q8_0"),
-    )
+    in_blocks = _requantized(path, root / "qwen3-moe-blocks.gguf", blocks, "Q8_0")
+    made["qwen3-moe-blocks"] = (checkpoint, in_blocks)
+    made["qwen3-moe-fused"] = (checkpoint, gate_up_fused(path, root / "qwen3-moe-fused.gguf"))
     return made
+
+
+def gate_up_fused(path: Path, out: Path) -> Path:
+    """``path`` with each layer's ``ffn_gate_exps`` and ``ffn_up_exps`` as one
+    ``ffn_gate_up_exps`` [experts, gate rows then up rows, columns], as llama.cpp's
+    converter writes some families' experts."""
+    from gguf import GGUFReader
+
+    from tests.test_gguf_deepseek import rewritten
+
+    ups = {t.name: np.array(t.data) for t in GGUFReader(str(path)).tensors if "up_exps" in t.name}
+
+    def fused(tensor):
+        if "ffn_up_exps" in tensor.name:
+            return []
+        if "ffn_gate_exps" not in tensor.name:
+            return None
+        up = ups[tensor.name.replace("gate", "up")]
+        rows = np.concatenate([np.array(tensor.data), up], axis=1)
+        return [(tensor.name.replace("gate", "gate_up"), rows, tensor.tensor_type)]
+
+    return rewritten(path, out, {}, fused)
 
 
 def test_gguf_files_split_over_two_ranks_compute_what_one_process_computes(
@@ -351,8 +372,9 @@ def test_converted_gguf_families_split_over_two_ranks_compute_what_one_process_c
     """Phi-4-mini (fused q/k/v and gate/up, partial rotary, tied), Gemma 3 (sliding and
     global layers), DeepSeek V3 (latent attention split by heads, routed and shared
     experts) and Qwen3-MoE in float32 against the checkpoints they were converted from;
-    Qwen3-MoE's Q8_0 file (experts in int8 panels, captured) and its file whose experts
-    stay blocks, against themselves in one process. Every expert's rows split: a rank
+    Qwen3-MoE's file with gate and up fused, against its checkpoint too; its Q8_0 file
+    (experts in int8 panels, captured) and its file whose experts stay blocks, against
+    themselves in one process. Every expert's rows split: a rank
     holds about half of each quantized file."""
     from updraft.models.gguf_experts import BlockExperts
     from updraft.models.moe import PackedExperts
@@ -364,6 +386,7 @@ def test_converted_gguf_families_split_over_two_ranks_compute_what_one_process_c
         ("gemma3", True, EAGER, None),
         ("deepseek-v3", True, EAGER, PackedExperts),
         ("qwen3-moe", True, EAGER, PackedExperts),
+        ("qwen3-moe-fused", True, EAGER, PackedExperts),
         ("qwen3-moe-q8_0", False, GRAPHS, PackedExperts),
         ("qwen3-moe-blocks", False, EAGER, BlockExperts),
     ]
