@@ -149,12 +149,13 @@ def fused_layout(path, checkpoint, out):
 
 
 def rewritten(path, out, changed, tensors=lambda tensor: None):
-    """``path`` written again with gguf-py: ``deepseek2.<key>`` metadata set to
+    """``path`` written again with gguf-py: ``<architecture>.<key>`` metadata set to
     ``changed[key]`` (None: left out), and each tensor as ``tensors(tensor)`` gives it
     ((name, values, type) each; None: as it was)."""
     reader = GGUFReader(str(path))
-    writer = GGUFWriter(str(out), "deepseek2")
-    changed = {f"deepseek2.{key}": value for key, value in changed.items()}
+    arch = reader.fields["general.architecture"].contents()
+    writer = GGUFWriter(str(out), arch)
+    changed = {f"{arch}.{key}": value for key, value in changed.items()}
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue

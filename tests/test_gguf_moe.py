@@ -10,6 +10,8 @@ shared expert).
   transformers' tokens and logits on the weights their blocks stand for (dequantized by
   the ``gguf`` package), eager and captured.
 * The loaded model holds about the file's tensor bytes: no float copy of an expert.
+* Experts whose down projections' blocks tensor-parallel ranks would cut are refused,
+  with the numbers (their split is tested in test_tensor_parallel).
 """
 
 from __future__ import annotations
@@ -286,3 +288,31 @@ def test_a_router_in_blocks_is_refused_by_name(files, tmp_path):
     bad = _with_tensors(paths["qwen3-moe-f32"], tmp_path / "bad.gguf", {router.name: (blocks, q8)})
     with pytest.raises(ValueError, match=r"blk\.1\.ffn_gate_inp\.weight is in Q8_0 blocks"):
         LLM(str(bad))
+
+
+def test_experts_whose_down_blocks_a_rank_would_cut_are_refused_with_the_numbers(files):
+    """down_exps's 256 inputs in Q6_K blocks of 256: 128 per rank would cut every block.
+    The engine refuses before any rank starts, and a rank's loader refuses alike."""
+    import torch
+
+    from updraft.checkpoints.local import local_checkpoint
+    from updraft.config import ParallelSizes
+    from updraft.model_config import ModelConfig
+    from updraft.models.gguf_loader import check_gguf_split
+    from updraft.models.loader import load_model
+    from updraft.parallel.topology import RankPlace
+
+    _, _, paths = files
+    message = (
+        r"blk\.0\.ffn_down_exps\.weight: 256 inputs in Q6_K blocks of 256 cannot be split "
+        "over 2 ranks: 128 each is not a whole number of blocks"
+    )
+    with pytest.raises(ValueError, match=message):
+        LLM(str(paths["qwen2-moe-q4_k_m"]), tensor_parallel_size=2)
+    directory = local_checkpoint(str(paths["qwen2-moe-q4_k_m"]))
+    config, sizes = ModelConfig.from_dir(directory), ParallelSizes(tensor=2)
+    with pytest.raises(ValueError, match=message):  # from the headers, before any rank
+        check_gguf_split(config, directory, sizes)
+    place = RankPlace(1, sizes, "unconnected")
+    with pytest.raises(ValueError, match=message):
+        load_model(config, directory, torch.float32, place=place)

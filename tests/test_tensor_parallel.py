@@ -3,6 +3,7 @@ process computes, token for token and logit for logit, eager and with graphs."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import subprocess
 import sys
@@ -240,51 +241,163 @@ def held_bytes(model: torch.nn.Module) -> int:
     return sum(held.values())
 
 
-def test_gguf_files_split_over_two_ranks_compute_what_one_process_computes(tmp_path, pool):
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """name -> (checkpoint, the GGUF file llama.cpp's converter wrote from it, all in
+    one of its processes); and ``qwen3-moe-blocks``: the Qwen3-MoE file with its
+    experts' gate in Q4_1, up in Q5_0 and down in Q8_0 (block types that stay blocks),
+    its other matrices in Q8_0."""
+    from tests.llama_cpp_tree import convert_many, llama_cpp_tree
+    from tests.test_gguf_deepseek import SIGMOID
+    from tests.test_gguf_families import GEMMA3
+    from tests.test_gguf_moe import ALL_ROUTED, _requantized
+
+    llama_cpp_tree()
+    # Gemma 3 as llama.cpp reads it, DeepSeek V3 with its sigmoid router, Qwen3-MoE with
+    # every layer routed (as each family's own GGUF tests convert them) and experts 64
+    # rows wide, so that a rank's 32 of down's inputs are one Q8_0 block.
+    qwen3_moe = dict(num_hidden_layers=2, moe_intermediate_size=64, **ALL_ROUTED)
+    converted = {  # name -> (tiny checkpoint, its changes, the converter's outtype)
+        "llama-q8_0": ("llama-plain", {"vocab_size": 257}, "q8_0"),
+        "phi4-mini": ("phi4-mini", {}, "f32"),
+        "gemma3": ("gemma3", GEMMA3, "f32"),
+        "deepseek-v3": ("deepseek-v3", SIGMOID, "f32"),
+        "qwen3-moe": ("qwen3-moe", qwen3_moe, "f32"),
+        "qwen3-moe-q8_0": ("qwen3-moe", qwen3_moe, "q8_0"),
+    }
+    root = tmp_path_factory.mktemp("gguf-tp")
+    checkpoints, jobs, made = {}, [], {}
+    for name, (kind, changes, outtype) in converted.items():
+        if kind not in checkpoints:
+            checkpoints[kind] = build_checkpoint(kind, root / kind, **changes)
+        made[name] = (checkpoints[kind], root / f"{name}.gguf")
+        jobs.append((*made[name], outtype))
+    # Gemma's converter cuts the embedding to the tokenizer's size, read from here
+    words = {"model": {"vocab": {str(i): i for i in range(256)}}, "added_tokens": []}
+    (checkpoints["gemma3"] / "tokenizer.json").write_text(json.dumps(words))
+    convert_many(jobs)
+    (checkpoints["gemma3"] / "tokenizer.json").unlink()
+    checkpoint, path = made["qwen3-moe"]
+    blocks = {"gate": "Q4_1", "up": "Q5_0", "down": "Q8_0"}
+    in_blocks = _requantized(path, root / "qwen3-moe-blocks.gguf", blocks, "Q8_0")
+    made["qwen3-moe-blocks"] = (checkpoint, in_blocks)
+    made["qwen3-moe-fused"] = (checkpoint, gate_up_fused(path, root / "qwen3-moe-fused.gguf"))
+    return made
+
+
+def gate_up_fused(path: Path, out: Path) -> Path:
+    """``path`` with each layer's ``ffn_gate_exps`` and ``ffn_up_exps`` as one
+    ``ffn_gate_up_exps`` [experts, gate rows then up rows, columns], as llama.cpp's
+    converter writes some families' experts."""
+    from gguf import GGUFReader
+
+    from tests.test_gguf_deepseek import rewritten
+
+    ups = {t.name: np.array(t.data) for t in GGUFReader(str(path)).tensors if "up_exps" in t.name}
+
+    def fused(tensor):
+        if "ffn_up_exps" in tensor.name:
+            return []
+        if "ffn_gate_exps" not in tensor.name:
+            return None
+        up = ups[tensor.name.replace("gate", "up")]
+        rows = np.concatenate([np.array(tensor.data), up], axis=1)
+        return [(tensor.name.replace("gate", "gate_up"), rows, tensor.tensor_type)]
+
+    return rewritten(path, out, {}, fused)
+
+
+def test_gguf_files_split_over_two_ranks_compute_what_one_process_computes(
+    tmp_path, converted, pool
+):
     """A float32 Llama with a 257-token vocabulary (its last shard padded) against the
     safetensors checkpoint it was written from; llama.cpp's converter's Q8_0 file of it
     (linears and the LM head in blocks that become panels, the embedding in blocks),
     eager and with graphs; a tied Qwen2 (one KV head, q/k/v bias) in K-quant blocks that
     stay blocks, its embedding and LM head one Q6_K table, with an F16 o_proj. Each at
     TP=2 gives one process's greedy tokens, and its logits within 1e-4."""
-    from gguf import GGUFReader
-
     from benchmarks.peers import make_gguf
-    from tests.llama_cpp_tree import convert
     from updraft.models.gguf_loader import GGUFLinear
     from updraft.models.gguf_shards import VocabParallelBlocks
     from updraft.models.packed_linear import PackedLinear
     from updraft.models.tensor_parallel import VocabParallelEmbedding
 
-    checkpoint = build_checkpoint("llama-plain", tmp_path / "llama", vocab_size=257)
+    checkpoint, llama_q8_0 = converted["llama-q8_0"]
     llama_f32 = tmp_path / "llama-f32.gguf"
     make_gguf.main(checkpoint, llama_f32)
-    llama_q8_0 = convert(checkpoint, tmp_path / "llama-q8_0.gguf", "q8_0")
     # K-quants take rows of 256 values, and o_proj's and down_proj's are split: 512 wide
     mix = {"attn_output": "F16", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"}
     wide = dict(hidden_size=512, intermediate_size=1024)
     qwen2 = gguf_in_blocks(tmp_path, "qwen2", {**mix, "blk": "Q4_K"}, **wide)
-    eager = dict(enforce_eager=True)
-    graphs = dict(enforce_eager=False, capture_sizes=(4,), capture_tokens=(32,))
     cases = [  # file, what one process runs, engine settings, the rank's embedding and head
-        (llama_f32, checkpoint, eager, VocabParallelEmbedding, PackedLinear),
-        (llama_q8_0, llama_q8_0, eager, VocabParallelBlocks, PackedLinear),
-        (llama_q8_0, llama_q8_0, graphs, VocabParallelBlocks, PackedLinear),
-        (qwen2, qwen2, eager, VocabParallelBlocks, GGUFLinear),
+        (llama_f32, checkpoint, EAGER, VocabParallelEmbedding, PackedLinear),
+        (llama_q8_0, llama_q8_0, EAGER, VocabParallelBlocks, PackedLinear),
+        (llama_q8_0, llama_q8_0, GRAPHS, VocabParallelBlocks, PackedLinear),
+        (qwen2, qwen2, EAGER, VocabParallelBlocks, GGUFLinear),
     ]
     for path, reference, args, embedding, head in cases:
-        _, plain, plain_logits = run(reference, **args)
-        llm, split, split_logits = run(path, pool, tensor_parallel_size=2, **args)
-        assert token_ids(split) == token_ids(plain)
-        for ours, theirs in zip(split_logits, plain_logits, strict=True):
-            torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
-        model = llm.engine._runner.model  # noqa: SLF001
+        model = assert_split_file_computes_like_one_process(path, reference, pool, args)
         assert isinstance(model.model.embed_tokens, embedding)
         assert isinstance(model.lm_head.linear, head)
-        assert ("graph" in llm.engine.stats().steps) != args["enforce_eager"]
-        if path is not llama_f32:  # a rank holds about half of a file's blocks
-            file_bytes = sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
-            assert 0.45 * file_bytes < held_bytes(model) < 0.6 * file_bytes, path.name
+        if path is not llama_f32:
+            assert_rank_holds_about_half(model, path)
+
+
+EAGER = dict(enforce_eager=True)
+GRAPHS = dict(enforce_eager=False, capture_sizes=(4,), capture_tokens=(32,))
+
+
+def assert_split_file_computes_like_one_process(path, reference, pool, args) -> torch.nn.Module:
+    """``path`` at TP=2 gives the greedy tokens of ``reference`` in one process, and
+    its logits within 1e-4; rank 0's model."""
+    _, plain, plain_logits = run(reference, **args)
+    llm, split, split_logits = run(path, pool, tensor_parallel_size=2, **args)
+    assert token_ids(split) == token_ids(plain), path.name
+    for ours, theirs in zip(split_logits, plain_logits, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    assert ("graph" in llm.engine.stats().steps) != args["enforce_eager"]
+    return llm.engine._runner.model  # noqa: SLF001
+
+
+def assert_rank_holds_about_half(model: torch.nn.Module, path: Path) -> None:
+    from gguf import GGUFReader
+
+    file_bytes = sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
+    assert 0.45 * file_bytes < held_bytes(model) < 0.6 * file_bytes, path.name
+
+
+def test_converted_gguf_families_split_over_two_ranks_compute_what_one_process_computes(
+    converted, pool
+):
+    """Phi-4-mini (fused q/k/v and gate/up, partial rotary, tied), Gemma 3 (sliding and
+    global layers), DeepSeek V3 (latent attention split by heads, routed and shared
+    experts) and Qwen3-MoE in float32 against the checkpoints they were converted from;
+    Qwen3-MoE's file with gate and up fused, against its checkpoint too; its Q8_0 file
+    (experts in int8 panels, captured) and its file whose experts stay blocks, against
+    themselves in one process. Every expert's rows split: a rank
+    holds about half of each quantized file."""
+    from updraft.models.gguf_experts import BlockExperts
+    from updraft.models.moe import PackedExperts
+
+    # file, whether one process runs its checkpoint (else the file), engine settings,
+    # the ranks' routed experts
+    cases = [
+        ("phi4-mini", True, EAGER, None),
+        ("gemma3", True, EAGER, None),
+        ("deepseek-v3", True, EAGER, PackedExperts),
+        ("qwen3-moe", True, EAGER, PackedExperts),
+        ("qwen3-moe-fused", True, EAGER, PackedExperts),
+        ("qwen3-moe-q8_0", False, GRAPHS, PackedExperts),
+        ("qwen3-moe-blocks", False, EAGER, BlockExperts),
+    ]
+    for name, from_checkpoint, args, experts in cases:
+        checkpoint, path = converted[name]
+        reference = checkpoint if from_checkpoint else path
+        model = assert_split_file_computes_like_one_process(path, reference, pool, args)
+        held = [m for m in model.modules() if isinstance(m, PackedExperts | BlockExperts)]
+        assert bool(held) == bool(experts) and all(isinstance(m, experts) for m in held), name
+        if not from_checkpoint:
+            assert_rank_holds_about_half(model, path)
 
 
 def test_a_gguf_width_whose_share_is_not_whole_blocks_is_refused_with_the_numbers(tmp_path):

@@ -16,6 +16,10 @@ layer's experts become, by the types the file keeps them in:
   file's own blocks in its memory map, each chosen expert's rows through the block
   kernels (``updraft::gguf_grouped_mlp``).
 
+Split over tensor-parallel ranks, a rank takes its share of every expert's rows out of
+the file's map as it reads each stacked tensor (``gguf_shards.expert_share``), and its
+experts take one of the forms above over those rows alone.
+
 With ``--activations int8``, experts in blocks still take float x: the integer kernels
 read linears only.
 """
@@ -33,6 +37,7 @@ from torch import nn
 import updraft.kernels.gguf_grouped  # noqa: F401  (defines updraft::gguf_grouped_mlp)
 from updraft.kernels.gguf_ops import BLOCK_TYPES, BLOCKS
 from updraft.models.gguf_panels import PANEL_FORMATS, stacked_block_panels
+from updraft.models.gguf_shards import RankShare
 from updraft.models.moe import Experts, PackedExperts, RoutedExperts, expert_offsets
 from updraft.weights import WeightFormat
 
@@ -53,6 +58,15 @@ NAMES = (
 # never quantizes them, and a file that did is refused rather than guessed at.
 FLOAT_ONLY = re.compile(r"blk\.\d+\.(ffn_gate_inp|exp_probs_b|ffn_gate_inp_shexp)\.\w+")
 FLOAT_KINDS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def down_target(name: str) -> tuple[str, int] | None:
+    """The parameter (and its part) that a stacked ``ffn_down_exps`` tensor ``name``
+    fills, whose inputs a tensor-parallel rank splits; None for any other tensor."""
+    match = STACKED.fullmatch(name)
+    if match is None or match["proj"] != "down":
+        return None
+    return f"{EXPERTS_MODULE.format(layer=match['layer'])}.down_proj", 0
 
 
 @dataclass(frozen=True)
@@ -108,9 +122,10 @@ class ExpertTensors:
     """Each layer's stacked expert tensors, collected while a file's tensors are read
     (``take``), then put in place of the model's experts (``place``)."""
 
-    def __init__(self, modules: dict[str, nn.Module], file_name: str) -> None:
+    def __init__(self, modules: dict[str, nn.Module], file_name: str, share: RankShare) -> None:
         self.modules = modules
         self.file_name = file_name
+        self.share = share  # what a tensor-parallel rank keeps of each tensor (or all)
         self.layers: dict[str, dict[str, Stacked]] = {}
 
     def take(self, name: str, kind: str, data: np.ndarray) -> bool:
@@ -123,7 +138,9 @@ class ExpertTensors:
         module = EXPERTS_MODULE.format(layer=match["layer"])
         if not isinstance(self.modules.get(module), Experts):
             raise ValueError(f"{self.file_name}: GGUF tensor {name} fits no experts of the model")
-        self.layers.setdefault(module, {})[match["proj"]] = Stacked(kind, data)
+        proj = match["proj"]
+        data = self.share.experts(name, kind, data, module, proj)
+        self.layers.setdefault(module, {})[proj] = Stacked(kind, data)
         return True
 
     def place(self) -> None:

@@ -56,7 +56,7 @@ from updraft.kernels.gguf_ops import (
 from updraft.model_config import ModelConfig
 from updraft.model_config.registry import ARCHITECTURES
 from updraft.models.gguf_experts import NAMES as EXPERT_NAMES
-from updraft.models.gguf_experts import ExpertTensors
+from updraft.models.gguf_experts import ExpertTensors, down_target
 from updraft.models.gguf_mla import LatentKV
 from updraft.models.gguf_panels import PANEL_FORMATS, block_panels
 from updraft.models.gguf_shards import RankShare, block_columns, embedding_over, kept_part
@@ -271,19 +271,14 @@ def load_gguf_model(
     params, modules = share.params, share.modules  # the unsplit model's
     row = ARCHITECTURES[config.architecture]
     gathered = Gathered(row.gguf_norm_shift)
-    experts = ExpertTensors(modules, parts[0].name)
+    experts = ExpertTensors(modules, parts[0].name, share)
     latent = LatentKV()
     for path in parts:
         for tensor in latent.tensors(read_gguf(path).tensors, path.name):
             if tensor.name in CONFIG_TENSORS:  # read into the config, not a weight
                 continue
             if experts.take(tensor.name, tensor.tensor_type.name, tensor.data):
-                if share.ranks > 1:
-                    raise ValueError(
-                        f"{path.name}: a GGUF file's experts ({tensor.name}) are not split "
-                        "over tensor-parallel ranks yet"
-                    )
-                continue  # a layer's stacked experts, placed below
+                continue  # a layer's stacked experts (the rank's share), placed below
             name = hf_name(tensor.name, row.gguf_tensor_names)
             target = None if name is None else target_of(name, params, modules)
             if target is None:
@@ -414,8 +409,9 @@ def _fill_floats(model: nn.Module, floats: dict[str, dict[int, torch.Tensor]]) -
 
 def check_gguf_split(config: ModelConfig, model_dir: str | Path, sizes: ParallelSizes) -> None:
     """Refuse, with the numbers, a GGUF file (the one ``model_dir`` stands for, if any)
-    whose row-parallel tensors in blocks ``sizes``' tensor-parallel ranks would cut
-    mid-block: read from the headers alone, before any rank loads."""
+    whose row-parallel tensors in blocks (o_proj, down_proj, the experts' down
+    projections) ``sizes``' tensor-parallel ranks would cut mid-block: read from the
+    headers alone, before any rank loads."""
     parts = linked_files(Path(model_dir))
     if parts is None or sizes.tensor == 1:
         return
@@ -429,7 +425,8 @@ def check_gguf_split(config: ModelConfig, model_dir: str | Path, sizes: Parallel
         for info in walk(part).tensors:
             name = hf_name(info.name, family_names)
             target = None if name is None else target_of(name, params, modules)
-            keep = None if target is None else kept.get(params[target[0]])
+            target = target or down_target(info.name)
+            keep = None if target is None else kept.get(params.get(target[0]))
             if keep is None or keep.dim != 1 or keep.zeros or info.type_code not in kinds:
                 continue
             columns = kept_part(keep, target[1])

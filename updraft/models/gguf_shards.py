@@ -10,6 +10,11 @@ and columns it keeps.
   blocks are dealt out, a block never cut. A width whose share per rank is not a whole
   number of blocks is refused, with the numbers, before any rank loads
   (``gguf_loader.check_gguf_split``).
+* A layer's stacked experts ([experts, rows, columns]) split as a safetensors
+  checkpoint's experts do: every expert keeps its share of the intermediate rows of
+  gate and up (``ffn_gate_exps``/``ffn_up_exps``, each half of a fused
+  ``ffn_gate_up_exps``) and of down's inputs (``ffn_down_exps``, whose blocks are dealt
+  out whole as a row-parallel linear's are).
 * Float tensors split as a safetensors checkpoint's do.
 
 llama.cpp's q/k row permutation turns rows within each head, and a rank keeps whole
@@ -91,6 +96,26 @@ def rank_share(
     return np.ascontiguousarray(data[:, columns])  # the kernels read whole rows
 
 
+def expert_share(
+    name: str, kind: str, data: np.ndarray, proj: str, keep: Kept, ranks: int
+) -> np.ndarray:
+    """What the rank keeps of the stacked expert tensor ``name`` (``data``: [experts,
+    rows, columns or row bytes]) of projection ``proj`` (gate, up, gate_up or down),
+    whose intermediate rows the rank keeps as ``keep.parts[0]`` says."""
+    rows = keep.parts[0]
+    if proj == "down":
+        if kind in BLOCK_TYPES:
+            values, block_bytes = BLOCKS[BLOCK_TYPES[kind]]
+            width = data.shape[2] // block_bytes * values
+            rows = block_columns(name, kind, width, rows, ranks)
+        return np.ascontiguousarray(data[:, :, rows])
+    if proj == "gate_up":  # gate's rows, then up's: the rank's share of each
+        inter = data.shape[1] // 2
+        up = slice(inter + rows.start, inter + rows.stop)
+        return np.concatenate([data[:, rows], data[:, up]], axis=1)
+    return np.ascontiguousarray(data[:, rows])
+
+
 def kept_part(keep: Kept, index: Slice) -> slice:
     """What the rank keeps of slice ``index`` (a fused projection's part, an expert's
     gate or up) along ``keep.dim``."""
@@ -116,6 +141,14 @@ class RankShare:
         keep = self.kept.get(self.params[param])
         sizes = getattr(module, "split_sizes", None)
         return rank_share(name, kind, data, keep, index, sizes, self.ranks)
+
+    def experts(self, name: str, kind: str, data: np.ndarray, module: str, proj: str) -> np.ndarray:
+        """The rank's share of the stacked expert tensor ``name`` (projection ``proj``)
+        of the experts ``module``."""
+        if not self.kept:
+            return data
+        keep = self.kept[self.params[f"{module}.down_proj"]]
+        return expert_share(name, kind, data, proj, keep, self.ranks)
 
     def renamed(self, by_param: dict[str, T]) -> dict[str, T]:
         """``by_param`` keyed by the names of what the rank keeps in the split model (a
