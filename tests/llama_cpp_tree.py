@@ -29,6 +29,7 @@ import tarfile
 import tempfile
 import urllib.parse
 import urllib.request
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,6 @@ import pytest
 PACKAGE = "llama-cpp-python"
 VERSION = "0.3.36"
 SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
-INDEX = f"https://pypi.org/pypi/{PACKAGE}/json"
 # What is kept of the archive's vendor/llama.cpp.
 KEPT = ("models/", "convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 
@@ -48,18 +48,20 @@ def cache_root() -> Path:
     return cache / "updraft-tests"
 
 
-def _download(target: Path) -> None:
-    with urllib.request.urlopen(INDEX, timeout=60) as response:
+def _download(target: Path, package: str, version: str, filename: str, sha256: str) -> None:
+    """``filename`` of ``package`` ``version`` from PyPI into ``target``, checked."""
+    index = f"https://pypi.org/pypi/{package}/json"
+    with urllib.request.urlopen(index, timeout=60) as response:
         release = json.load(response)
-    (sdist,) = [url for url in release["releases"][VERSION] if url["packagetype"] == "sdist"]
-    url = urllib.parse.urljoin(INDEX, sdist["url"])
+    (found,) = [url for url in release["releases"][version] if url["filename"] == filename]
+    url = urllib.parse.urljoin(index, found["url"])
     digest = hashlib.sha256()
     with urllib.request.urlopen(url, timeout=300) as response, target.open("wb") as out:
         while chunk := response.read(1 << 20):
             digest.update(chunk)
             out.write(chunk)
-    if digest.hexdigest() != SHA256:
-        raise RuntimeError(f"{url}: SHA-256 {digest.hexdigest()}, expected {SHA256}")
+    if digest.hexdigest() != sha256:
+        raise RuntimeError(f"{url}: SHA-256 {digest.hexdigest()}, expected {sha256}")
 
 
 def _unpack(archive: Path, tree: Path) -> None:
@@ -84,12 +86,39 @@ def llama_cpp_tree() -> Path:
         root.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=root) as scratch:
             archive = Path(scratch) / "sdist.tar.gz"
-            _download(archive)
+            sdist = f"{PACKAGE.replace('-', '_')}-{VERSION}.tar.gz"
+            _download(archive, PACKAGE, VERSION, sdist, SHA256)
             if not tree.exists():
                 _unpack(archive, tree)
     except (OSError, RuntimeError, ValueError) as error:
         pytest.skip(f"llama.cpp's tree ({PACKAGE} {VERSION} sdist) cannot be fetched: {error}")
     return tree
+
+
+# Mistral's own Tekken tokenizer file, as the mistral-common wheel ships it.
+MISTRAL_COMMON = ("mistral-common", "1.13.1", "mistral_common-1.13.1-py3-none-any.whl")
+MISTRAL_COMMON_SHA256 = "98b4d0755b8d90bf4691fa8f1b70cb3b4a8cd4dc1653c4ed08ef3d1c7d2c29af"
+TEKKEN_FILE = "mistral_common/data/tekken_240718.json"
+
+
+def tekken_file() -> Path:
+    """Mistral's ``tekken_240718.json`` (Mistral Nemo's tokenizer), fetched on first use;
+    skips the calling test if it cannot be."""
+    target = cache_root() / "tekken_240718.json"
+    if target.is_file():
+        return target
+    try:
+        cache_root().mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache_root()) as scratch:
+            wheel = Path(scratch) / "mistral_common.whl"
+            _download(wheel, *MISTRAL_COMMON, MISTRAL_COMMON_SHA256)
+            with zipfile.ZipFile(wheel) as archive:
+                staged = Path(scratch) / target.name
+                staged.write_bytes(archive.read(TEKKEN_FILE))
+            staged.rename(target)
+    except (OSError, RuntimeError, ValueError, KeyError) as error:
+        pytest.skip(f"Mistral's Tekken file ({MISTRAL_COMMON[2]}) cannot be fetched: {error}")
+    return target
 
 
 def vocab_files(tree: Path) -> dict[str, Path]:

@@ -12,7 +12,8 @@ tokenizers of families updraft does not serve (the last three do pass); ``aquila
 
 Beyond those cases, generated text is compared with transformers' own GGUF tokenizer
 (``AutoTokenizer.from_pretrained(..., gguf_file=...)``) on the vocabularies whose
-pre-tokenizer it rebuilds as llama.cpp does.
+pre-tokenizer it rebuilds as llama.cpp does. Tekken (Mistral Nemo's), which has no
+llama.cpp vocabulary, splits text as Mistral's own tokenizer file's pattern does.
 """
 
 from __future__ import annotations
@@ -143,6 +144,29 @@ def test_generated_text_gets_transformers_ids_and_decodes_back(name):
         assert ours.decode(want, skip_special_tokens=False) == text
 
     same_ids()
+
+
+def test_tekken_splits_text_as_mistral_s_own_tokenizer_file_says():
+    """Tekken has no llama.cpp test vocabulary: its pieces (the bytes of each, as the
+    byte-level model sees them) are those Mistral's own ``tekken_240718.json`` pattern
+    gives (the mistral-common wheel's file, applied as tiktoken applies it: every match
+    in turn)."""
+    import regex
+    from tokenizers import decoders
+
+    from tests.llama_cpp_tree import tekken_file
+    from updraft.checkpoints.gguf_vocab.pre_tokenizers import byte_level
+
+    pattern = regex.compile(json.loads(tekken_file().read_text())["config"]["pattern"])
+    ours, as_text = byte_level("tekken"), decoders.ByteLevel()
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(texts)
+    def same_pieces(text):
+        pieces = [as_text.decode([piece]) for piece, _ in ours.pre_tokenize_str(text)]
+        assert pieces == pattern.findall(text)
+
+    same_pieces()
 
 
 # -- pre-tokenizers refused by name --------------------------------------------------------
