@@ -48,7 +48,9 @@ def cache_root() -> Path:
     return cache / "updraft-tests"
 
 
-def _download(target: Path, package: str, version: str, filename: str, sha256: str) -> None:
+def download_pypi_file(
+    target: Path, package: str, version: str, filename: str, sha256: str
+) -> None:
     """``filename`` of ``package`` ``version`` from PyPI into ``target``, checked."""
     index = f"https://pypi.org/pypi/{package}/json"
     with urllib.request.urlopen(index, timeout=60) as response:
@@ -87,7 +89,7 @@ def llama_cpp_tree() -> Path:
         with tempfile.TemporaryDirectory(dir=root) as scratch:
             archive = Path(scratch) / "sdist.tar.gz"
             sdist = f"{PACKAGE.replace('-', '_')}-{VERSION}.tar.gz"
-            _download(archive, PACKAGE, VERSION, sdist, SHA256)
+            download_pypi_file(archive, PACKAGE, VERSION, sdist, SHA256)
             if not tree.exists():
                 _unpack(archive, tree)
     except (OSError, RuntimeError, ValueError) as error:
@@ -111,7 +113,7 @@ def tekken_file() -> Path:
         cache_root().mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache_root()) as scratch:
             wheel = Path(scratch) / "mistral_common.whl"
-            _download(wheel, *MISTRAL_COMMON, MISTRAL_COMMON_SHA256)
+            download_pypi_file(wheel, *MISTRAL_COMMON, MISTRAL_COMMON_SHA256)
             with zipfile.ZipFile(wheel) as archive:
                 staged = Path(scratch) / target.name
                 staged.write_bytes(archive.read(TEKKEN_FILE))
