@@ -104,7 +104,7 @@ def stands_for(checkpoint: Path, whole: Path, quantized: Path, directory: Path) 
     for tensor in reader.tensors:
         values = quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
         for name, (rows, order) in _targets(tensor.name, tensors, names, floats).items():
-            tensors[name] = torch.from_numpy(np.ascontiguousarray(values[rows][order]))
+            tensors[name] = torch.from_numpy(np.array(values[rows][order]))
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     return directory
 
@@ -150,4 +150,7 @@ def test_a_file_quantized_by_llama_cpp_gives_transformers_on_its_values(
     seen = records(llm)
     for (tokens, logits), output in zip(expected, outputs, strict=True):
         assert list(output.outputs[0].token_ids) == tokens
-        assert (logits_of(seen, output) - logits).abs().max().item() < 1e-4
+        # float32's rounding, summed in another order (blocks of 256 against torch's
+        # matmul) over rows 256 and 512 wide, through every decode step; a wrong value
+        # in a block moves logits by its quantization step, 1e-2 and more
+        torch.testing.assert_close(logits_of(seen, output), logits, atol=5e-4, rtol=1e-4)
