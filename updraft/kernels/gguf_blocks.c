@@ -90,6 +90,17 @@ static void scale_min_k4(int j, const uint8_t *q, int *scale, int *min) {
     }
 }
 
+/* Q4_K's and Q5_K's 8 sub-blocks: d * scale and -dmin * min of each, for the vector
+   paths, which read them once per block. */
+static void k4_factors(float d, float dmin, const uint8_t *scales, float factor[8],
+                       float offset[8]) {
+    for (int j = 0; j < 8; j++) {
+        int scale, min;
+        scale_min_k4(j, scales, &scale, &min);
+        factor[j] = d * (float)scale, offset[j] = -dmin * (float)min;
+    }
+}
+
 /* Q3_K's sub-block j (of 16): its 6-bit scale, less 32. The low 4 bits are byte j % 8's
    low (j < 8) or high nibble, the top two bits pair j / 4 of byte 8 + j % 4. */
 static int scale_k3(int j, const uint8_t *scales) {
@@ -360,11 +371,7 @@ static void block_fma_more(int type, const uint8_t *b, const float *x, int64_t k
         const float d = half_at(b), dmin = half_at(b + 2);
         const uint8_t *scales = b + 4, *fifth = b + 16, *q = b + 48;
         float factor[8], offset[8];
-        for (int j = 0; j < 8; j++) {
-            int scale, min;
-            scale_min_k4(j, scales, &scale, &min);
-            factor[j] = d * (float)scale, offset[j] = -dmin * (float)min;
-        }
+        k4_factors(d, dmin, scales, factor, offset);
         const __m512i low4 = _mm512_set1_epi32(0xF), sixteen = _mm512_set1_epi32(16);
         for (int part = 0; part < 2; part++) {
             const __m512i fifths = bytes16(fifth + 16 * part);
@@ -615,11 +622,7 @@ static inline __attribute__((always_inline)) void block_fma8_more(
         const float d = half_at(b), dmin = half_at(b + 2);
         const uint8_t *scales = b + 4, *fifth = b + 16, *q = b + 48;
         float factor[8], offset[8];
-        for (int j = 0; j < 8; j++) {
-            int scale, min;
-            scale_min_k4(j, scales, &scale, &min);
-            factor[j] = d * (float)scale, offset[j] = -dmin * (float)min;
-        }
+        k4_factors(d, dmin, scales, factor, offset);
         const __m256i low4 = _mm256_set1_epi32(0xF);
 #pragma GCC unroll 4
         for (int part = 0; part < 4; part++) {
@@ -720,11 +723,7 @@ static inline __attribute__((always_inline)) void block_fma8(int type, const uin
         const float d = half_at(b), dmin = half_at(b + 2);
         const uint8_t *scales = b + 4, *q = b + 16;
         float factor[8], offset[8]; /* each sub-block's d * sc and -dmin * min, first */
-        for (int j = 0; j < 8; j++) {
-            int scale, min;
-            scale_min_k4(j, scales, &scale, &min);
-            factor[j] = d * (float)scale, offset[j] = -dmin * (float)min;
-        }
+        k4_factors(d, dmin, scales, factor, offset);
 #pragma GCC unroll 4
         for (int chunk = 0; chunk < 4; chunk++) {
             const __m256 d1 = splat8(factor[2 * chunk]), m1 = splat8(offset[2 * chunk]);
