@@ -27,7 +27,6 @@ read linears only.
 from __future__ import annotations
 
 import re
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,6 +37,7 @@ import updraft.kernels.gguf_grouped  # noqa: F401  (defines updraft::gguf_groupe
 from updraft.kernels.gguf_ops import BLOCK_TYPES, BLOCKS
 from updraft.models.gguf_panels import PANEL_FORMATS, stacked_block_panels
 from updraft.models.gguf_shards import RankShare
+from updraft.models.gguf_tensors import FLOAT_DTYPES, block_rows, float_tensor
 from updraft.models.moe import Experts, PackedExperts, RoutedExperts, expert_offsets
 from updraft.weights import WeightFormat
 
@@ -57,7 +57,6 @@ NAMES = (
 # Routers and the shared expert's gate score in float32, as the references do: llama.cpp
 # never quantizes them, and a file that did is refused rather than guessed at.
 FLOAT_ONLY = re.compile(r"blk\.\d+\.(ffn_gate_inp|exp_probs_b|ffn_gate_inp_shexp)\.\w+")
-FLOAT_KINDS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def down_target(name: str) -> tuple[str, int] | None:
@@ -130,7 +129,7 @@ class ExpertTensors:
 
     def take(self, name: str, kind: str, data: np.ndarray) -> bool:
         """Keep ``name`` if it is a stacked expert tensor (True), else leave it."""
-        if FLOAT_ONLY.fullmatch(name) and kind not in FLOAT_KINDS:
+        if FLOAT_ONLY.fullmatch(name) and kind not in FLOAT_DTYPES:
             raise ValueError(f"{self.file_name}: {name} is in {kind} blocks; it is read as floats")
         match = STACKED.fullmatch(name)
         if match is None:
@@ -159,14 +158,14 @@ class ExpertTensors:
         num_experts, rows, hidden = experts.gate_up_proj.shape
         inter = experts.down_proj.shape[2]
         kinds = {part.kind for part in (*gate_up, down)}
-        if kinds <= FLOAT_KINDS.keys():
+        if kinds <= FLOAT_DTYPES.keys():
             gate_up_proj = torch.cat([_float(part) for part in gate_up], dim=1)
             self._check(where, "gate and up", gate_up_proj.shape, (num_experts, rows, hidden))
             self._check(where, "down", _float(down).shape, (num_experts, hidden, inter))
             experts.gate_up_proj = nn.Parameter(gate_up_proj, requires_grad=False)
             experts.down_proj = nn.Parameter(_float(down), requires_grad=False)
             return experts  # packed with the model's other float weights
-        if kinds & FLOAT_KINDS.keys():
+        if kinds & FLOAT_DTYPES.keys():
             raise ValueError(
                 f"{self.file_name}: {where} mixes float and block types ({sorted(kinds)})"
             )
@@ -196,16 +195,13 @@ class ExpertTensors:
 
 
 def _float(part: Stacked) -> torch.Tensor:
-    tensor = torch.from_numpy(np.array(part.data))  # a copy: the map is read-only
-    return tensor.view(torch.bfloat16) if part.kind == "BF16" else tensor
+    return float_tensor(part.data, part.kind)
 
 
 def _blocks(part: Stacked) -> torch.Tensor:
     if part.kind not in BLOCK_TYPES:
         raise ValueError(f"GGUF experts in {part.kind} blocks cannot be read")
-    with warnings.catch_warnings():  # read-only: the file's map, never written
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(np.asarray(part.data))
+    return block_rows(part.data)
 
 
 def _row_bytes(kind: str, k: int) -> int:

@@ -31,7 +31,6 @@ back in transformers' order here. Its Qwen2 and Qwen3 RoPE is transformers'.
 from __future__ import annotations
 
 import re
-import warnings
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -60,6 +59,7 @@ from updraft.models.gguf_experts import ExpertTensors, down_target
 from updraft.models.gguf_mla import LatentKV
 from updraft.models.gguf_panels import PANEL_FORMATS, block_panels
 from updraft.models.gguf_shards import RankShare, block_columns, embedding_over, kept_part
+from updraft.models.gguf_tensors import FLOAT_DTYPES, block_rows, float_tensor
 from updraft.models.packed_linear import PackedLinear
 from updraft.models.packing import pack_model
 from updraft.models.registry import model_class
@@ -108,7 +108,6 @@ NAMES = (
     ),
     (r"blk\.(\d+)\.exp_probs_b\.bias", r"model.layers.\1.mlp.gate.e_score_correction_bias"),
 )
-FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def hf_name(gguf_name: str, family_names: tuple[tuple[str, str], ...] = ()) -> str | None:
@@ -312,7 +311,7 @@ class Gathered:
 
     def add(self, where: str, name: str, kind: str, data, param: str, index: int) -> None:
         if kind in FLOAT_DTYPES:
-            values = _float(data, kind)
+            values = float_tensor(data, kind)
             if self.norm_shift and name.endswith("norm.weight"):
                 # back to the checkpoint's weight: exact while 1 + w lies in [0.5, 2]
                 values = values.float() - self.norm_shift
@@ -320,9 +319,7 @@ class Gathered:
             if name.endswith(".weight") and np.asarray(data).ndim == 2:
                 self.float_kinds[kind] += 1
         elif where.endswith("token_embd.weight") or param.endswith(".weight"):
-            with warnings.catch_warnings():  # read-only: the file's map, never written
-                warnings.simplefilter("ignore", UserWarning)
-                rows = torch.from_numpy(np.asarray(data))
+            rows = block_rows(data)
             self.blocks.setdefault(param, {})[index] = Part(rows, BLOCK_TYPES[kind])
         else:
             raise ValueError(f"{where}: a quantized tensor of this kind is not supported")
@@ -331,11 +328,6 @@ class Gathered:
         """The format the model's float weights are packed in: the file's own."""
         kind = self.float_kinds.most_common(1)[0][0] if self.float_kinds else "F32"
         return WeightFormat(str(FLOAT_DTYPES[kind]).removeprefix("torch."))
-
-
-def _float(data: np.ndarray, kind: str) -> torch.Tensor:
-    tensor = torch.from_numpy(np.array(data))  # a copy: the map is read-only
-    return tensor.view(torch.bfloat16) if kind == "BF16" else tensor
 
 
 def _place_blocks(model, blocks, floats, config: ModelConfig, int8: bool) -> None:
