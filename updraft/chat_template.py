@@ -91,7 +91,7 @@ class ChatTemplate:
         """A model's own template writes its BOS and turn tokens into the text, which
         is then encoded without the tokenizer's (a second BOS would change what the
         model reads); updraft's simple template writes none."""
-        return self.source is not SIMPLE_CHAT_TEMPLATE
+        return self.source != SIMPLE_CHAT_TEMPLATE
 
     def render(
         self,

@@ -81,7 +81,8 @@ def checkpoint_dir(name: str) -> str:
         files = describe(parts)
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         for file_name, content in files.items():
-            (directory / file_name).write_text(json.dumps(content, indent=1))
+            text = content if isinstance(content, str) else json.dumps(content, indent=1)
+            (directory / file_name).write_text(text)
     return str(directory)
 
 
@@ -137,7 +138,8 @@ def metadata(parts: list[Path]) -> tuple[dict[str, Any], GGUFTensors]:
 
 
 def describe(parts: list[Path]) -> dict[str, Any]:
-    """The files of the checkpoint directory that stands for ``parts``."""
+    """The files of the checkpoint directory that stands for ``parts``: each a value
+    to write as JSON, or JSON text already."""
     fields, tensors = metadata(parts)
     arch = fields.get("general.architecture")
     row = registry.for_gguf(arch, parts[0].name)
@@ -170,6 +172,6 @@ def describe(parts: list[Path]) -> dict[str, Any]:
     if tokenizer is None:
         log.warning("%s: no tokenizer (%s); prompts must be token ids", parts[0].name, why_not)
     else:
-        files["tokenizer.json"] = json.loads(tokenizer)
+        files["tokenizer.json"] = tokenizer  # the library's own JSON text, written as it is
     files["tokenizer_config.json"] = tokenizer_config(fields)
     return files
