@@ -10,7 +10,13 @@ from typing import Any
 
 from updraft.model_config import registry
 from updraft.model_config.fields import read_eos_token_ids
-from updraft.model_config.parts import IndexerConfig, MLAConfig, MoEConfig, RopeConfig
+from updraft.model_config.parts import (
+    IndexerConfig,
+    LinearAttentionConfig,
+    MLAConfig,
+    MoEConfig,
+    RopeConfig,
+)
 from updraft.weights import QuantizedCheckpoint
 
 
@@ -58,6 +64,13 @@ class ModelConfig:
     local_rope: RopeConfig | None = None
     embedding_multiplier: float | None = None
     final_logit_softcapping: float | None = None
+    # Qwen3.5, Qwen3-Next: the decoder layers that are Gated DeltaNet (linear
+    # attention) layers, which keep a recurrent state per request instead of KV, and
+    # their sizes; the other layers' attention output is gated by sigmoid(q_proj's
+    # second half) (``attention_output_gate``).
+    linear_attention: LinearAttentionConfig | None = None
+    linear_layers: frozenset[int] = frozenset()
+    attention_output_gate: bool = False
     # Linears quantized to 4 bits before they reached here (AWQ, GPTQ, compressed-tensors).
     quantized: QuantizedCheckpoint | None = None
 
@@ -75,6 +88,15 @@ class ModelConfig:
         else None: some layer reads the whole context."""
         windows = [self.window(layer) for layer in range(self.num_layers)]
         return None if None in windows else max(windows)
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` is a linear-attention layer (no KV cache)."""
+        return layer in self.linear_layers
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that keep KV in the paged cache."""
+        return tuple(i for i in range(self.num_layers) if i not in self.linear_layers)
 
     def has_experts(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` routes to experts rather than one MLP."""

@@ -1,5 +1,5 @@
 """The parts of a model's config that only some families have: RoPE scaling, latent
-attention, experts and DeepSeek's sparse-attention indexer."""
+attention, experts, DeepSeek's sparse-attention indexer and linear attention."""
 
 from __future__ import annotations
 
@@ -86,3 +86,39 @@ class IndexerConfig:
     n_heads: int
     head_dim: int
     topk: int
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet layers (Qwen3.5, Qwen3-Next): no KV per token, but per request a
+    causal-conv window over the last ``conv_kernel - 1`` tokens' q/k/v channels and a
+    recurrent state of ``num_value_heads x key_head_dim x value_head_dim`` values. Each
+    key head serves ``num_value_heads / num_key_heads`` value heads."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """The channels the causal conv runs over: q, k and v."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def state_width(self) -> int:
+        """Values one request's state row holds for one layer: the conv window, then
+        the recurrent state."""
+        return (
+            self.conv_dim * (self.conv_kernel - 1)
+            + self.num_value_heads * self.key_head_dim * self.value_head_dim
+        )
