@@ -410,7 +410,7 @@ class Engine:
     def stats(self) -> EngineStats:
         """A snapshot: queue lengths, KV blocks, how steps ran, speculative acceptance."""
         scheduler = self._scheduler
-        pool = scheduler.kv.pool
+        pool, slots = scheduler.kv.pool, scheduler.state_slots
         draft_runner = None if self._proposer is None else self._proposer.runner
         return EngineStats(
             num_running=len(scheduler.running),
@@ -437,4 +437,6 @@ class Engine:
                 masked_rows=self._grammars.num_masked_rows,
                 speculative=scheduler.constrained_speculative.copy(),
             ),
+            state_slots_used=0 if slots is None else slots.num_slots - slots.num_free,
+            state_slots_total=0 if slots is None else slots.num_slots,
         )
