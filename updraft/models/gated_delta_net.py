@@ -95,9 +95,9 @@ class GatedDeltaNet(nn.Module):
         """[T, hidden] -> [T, hidden], reading and writing each request's rows of
         ``state`` (``state_slots[r]`` is request r's slot)."""
         mixed, z, b, a = self.project(hidden)
-        out = torch.zeros(
-            hidden.shape[0], self.linear.value_dim, dtype=torch.float32, device=hidden.device
-        )
+        # Made from ``hidden`` (not torch.zeros, which reads nothing), so a captured
+        # graph sees a tensor of the step, not a constant to fold.
+        out = hidden.new_zeros(hidden.shape[0], self.linear.value_dim, dtype=torch.float32)
         inputs = (mixed.float(), b.float(), a.float())
         runs = _runs(metadata, state_slots.numel(), state.shape[1])
         for first, last, query_len, tokens in runs:
@@ -132,14 +132,14 @@ class GatedDeltaNet(nn.Module):
             core, memory = delta_rule.chunked(
                 *(x.transpose(1, 2) for x in (q, k, v, g, beta)), memory
             )
-            self._store(cache, slots, (ends - 1) % depth, window, memory)
+            self._store(cache, slots, ends - 1, window, memory)
             return core.transpose(1, 2).reshape(requests, query_len, -1)
         outputs = []
         for t in range(query_len):
             conv, window = delta_rule.causal_conv(mixed[:, t : t + 1], window, weight)
             q, k, v = (x[:, 0] for x in self._heads(conv))
             core, memory = delta_rule.recurrent_step(q, k, v, g[:, t], beta[:, t], memory)
-            self._store(cache, slots, (starts + t) % depth, window, memory)
+            self._store(cache, slots, starts + t, window, memory)
             outputs.append(core.reshape(requests, -1))
         return torch.stack(outputs, dim=1)
 
@@ -165,7 +165,7 @@ class GatedDeltaNet(nn.Module):
         """Each request's window [R, C, K - 1] and state [R, H, Dk, Dv] before its query:
         the row of the token before it, or zeros for a query from position 0 on."""
         linear = self.linear
-        rows = cache[slots, (starts - 1) % cache.shape[1]].float()
+        rows = _rows(cache).index_select(0, _flat(cache, slots, starts - 1)).float()
         rows = torch.where((starts > 0)[:, None], rows, torch.zeros_like(rows))
         split = linear.conv_dim * (linear.conv_kernel - 1)
         window = rows[:, :split].view(-1, linear.conv_dim, linear.conv_kernel - 1)
@@ -183,7 +183,20 @@ class GatedDeltaNet(nn.Module):
         memory: torch.Tensor,
     ) -> None:
         values = torch.cat([window.flatten(1), memory.flatten(1)], dim=1)
-        cache[slots, rows] = values.to(cache.dtype)
+        _rows(cache).index_copy_(0, _flat(cache, slots, rows), values.to(cache.dtype))
+
+
+def _rows(cache: torch.Tensor) -> torch.Tensor:
+    """The state cache [slots + 1, depth, width] as one row per (slot, row)."""
+    return cache.view(-1, cache.shape[-1])
+
+
+def _flat(cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The flat row of each request's state after ``positions``: row ``position % depth``
+    of its slot, slot -1 (padding) being the spare last one. Index ops with fixed output
+    shapes, as a captured graph needs (advanced indexing may take a mask)."""
+    depth = cache.shape[1]
+    return slots.remainder(cache.shape[0]) * depth + positions.remainder(depth)
 
 
 def _runs(metadata: AttentionMetadata, num_requests: int, depth: int):
