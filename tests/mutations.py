@@ -41,7 +41,7 @@ import torch.nn.functional as F
 import updraft.runner.runner as runner_module
 import updraft.step.inputs as inputs_module
 from updraft.graph.static_input import StaticInput
-from updraft.models import delta_rule
+from updraft.models import delta_rule, gated_delta_net
 from updraft.models.gated_delta_net import GatedDeltaNet
 from updraft.parallel.topology import GroupRank
 from updraft.runner.follower import Follower
@@ -266,10 +266,17 @@ def conv_window_shifted(monkeypatch: pytest.MonkeyPatch) -> None:
 def restarts_from_the_slot(monkeypatch: pytest.MonkeyPatch) -> None:
     """A query from position 0 on (a new request, or a preempted one computed again)
     starts from whatever its slot holds rather than from a zero state."""
-    initial = GatedDeltaNet._initial
+    initial = GatedDeltaNet.initial_states
 
     def stale(self, cache: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor):
         # The row before position 1 of the slot: what its last occupant left there.
         return initial(self, cache, slots, starts.clamp(min=1))
 
-    monkeypatch.setattr(GatedDeltaNet, "_initial", stale)
+    monkeypatch.setattr(GatedDeltaNet, "initial_states", stale)
+
+
+def verify_keeps_only_its_last_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A verify step runs the chunked form, as a prefill chunk does, and so keeps only
+    the state after its last draft: where that draft was rejected, the next step starts
+    from a state no accepted token left."""
+    monkeypatch.setattr(gated_delta_net, "token_by_token", lambda query_len, depth: query_len == 1)

@@ -92,15 +92,33 @@ def test_speculation_is_exact_at_batch_1_and_8(qwen35, expected, method, eager):
         assert stats.state_slots_used == 0
 
 
-def test_requests_wait_for_a_state_slot_and_preemption_recomputes_the_state(qwen35, expected):
-    """Two state slots for eight requests: the rest wait at admission. A cache of few
-    blocks preempts running requests, which give their slot back and start again from
+# Four prompts of 80 tokens growing by 40 each, two at a time, in 24 blocks of 8: both
+# running requests fit when admitted (10 blocks each) but not once grown (15 each).
+TIGHT = {**SMALL_STEPS, "max_num_seqs": 2, "num_kv_blocks": 24}
+TIGHT_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def tight_expected(qwen35):
+    reference, _ = qwen35
+    return [generate_logits(reference, prompt, TIGHT_TOKENS)[0] for prompt in tight_prompts()]
+
+
+def tight_prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(7)
+    return [torch.randint(1, 256, (80,), generator=generator).tolist() for _ in range(4)]
+
+
+def test_requests_wait_for_a_state_slot_and_preemption_recomputes_the_state(qwen35, tight_expected):
+    """Two state slots for four requests: the others wait at admission. Running requests
+    outgrow the cache and are preempted: they give their slot back and start again from
     a zero state. An abort frees its slot."""
     _, directory = qwen35
-    llm = LLM(str(directory), **SMALL_STEPS, max_num_seqs=2, num_kv_blocks=40, enforce_eager=False)
+    llm = LLM(str(directory), **TIGHT, enforce_eager=False)
     assert llm.engine.stats().state_slots_total == 2
-    got = token_ids(llm.generate(prompts(8), [greedy(MAX_TOKENS)] * 8))
-    assert got == expected
+    outputs = llm.generate(tight_prompts(), [greedy(TIGHT_TOKENS)] * 4)
+    assert sum(output.metrics.num_preemptions for output in outputs) > 0
+    assert token_ids(outputs) == tight_expected
     stats = llm.engine.stats()
     assert stats.state_slots_used == 0 and stats.kv_blocks_used == 0
     engine = llm.engine
@@ -174,15 +192,17 @@ def test_a_conv_window_shifted_by_one_is_caught(qwen35, expected, monkeypatch, e
     assert got != expected
 
 
-def test_a_preempted_request_resuming_from_a_stale_state_is_caught(qwen35, expected, monkeypatch):
-    """With two slots handed from request to request and preemptions, a query from
-    position 0 that reads its slot instead of starting from zeros goes wrong."""
+def test_a_preempted_request_resuming_from_a_stale_state_is_caught(
+    qwen35, tight_expected, monkeypatch
+):
+    """A request computed again after preemption that reads its slot instead of
+    starting from zeros goes wrong."""
     _, directory = qwen35
     restarts_from_the_slot(monkeypatch)
-    llm = LLM(str(directory), **SMALL_STEPS, max_num_seqs=2, num_kv_blocks=24)
-    outputs = llm.generate(prompts(8), [greedy(MAX_TOKENS)] * 8)
+    llm = LLM(str(directory), **TIGHT)
+    outputs = llm.generate(tight_prompts(), [greedy(TIGHT_TOKENS)] * 4)
     assert sum(output.metrics.num_preemptions for output in outputs) > 0
-    assert token_ids(outputs) != expected
+    assert token_ids(outputs) != tight_expected
 
 
 @pytest.mark.parametrize("method", ["ngram", "other-draft"])

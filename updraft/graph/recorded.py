@@ -208,8 +208,8 @@ class RecordedGraph:
         the graph folded it, and what later ops read of it, as values of the capture,
         so every replay would read the capture's values and not the write's."""
         written = [
-            value
-            for argument, value in zip(func._schema.arguments, [*args, *kwargs.values()])
+            args[index] if index < len(args) else kwargs.get(argument.name)
+            for index, argument in enumerate(func._schema.arguments)
             if argument.alias_info is not None and argument.alias_info.is_write
         ]
         for tensor in tensors_in(written):

@@ -126,24 +126,24 @@ class GatedDeltaNet(nn.Module):
         requests, query_len = mixed.shape[:2]
         depth = cache.shape[1]
         starts = ends - query_len
-        window, memory = self._initial(cache, slots, starts)
+        window, memory = self.initial_states(cache, slots, starts)
         weight = self.conv1d.weight.float()[:, 0]
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
-        if query_len > depth:
+        if not token_by_token(query_len, depth):
             conv, window = delta_rule.causal_conv(mixed, window, weight)
             q, k, v = self._heads(conv)
             core, memory = delta_rule.chunked(
                 *(x.transpose(1, 2) for x in (q, k, v, g, beta)), memory
             )
-            self._store(cache, slots, ends - 1, window, memory)
+            self.store_states(cache, slots, ends - 1, window, memory)
             return core.transpose(1, 2).reshape(requests, query_len, -1)
         outputs = []
         for t in range(query_len):
             conv, window = delta_rule.causal_conv(mixed[:, t : t + 1], window, weight)
             q, k, v = (x[:, 0] for x in self._heads(conv))
             core, memory = delta_rule.recurrent_step(q, k, v, g[:, t], beta[:, t], memory)
-            self._store(cache, slots, starts + t, window, memory)
+            self.store_states(cache, slots, starts + t, window, memory)
             outputs.append(core.reshape(requests, -1))
         return torch.stack(outputs, dim=1)
 
@@ -163,7 +163,7 @@ class GatedDeltaNet(nn.Module):
         q = q * linear.key_head_dim**-0.5
         return q, k, v.reshape(requests, tokens, linear.num_value_heads, -1)
 
-    def _initial(
+    def initial_states(
         self, cache: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each request's window [R, C, K - 1] and state [R, H, Dk, Dv] before its query:
@@ -183,7 +183,7 @@ class GatedDeltaNet(nn.Module):
         return window, memory
 
     @staticmethod
-    def _store(
+    def store_states(
         cache: torch.Tensor,
         slots: torch.Tensor,
         positions: torch.Tensor,
@@ -194,6 +194,15 @@ class GatedDeltaNet(nn.Module):
         cache.view(-1, cache.shape[-1]).index_copy_(
             0, _row_index(cache, slots, positions), values.to(cache.dtype)
         )
+
+
+def token_by_token(query_len: int, depth: int) -> bool:
+    """Whether a query of ``query_len`` tokens runs the recurrence token by token,
+    keeping the state after each of its tokens (decodes and verify steps: at most
+    ``depth`` tokens), rather than in the chunked form, which keeps only the state after
+    its last token (prefill chunks). A verify step must keep each: the next step starts
+    from the state after its last accepted draft."""
+    return query_len <= depth
 
 
 def _row_index(cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -218,7 +227,7 @@ def _runs(metadata: AttentionMetadata, num_requests: int, depth: int):
     while first < len(lens):
         query_len = lens[first]
         last = first + 1
-        while last < len(lens) and lens[last] == query_len and query_len <= depth:
+        while last < len(lens) and lens[last] == query_len and token_by_token(query_len, depth):
             last += 1
         if query_len > 0:
             yield first, last, query_len, slice(token, token + (last - first) * query_len)
