@@ -78,7 +78,7 @@ def check_parallel(
             "context parallelism (prefill_context_parallel_size, "
             "decode_context_parallel_size) is not supported for a model with linear-attention "
             "layers: their recurrent state is one per request, not split by position "
-            "(ARCHITECTURE.md, "Hybrid models"); use tensor_parallel_size"
+            "(ARCHITECTURE.md, Hybrid models); use tensor_parallel_size"
         )
     size, kv_ranks = sizes.tensor, sizes.tensor // sizes.decode_context
     kv = config.num_kv_heads
