@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.checkpoints import eagle_head_checkpoint
 from tests.helpers import generate_logits, greedy, token_ids
 from tests.mutations import (
     conv_window_shifted,
@@ -70,6 +71,24 @@ SPECULATION = {
     "ngram": {"speculative_method": "ngram", "num_speculative_tokens": 3},
     "draft-is-target": {"num_speculative_tokens": 3},
 }
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_an_eagle_head_over_a_hybrid_target_is_exact(qwen35, expected, tmp_path, eager):
+    """A random EAGLE head reads the hybrid target's hidden states; greedy tokens stay
+    the target's own."""
+    _, directory = qwen35
+    head = eagle_head_checkpoint(tmp_path / "eagle", directory)
+    got, llm = run(
+        directory,
+        prompts(8),
+        speculative_method="eagle",
+        speculative_model=str(head),
+        num_speculative_tokens=3,
+        enforce_eager=eager,
+    )
+    assert got == expected
+    assert llm.engine.stats().speculative.rounds > 0
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
