@@ -6,10 +6,13 @@ is caught (tests/mutations.py)."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
 from tests.checkpoints import eagle_head_checkpoint
+from tests.conftest import add_byte_tokenizer
 from tests.helpers import generate_logits, greedy, token_ids
 from tests.mutations import (
     conv_window_shifted,
@@ -21,6 +24,7 @@ from tests.mutations import (
 from tests.probes import logits_of, probed, records
 from tests.test_qwen35 import build
 from updraft import LLM, SamplingParams
+from updraft.structured_outputs import StructuredOutputsParams
 
 MAX_TOKENS = 12
 # Prompts of mixed lengths, the longest over several prefill chunks of the budget below
@@ -242,3 +246,27 @@ def test_a_verify_step_that_keeps_its_last_drafts_state_is_caught(
     metrics = llm.engine.stats().speculative
     assert metrics.num_accepted_tokens < metrics.num_draft_tokens
     assert got != expected
+
+
+def test_speculation_stays_exact_under_grammars_penalties_and_n(qwen35, tmp_path):
+    """Greedy requests with a regex, penalties and a logit bias, and one with n = 2,
+    give the same text with and without speculation (n-gram and draft == target)."""
+    _, directory = qwen35
+    model = tmp_path / "with-tokenizer"
+    shutil.copytree(directory, model)
+    add_byte_tokenizer(model)
+    params = [
+        greedy(16, structured_outputs=StructuredOutputsParams(regex=r"[a-z]{4,12}( [0-9]+)?")),
+        greedy(16, repetition_penalty=1.5, presence_penalty=0.5, logit_bias={65: 5.0}),
+        greedy(16, n=2, frequency_penalty=0.3),
+    ]
+    batch = ["the state of", "abcabcabcabc", "x = 1\nx = 1\n"]
+    plain = LLM(str(model), **SMALL_STEPS).generate(batch, params)
+    for args in ({"speculative_method": "ngram"}, {"speculative_model": str(model)}):
+        llm = LLM(str(model), **SMALL_STEPS, num_speculative_tokens=3, enforce_eager=False, **args)
+        outputs = llm.generate(batch, params)
+        assert [[c.text for c in o.outputs] for o in outputs] == [
+            [c.text for c in o.outputs] for o in plain
+        ]
+        assert llm.engine.stats().speculative.rounds > 0
+        assert llm.engine.stats().state_slots_used == 0
