@@ -12,6 +12,12 @@ when its blocks are still in the prefix cache). A request always comes back.
 drafts only the accepted ones), appends the new tokens, applies stop conditions, frees
 the blocks of finished requests, records acceptance and returns the step's outputs.
 
+A hybrid model's prefix cache also needs the recurrent state where a cached prefix
+ends: a prompt's prefill is cut to end at its last full block, the step after copies
+the state there into a prefix slot, and a request admitted on a hit has that state
+copied into its own slot before its first step (``prefix_states.py``). The copies ride
+in the plan (``StepPlan.state_copies``).
+
 With speculative decoding every request that samples also keeps ``num_lookahead_tokens``
 slots reserved past its step, so a proposer can write a draft model's KV for the next
 round's drafts without allocating anything: the scheduler is the only caller of the
