@@ -32,8 +32,10 @@ from updraft.engine.state_slots import StateSlots
 from updraft.engine.stats import EngineStats
 from updraft.model_config import ModelConfig
 from updraft.request import FinishReason, Request
+from updraft.runner.rank_messages import step_message
+from updraft.step.inputs import ALL_GRAPH_INPUTS, StepInputs
 from updraft.step.output import StepOutput
-from updraft.step.plan import Draft, StateCopy
+from updraft.step.plan import Draft, ScheduledRequest, StateCopy, StepPlan
 
 BLOCK = 4
 
@@ -212,6 +214,20 @@ def test_a_prefix_computed_again_takes_over_the_keys_of_its_free_blocks():
             kv.free(request)
     pool.allocate(pool.num_free)  # evicts a's free blocks
     assert kv.cached_prefix(Request("c", None, prompt, SamplingParams())) == blocks
+
+
+def test_a_steps_state_copies_reach_its_inputs_and_the_other_ranks():
+    """Plain host data beside the forward's inputs: in the step's inputs and in the
+    message each other rank runs the same forward from, never a graph input."""
+    request = Request("a", None, list(range(1, 10)), SamplingParams())
+    request.block_ids, request.state_slot = [0, 1, 2], 0
+    copies = [StateCopy(0, 0, 2, 0), StateCopy(3, 0, 1, 0)]
+    plan = StepPlan([ScheduledRequest(request, 9)], state_copies=copies)
+    inputs = StepInputs.build(plan, BLOCK)
+    assert inputs.state_copies == tuple(copies)
+    assert step_message("target", inputs, None).inputs.state_copies == tuple(copies)
+    assert "state_copies" not in {spec.name for spec in ALL_GRAPH_INPUTS}
+    assert StepInputs.build(StepPlan([ScheduledRequest(request, 9)]), BLOCK).state_copies == ()
 
 
 def test_prefix_states_are_paid_for_out_of_the_state_half_of_the_budget(qwen35):
