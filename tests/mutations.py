@@ -22,7 +22,8 @@ ranks other than 0, ``on_other_ranks`` (a worker pool's initializer) installs th
   its window one token off), ``restarts_from_the_slot`` (a query from position 0 on,
   after preemption too, starts from the slot's last state, not from zeros),
   ``verify_keeps_only_its_last_state`` (a verify step leaves only the state after its
-  last draft, accepted or not).
+  last draft, accepted or not), ``skip_state_restores`` (a prefix-cache hit skips
+  its state copy).
 """
 
 from __future__ import annotations
@@ -204,6 +205,18 @@ def fail_in_a_head_step(monkeypatch: pytest.MonkeyPatch, how: str, active: Activ
 
 
 # What a rank other than 0 can get wrong, by name: each takes (monkeypatch, active).
+def skip_state_restores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hybrid model's prefix-cache hit resumes without its state copy: the copies
+    out of a prefix slot (``engine/prefix_states.py``) are dropped, so the request
+    reads whatever its running slot held."""
+    copy_states = runner_module.Runner.copy_states
+
+    def skipping(self: runner_module.Runner, copies: tuple) -> None:
+        copy_states(self, tuple(c for c in copies if c.src_slot < self.num_state_slots))
+
+    monkeypatch.setattr(runner_module.Runner, "copy_states", skipping)
+
+
 RANK_MUTATIONS: dict[str, Callable[[pytest.MonkeyPatch, Active], None]] = {
     **{
         f"stale {graph} {name}": partial(forget_refresh, name=name, graph=graph)

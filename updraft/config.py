@@ -148,6 +148,12 @@ class EngineConfig:
         None, "context length (default: the model's max_position_embeddings)"
     )
     enable_prefix_caching: bool = setting(True, "reuse the KV of prompt blocks seen before")
+    num_prefix_states: int | None = setting(
+        None,
+        "with prefix caching, a hybrid model's recurrent states kept at cached prompts' "
+        "last full block (a hit resumes from one), paid for out of the KV cache budget "
+        "(default: as many as the running requests' state slots; 0 for other models)",
+    )
     enforce_eager: bool = setting(
         False,
         # Captured steps remove CUDA's launch overhead; on the CPU their compiled runs
@@ -284,10 +290,15 @@ class EngineConfig:
         self._check_draft_tensor_parallel()
         if self.parallel_sizes.world > 1 and self.sanitize:
             raise ValueError("sanitize is not supported over several ranks")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        self._check_cache_sizes()
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    def _check_cache_sizes(self) -> None:
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.num_prefix_states is not None and self.num_prefix_states < 0:
+            raise ValueError(f"num_prefix_states must be >= 0, got {self.num_prefix_states}")
 
     def _check_draft_tensor_parallel(self) -> None:
         if self.draft_tensor_parallel_size not in (1, self.tensor_parallel_size):

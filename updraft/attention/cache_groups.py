@@ -72,25 +72,39 @@ def group_of(groups: tuple[CacheGroup, ...], kind: str) -> CacheGroup | None:
 
 class CacheSizes(NamedTuple):
     num_blocks: int
-    num_state_slots: int
+    num_state_slots: int  # one per running request
+    # States kept at cached prefixes' block boundaries, after the running slots
+    # (``engine/prefix_states.py``).
+    num_prefix_states: int = 0
 
 
 def split_budget(
-    groups: tuple[CacheGroup, ...], budget_bytes: int, slots_per_block: int, max_num_seqs: int
+    groups: tuple[CacheGroup, ...],
+    budget_bytes: int,
+    slots_per_block: int,
+    max_num_seqs: int,
+    prefix_states: int | None = 0,
 ) -> CacheSizes:
     """KV blocks and state slots out of one budget. Every running request holds a state
     slot, so up to ``max_num_seqs`` slots are kept, but at most half the budget goes to
-    them: a request waits at admission for a free slot as it does for free blocks."""
+    state slots: a request waits at admission for a free slot as it does for free
+    blocks. ``prefix_states``: slots for prefix states besides, out of that half too;
+    None: as many as the running slots."""
     paged, recurrent = group_of(groups, PAGED), group_of(groups, RECURRENT)
-    slots = 0
+    slots = prefixes = 0
     if recurrent is not None:
-        slots = min(max_num_seqs, budget_bytes // 2 // recurrent.bytes_per_slot)
+        half = budget_bytes // 2 // recurrent.bytes_per_slot
+        if prefix_states is None:
+            slots = prefixes = min(max_num_seqs, half // 2)
+        else:
+            slots, prefixes = min(max_num_seqs, half - prefix_states), prefix_states
         if slots < 1:
             raise ValueError(
                 f"a KV cache budget of {budget_bytes / 2**30:.3f} GiB holds no recurrent-state "
-                f"slot ({recurrent.bytes_per_slot} bytes each): raise kv_cache_memory_gib"
+                f"slot ({recurrent.bytes_per_slot} bytes each) beside {prefixes} prefix "
+                "states: raise kv_cache_memory_gib or lower num_prefix_states"
             )
-        budget_bytes -= slots * recurrent.bytes_per_slot
+        budget_bytes -= (slots + prefixes) * recurrent.bytes_per_slot
     blocks = 0
     if paged is not None:
         blocks = budget_bytes // (slots_per_block * paged.bytes_per_slot)
@@ -99,7 +113,7 @@ def split_budget(
                 f"kv_cache_memory_gib holds no KV block ({slots_per_block * paged.bytes_per_slot} "
                 "bytes each)"
             )
-    return CacheSizes(blocks, slots)
+    return CacheSizes(blocks, slots, prefixes)
 
 
 def allocate_caches(
@@ -112,7 +126,11 @@ def allocate_caches(
     """One cache tensor per decoder layer, in layer order, each with its spare slot."""
     caches: list[torch.Tensor | None] = [None] * num_layers
     for group in groups:
-        count = sizes.num_blocks * slots_per_block if group.kind == PAGED else sizes.num_state_slots
+        count = (
+            sizes.num_blocks * slots_per_block
+            if group.kind == PAGED
+            else sizes.num_state_slots + sizes.num_prefix_states
+        )
         shape = group.layout.shape(count + 1)
         try:
             for layer in group.layers:

@@ -34,6 +34,7 @@ from updraft.engine.grammar_compiler import GrammarCompiler
 from updraft.engine.grammars import Grammars
 from updraft.engine.input_processor import EngineRequest, InputProcessor, ModelLimits
 from updraft.engine.kv_blocks import BlockPool, KVCacheManager
+from updraft.engine.prefix_states import PrefixStates
 from updraft.engine.scheduler import Scheduler
 from updraft.engine.state_slots import StateSlots
 from updraft.engine.stats import EngineStats, StepClock, StructuredStats, snapshot_report
@@ -108,12 +109,13 @@ class Engine:
             send=send,
         )
         hybrid = bool(self.model_config.linear_layers)
-        # A hybrid model's prefix would need its recurrent state at the block boundary
-        # too, which no slot keeps: its blocks are not shared.
+        # A hybrid model's prefix is resumed from the recurrent state stored at its last
+        # block: without prefix states, its blocks are not shared.
+        prefix_states = self._prefix_states() if hybrid else None
         pool = BlockPool(
             self._runner.num_blocks,
             config.positions_per_block,
-            config.enable_prefix_caching and not hybrid,
+            config.enable_prefix_caching and (prefix_states is not None or not hybrid),
         )
         self._rotary = self._runner.rotary_switch
         # A sequence never holds more tokens than the cache can, so one request alone
@@ -142,6 +144,7 @@ class Engine:
                 # LongRoPE's long sequences are computed otherwise: cached apart.
                 None if self._rotary is None else self._rotary.cache_salt,
                 window=self._reading_window(),
+                prefix_states=prefix_states,
             ),
             config.max_num_seqs,
             config.max_num_batched_tokens,
@@ -163,6 +166,15 @@ class Engine:
         self._ids = itertools.count()
         if config.keep_freed_memory and self._runner.device.type == "cpu":
             keep_freed_memory()  # now: what loading and capture freed goes back first
+
+    def _prefix_states(self) -> PrefixStates | None:
+        """A hybrid model's prefix states, in the slots after the running ones (None
+        with prefix caching off, or no slot for them)."""
+        runner = self._runner
+        if not self.config.enable_prefix_caching or not runner.num_prefix_states:
+            return None
+        depth = runner.state_caches[0].shape[1]
+        return PrefixStates(runner.num_state_slots, runner.num_prefix_states, depth)
 
     def _reading_window(self) -> int | None:
         """How far back any layer that reads the KV blocks looks, when every one has a
@@ -410,7 +422,7 @@ class Engine:
     def stats(self) -> EngineStats:
         """A snapshot: queue lengths, KV blocks, how steps ran, speculative acceptance."""
         scheduler = self._scheduler
-        pool, slots = scheduler.kv.pool, scheduler.state_slots
+        pool, slots, prefix = scheduler.kv.pool, scheduler.state_slots, scheduler.kv.prefix_states
         draft_runner = None if self._proposer is None else self._proposer.runner
         return EngineStats(
             num_running=len(scheduler.running),
@@ -439,4 +451,5 @@ class Engine:
             ),
             state_slots_used=0 if slots is None else slots.num_slots - slots.num_free,
             state_slots_total=0 if slots is None else slots.num_slots,
+            prefix_states=None if prefix is None else prefix.stats(),
         )

@@ -21,6 +21,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from updraft.engine.prefix_states import PrefixStates
 from updraft.request import Request
 
 BlockKey = bytes
@@ -96,10 +97,16 @@ class BlockPool:
 
     def register(self, block: int, block_hash: BlockKey) -> None:
         """Record a block's content once all its tokens are computed. The first block
-        with given content stays the cached one."""
+        with given content stays the cached one while a request holds it; a free one
+        (next to be evicted) hands the content's key to this one, so that a prefix
+        computed again (a hybrid model's whose state was gone) stays findable whole."""
         if not self.enable_prefix_caching or self.block_hashes[block] is not None:
             return
-        if block_hash not in self.cached:
+        cached = self.cached.get(block_hash)
+        if cached is not None and self.ref_counts[cached] == 0:
+            self._forget_hash(cached)
+            cached = None
+        if cached is None:
             self.cached[block_hash] = block
             self.block_hashes[block] = block_hash
 
@@ -118,24 +125,43 @@ class KVCacheManager:
         pool: BlockPool,
         salt: Callable[[Request], bytes] | None = None,
         window: int | None = None,
+        prefix_states: PrefixStates | None = None,
     ) -> None:
         """``salt``: per request, what sets its blocks' keys apart from those of a request
         with the same tokens whose KV differs (nothing, for most models). ``window``: how
         far back any layer reading the cache looks (a query at position p reads no
-        position before p - window + 1), when every such layer has a window."""
+        position before p - window + 1), when every such layer has a window.
+        ``prefix_states``: a hybrid model's stored recurrent states, without which a
+        cached prefix cannot be resumed (``prefix_states.py``)."""
         self.pool = pool
         self.block_size = pool.block_size
         self.salt = salt
         self.window = window
+        self.prefix_states = prefix_states
 
     def cached_prefix(self, request: Request) -> list[int]:
         """Cached blocks matching the start of a request that holds no blocks yet. At
         least one token is always left to compute, because its logits are needed. A
-        request that asks for its prompt's logprobs computes every prompt token."""
+        request that asks for its prompt's logprobs computes every prompt token. For a
+        hybrid model, only a prefix whose last block has a stored state counts: the
+        longest such."""
         if request.sampling_params.prompt_logprobs is not None:
             return []
-        full_blocks = (request.num_tokens - 1) // self.block_size
-        return self.pool.lookup(self._hashes(request, full_blocks))
+        hashes = self._hashes(request, self.last_boundary(request) // self.block_size)
+        blocks = self.pool.lookup(hashes)
+        if self.prefix_states is not None:
+            while blocks and hashes[len(blocks) - 1] not in self.prefix_states:
+                blocks.pop()
+        return blocks
+
+    def last_boundary(self, request: Request) -> int:
+        """The end of the request's last full block that ``cached_prefix`` could find:
+        its last token is always left to compute."""
+        return (request.num_tokens - 1) // self.block_size * self.block_size
+
+    def block_key(self, request: Request, num_blocks: int) -> BlockKey:
+        """The key of the request's block that ends at ``num_blocks`` blocks."""
+        return self._hashes(request, num_blocks)[num_blocks - 1]
 
     def allocate(self, request: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> bool:
         """Make room for ``num_new_tokens`` more tokens; with ``cached``, the request

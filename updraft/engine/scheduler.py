@@ -12,6 +12,12 @@ when its blocks are still in the prefix cache). A request always comes back.
 drafts only the accepted ones), appends the new tokens, applies stop conditions, frees
 the blocks of finished requests, records acceptance and returns the step's outputs.
 
+A hybrid model's prefix cache also needs the recurrent state where a cached prefix
+ends: a prompt's prefill is cut to end at its last full block, the step after copies
+the state there into a prefix slot, and a request admitted on a hit has that state
+copied into its own slot before its first step (``prefix_states.py``). The copies ride
+in the plan (``StepPlan.state_copies``).
+
 With speculative decoding every request that samples also keeps ``num_lookahead_tokens``
 slots reserved past its step, so a proposer can write a draft model's KV for the next
 round's drafts without allocating anything: the scheduler is the only caller of the
@@ -31,7 +37,7 @@ from updraft.engine.stop import stop_condition
 from updraft.outputs import RequestOutput, SpeculativeMetrics
 from updraft.request import FinishReason, Request, RequestStatus
 from updraft.step.output import StepOutput
-from updraft.step.plan import Draft, ScheduledRequest, StepPlan
+from updraft.step.plan import Draft, ScheduledRequest, StateCopy, StepPlan
 
 # What the error of a request whose grammar broke while it ran begins with.
 STRUCTURED_ERROR = "structured_outputs: "
@@ -68,6 +74,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.speculative = SpeculativeMetrics()
         self.constrained_speculative = SpeculativeMetrics()  # the rounds of constrained ones
+        # A hybrid model's prefix states saved after the last step, run before the next.
+        self._saves: list[StateCopy] = []
 
     @property
     def has_unfinished(self) -> bool:
@@ -89,7 +97,9 @@ class Scheduler:
             num_known = request.num_tokens - request.num_computed_tokens
             draft = self._fit(drafts.get(request.request_id), request, budget - num_known)
             num_drafts = 0 if draft is None else len(draft.token_ids)
-            room = _prompt_chunk(request, budget)
+            room = self._to_boundary(
+                request, request.num_computed_tokens, _prompt_chunk(request, budget)
+            )
             item = ScheduledRequest(request, min(num_known + num_drafts, room), draft)
             while not self.kv.allocate(request, self._slots(item)):
                 victim = self.running.pop()
@@ -101,6 +111,7 @@ class Scheduler:
                 plan.scheduled.append(item)
                 budget -= item.num_new_tokens
                 index += 1
+        restores = []
         # Admitting new work while evicting running work would only thrash.
         while not plan.preempted and self.waiting and budget > 0:
             if len(self.running) >= self.max_num_seqs:
@@ -109,19 +120,50 @@ class Scheduler:
                 break
             request = self.waiting[0]
             cached = self.kv.cached_prefix(request)
-            remaining = request.num_tokens - len(cached) * self.kv.block_size
-            num_new = min(remaining, _prompt_chunk(request, budget))
             computed = len(cached) * self.kv.block_size
+            remaining = request.num_tokens - computed
+            num_new = self._to_boundary(
+                request, computed, min(remaining, _prompt_chunk(request, budget))
+            )
             if not self.kv.allocate(request, self._lookahead(computed, num_new, remaining), cached):
                 break
             self.waiting.popleft()
             if self.state_slots is not None:
                 self.state_slots.take(request)
+            if cached and self.kv.prefix_states is not None:
+                key = request.block_hashes[len(cached) - 1]
+                restores.append(self.kv.prefix_states.restore(key, request.state_slot, computed))
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             plan.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+        if plan.scheduled:  # else the saves wait for the next step that runs a forward
+            plan.state_copies = [*self._saves, *restores]
+            self._saves = []
         return plan
+
+    def _to_boundary(self, request: Request, computed: int, count: int) -> int:
+        """``count`` tokens from ``computed`` on, cut to end at the request's last full
+        block boundary when they would cross it, where a hybrid model keeps prefix
+        states: the state after that boundary is then saved (``_save_state``)."""
+        if self.kv.prefix_states is None or request.sampling_params.prompt_logprobs is not None:
+            return count
+        boundary = self.kv.last_boundary(request)
+        return boundary - computed if computed < boundary < computed + count else count
+
+    def _save_state(self, request: Request, computed_before: int) -> None:
+        """After a step that ended a request's tokens at its last full block boundary,
+        plan the copy of its state there into a prefix slot, under that block's key.
+        It runs at the start of the next step, before any forward writes the slot."""
+        if self.kv.prefix_states is None or request.state_slot < 0:
+            return
+        boundary = self.kv.last_boundary(request)
+        if not computed_before < boundary == request.num_computed_tokens:
+            return
+        key = self.kv.block_key(request, boundary // self.kv.block_size)
+        copy = self.kv.prefix_states.save(key, request.state_slot, boundary)
+        if copy is not None:
+            self._saves.append(copy)
 
     def _fit(self, draft: Draft | None, request: Request, room: int) -> Draft | None:
         """The part of ``draft`` this step can verify: within the token budget and the
@@ -182,8 +224,10 @@ class Scheduler:
             request = item.request
             row = rows.get(request.request_id)
             accepted = 0 if row is None else output.num_accepted[row]
+            computed_before = request.num_computed_tokens
             request.num_computed_tokens += item.num_new_tokens - item.num_drafts + accepted
             self.kv.register_computed(request)
+            self._save_state(request, computed_before)
             self.kv.release_outside_window(request)
             if output.prompt_logprobs and request.request_id in output.prompt_logprobs:
                 _record_prompt_logprobs(request, *output.prompt_logprobs[request.request_id])

@@ -7,6 +7,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, replace
 
+from updraft.engine.prefix_states import PrefixStateStats
 from updraft.graph.sanitize import SanitizeReport
 from updraft.outputs import SpeculativeMetrics
 from updraft.runner.runner import describe_steps
@@ -67,6 +68,8 @@ class EngineStats:
     # A hybrid model's recurrent-state slots (engine/state_slots.py); 0 for others.
     state_slots_used: int = 0
     state_slots_total: int = 0
+    # With prefix caching, its recurrent states at cached prefixes' last block.
+    prefix_states: PrefixStateStats | None = None
 
     def describe_steps(self) -> str:
         return describe_steps(self.steps)

@@ -14,15 +14,18 @@ from __future__ import annotations
 import time
 from collections import Counter
 from concurrent.futures import Future
+from functools import cached_property
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from updraft.attention.cache_groups import (
+    RECURRENT,
     CacheSizes,
     allocate_caches,
     cache_groups,
+    group_of,
     live_slots,
     split_budget,
 )
@@ -54,6 +57,7 @@ from updraft.step.inputs import (
     graph_inputs,
 )
 from updraft.step.output import StepOutput
+from updraft.step.plan import StateCopy
 from updraft.step.prefill_split import PrefillSplit, split_step, splits
 
 
@@ -83,6 +87,7 @@ class Runner:
         query_lens: tuple[int, ...] = (1,),
         num_blocks: int | None = None,
         num_state_slots: int | None = None,
+        num_prefix_states: int | None = None,
         place: RankPlace | None = None,
         inputs: tuple[GraphInput, ...] = GRAPH_INPUTS,
         draft_loop_depth: int = 0,
@@ -93,17 +98,19 @@ class Runner:
         cache follows the config's layers and this rank's KV heads), computing in
         ``dtype``; ``name`` says which model it is in step counts and probes. ``query_lens``:
         the uniform query lengths to capture (1 for decode steps, 1 + k for speculative
-        verify steps). ``num_blocks``, ``num_state_slots``: a proposer's runner takes
-        the target's, since both page through the same block ids and state slots (a
-        hybrid model's, ``attention/cache_groups.py``). ``place``: this runner's rank of a model
-        split over ranks, whose every other rank runs the same steps in its own process
-        (engine/workers.py). ``inputs``: the declared graph inputs its forward reads
-        (beyond ``GRAPH_INPUTS`` they reach the model as keyword arguments). A
-        ``draft_loop_depth`` above 1 also captures the greedy draft loop of that many
-        drafts (``draft_loop.py``). ``splits_prefills``: whether the prefill-context
-        ranks split a long prefill (the target's), or each runs it whole (a replicated
-        draft head's). ``send``: on rank 0 of a split model, how each forward is
-        announced to the other ranks just before it runs (``rank_messages.py``)."""
+        verify steps). ``num_blocks``, ``num_state_slots``, ``num_prefix_states``: a
+        proposer's runner takes the target's, since both page through the same block
+        ids and state slots (a hybrid model's, ``attention/cache_groups.py``, and the
+        prefix states after them, ``engine/prefix_states.py``). ``place``: this
+        runner's rank of a model split over ranks, whose every other rank runs the same
+        steps in its own process (engine/workers.py). ``inputs``: the declared graph
+        inputs its forward reads (beyond ``GRAPH_INPUTS`` they reach the model as
+        keyword arguments). A ``draft_loop_depth`` above 1 also captures the greedy
+        draft loop of that many drafts (``draft_loop.py``). ``splits_prefills``:
+        whether the prefill-context ranks split a long prefill (the target's), or each
+        runs it whole (a replicated draft head's). ``send``: on rank 0 of a split
+        model, how each forward is announced to the other ranks just before it runs
+        (``rank_messages.py``)."""
         self.model = model
         self.model_config = model_config
         self.config = config
@@ -132,10 +139,13 @@ class Runner:
         self.num_state_slots = (
             cache_sizes.num_state_slots if num_state_slots is None else num_state_slots
         )
+        self.num_prefix_states = (
+            cache_sizes.num_prefix_states if num_prefix_states is None else num_prefix_states
+        )
         self.kv_caches = allocate_caches(
             self.cache_groups,
             model_config.num_layers,
-            CacheSizes(self.num_blocks, self.num_state_slots),
+            CacheSizes(self.num_blocks, self.num_state_slots, self.num_prefix_states),
             config.block_size,
             self.device,
         )
@@ -197,13 +207,32 @@ class Runner:
 
     def _cache_sizes(self) -> CacheSizes:
         """KV blocks and state slots: ``num_kv_blocks`` blocks (and a slot per running
-        request) where it is set, else what ``kv_cache_memory_gib`` holds."""
+        request) where it is set, else what ``kv_cache_memory_gib`` holds. A hybrid
+        model with prefix caching also keeps ``num_prefix_states`` prefix states (by
+        default as many as its running slots)."""
         config = self.config
+        hybrid = bool(self.model_config.linear_layers)
+        prefixes = config.num_prefix_states if hybrid and config.enable_prefix_caching else 0
         if config.num_kv_blocks is not None:
-            slots = config.max_num_seqs if self.model_config.linear_layers else 0
-            return CacheSizes(config.num_kv_blocks, slots)
+            slots = config.max_num_seqs if hybrid else 0
+            return CacheSizes(config.num_kv_blocks, slots, slots if prefixes is None else prefixes)
         budget = int(config.kv_cache_memory_gib * 2**30)
-        return split_budget(self.cache_groups, budget, config.block_size, config.max_num_seqs)
+        return split_budget(
+            self.cache_groups, budget, config.block_size, config.max_num_seqs, prefixes
+        )
+
+    @cached_property
+    def state_caches(self) -> list[torch.Tensor]:
+        """Every linear-attention layer's state tensor (none for most models)."""
+        recurrent = group_of(self.cache_groups, RECURRENT)
+        return [] if recurrent is None else [self.kv_caches[i] for i in recurrent.layers]
+
+    def copy_states(self, copies: tuple[StateCopy, ...]) -> None:
+        """A step's state copies (prefix states saved and restored), in order, in every
+        linear layer's state tensor: before its forward, which reads the restored rows."""
+        for cache in self.state_caches:
+            for src_slot, src_row, dst_slot, dst_row in copies:
+                cache[dst_slot, dst_row].copy_(cache[src_slot, src_row])
 
     @torch.inference_mode()
     def execute(
@@ -261,6 +290,7 @@ class Runner:
         step's hidden states (a draft head's; they hold them already)."""
         if self.send is not None:
             self.send(step_message(self.name, inputs, hidden_from))
+        self.copy_states(inputs.state_copies)
         step = inputs.forward
         split = self._prefill_split(step)  # a split step runs eagerly, each rank its part
         bucket = (
@@ -445,6 +475,7 @@ def load_runner(
     query_lens: tuple[int, ...] = (1,),
     num_blocks: int | None = None,
     num_state_slots: int | None = None,
+    num_prefix_states: int | None = None,
     place: RankPlace | None = None,
     splits_prefills: bool = True,
     send: Send | None = None,
@@ -486,6 +517,7 @@ def load_runner(
         query_lens=query_lens,
         num_blocks=num_blocks,
         num_state_slots=num_state_slots,
+        num_prefix_states=num_prefix_states,
         place=place,
         splits_prefills=splits_prefills,
         send=send,

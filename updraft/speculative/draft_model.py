@@ -80,6 +80,7 @@ def draft_runner(
         query_lens=(1, 1 + k),
         num_blocks=target.num_blocks,
         num_state_slots=target.num_state_slots,
+        num_prefix_states=target.num_prefix_states,
         place=place,
         splits_prefills=False,
         send=send,

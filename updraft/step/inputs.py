@@ -39,7 +39,7 @@ from updraft.step.logits_adjustments import (
     LogitsAdjustments,
     logits_adjustments,
 )
-from updraft.step.plan import Draft, StepPlan
+from updraft.step.plan import Draft, StateCopy, StepPlan
 from updraft.step.prompt_rows import PromptRows
 from updraft.step.sampling_batch import SamplingBatch
 
@@ -247,6 +247,10 @@ class StepInputs:
     # prompt prefilled in chunks), else -1. What a draft head pairs with the chunk's
     # last hidden state (speculative/head.py).
     next_token_ids: list[int] = field(default_factory=list)
+    # A hybrid model's states moved between slots before the forward, in order (prefix
+    # states saved and restored, ``engine/prefix_states.py``): host data every runner
+    # of the step applies to its own state tensors, no graph input.
+    state_copies: tuple[StateCopy, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -275,9 +279,12 @@ class StepInputs:
                 tokens += draft.token_ids
             # A plain tuple in Query's field order: this runs for every request per step.
             queries.append((request, start, tokens, draft, item.samples))
-        return cls.from_queries(
+        inputs = cls.from_queries(
             queries, positions_per_block, return_hidden_states, rotary, prompt_logprobs=True
         )
+        if plan.state_copies:
+            inputs = replace(inputs, state_copies=tuple(plan.state_copies))
+        return inputs
 
     @classmethod
     def from_queries(

@@ -45,10 +45,25 @@ class ScheduledRequest:
         )
 
 
+class StateCopy(NamedTuple):
+    """A hybrid model's recurrent state moved between slots before a step's forward:
+    one row of every linear-attention layer's state tensor copied to another, slots as
+    indexes of the whole tensor (running slots, then prefix slots;
+    ``engine/prefix_states.py``)."""
+
+    src_slot: int
+    src_row: int
+    dst_slot: int
+    dst_row: int
+
+
 @dataclass
 class StepPlan:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Run in this order before the forward: states saved after the last step, then
+    # states restored for this step's prefix-cache hits.
+    state_copies: list[StateCopy] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
