@@ -40,6 +40,9 @@ class Architecture:
     # what its converter added to every norm weight (Gemma's 1).
     gguf_tensor_names: tuple[tuple[str, str], ...] = ()
     gguf_norm_shift: float = 0.0
+    # Its converter stores linear attention's value heads tiled over the key heads
+    # (Qwen3.5's: ``models/gguf_linear_attention.py`` puts them back).
+    gguf_tiled_value_heads: bool = False
     eagle_head: bool = False  # an EAGLE head may be one layer of it
     prequantized: bool = False  # AWQ, GPTQ and compressed-tensors checkpoints are read
 

@@ -56,6 +56,7 @@ from updraft.model_config import ModelConfig
 from updraft.model_config.registry import ARCHITECTURES
 from updraft.models.gguf_experts import NAMES as EXPERT_NAMES
 from updraft.models.gguf_experts import ExpertTensors, down_target
+from updraft.models.gguf_linear_attention import LinearAttentionTensors
 from updraft.models.gguf_mla import LatentKV
 from updraft.models.gguf_panels import PANEL_FORMATS, block_panels
 from updraft.models.gguf_shards import RankShare, block_columns, embedding_over, kept_part
@@ -272,8 +273,15 @@ def load_gguf_model(
     gathered = Gathered(row.gguf_norm_shift)
     experts = ExpertTensors(modules, parts[0].name, share)
     latent = LatentKV()
+    linear = None
+    if config.linear_attention is not None:
+        tiled = row.gguf_tiled_value_heads
+        linear = LinearAttentionTensors(config.num_layers, config.linear_attention, tiled)
     for path in parts:
-        for tensor in latent.tensors(read_gguf(path).tensors, path.name):
+        stream = latent.tensors(read_gguf(path).tensors, path.name)
+        if linear is not None:  # the converter's changes to Gated DeltaNet layers undone
+            stream = linear.tensors(stream, path.name)
+        for tensor in stream:
             if tensor.name in CONFIG_TENSORS:  # read into the config, not a weight
                 continue
             if experts.take(tensor.name, tensor.tensor_type.name, tensor.data):

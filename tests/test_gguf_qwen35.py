@@ -1,0 +1,343 @@
+"""Qwen3.5, Qwen3.5-MoE and Qwen3-Next GGUF files as llama.cpp's own converter writes
+them give back transformers' checkpoint.
+
+Tiny random checkpoints (three Gated DeltaNet layers, then one full attention layer;
+two key heads each serving two value heads, so Qwen3.5's tiled value heads are not
+their own order) are converted to f32 and q8_0 files. The tensors the loader reads
+from a file, under transformers' Qwen3.5 names, are the checkpoint's: exactly in an
+f32 file, the very values their Q8_0 blocks stand for in a q8_0 one (gguf-py's own
+quantizer on the checkpoint's tensor; a value head's 32 values are one block, so the
+tiled columns of ``ssm_out`` move as whole blocks). A_log comes back through
+log(-(-exp(A_log))), within rounding. Qwen3-Next's fused projections are compared with
+what transformers' own ``fix_query_key_value_ordering`` makes of them.
+
+The norms are drawn on a grid of 1/256, so the converter's 1 + w is exact and so is
+the loader's way back.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType, quants
+from safetensors.torch import load_file
+
+from tests.llama_cpp_tree import convert_many, llama_cpp_tree
+from updraft.checkpoints.gguf import metadata
+from updraft.checkpoints.gguf_header import read_gguf
+from updraft.model_config.parts import LinearAttentionConfig
+from updraft.model_config.qwen35_gguf import GGUF_ROWS, GGUF_TENSORS, from_gguf
+from updraft.models.gguf_experts import STACKED
+from updraft.models.gguf_linear_attention import LinearAttentionTensors
+from updraft.models.gguf_loader import hf_name
+from updraft.models.gguf_mla import MadeTensor
+from updraft.models.weight_targets import RENAMED_MODULES
+
+HYBRID = dict(
+    vocab_size=256,
+    hidden_size=64,
+    num_hidden_layers=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+    tie_word_embeddings=False,
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=None,
+)
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+# name -> (transformers' config class, model class, changes over HYBRID)
+FAMILIES = {
+    "qwen3.5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {"intermediate_size": 128}),
+    "qwen3.5-moe": (
+        "Qwen3_5MoeTextConfig",
+        "Qwen3_5MoeForCausalLM",
+        {**MOE, "shared_expert_intermediate_size": 48},
+    ),
+    "qwen3-next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        {**MOE, "shared_expert_intermediate_size": 48, "intermediate_size": 96},
+    ),
+}
+OUTTYPES = ("f32", "q8_0")
+F32 = GGMLQuantizationType.F32
+
+
+def build(family: str, directory: Path) -> Path:
+    """A random checkpoint of ``family``: norms on a grid of 1/256 (the converter's
+    1 + w exact), sharp routers, A_log and dt_bias drawn away from their constant
+    initial values."""
+    config_class, model_class, changes = FAMILIES[family]
+    config = getattr(transformers, config_class)(**{**HYBRID, **changes})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(torch.round(torch.randn_like(param) * 0.3 * 256) / 256)
+            elif name.endswith(("A_log", "dt_bias", "mlp.gate.weight")):
+                param.normal_(0, 1.0)
+    model.save_pretrained(directory)
+    # The converter's built-in vocabulary is cut to the tokenizer's size.
+    vocab = {str(i): i for i in range(HYBRID["vocab_size"])}
+    (directory / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}}))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, tuple[Path, dict[str, Path]]]:
+    """family -> (checkpoint, outtype -> GGUF file), every file converted in one process."""
+    llama_cpp_tree()
+    root = tmp_path_factory.mktemp("gguf-qwen35")
+    made, jobs = {}, []
+    for family in FAMILIES:
+        checkpoint = build(family, root / family)
+        paths = {outtype: root / f"{family}-{outtype}.gguf" for outtype in OUTTYPES}
+        jobs += [(checkpoint, path, outtype) for outtype, path in paths.items()]
+        made[family] = (checkpoint, paths)
+    # The tiny checkpoints have no multi-token prediction layers for the converter to add.
+    convert_many(jobs, "--no-mtp")
+    return made
+
+
+def config_of(path: Path) -> dict[str, Any]:
+    """The config.json the file's metadata gives."""
+    fields, tensors = metadata([path])
+    arch = fields["general.architecture"]
+    (architecture,) = [name for name, row in GGUF_ROWS.items() if row["gguf_name"] == arch]
+    return from_gguf(
+        path.name, architecture, lambda k, d=None: fields.get(f"{arch}.{k}", d), tensors
+    )
+
+
+def read_back(path: Path) -> dict[str, tuple[str, np.ndarray]]:
+    """transformers' name -> (GGUF type, float32 values) of every tensor the loader
+    reads from ``path``; a layer's stacked experts as ``experts.<proj>``."""
+    config = config_of(path)
+    linear = LinearAttentionConfig(
+        num_key_heads=config["linear_num_key_heads"],
+        num_value_heads=config["linear_num_value_heads"],
+        key_head_dim=config["linear_key_head_dim"],
+        value_head_dim=config["linear_value_head_dim"],
+        conv_kernel=config["linear_conv_kernel_dim"],
+    )
+    tiled = GGUF_ROWS[config["architectures"][0]]["gguf_tiled_value_heads"]
+    stream = LinearAttentionTensors(config["num_hidden_layers"], linear, tiled)
+    out = {}
+    for tensor in stream.tensors(read_gguf(path).tensors, path.name):
+        stacked = STACKED.fullmatch(tensor.name)
+        if stacked is not None:
+            name = f"model.layers.{stacked['layer']}.mlp.experts.{stacked['proj']}_proj"
+        else:
+            name = hf_name(tensor.name, GGUF_TENSORS)
+        assert name is not None and name not in out, tensor.name
+        values = quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+        out[name] = (tensor.tensor_type, np.asarray(values, dtype=np.float32))
+    return out
+
+
+def checkpoint_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under the names the loader gives: Qwen3.5's linear
+    attention (Qwen3-Next's fused projections split by transformers' own code), the
+    shared expert as the model names it, each layer's experts stacked."""
+    tensors = load_file(checkpoint / "model.safetensors")
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        for old, new in RENAMED_MODULES:
+            name = name.replace(old, new)
+        expert = re.fullmatch(r"(.+\.experts)\.(\d+)\.(\w+)\.weight", name)
+        if expert is not None:
+            experts.setdefault(f"{expert[1]}.{expert[3]}", {})[int(expert[2])] = tensor
+        elif not name.endswith(("in_proj_qkvz.weight", "in_proj_ba.weight")):
+            out[name] = tensor
+    for name, stack in experts.items():
+        out[name] = torch.stack([stack[i] for i in sorted(stack)])
+    if any(name.endswith("in_proj_qkvz.weight") for name in tensors):
+        out.update(_next_split(checkpoint, tensors))
+    return out
+
+
+def _next_split(checkpoint: Path, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Qwen3-Next's in_proj_qkvz and in_proj_ba as Qwen3.5's four projections, by
+    running the weights' columns through transformers' ``fix_query_key_value_ordering``."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    out = {}
+    for index, layer in enumerate(model.model.layers):
+        if not hasattr(layer, "linear_attn"):
+            continue
+        prefix = f"model.layers.{index}.linear_attn"
+        qkvz = tensors[f"{prefix}.in_proj_qkvz.weight"].T[None]  # [1, hidden, rows]
+        ba = tensors[f"{prefix}.in_proj_ba.weight"].T[None]
+        q, k, v, z, b, a = layer.linear_attn.fix_query_key_value_ordering(qkvz, ba)
+        hidden = qkvz.shape[1]
+        rows = [part.reshape(hidden, -1).T for part in (q, k, v)]
+        out[f"{prefix}.in_proj_qkv.weight"] = torch.cat(rows)
+        out[f"{prefix}.in_proj_z.weight"] = z.reshape(hidden, -1).T
+        out[f"{prefix}.in_proj_b.weight"] = b[0].T
+        out[f"{prefix}.in_proj_a.weight"] = a[0].T
+    return out
+
+
+def stands_for(tensor: torch.Tensor, kind: GGMLQuantizationType) -> np.ndarray:
+    """What a file of type ``kind`` holds for ``tensor``, as float32 values."""
+    values = tensor.float().numpy()
+    if kind == GGMLQuantizationType.F32:
+        return values
+    if kind == GGMLQuantizationType.F16:
+        return values.astype(np.float16).astype(np.float32)
+    return quants.dequantize(quants.quantize(values, kind), kind).astype(np.float32)
+
+
+@pytest.mark.parametrize("outtype", OUTTYPES)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_tensor_read_from_the_file_is_the_checkpoint_s(files, family, outtype):
+    checkpoint, paths = files[family]
+    expected = checkpoint_tensors(checkpoint)
+    loaded = read_back(paths[outtype])
+    assert sorted(loaded) == sorted(expected)
+    kinds = {kind for kind, _ in loaded.values()}
+    assert (GGMLQuantizationType.Q8_0 in kinds) == (outtype == "q8_0")
+    for name, (kind, values) in loaded.items():
+        reference = expected[name]
+        assert values.shape == tuple(reference.shape), name
+        if name.endswith("A_log"):  # log(-(-exp(A_log)))
+            np.testing.assert_allclose(values, reference.numpy(), rtol=1e-6, atol=1e-6)
+            continue
+        assert np.array_equal(values, stands_for(reference, kind)), (name, kind.name)
+
+
+# config.json's fields the file's metadata gives back as the checkpoint had them.
+CONFIG_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "layer_types",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_config_is_the_checkpoint_s(files, family):
+    checkpoint, paths = files[family]
+    written = json.loads((checkpoint / "config.json").read_text())
+    config = config_of(paths["f32"])
+    assert config["architectures"] == written["architectures"]
+    for field in CONFIG_FIELDS:
+        assert config.get(field) == written.get(field), field
+    assert config["rms_norm_eps"] == pytest.approx(written["rms_norm_eps"])
+    rope, written_rope = config["rope_parameters"], written["rope_parameters"]
+    for field in ("rope_theta", "partial_rotary_factor", "rope_type"):
+        assert rope[field] == written_rope[field], field
+
+
+def _metadata(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The file's ``<arch>.`` metadata (without the prefix) and its tensors."""
+    fields, tensors = metadata([path])
+    arch = fields["general.architecture"]
+    own = {key.removeprefix(f"{arch}."): value for key, value in fields.items()}
+    return own, tensors
+
+
+# (what is changed, the refusal's words)
+BROKEN = {
+    "no ssm_conv1d": ("-blk.1.ssm_conv1d.weight", "layer 1 lacks blk.1.ssm_conv1d.weight"),
+    "no ssm_a": ("-blk.2.ssm_a", "layer 2 lacks blk.2.ssm_a"),
+    "no ssm_beta": ("-blk.0.ssm_beta.weight", "layer 0 lacks blk.0.ssm_beta.weight"),
+    "no attn_q": ("-blk.3.attn_q.weight", "layer 3 lacks blk.3.attn_q.weight"),
+    "no conv kernel": ("ssm.conv_kernel=None", "lacks ssm.conv_kernel"),
+    "state size": ("ssm.state_size=8", r"blk.0.attn_qkv.weight has shape \[192, 64\]"),
+    "conv kernel": ("ssm.conv_kernel=3", r"blk.0.ssm_conv1d.weight has shape \[192, 4\]"),
+    "inner size": ("ssm.inner_size=30", "ssm.inner_size 30 does not split into"),
+    "value heads": ("ssm.time_step_rank=3", "ssm.time_step_rank 3 .* not a multiple of"),
+    "layers": ("attention.recurrent_layers=[True]", "recurrent_layers lists 1 layers"),
+    "gate rows": ("attention.head_count=2", r"blk.3.attn_q.weight has shape \[128, 64\]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_a_file_missing_a_state_tensor_or_with_inconsistent_sizes_is_refused(files, case):
+    path = files["qwen3.5"][1]["f32"]
+    fields, tensors = _metadata(path)
+    change, words = BROKEN[case]
+    if change.startswith("-"):
+        del tensors[change[1:]]
+    else:
+        key, value = change.split("=")
+        fields[key] = json.loads(value.replace("True", "true").replace("None", "null"))
+    with pytest.raises(ValueError, match=words):
+        from_gguf(path.name, "Qwen3_5ForCausalLM", lambda k, d=None: fields.get(k, d), tensors)
+
+
+def test_multi_token_prediction_blocks_are_left_to_their_head(files):
+    """A file's MTP blocks come after the decoder's: the config counts them apart and
+    the loader passes them over."""
+    path = files["qwen3.5"][1]["f32"]
+    fields, tensors = _metadata(path)
+    fields.update(block_count=5, nextn_predict_layers=1)
+    fields["attention.recurrent_layers"] = [*fields["attention.recurrent_layers"], False]
+    config = from_gguf(path.name, "Qwen3_5ForCausalLM", lambda k, d=None: fields.get(k, d), tensors)
+    assert (config["num_hidden_layers"], config["mtp_num_hidden_layers"]) == (4, 1)
+    assert config["layer_types"] == HYBRID["layer_types"]
+    linear = LinearAttentionConfig(2, 4, 16, 32, 4)
+    extra = MadeTensor("blk.4.attn_q.weight", np.zeros((4, 4), np.float32), F32)
+    kept = LinearAttentionTensors(4, linear, True).tensors([extra], path.name)
+    assert list(kept) == []
+
+
+def test_a_value_head_narrower_than_a_block_is_widened_to_the_same_values():
+    """Where a head's values do not fill whole blocks (a K-quant's 256 over heads of
+    128; here Q4_0's 32 over heads of 16), ``ssm_out``'s columns move as the floats its
+    blocks stand for, exactly as a float file's would."""
+    linear = LinearAttentionConfig(2, 4, 16, 16, 4)
+    tiled = np.random.default_rng(0).standard_normal((8, linear.value_dim), dtype=np.float32)
+    blocks = quants.quantize(tiled, GGMLQuantizationType.Q4_0)
+    as_floats = quants.dequantize(blocks, GGMLQuantizationType.Q4_0).astype(np.float32)
+    stream = LinearAttentionTensors(1, linear, True)
+    widened, floats = stream.tensors(
+        [
+            MadeTensor("blk.0.ssm_out.weight", blocks, GGMLQuantizationType.Q4_0),
+            MadeTensor("blk.0.ssm_out.weight", as_floats, F32),
+        ],
+        "x.gguf",
+    )
+    assert widened.tensor_type == F32 and np.array_equal(widened.data, floats.data)
+    assert not np.array_equal(floats.data, as_floats)  # the columns did move
+
+
+def test_a_positive_ssm_a_is_refused():
+    """ssm_a is -exp(A_log): a value of 0 or more is no A_log's."""
+    stream = LinearAttentionTensors(1, LinearAttentionConfig(2, 4, 16, 16, 4), True)
+    bad = MadeTensor("blk.0.ssm_a", np.array([-1.0, 0.5, -2.0, -1.0], np.float32), F32)
+    with pytest.raises(ValueError, match=r"x\.gguf: blk\.0\.ssm_a: holds a value that is not"):
+        list(stream.tensors([bad], "x.gguf"))
