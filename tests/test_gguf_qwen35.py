@@ -116,11 +116,18 @@ def files(tmp_path_factory) -> dict[str, tuple[Path, dict[str, Path]]]:
     return made
 
 
+def file_row(path: Path) -> tuple[str, dict[str, Any]]:
+    """The architecture whose registry row names the file's, and that row's GGUF fields."""
+    arch = metadata([path])[0]["general.architecture"]
+    (row,) = [(name, row) for name, row in GGUF_ROWS.items() if row["gguf_name"] == arch]
+    return row
+
+
 def config_of(path: Path) -> dict[str, Any]:
     """The config.json the file's metadata gives."""
     fields, tensors = metadata([path])
     arch = fields["general.architecture"]
-    (architecture,) = [name for name, row in GGUF_ROWS.items() if row["gguf_name"] == arch]
+    architecture, _ = file_row(path)
     return from_gguf(
         path.name, architecture, lambda k, d=None: fields.get(f"{arch}.{k}", d), tensors
     )
@@ -137,7 +144,7 @@ def read_back(path: Path) -> dict[str, tuple[str, np.ndarray]]:
         value_head_dim=config["linear_value_head_dim"],
         conv_kernel=config["linear_conv_kernel_dim"],
     )
-    tiled = GGUF_ROWS[config["architectures"][0]]["gguf_tiled_value_heads"]
+    tiled = file_row(path)[1]["gguf_tiled_value_heads"]
     stream = LinearAttentionTensors(config["num_hidden_layers"], linear, tiled)
     out = {}
     for tensor in stream.tensors(read_gguf(path).tensors, path.name):
@@ -252,7 +259,11 @@ def test_the_config_is_the_checkpoint_s(files, family):
     checkpoint, paths = files[family]
     written = json.loads((checkpoint / "config.json").read_text())
     config = config_of(paths["f32"])
-    assert config["architectures"] == written["architectures"]
+    # Qwen3-Next's file is read as Qwen3.5-MoE (the converter stored Qwen3.5's layout)
+    read_as = {"Qwen3NextForCausalLM": ["Qwen3_5MoeForCausalLM"]}
+    assert config["architectures"] == read_as.get(
+        written["architectures"][0], written["architectures"]
+    )
     for field in CONFIG_FIELDS:
         assert config.get(field) == written.get(field), field
     assert config["rms_norm_eps"] == pytest.approx(written["rms_norm_eps"])
@@ -282,21 +293,29 @@ BROKEN = {
     "value heads": ("ssm.time_step_rank=3", "ssm.time_step_rank 3 .* not a multiple of"),
     "layers": ("attention.recurrent_layers=[True]", "recurrent_layers lists 1 layers"),
     "gate rows": ("attention.head_count=2", r"blk.3.attn_q.weight has shape \[128, 64\]"),
+    "experts": ("expert_count=8", "expert_count in a file of dense Qwen3_5ForCausalLM"),
+}
+BROKEN_MIXTURE = {
+    "dense layer": ("-blk.2.ffn_gate_inp.weight", r"layers \[2\] have no router"),
+    "no shared expert": ("-blk.0.ffn_down_shexp.weight", "layer 0 has no shared expert"),
+    "no expert count": ("expert_count=None", "lacks expert_count"),
 }
 
 
-@pytest.mark.parametrize("case", sorted(BROKEN))
+@pytest.mark.parametrize("case", sorted(BROKEN) + sorted(BROKEN_MIXTURE))
 def test_a_file_missing_a_state_tensor_or_with_inconsistent_sizes_is_refused(files, case):
-    path = files["qwen3.5"][1]["f32"]
+    family = "qwen3.5" if case in BROKEN else "qwen3.5-moe"
+    path = files[family][1]["f32"]
     fields, tensors = _metadata(path)
-    change, words = BROKEN[case]
+    change, words = {**BROKEN, **BROKEN_MIXTURE}[case]
     if change.startswith("-"):
         del tensors[change[1:]]
     else:
         key, value = change.split("=")
         fields[key] = json.loads(value.replace("True", "true").replace("None", "null"))
+    architecture, _ = file_row(path)
     with pytest.raises(ValueError, match=words):
-        from_gguf(path.name, "Qwen3_5ForCausalLM", lambda k, d=None: fields.get(k, d), tensors)
+        from_gguf(path.name, architecture, lambda k, d=None: fields.get(k, d), tensors)
 
 
 def test_multi_token_prediction_blocks_are_left_to_their_head(files):

@@ -8,7 +8,10 @@ heads of ``ssm.state_size`` values, ``ssm.time_step_rank`` value heads sharing
 ``attention.recurrent_layers`` marks the linear layers (older files give only
 ``full_attention_interval``: every n-th layer is full attention). A file with
 multi-token prediction layers counts them in ``block_count`` and says how many in
-``nextn_predict_layers``; they come after the decoder layers. The query rows of a full
+``nextn_predict_layers``; they come after the decoder layers. A ``qwen3next`` file is
+read as Qwen3.5-MoE, the same decoder: its converter splits Qwen3-Next's per-key-head
+projections into Qwen3.5's layout, and llama.cpp renormalises both families' top k. The
+query rows of a full
 attention layer are twice its heads (each head's query, then its output gate), as in
 transformers' checkpoints; the rotary share of a head is ``rope.dimension_count``.
 
@@ -53,15 +56,19 @@ LINEAR_TENSORS = (
     "ssm_out.weight",
 )
 SEPARATE_BETA_ALPHA = ("ssm_beta.weight", "ssm_alpha.weight")
-FUSED_BETA_ALPHA = ("ssm_ba.weight",)
+FUSED_BETA_ALPHA = ("ssm_ba.weight", "ssm_beta_alpha.weight")  # the converter's, early files
 FULL_TENSORS = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")
 # The GGUF fields of the family's registry rows (``model_config/registry.py``), by
-# architecture: llama.cpp stores Qwen3.5's value heads tiled, Qwen3-Next's as they are.
+# architecture: llama.cpp stores Qwen3.5's value heads tiled, Qwen3-Next's as they are
+# (the loader asks the row of the file's own architecture).
 GGUF_ROWS: dict[str, dict[str, Any]] = {
     "Qwen3_5ForCausalLM": {"gguf_name": "qwen35", "gguf_tiled_value_heads": True},
     "Qwen3_5MoeForCausalLM": {"gguf_name": "qwen35moe", "gguf_tiled_value_heads": True},
     "Qwen3NextForCausalLM": {"gguf_name": "qwen3next", "gguf_tiled_value_heads": False},
 }
+# The families with experts; files of the second are read as the first's (see
+# _expert_fields).
+MIXTURES = ("Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
 # The MRoPE sections transformers' Qwen3.5 config states (text positions turn them alike).
 MROPE_SECTION = [11, 11, 10]
 
@@ -109,25 +116,43 @@ def from_gguf(file_name: str, architecture: str, get: Any, tensors: Tensors) -> 
     config.update(linear)
     config["layer_types"] = _layer_types(file_name, get, layers, blocks)
     _check_tensors(file_name, tensors, config, linear)
-    experts = read_experts(file_name, get, tensors, layers)
-    if experts is None:
-        if not config["intermediate_size"]:
-            raise ValueError(f"{file_name}: no experts and no feed_forward_length")
-        return config
-    if not experts.shared_width:
-        raise ValueError(f"{file_name}: experts without the shared expert {architecture} has")
+    config.update(_expert_fields(file_name, architecture, get, tensors, config))
     if not config["intermediate_size"]:
-        del config["intermediate_size"]  # transformers' Qwen3.5-MoE config has none
-    config.update(
-        num_experts=experts.num_experts,
-        num_experts_per_tok=experts.experts_per_token,
-        moe_intermediate_size=experts.width,
-        shared_expert_intermediate_size=experts.shared_width,
-        norm_topk_prob=True,  # llama.cpp renormalises the top k of these families
-        decoder_sparse_step=1,
-        mlp_only_layers=list(experts.dense_layers),
-    )
+        del config["intermediate_size"]  # as transformers' Qwen3.5-MoE config has none
     return config
+
+
+def _expert_fields(
+    file_name: str, architecture: str, get: Any, tensors: Tensors, config: dict[str, Any]
+) -> dict[str, Any]:
+    """config.json's mixture of experts: every layer routed, with its gated shared
+    expert, the top k renormalised (as llama.cpp's code runs both families). A
+    ``qwen3next`` file is read as Qwen3.5-MoE: the same decoder, and the converter has
+    already stored its projections in Qwen3.5's layout."""
+    if architecture not in MIXTURES:
+        if get("expert_count"):
+            raise ValueError(f"{file_name}: expert_count in a file of dense {architecture}")
+        if not config["intermediate_size"]:
+            raise ValueError(f"{file_name}: the GGUF metadata lacks feed_forward_length")
+        return {}
+    experts = read_experts(file_name, get, tensors, config["num_hidden_layers"])
+    if experts is None:
+        raise ValueError(f"{file_name}: the GGUF metadata lacks expert_count")
+    if experts.dense_layers:
+        raise ValueError(
+            f"{file_name}: layers {list(experts.dense_layers)} have no router "
+            "(ffn_gate_inp); every layer of these files routes to experts"
+        )
+    if not experts.shared_width:
+        raise ValueError(f"{file_name}: layer 0 has no shared expert (ffn_down_shexp)")
+    fields: dict[str, Any] = {
+        "architectures": [MIXTURES[0]],
+        "num_experts": experts.num_experts,
+        "num_experts_per_tok": experts.experts_per_token,
+        "moe_intermediate_size": experts.width,
+        "shared_expert_intermediate_size": experts.shared_width,
+    }
+    return fields
 
 
 def _linear_sizes(file_name: str, get: Any, need: Any) -> dict[str, int]:
@@ -187,9 +212,9 @@ def _check_tensors(file_name: str, tensors: Tensors, config: dict, linear: dict)
             q_rows = 2 * config["num_attention_heads"] * head_dim
             _expect(file_name, tensors, f"blk.{layer}.attn_q.weight", (q_rows, hidden))
             continue
-        fused = f"blk.{layer}.ssm_ba.weight" in tensors
+        fused = [name for name in FUSED_BETA_ALPHA if f"blk.{layer}.{name}" in tensors]
         _need_all(file_name, tensors, layer, LINEAR_TENSORS)
-        _need_all(file_name, tensors, layer, FUSED_BETA_ALPHA if fused else SEPARATE_BETA_ALPHA)
+        _need_all(file_name, tensors, layer, () if fused else SEPARATE_BETA_ALPHA)
         expected = {
             "attn_qkv.weight": (conv_dim, hidden),
             "attn_gate.weight": (value_dim, hidden),
@@ -200,7 +225,7 @@ def _check_tensors(file_name: str, tensors: Tensors, config: dict, linear: dict)
             "ssm_out.weight": (hidden, value_dim),
         }
         if fused:
-            expected["ssm_ba.weight"] = (2 * value_heads, hidden)
+            expected[fused[0]] = (2 * value_heads, hidden)
         else:
             expected.update({name: (value_heads, hidden) for name in SEPARATE_BETA_ALPHA})
         for name, shape in expected.items():

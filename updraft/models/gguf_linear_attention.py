@@ -8,8 +8,9 @@ is undone here, before the loader places (or a rank shares) anything:
 * every RMSNorm weight but the DeltaNet output's (``ssm_norm``) holds 1 + w: w is the
   file's value less 1, in float64 (exact wherever the converter's float32 sum was);
 * ``ssm_conv1d`` is the conv's [channels, taps], without transformers' middle axis of 1;
-* Qwen3-Next's ``in_proj_ba`` is one tensor, ``ssm_ba``, each key head's beta rows then
-  its alpha rows: they become Qwen3.5's ``ssm_beta`` and ``ssm_alpha``;
+* Qwen3-Next's ``in_proj_ba`` is one tensor, ``ssm_ba`` (``ssm_beta_alpha`` in some
+  files), each key head's beta rows then its alpha rows: they become Qwen3.5's
+  ``ssm_beta`` and ``ssm_alpha``;
 * Qwen3.5's files (``gguf_tiled_value_heads`` in the registry) hold the value heads
   tiled over the key heads (value head j of key head g at j * key_heads + g) where
   transformers groups them by key head (at g * per_key + j): the rows of the value part
@@ -41,6 +42,8 @@ SHIFTED_NORMS = re.compile(
     r"output_norm\.weight|blk\.\d+\.(attn_norm|post_attention_norm|attn_q_norm|attn_k_norm)"
     r"\.weight"
 )
+# Qwen3-Next's fused beta/alpha rows, as the converter names them (and early files did).
+FUSED_BETA_ALPHA = ("ssm_ba.weight", "ssm_beta_alpha.weight")
 FLOATS = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 
@@ -75,7 +78,7 @@ class LinearAttentionTensors:
             where = f"{file_name}: {tensor.name}"
             if SHIFTED_NORMS.fullmatch(tensor.name):
                 yield _float(tensor.name, _values(tensor, where) - 1.0)
-            elif what == "ssm_ba.weight":
+            elif what in FUSED_BETA_ALPHA:
                 yield from self._beta_alpha(tensor, match[1])
             elif self.tiled or what in ("ssm_a", "ssm_conv1d.weight"):
                 yield self._regrouped(tensor, what, where)

@@ -53,7 +53,7 @@ from updraft.kernels.gguf_ops import (
     int8_kernel_builds,
 )
 from updraft.model_config import ModelConfig
-from updraft.model_config.registry import ARCHITECTURES
+from updraft.model_config.registry import ARCHITECTURES, for_gguf
 from updraft.models.gguf_experts import NAMES as EXPERT_NAMES
 from updraft.models.gguf_experts import ExpertTensors, down_target
 from updraft.models.gguf_linear_attention import LinearAttentionTensors
@@ -275,7 +275,10 @@ def load_gguf_model(
     latent = LatentKV()
     linear = None
     if config.linear_attention is not None:
-        tiled = row.gguf_tiled_value_heads
+        # the file's own converter tiled the value heads or not (a qwen3next file is
+        # read as another row's architecture)
+        arch = read_gguf(parts[0]).fields.get("general.architecture")
+        tiled = for_gguf(arch, parts[0].name).gguf_tiled_value_heads
         linear = LinearAttentionTensors(config.num_layers, config.linear_attention, tiled)
     for path in parts:
         stream = latent.tensors(read_gguf(path).tensors, path.name)
