@@ -30,7 +30,7 @@ from benchmarks.bench_generate import hf_generate
 from benchmarks.common import markdown_table
 from benchmarks.peers.workload import best_time
 from updraft import LLM, SamplingParams
-from updraft.attention.cache_layout import cache_layout, kv_cache_bytes_per_block
+from updraft.attention.cache_groups import cache_groups
 from updraft.model_config import ModelConfig
 
 VOCAB = 32000
@@ -143,8 +143,8 @@ def main() -> None:
     hf_batch = best_time(lambda: hf_generate(hf, prompts, max(outputs)))
 
     ours_config = ModelConfig.from_dir(llms["full"].engine.config.model)
-    layout = cache_layout(ours_config)  # what KV planning charges: bytes per block / block
-    ours_kv = kv_cache_bytes_per_block(ours_config.num_layers, 1, layout, torch.float32)
+    # what KV planning charges: bytes per block / block
+    ours_kv = cache_groups(ours_config, torch.float32)[0].bytes_per_slot
     hf_kv = transformers_cache_bytes_per_token(hf, prompt)
     per_head = config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim
     expanded = config.num_hidden_layers * config.num_attention_heads * per_head * 4

@@ -17,7 +17,7 @@ from tests.helpers import greedy, token_ids
 from tests.mutations import first_draft_from_the_row_before, forget_refresh
 from tests.probes import probed, records
 from updraft import LLM
-from updraft.attention.cache_layout import allocate_kv_cache, cache_layout
+from updraft.attention.cache_groups import CacheSizes, allocate_caches, cache_groups
 from updraft.model_config import ModelConfig
 from updraft.models.loader import load_model
 from updraft.speculative.head import HeadProposer
@@ -42,8 +42,8 @@ def test_the_head_matches_its_reference_over_a_prefill_and_a_decode(head):
     config = ModelConfig.from_dir(head.target)
     target = load_model(config, head.target, torch.float32)
     model, head_config = head.load(target, config, head.directory, torch.float32, "cpu")
-    layout = cache_layout(head_config)
-    caches = allocate_kv_cache(head_config.num_layers, 8, 4, layout, torch.float32, "cpu")
+    groups = cache_groups(head_config, torch.float32)
+    caches = allocate_caches(groups, head_config.num_layers, CacheSizes(8, 0), 4, "cpu")
     got = []
     for first, last, metadata in prefill_then_decode(len(tokens) - 1):
         next_tokens = torch.tensor(tokens[first + 1 : last + 1])

@@ -22,6 +22,7 @@ from updraft.weights import (
     WeightFormat,
     choose_format,
     compute_dtype,
+    torch_dtype,
 )
 
 if TYPE_CHECKING:
@@ -132,6 +133,13 @@ class EngineConfig:
     block_size: int = setting(16, "tokens per KV cache block")
     kv_cache_memory_gib: float = setting(1.0, "KV cache budget in GiB")
     num_kv_blocks: int | None = setting(None, "KV cache blocks; overrides kv_cache_memory_gib")
+    mamba_cache_dtype: str = setting(
+        "float32",
+        "the dtype of a hybrid model's recurrent state (Qwen3.5's linear-attention layers: "
+        "each running request's conv window and state, paid for out of the KV cache budget); "
+        "computed in float32 whatever it is kept in",
+        choices=["float32", "bfloat16", "float16"],
+    )
     max_num_seqs: int = setting(64, "most requests running at once")
     max_num_batched_tokens: int = setting(
         1024, "most tokens per step; longer prompts are prefilled in chunks"
@@ -345,6 +353,11 @@ class EngineConfig:
 
     def compute_dtype(self, model_config: ModelConfig) -> torch.dtype:
         return compute_dtype(self.dtype, self.device, model_config.checkpoint_dtype)
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        """What a hybrid model's recurrent state is kept in."""
+        return torch_dtype(self.mamba_cache_dtype)
 
     def weight_format(self, model_config: ModelConfig) -> WeightFormat:
         """How the linear and expert weights are kept (``weights.choose_format``)."""

@@ -56,6 +56,9 @@ class Request:
     # Leading blocks given back because no sliding window reaches them any more; their
     # ids stay in block_ids (the block table keeps its positions) but are never read.
     num_released_blocks: int = 0
+    # A hybrid model's recurrent-state slot (conv window and linear-attention state of
+    # every linear layer), held from admission to finish or preemption; -1: none.
+    state_slot: int = -1
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None

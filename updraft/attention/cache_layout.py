@@ -1,10 +1,11 @@
-"""What one layer's KV cache holds per slot, by attention kind, and its allocation.
+"""What one layer's paged KV cache holds per slot, by attention kind.
 
 A slot is one token position of one block (``block * block_size + offset``); every
 layer's cache has ``num_blocks * block_size + 1`` of them, the last a spare that takes
 the writes of padded tokens (slot -1). The block pool, prefix cache and capacity
 planning count blocks and never look inside a slot, so a new attention kind is a new
-layout here and nothing else changes above the model.
+layout here and nothing else changes above the model. A model's caches as a whole, paged
+and recurrent, are its cache groups (``cache_groups.py``).
 
 * GQA (Llama, Qwen): ``[2, slots, kv_heads, head_dim]``, keys then values.
 * MLA (DeepSeek): ``[slots, kv_lora_rank + qk_rope_head_dim]``, the normalised latent
@@ -49,27 +50,6 @@ def cache_layout(config: ModelConfig) -> CacheLayout:
     return CacheLayout(before_slots=(2,), per_slot=(config.num_kv_heads, config.head_dim))
 
 
-def allocate_kv_cache(
-    num_layers: int,
-    num_blocks: int,
-    slots_per_block: int,
-    layout: CacheLayout,
-    dtype: torch.dtype,
-    device: torch.device | str,
-) -> list[torch.Tensor]:
-    shape = layout.shape(num_blocks * slots_per_block + 1)
-    try:
-        if torch.device(device).type == "cpu":
-            return [zeros_on_first_write(shape, dtype) for _ in range(num_layers)]
-        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-    except (MemoryError, OSError, torch.OutOfMemoryError) as error:  # mmap: ENOMEM
-        size = num_layers * math.prod(shape) * dtype.itemsize / 2**30
-        raise ValueError(
-            f"cannot allocate a KV cache of {num_blocks} blocks ({size:.1f} GiB) on {device}: "
-            f"{error}; lower kv_cache_memory_gib or num_kv_blocks"
-        ) from error
-
-
 def zeros_on_first_write(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero tensor on an anonymous mapping of its own: the OS maps each page on its
     first write, so a large KV budget costs memory only as blocks fill (``torch.zeros``
@@ -79,9 +59,3 @@ def zeros_on_first_write(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Te
     nbytes = math.prod(shape) * dtype.itemsize
     memory = mmap.mmap(-1, nbytes)  # unmapped when the tensor, which holds it, is freed
     return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
-
-
-def kv_cache_bytes_per_block(
-    num_layers: int, slots_per_block: int, layout: CacheLayout, dtype: torch.dtype
-) -> int:
-    return num_layers * slots_per_block * layout.values_per_slot * dtype.itemsize

@@ -262,6 +262,12 @@ class AttentionMetadata:
     # then has no host-side parameter that changes per step, and a graph holds it whole.
     uniform: bool = False
     context: ContextSplit = NO_SPLIT
+    # What linear-attention layers (which run no task) shape their work by:
+    # ``query_len``, every request's query length when the step is one of uniform
+    # length (a decode or verify bucket, captured or eager), else None; ``query_lens``,
+    # each request's, read only by an eager step that is not uniform.
+    query_len: int | None = None
+    query_lens: tuple[int, ...] = ()
     _groups: dict[int, AttentionGroup] = field(default_factory=dict, repr=False)
     _token_rows: dict[int, TokenRows] = field(default_factory=dict, repr=False)
     _window_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
@@ -310,6 +316,8 @@ class AttentionMetadata:
         padding requests (no query tokens), which attend to nothing."""
         shapes = group_shapes(step)
         num_real = shapes[-1].last_token if shapes else 0
+        query_lens = tuple(step.query_lens)
+        uniform_len = query_lens[0] if query_lens and len(set(query_lens)) == 1 else None
         return cls(
             slot_mapping=slot_mapping,
             block_table=block_table,
@@ -319,6 +327,8 @@ class AttentionMetadata:
             positions_per_block=positions_per_block,
             num_padding_tokens=(step.num_tokens if num_tokens is None else num_tokens) - num_real,
             context=context,
+            query_len=uniform_len,
+            query_lens=query_lens,
         )
 
     @classmethod
@@ -353,6 +363,7 @@ class AttentionMetadata:
             positions_per_block=positions_per_block,
             uniform=True,
             context=context,
+            query_len=query_len,
         )
 
     def group(self, index: int) -> AttentionGroup:

@@ -35,6 +35,7 @@ from updraft.engine.grammars import Grammars
 from updraft.engine.input_processor import EngineRequest, InputProcessor, ModelLimits
 from updraft.engine.kv_blocks import BlockPool, KVCacheManager
 from updraft.engine.scheduler import Scheduler
+from updraft.engine.state_slots import StateSlots
 from updraft.engine.stats import EngineStats, StepClock, StructuredStats, snapshot_report
 from updraft.engine.workers import (
     ParallelWorkers,
@@ -106,8 +107,13 @@ class Engine:
             place=place,
             send=send,
         )
+        hybrid = bool(self.model_config.linear_layers)
+        # A hybrid model's prefix would need its recurrent state at the block boundary
+        # too, which no slot keeps: its blocks are not shared.
         pool = BlockPool(
-            self._runner.num_blocks, config.positions_per_block, config.enable_prefix_caching
+            self._runner.num_blocks,
+            config.positions_per_block,
+            config.enable_prefix_caching and not hybrid,
         )
         self._rotary = self._runner.rotary_switch
         # A sequence never holds more tokens than the cache can, so one request alone
@@ -143,6 +149,7 @@ class Engine:
             num_lookahead_tokens=k,
             grammars=self._grammars,
             long_context_from=None if self._rotary is None else self._rotary.original,
+            state_slots=StateSlots(self._runner.num_state_slots) if hybrid else None,
         )
         self._wants_hidden_states = bool(self._proposer and self._proposer.wants_hidden_states)
         self._drafts: dict[str, Draft] = {}  # proposed after a step, verified by the next
@@ -403,7 +410,7 @@ class Engine:
     def stats(self) -> EngineStats:
         """A snapshot: queue lengths, KV blocks, how steps ran, speculative acceptance."""
         scheduler = self._scheduler
-        pool = scheduler.kv.pool
+        pool, slots = scheduler.kv.pool, scheduler.state_slots
         draft_runner = None if self._proposer is None else self._proposer.runner
         return EngineStats(
             num_running=len(scheduler.running),
@@ -430,4 +437,6 @@ class Engine:
                 masked_rows=self._grammars.num_masked_rows,
                 speculative=scheduler.constrained_speculative.copy(),
             ),
+            state_slots_used=0 if slots is None else slots.num_slots - slots.num_free,
+            state_slots_total=0 if slots is None else slots.num_slots,
         )

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 
 from updraft.engine.grammars import Grammars, Verdict
 from updraft.engine.kv_blocks import KVCacheManager
+from updraft.engine.state_slots import StateSlots
 from updraft.engine.stop import stop_condition
 from updraft.outputs import RequestOutput, SpeculativeMetrics
 from updraft.request import FinishReason, Request, RequestStatus
@@ -46,9 +47,11 @@ class Scheduler:
         num_lookahead_tokens: int = 0,
         grammars: Grammars | None = None,
         long_context_from: int | None = None,
+        state_slots: StateSlots | None = None,
     ) -> None:
         """``grammars``: the state of constrained requests, advanced here as a step's
-        tokens are appended and dropped when a request ends. ``long_context_from``: a
+        tokens are appended and dropped when a request ends. ``state_slots``: a hybrid
+        model's recurrent-state slots, one held by each running request. ``long_context_from``: a
         LongRoPE model's original context. A sequence longer than it is computed with
         the long frequencies at every position, so a request that grows past it has its
         KV recomputed, and no verify step reaches past it from below."""
@@ -59,6 +62,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.num_lookahead_tokens = num_lookahead_tokens
         self.long_context_from = long_context_from
+        self.state_slots = state_slots
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -101,6 +105,8 @@ class Scheduler:
         while not plan.preempted and self.waiting and budget > 0:
             if len(self.running) >= self.max_num_seqs:
                 break
+            if self.state_slots is not None and not self.state_slots.num_free:
+                break
             request = self.waiting[0]
             cached = self.kv.cached_prefix(request)
             remaining = request.num_tokens - len(cached) * self.kv.block_size
@@ -109,6 +115,8 @@ class Scheduler:
             if not self.kv.allocate(request, self._lookahead(computed, num_new, remaining), cached):
                 break
             self.waiting.popleft()
+            if self.state_slots is not None:
+                self.state_slots.take(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             plan.scheduled.append(ScheduledRequest(request, num_new))
@@ -255,6 +263,8 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request)
+        if self.state_slots is not None:
+            self.state_slots.give_back(request)
         if self.grammars is not None:
             self.grammars.remove(request.request_id)
         request.status = RequestStatus.FINISHED
@@ -275,6 +285,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        if self.state_slots is not None:
+            self.state_slots.give_back(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING

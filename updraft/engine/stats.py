@@ -64,6 +64,9 @@ class EngineStats:
     # (runner/rank_messages.py: RankStep, RankLoop).
     rank_messages: dict[str, int] | None = None
     structured: StructuredStats | None = None  # None: the model has no tokenizer
+    # A hybrid model's recurrent-state slots (engine/state_slots.py); 0 for others.
+    state_slots_used: int = 0
+    state_slots_total: int = 0
 
     def describe_steps(self) -> str:
         return describe_steps(self.steps)

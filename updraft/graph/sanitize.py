@@ -49,18 +49,22 @@ def checked_replay(
     state: Sequence[torch.Tensor],
     report: SanitizeReport,
     label: str,
-    live: Callable[[torch.Tensor], torch.Tensor] = lambda tensor: tensor,
+    live: Callable[[int, torch.Tensor], torch.Tensor] = lambda index, tensor: tensor,
 ) -> torch.Tensor:
     """Run ``replay()`` on ``state`` and ``eager(copy of state)``; record both
-    differences in ``report`` and return the replay's output. ``live`` selects the part
-    of a state tensor that must agree (the KV cache's spare slot takes padded writes
-    that eager never makes)."""
+    differences in ``report`` and return the replay's output. ``live(i, tensor)``
+    selects the part of state tensor i that must agree (a cache's spare slot takes
+    padded writes that eager never makes)."""
     copies = [tensor.clone() for tensor in state]
     replayed = replay()
     expected = eager(copies)
     output_diff = _max_diff(replayed, expected)
     state_diff = max(
-        (_max_diff(live(a), live(b)) for a, b in zip(state, copies, strict=True)), default=0.0
+        (
+            _max_diff(live(i, a), live(i, b))
+            for i, (a, b) in enumerate(zip(state, copies, strict=True))
+        ),
+        default=0.0,
     )
     report.steps += 1
     report.max_output_diff = max(report.max_output_diff, output_diff)

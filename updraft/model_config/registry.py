@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from updraft.model_config import deepseek, gemma3, llama
+from updraft.model_config import deepseek, gemma3, llama, qwen35
 
 # config.json (as a dict) and the architecture named in it -> ModelConfig's fields.
 Parser = Callable[[dict[str, Any], str], dict[str, Any]]
@@ -25,6 +25,7 @@ GGUFParser = Callable[[str, str, Any, dict[str, tuple[str, tuple[int, ...]]]], d
 LLAMA = "updraft.models.llama:LlamaForCausalLM"
 GEMMA3 = "updraft.models.gemma:Gemma3ForCausalLM"
 DEEPSEEK = "updraft.models.deepseek:DeepseekForCausalLM"
+QWEN35 = "updraft.models.qwen35:Qwen35ForCausalLM"
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,13 @@ ARCHITECTURES: dict[str, Architecture] = {
             from_gguf=deepseek.from_gguf,
         ),
         Architecture("DeepseekV32ForCausalLM", deepseek.parse, DEEPSEEK),
+        # Gated DeltaNet layers between gated full-attention ones; the multimodal
+        # checkpoints' text tower.
+        Architecture("Qwen3_5ForCausalLM", qwen35.parse, QWEN35),
+        Architecture("Qwen3_5MoeForCausalLM", qwen35.parse, QWEN35),
+        Architecture("Qwen3NextForCausalLM", qwen35.parse, QWEN35),
+        Architecture("Qwen3_5ForConditionalGeneration", qwen35.parse, QWEN35),
+        Architecture("Qwen3_5MoeForConditionalGeneration", qwen35.parse, QWEN35),
     )
 }
 

@@ -28,8 +28,11 @@ class Attention(nn.Module):
         self.window = window
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
+        # Qwen3.5/Next: q_proj makes per head its query, then a gate of the same width.
+        self.output_gate = config.attention_output_gate
+        q_rows = 2 * q_size if self.output_gate else q_size
         self.qkv_proj = FusedLinear(
-            config.hidden_size, [q_size, kv_size, kv_size], bias=config.attention_bias
+            config.hidden_size, [q_rows, kv_size, kv_size], bias=config.attention_bias
         )
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
         if config.qk_norm:
@@ -46,6 +49,11 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden).view(hidden.shape[0], -1, self.head_dim)
+        gate = None
+        if self.output_gate:
+            query_gate = qkv[:, : 2 * self.num_heads].unflatten(1, (self.num_heads, 2))
+            gate = query_gate[:, :, 1].flatten(1)
+            qkv = torch.cat([query_gate[:, :, 0], qkv[:, 2 * self.num_heads :]], dim=1)
         num_qk_heads = self.num_heads + self.num_kv_heads
         if self.q_norm is None:
             # q and k rotate in one call: they are adjacent heads of the fused output.
@@ -59,6 +67,8 @@ class Attention(nn.Module):
         attention = paged_attention(
             q, k, v, kv_cache, metadata, self.scale, self.layer, self.window
         )
+        if gate is not None:
+            attention = attention * torch.sigmoid(gate)
         return self.o_proj(attention)
 
 

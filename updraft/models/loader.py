@@ -44,7 +44,10 @@ VISION_PREFIXES = (
     "vision_tower.",
     "model.multi_modal_projector.",
     "multi_modal_projector.",
+    "model.visual.",  # Qwen3.5's
 )
+# Qwen3.5's multi-token prediction layer, kept apart from the decoder's layers.
+MTP_PREFIX = "mtp."
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
@@ -125,7 +128,9 @@ def load_model(
         fmt,
         dtype,
         device,
-        select=lambda name: layer_of(name) not in mtp and name not in owned,
+        select=lambda name: (
+            layer_of(name) not in mtp and not name.startswith(MTP_PREFIX) and name not in owned
+        ),
         place=place,
     )
     if quantized:

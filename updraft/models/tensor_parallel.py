@@ -73,6 +73,13 @@ def check_parallel(
             f"a {config.quantized.method} checkpoint is not split over tensor-parallel ranks "
             "yet: run it with tensor_parallel_size 1"
         )
+    if config.linear_layers and (sizes.prefill_context > 1 or sizes.decode_context > 1):
+        raise ValueError(
+            "context parallelism (prefill_context_parallel_size, "
+            "decode_context_parallel_size) is not supported for a model with linear-attention "
+            "layers: their recurrent state is one per request, not split by position "
+            "(ARCHITECTURE.md, Hybrid models); use tensor_parallel_size"
+        )
     size, kv_ranks = sizes.tensor, sizes.tensor // sizes.decode_context
     kv = config.num_kv_heads
     problems = []
@@ -86,6 +93,12 @@ def check_parallel(
         problems.append(f"experts of {config.moe.moe_intermediate_size} rows")
     if config.moe is not None and config.moe.shared_size % size:
         problems.append(f"shared experts of {config.moe.shared_size} rows")
+    linear = config.linear_attention
+    if linear is not None and (linear.num_key_heads % size or linear.num_value_heads % size):
+        problems.append(
+            f"{linear.num_key_heads} linear-attention key heads and "
+            f"{linear.num_value_heads} value heads"
+        )
     if problems:
         raise ValueError(
             f"tensor_parallel_size {size} does not divide this model's {', '.join(problems)}"

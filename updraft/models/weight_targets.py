@@ -24,6 +24,11 @@ FUSED_SLICES = {
     "up_proj": (("gate_up_proj", 1),),
     "q_a_proj": (("qkv_a_proj", 0),),
     "kv_a_proj_with_mqa": (("qkv_a_proj", 1),),
+    # Qwen3.5's Gated DeltaNet: q/k/v channels, the output gate z, write rate b, decay a.
+    "in_proj_qkv": (("in_proj", 0),),
+    "in_proj_z": (("in_proj", 1),),
+    "in_proj_b": (("in_proj", 2),),
+    "in_proj_a": (("in_proj", 3),),
 }
 # One expert's projection in a checkpoint -> its slice of the stacked expert weights:
 # (parameter, part); gate and up are the two halves of gate_up_proj's rows. Mixtral's

@@ -14,7 +14,7 @@ graph's runs of ops with inductor.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from operator import attrgetter
 from typing import Any, NamedTuple
 
@@ -233,6 +233,8 @@ class CapturedSteps:
                 )
             else:  # the capture step's shapes, which every replay makes fresh
                 shapes = metadata(empty)
+                if not bucket.mixed:  # what layers without tasks read: the bucket's
+                    shapes = replace(shapes, query_len=bucket.query_len)
             standard = {spec.name for spec in GRAPH_INPUTS}
             extra = {name: tensor for name, tensor in tensors.items() if name not in standard}
 

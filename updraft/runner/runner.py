@@ -19,10 +19,12 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from updraft.attention.cache_layout import (
-    allocate_kv_cache,
-    cache_layout,
-    kv_cache_bytes_per_block,
+from updraft.attention.cache_groups import (
+    CacheSizes,
+    allocate_caches,
+    cache_groups,
+    live_slots,
+    split_budget,
 )
 from updraft.attention.in_place import IN_PLACE_MAX_QUERY
 from updraft.attention.metadata import NO_SPLIT, AttentionMetadata, ContextSplit, PrefillGather
@@ -44,12 +46,12 @@ from updraft.runner.token_mask import mask_logits
 from updraft.step.allowed_tokens import AllowedTokens
 from updraft.step.inputs import (
     GRAPH_INPUTS,
-    ROTARY_GRAPH_INPUTS,
     ForwardInputs,
     GraphInput,
     RotarySwitch,
     SamplingInputs,
     StepInputs,
+    graph_inputs,
 )
 from updraft.step.output import StepOutput
 from updraft.step.prefill_split import PrefillSplit, split_step, splits
@@ -80,6 +82,7 @@ class Runner:
         name: str = "target",
         query_lens: tuple[int, ...] = (1,),
         num_blocks: int | None = None,
+        num_state_slots: int | None = None,
         place: RankPlace | None = None,
         inputs: tuple[GraphInput, ...] = GRAPH_INPUTS,
         draft_loop_depth: int = 0,
@@ -90,8 +93,9 @@ class Runner:
         cache follows the config's layers and this rank's KV heads), computing in
         ``dtype``; ``name`` says which model it is in step counts and probes. ``query_lens``:
         the uniform query lengths to capture (1 for decode steps, 1 + k for speculative
-        verify steps). ``num_blocks``: a proposer's runner takes the target's, since
-        both page through the same block ids. ``place``: this runner's rank of a model
+        verify steps). ``num_blocks``, ``num_state_slots``: a proposer's runner takes
+        the target's, since both page through the same block ids and state slots (a
+        hybrid model's, ``attention/cache_groups.py``). ``place``: this runner's rank of a model
         split over ranks, whose every other rank runs the same steps in its own process
         (engine/workers.py). ``inputs``: the declared graph inputs its forward reads
         (beyond ``GRAPH_INPUTS`` they reach the model as keyword arguments). A
@@ -119,14 +123,20 @@ class Runner:
             NO_SPLIT if sizes.decode_context == 1 else ContextSplit(decode=place.decode_context)
         )
         self.whole_query_len = max(query_lens)  # longer queries are split under PCP
-        self.cache_layout = cache_layout(local_config(model_config, sizes))
-        self.num_blocks = self._num_blocks() if num_blocks is None else num_blocks
-        self.kv_caches = allocate_kv_cache(
+        # A verify step leaves the state after each of its tokens (1 + k rows per slot).
+        self.cache_groups = cache_groups(
+            local_config(model_config, sizes), dtype, config.state_dtype, max(query_lens)
+        )
+        cache_sizes = self._cache_sizes()
+        self.num_blocks = cache_sizes.num_blocks if num_blocks is None else num_blocks
+        self.num_state_slots = (
+            cache_sizes.num_state_slots if num_state_slots is None else num_state_slots
+        )
+        self.kv_caches = allocate_caches(
+            self.cache_groups,
             model_config.num_layers,
-            self.num_blocks,
+            CacheSizes(self.num_blocks, self.num_state_slots),
             config.block_size,
-            self.cache_layout,
-            self.dtype,
             self.device,
         )
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
@@ -157,12 +167,17 @@ class Runner:
             context=self.context,
             owner=self.name,
             draft_loop_depth=draft_loop_depth,
-            mixed_tokens=tuple(
-                n
-                for n in self.config.mixed_capture_tokens
-                if n <= self.config.max_num_batched_tokens
-            ),
+            mixed_tokens=self._mixed_tokens(),
         )
+
+    def _mixed_tokens(self) -> tuple[int, ...]:
+        """The token counts of mixed steps to capture. None for a model with
+        linear-attention layers: their chunked prefill is shaped by each request's query
+        length, which a graph cannot take fresh (decode and verify buckets are uniform)."""
+        if self.model_config.linear_layers:
+            return ()
+        limit = self.config.max_num_batched_tokens
+        return tuple(n for n in self.config.mixed_capture_tokens if n <= limit)
 
     def _full_graphs(self, query_lens: tuple[int, ...]) -> frozenset[int]:
         """The query lengths whose graphs hold attention (FULL): all when asked, or with
@@ -180,22 +195,15 @@ class Runner:
         )
         return frozenset(q for q in query_lens if in_place and q <= IN_PLACE_MAX_QUERY)
 
-    def _num_blocks(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        per_block = kv_cache_bytes_per_block(
-            self.model_config.num_layers,
-            self.config.block_size,
-            self.cache_layout,
-            self.dtype,
-        )
-        num_blocks = int(self.config.kv_cache_memory_gib * 2**30) // per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory_gib={self.config.kv_cache_memory_gib} holds no KV block "
-                f"({per_block} bytes each)"
-            )
-        return num_blocks
+    def _cache_sizes(self) -> CacheSizes:
+        """KV blocks and state slots: ``num_kv_blocks`` blocks (and a slot per running
+        request) where it is set, else what ``kv_cache_memory_gib`` holds."""
+        config = self.config
+        if config.num_kv_blocks is not None:
+            slots = config.max_num_seqs if self.model_config.linear_layers else 0
+            return CacheSizes(config.num_kv_blocks, slots)
+        budget = int(config.kv_cache_memory_gib * 2**30)
+        return split_budget(self.cache_groups, budget, config.block_size, config.max_num_seqs)
 
     @torch.inference_mode()
     def execute(
@@ -361,7 +369,7 @@ class Runner:
             hidden.append(states)
             return self.model.compute_logits(states) if logits is None else logits.clone()
 
-        slot_dim = self.cache_layout.slot_dim
+        groups = {layer: group for group in self.cache_groups for layer in group.layers}
         logits = checked_replay(
             replay,
             lambda kv_caches: self.model.compute_logits(self._hidden_eager(step, kv_caches)),
@@ -370,7 +378,7 @@ class Runner:
             label=f"step {self.step_modes.total()} (bucket {tuple(bucket)}, {step.num_reqs} "
             "requests)",
             # the spare last slot takes padded writes
-            live=lambda kv_cache: kv_cache.narrow(slot_dim, 0, kv_cache.shape[slot_dim] - 1),
+            live=lambda layer, cache: live_slots(cache, groups[layer]),
         )
         return hidden[0], logits
 
@@ -436,6 +444,7 @@ def load_runner(
     name: str = "target",
     query_lens: tuple[int, ...] = (1,),
     num_blocks: int | None = None,
+    num_state_slots: int | None = None,
     place: RankPlace | None = None,
     splits_prefills: bool = True,
     send: Send | None = None,
@@ -476,10 +485,11 @@ def load_runner(
         name=name,
         query_lens=query_lens,
         num_blocks=num_blocks,
+        num_state_slots=num_state_slots,
         place=place,
         splits_prefills=splits_prefills,
         send=send,
-        inputs=ROTARY_GRAPH_INPUTS if longrope else GRAPH_INPUTS,
+        inputs=graph_inputs(rotary=longrope, state=bool(model_config.linear_layers)),
     )
 
 

@@ -79,6 +79,7 @@ def draft_runner(
         name="draft",
         query_lens=(1, 1 + k),
         num_blocks=target.num_blocks,
+        num_state_slots=target.num_state_slots,
         place=place,
         splits_prefills=False,
         send=send,

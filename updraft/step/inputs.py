@@ -70,8 +70,31 @@ HEAD_GRAPH_INPUTS = (
 # A LongRoPE model's steps also say which row of its rotary table each token reads
 # (``RotarySwitch``).
 ROTARY_GRAPH_INPUTS = (*GRAPH_INPUTS, GraphInput("rotary_rows", ("tokens",), pad=0))
+# A model with linear-attention layers (Qwen3.5) also reads each request's
+# recurrent-state slot; -1, the state cache's spare slot, takes padded requests' writes.
+# Which row of the slot a step reads and writes is derived from the positions
+# (``models/delta_rule.py``), so the slot is the only state input.
+STATE_GRAPH_INPUTS = (*GRAPH_INPUTS, GraphInput("state_slots", ("requests",), pad=-1))
 # Every input any runner may declare: ForwardInputs' fields.
-ALL_GRAPH_INPUTS = (*HEAD_GRAPH_INPUTS, *ROTARY_GRAPH_INPUTS[len(GRAPH_INPUTS) :])
+ALL_GRAPH_INPUTS = (
+    *HEAD_GRAPH_INPUTS,
+    *ROTARY_GRAPH_INPUTS[len(GRAPH_INPUTS) :],
+    *STATE_GRAPH_INPUTS[len(GRAPH_INPUTS) :],
+)
+
+
+def graph_inputs(
+    *, head: bool = False, rotary: bool = False, state: bool = False
+) -> tuple[GraphInput, ...]:
+    """The inputs a runner declares: the standard ones, and a draft head's hidden
+    states, a LongRoPE model's rotary rows, a hybrid model's state slots."""
+    extra = ()
+    for wanted, specs in ((head, HEAD_GRAPH_INPUTS), (rotary, ROTARY_GRAPH_INPUTS)):
+        if wanted:
+            extra += specs[len(GRAPH_INPUTS) :]
+    if state:
+        extra += STATE_GRAPH_INPUTS[len(GRAPH_INPUTS) :]
+    return (*GRAPH_INPUTS, *extra)
 
 
 class RotarySwitch(NamedTuple):
@@ -132,6 +155,9 @@ class ForwardInputs:
     hidden_states: torch.Tensor | None = None
     # [num_tokens]: the rotary table's row per token, for a LongRoPE model; else None.
     rotary_rows: torch.Tensor | None = None
+    # [num_reqs]: each request's recurrent-state slot (-1: none), which only a model
+    # with linear-attention layers reads.
+    state_slots: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -322,6 +348,7 @@ class StepInputs:
                 seq_lens=long_tensor(seq_lens),
                 query_start_loc=long_tensor(query_start_loc),
                 rotary_rows=rotary_rows,
+                state_slots=torch.tensor([q[0].state_slot for q in queries], dtype=torch.long),
             ),
             sampling=SamplingInputs.of(rows, sampled, drafts, logits_indices, prompt_rows),
             return_hidden_states=return_hidden_states,

@@ -1,0 +1,149 @@
+"""A hybrid model (Qwen3.5: Gated DeltaNet layers beside gated full attention) through
+the engine: its greedy tokens equal transformers', eager and captured, across prefill
+chunks and mixed batches; speculation over it is exact; each request holds one state
+slot from admission to its end; and each way a step could read or keep the wrong state
+is caught (tests/mutations.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import generate_logits, greedy, token_ids
+from tests.mutations import forget_refresh
+from tests.probes import logits_of, probed, records
+from tests.test_qwen35 import build
+from updraft import LLM, SamplingParams
+
+MAX_TOKENS = 12
+# Prompts of mixed lengths, the longest over several prefill chunks of the budget below
+# and over several blocks of the chunked delta rule.
+LENGTHS = (150, 7, 41, 3, 90, 22, 64, 12)
+SMALL_STEPS = {"max_num_batched_tokens": 48, "block_size": 8}
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(1, 256, (LENGTHS[i % len(LENGTHS)],), generator=generator).tolist()
+        for i in range(count)
+    ]
+
+
+@pytest.fixture(scope="module")
+def qwen35(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("qwen3.5-engine")
+    return build("qwen3.5", directory), directory
+
+
+@pytest.fixture(scope="module")
+def expected(qwen35):
+    """transformers' greedy tokens for ``prompts(8)``."""
+    reference, _ = qwen35
+    return [generate_logits(reference, prompt, MAX_TOKENS)[0] for prompt in prompts(8)]
+
+
+def run(directory, batch: list[list[int]], **engine) -> tuple[list[list[int]], LLM]:
+    llm = LLM(str(directory), **{**SMALL_STEPS, **engine})
+    return token_ids(llm.generate(batch, [greedy(MAX_TOKENS)] * len(batch))), llm
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_greedy_tokens_equal_transformers(qwen35, expected, eager):
+    _, directory = qwen35
+    got, llm = run(directory, prompts(8), enforce_eager=eager)
+    assert got == expected
+    stats = llm.engine.stats()
+    assert stats.state_slots_used == 0 and stats.state_slots_total > 0
+    assert stats.kv_blocks_used == 0
+    if not eager:
+        assert stats.steps["graph"] > 0
+
+
+SPECULATION = {
+    "ngram": {"speculative_method": "ngram", "num_speculative_tokens": 3},
+    "draft-is-target": {"num_speculative_tokens": 3},
+}
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+@pytest.mark.parametrize("method", sorted(SPECULATION))
+def test_speculation_is_exact_at_batch_1_and_8(qwen35, expected, method, eager):
+    """Greedy tokens under speculation equal plain greedy decoding; a draft model equal
+    to the target runs the very recurrence the verify step runs, so every draft is
+    accepted at every position."""
+    _, directory = qwen35
+    args = dict(SPECULATION[method], enforce_eager=eager)
+    if method == "draft-is-target":
+        args["speculative_model"] = str(directory)
+    for batch in (1, 8):
+        got, llm = run(directory, prompts(batch), **args)
+        assert got == expected[:batch]
+        stats = llm.engine.stats()
+        assert stats.speculative.rounds > 0
+        if method == "draft-is-target":
+            assert stats.speculative.accepted == stats.speculative.proposed
+        assert stats.state_slots_used == 0
+
+
+def test_requests_wait_for_a_state_slot_and_preemption_recomputes_the_state(qwen35, expected):
+    """Two state slots for eight requests: the rest wait at admission. A cache of few
+    blocks preempts running requests, which give their slot back and start again from
+    a zero state. An abort frees its slot."""
+    _, directory = qwen35
+    llm = LLM(str(directory), **SMALL_STEPS, max_num_seqs=2, num_kv_blocks=40, enforce_eager=False)
+    assert llm.engine.stats().state_slots_total == 2
+    got = token_ids(llm.generate(prompts(8), [greedy(MAX_TOKENS)] * 8))
+    assert got == expected
+    stats = llm.engine.stats()
+    assert stats.state_slots_used == 0 and stats.kv_blocks_used == 0
+    engine = llm.engine
+    request_id = engine.add_request(prompts(1)[0], greedy(50))
+    engine.step()
+    assert engine.stats().state_slots_used == 1
+    engine.abort_request(request_id)
+    assert engine.stats().state_slots_used == 0
+
+
+@pytest.mark.parametrize("method", ["plain", "draft-is-target"])
+def test_a_state_slot_the_graph_does_not_refresh_is_caught(qwen35, expected, monkeypatch, method):
+    """The graphs replay the state slots of the step they captured (all padding: the
+    spare slot) or of an earlier batch: the tokens go wrong."""
+    _, directory = qwen35
+    graph = "target" if method == "plain" else "draft"
+    forget_refresh(monkeypatch, "state_slots", graph)
+    args = {} if method == "plain" else {"speculative_model": str(directory)}
+    got, llm = run(directory, prompts(8), enforce_eager=False, **args)
+    if method == "plain":
+        assert got != expected
+    else:
+        assert llm.engine.stats().speculative.acceptance_rate < 0.9
+
+
+def test_sampling_under_speculation_draws_from_the_target_distribution(qwen35, tmp_path):
+    """Sampled with a draft model of other weights, so that drafts are rejected: every
+    logits row the target drew a token from (the rejection sampler keeps exactly that
+    distribution) equals transformers' logits for the tokens before it. A rejected
+    draft's state kept would move every later row."""
+    reference, directory = qwen35
+    build("qwen3.5", tmp_path / "draft", seed=1)
+    batch = prompts(4, seed=5)
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=10, seed=i, ignore_eos=True) for i in range(4)
+    ]
+    llm = probed(
+        str(directory),
+        **SMALL_STEPS,
+        speculative_model=str(tmp_path / "draft"),
+        num_speculative_tokens=3,
+        enforce_eager=False,
+    )
+    outputs = llm.generate(batch, params)
+    metrics = llm.engine.stats().speculative
+    assert 0 < metrics.num_accepted_tokens < metrics.num_draft_tokens
+    seen = records(llm)
+    for prompt, output in zip(batch, outputs, strict=True):
+        tokens = output.outputs[0].token_ids
+        with torch.no_grad():
+            logits = reference(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+        torch.testing.assert_close(logits_of(seen, output), logits.float(), atol=2e-4, rtol=0)

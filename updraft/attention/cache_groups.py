@@ -1,0 +1,140 @@
+"""A model's caches as one description: groups of layers, each of one cache kind.
+
+* **paged**: per-token K/V (or MLA's latent) in blocks of positions that every request
+  pages through by its block table. One slot is one position; the pool of blocks and
+  the prefix cache count blocks and never look inside.
+* **recurrent**: per-request state of linear-attention layers (Gated DeltaNet's causal
+  conv window and recurrent state). A request holds one slot from admission to its end
+  or preemption, whatever its length; a slot has ``depth`` rows, the state after
+  positions p with ``p % depth`` equal to the row, so a verify step of up to ``depth``
+  tokens leaves the state after each of them and the next step reads the one after its
+  last accepted token (``models/delta_rule.py``).
+
+Both kinds are paid for out of one memory budget (``split_budget``). Every cache has one
+spare slot at its end that padded tokens (slot -1) and padded requests (state slot -1)
+write into. The layers of a group share a layout and dtype; the list of caches handed to
+a model has one tensor per decoder layer, in layer order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from updraft.attention.cache_layout import CacheLayout, cache_layout, zeros_on_first_write
+from updraft.model_config import ModelConfig
+
+PAGED = "paged"
+RECURRENT = "recurrent"
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    kind: str  # PAGED or RECURRENT
+    layers: tuple[int, ...]
+    # paged: one position's slot; recurrent: one request's slot ([depth, state width])
+    layout: CacheLayout
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return len(self.layers) * self.layout.values_per_slot * self.dtype.itemsize
+
+
+def cache_groups(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    state_dtype: torch.dtype = torch.float32,
+    depth: int = 1,
+) -> tuple[CacheGroup, ...]:
+    """``config``'s cache groups (this rank's share of heads, when it is a rank's local
+    config): the paged K/V of its attention layers in ``dtype``, and the recurrent
+    state of its linear-attention layers in ``state_dtype``, ``depth`` rows per slot
+    (1 + the speculative tokens a verify step carries)."""
+    groups = []
+    if config.attention_layers:
+        groups.append(CacheGroup(PAGED, config.attention_layers, cache_layout(config), dtype))
+    linear = config.linear_attention
+    if config.linear_layers:
+        state = CacheLayout(before_slots=(), per_slot=(depth, linear.state_width))
+        groups.append(
+            CacheGroup(RECURRENT, tuple(sorted(config.linear_layers)), state, state_dtype)
+        )
+    return tuple(groups)
+
+
+def group_of(groups: tuple[CacheGroup, ...], kind: str) -> CacheGroup | None:
+    return next((group for group in groups if group.kind == kind), None)
+
+
+class CacheSizes(NamedTuple):
+    num_blocks: int
+    num_state_slots: int
+
+
+def split_budget(
+    groups: tuple[CacheGroup, ...], budget_bytes: int, slots_per_block: int, max_num_seqs: int
+) -> CacheSizes:
+    """KV blocks and state slots out of one budget. Every running request holds a state
+    slot, so up to ``max_num_seqs`` slots are kept, but at most half the budget goes to
+    them: a request waits at admission for a free slot as it does for free blocks."""
+    paged, recurrent = group_of(groups, PAGED), group_of(groups, RECURRENT)
+    slots = 0
+    if recurrent is not None:
+        slots = min(max_num_seqs, budget_bytes // 2 // recurrent.bytes_per_slot)
+        if slots < 1:
+            raise ValueError(
+                f"a KV cache budget of {budget_bytes / 2**30:.3f} GiB holds no recurrent-state "
+                f"slot ({recurrent.bytes_per_slot} bytes each): raise kv_cache_memory_gib"
+            )
+        budget_bytes -= slots * recurrent.bytes_per_slot
+    blocks = 0
+    if paged is not None:
+        blocks = budget_bytes // (slots_per_block * paged.bytes_per_slot)
+        if blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_gib holds no KV block ({slots_per_block * paged.bytes_per_slot} "
+                "bytes each)"
+            )
+    return CacheSizes(blocks, slots)
+
+
+def allocate_caches(
+    groups: tuple[CacheGroup, ...],
+    num_layers: int,
+    sizes: CacheSizes,
+    slots_per_block: int,
+    device: torch.device | str,
+) -> list[torch.Tensor]:
+    """One cache tensor per decoder layer, in layer order, each with its spare slot."""
+    caches: list[torch.Tensor | None] = [None] * num_layers
+    for group in groups:
+        count = sizes.num_blocks * slots_per_block if group.kind == PAGED else sizes.num_state_slots
+        shape = group.layout.shape(count + 1)
+        try:
+            for layer in group.layers:
+                caches[layer] = allocate(shape, group.dtype, device)
+        except (MemoryError, OSError, torch.OutOfMemoryError) as error:  # mmap: ENOMEM
+            size = len(group.layers) * math.prod(shape) * group.dtype.itemsize / 2**30
+            raise ValueError(
+                f"cannot allocate a {group.kind} cache of {count} slots ({size:.1f} GiB) on "
+                f"{device}: {error}; lower kv_cache_memory_gib or num_kv_blocks"
+            ) from error
+    return caches
+
+
+def allocate(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    if torch.device(device).type == "cpu":
+        return zeros_on_first_write(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def live_slots(cache: torch.Tensor, group: CacheGroup) -> torch.Tensor:
+    """``cache`` without its spare slot, which padded writes land in."""
+    dim = group.layout.slot_dim
+    return cache.narrow(dim, 0, cache.shape[dim] - 1)
