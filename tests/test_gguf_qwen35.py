@@ -13,6 +13,12 @@ what transformers' own ``fix_query_key_value_ordering`` makes of them.
 
 The norms are drawn on a grid of 1/256, so the converter's 1 + w is exact and so is
 the loader's way back.
+
+Through ``LLM``, each family's Q8_0 file (and the f32 Qwen3.5 one) gives transformers'
+greedy tokens and logits on the weights the file stands for. A Qwen3-Next file is read
+as Qwen3.5-MoE (its converter stores Qwen3.5's projection layout), and gives Qwen3-Next's
+tokens. The config is the checkpoint's; a file missing a layer's tensor, or with sizes
+that disagree, is refused naming it.
 """
 
 from __future__ import annotations
@@ -29,11 +35,14 @@ import transformers
 from gguf import GGMLQuantizationType, quants
 from safetensors.torch import load_file
 
+from tests.helpers import generate_logits, greedy
 from tests.llama_cpp_tree import convert_many, llama_cpp_tree
+from tests.probes import logits_of, probed, records
 from updraft.checkpoints.gguf import metadata
 from updraft.checkpoints.gguf_header import read_gguf
 from updraft.model_config.parts import LinearAttentionConfig
-from updraft.model_config.qwen35_gguf import GGUF_ROWS, GGUF_TENSORS, from_gguf
+from updraft.model_config.qwen35_gguf import GGUF_TENSORS, from_gguf
+from updraft.model_config.registry import Architecture, for_gguf
 from updraft.models.gguf_experts import STACKED
 from updraft.models.gguf_linear_attention import LinearAttentionTensors
 from updraft.models.gguf_loader import hf_name
@@ -116,20 +125,17 @@ def files(tmp_path_factory) -> dict[str, tuple[Path, dict[str, Path]]]:
     return made
 
 
-def file_row(path: Path) -> tuple[str, dict[str, Any]]:
-    """The architecture whose registry row names the file's, and that row's GGUF fields."""
-    arch = metadata([path])[0]["general.architecture"]
-    (row,) = [(name, row) for name, row in GGUF_ROWS.items() if row["gguf_name"] == arch]
-    return row
+def file_row(path: Path) -> Architecture:
+    """The registry row that names the file's architecture."""
+    return for_gguf(metadata([path])[0]["general.architecture"], path.name)
 
 
 def config_of(path: Path) -> dict[str, Any]:
     """The config.json the file's metadata gives."""
     fields, tensors = metadata([path])
     arch = fields["general.architecture"]
-    architecture, _ = file_row(path)
-    return from_gguf(
-        path.name, architecture, lambda k, d=None: fields.get(f"{arch}.{k}", d), tensors
+    return file_row(path).from_gguf(
+        path.name, file_row(path).name, lambda k, d=None: fields.get(f"{arch}.{k}", d), tensors
     )
 
 
@@ -144,7 +150,7 @@ def read_back(path: Path) -> dict[str, tuple[str, np.ndarray]]:
         value_head_dim=config["linear_value_head_dim"],
         conv_kernel=config["linear_conv_kernel_dim"],
     )
-    tiled = file_row(path)[1]["gguf_tiled_value_heads"]
+    tiled = file_row(path).gguf_tiled_value_heads
     stream = LinearAttentionTensors(config["num_hidden_layers"], linear, tiled)
     out = {}
     for tensor in stream.tensors(read_gguf(path).tensors, path.name):
@@ -313,9 +319,8 @@ def test_a_file_missing_a_state_tensor_or_with_inconsistent_sizes_is_refused(fil
     else:
         key, value = change.split("=")
         fields[key] = json.loads(value.replace("True", "true").replace("None", "null"))
-    architecture, _ = file_row(path)
     with pytest.raises(ValueError, match=words):
-        from_gguf(path.name, architecture, lambda k, d=None: fields.get(k, d), tensors)
+        from_gguf(path.name, file_row(path).name, lambda k, d=None: fields.get(k, d), tensors)
 
 
 def test_multi_token_prediction_blocks_are_left_to_their_head(files):
@@ -360,3 +365,56 @@ def test_a_positive_ssm_a_is_refused():
     bad = MadeTensor("blk.0.ssm_a", np.array([-1.0, 0.5, -2.0, -1.0], np.float32), F32)
     with pytest.raises(ValueError, match=r"x\.gguf: blk\.0\.ssm_a: holds a value that is not"):
         list(stream.tensors([bad], "x.gguf"))
+
+
+# Prompts over several blocks of the chunked delta rule and single tokens; new tokens
+# decoded one at a time from the state.
+PROMPTS = [list(range(3, 80)), [200, 17, 9], [5] * 30 + [6, 7, 8, 9]]
+NEW_TOKENS = 12
+
+
+def as_the_file_stands(model: torch.nn.Module, path: Path) -> None:
+    """Each of ``model``'s weights replaced by what the file holds for it: the values
+    gguf-py's quantizer gives in the file's type (rows are quantized apart, so the
+    converter's row moves do not change them); A_log through the file's -exp(A_log)."""
+    loaded = read_back(path)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.copy_(torch.from_numpy(loaded[name][1]))
+                continue
+            kind = loaded[_loaded_name(name)][0]
+            param.copy_(torch.from_numpy(stands_for(param, kind)))
+
+
+def _loaded_name(name: str) -> str:
+    """The name ``read_back`` gives the file tensor that holds transformers' ``name``
+    (the first, where it holds parts of it in several of one type)."""
+    for old, new in RENAMED_MODULES:
+        name = name.replace(old, new)
+    for fused, first in (
+        ("experts.gate_up_proj", "experts.gate_proj"),
+        ("in_proj_qkvz.weight", "in_proj_qkv.weight"),
+        ("in_proj_ba.weight", "in_proj_b.weight"),
+    ):
+        name = name.replace(fused, first)
+    return name
+
+
+# Each family's Q8_0 file (its quantized linears), and one f32 file: each tensor is
+# compared with the checkpoint's in every file above.
+RUNS = [("qwen3.5", "f32"), ("qwen3.5", "q8_0"), ("qwen3.5-moe", "q8_0"), ("qwen3-next", "q8_0")]
+
+
+@pytest.mark.parametrize(("family", "outtype"), RUNS)
+def test_a_converted_file_gives_transformers_tokens(files, family, outtype):
+    checkpoint, paths = files[family]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    as_the_file_stands(reference, paths[outtype])
+    expected = [generate_logits(reference, prompt, NEW_TOKENS) for prompt in PROMPTS]
+    llm = probed(str(paths[outtype]), block_size=8, enforce_eager=True, activations="float32")
+    outputs = llm.generate(PROMPTS, greedy(NEW_TOKENS))
+    seen = records(llm)
+    for (tokens, logits), output in zip(expected, outputs, strict=True):
+        assert list(output.outputs[0].token_ids) == tokens
+        assert (logits_of(seen, output) - logits).abs().max().item() < 2e-4

@@ -25,6 +25,7 @@ from typing import Any
 
 from updraft.model_config.fields import gguf_decoder_fields
 from updraft.model_config.gguf_experts import read_experts
+from updraft.model_config.qwen35 import ALL_EXPERTS, SOME_EXPERTS
 
 Tensors = dict[str, tuple[str, tuple[int, ...]]]  # name -> (type, shape, rows first)
 
@@ -58,17 +59,9 @@ LINEAR_TENSORS = (
 SEPARATE_BETA_ALPHA = ("ssm_beta.weight", "ssm_alpha.weight")
 FUSED_BETA_ALPHA = ("ssm_ba.weight", "ssm_beta_alpha.weight")  # the converter's, early files
 FULL_TENSORS = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")
-# The GGUF fields of the family's registry rows (``model_config/registry.py``), by
-# architecture: llama.cpp stores Qwen3.5's value heads tiled, Qwen3-Next's as they are
-# (the loader asks the row of the file's own architecture).
-GGUF_ROWS: dict[str, dict[str, Any]] = {
-    "Qwen3_5ForCausalLM": {"gguf_name": "qwen35", "gguf_tiled_value_heads": True},
-    "Qwen3_5MoeForCausalLM": {"gguf_name": "qwen35moe", "gguf_tiled_value_heads": True},
-    "Qwen3NextForCausalLM": {"gguf_name": "qwen3next", "gguf_tiled_value_heads": False},
-}
-# The families with experts; files of the second are read as the first's (see
-# _expert_fields).
-MIXTURES = ("Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
+# The families with experts (the parser's lists); Qwen3-Next's files are read as the
+# first's (see _expert_fields).
+MIXTURES = (*ALL_EXPERTS, *SOME_EXPERTS)
 # The MRoPE sections transformers' Qwen3.5 config states (text positions turn them alike).
 MROPE_SECTION = [11, 11, 10]
 
@@ -146,7 +139,7 @@ def _expert_fields(
     if not experts.shared_width:
         raise ValueError(f"{file_name}: layer 0 has no shared expert (ffn_down_shexp)")
     fields: dict[str, Any] = {
-        "architectures": [MIXTURES[0]],
+        "architectures": [ALL_EXPERTS[0]],  # Qwen3.5-MoE's causal LM
         "num_experts": experts.num_experts,
         "num_experts_per_tok": experts.experts_per_token,
         "moe_intermediate_size": experts.width,
@@ -245,7 +238,3 @@ def _expect(file_name: str, tensors: Tensors, name: str, shape: tuple[int, ...])
             f"{file_name}: {name} has shape {list(found)} (rows first), not {list(shape)} as "
             "the file's ssm and attention sizes give"
         )
-
-
-for _fields in GGUF_ROWS.values():
-    _fields.update(from_gguf=from_gguf, gguf_tensor_names=GGUF_TENSORS)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from updraft.model_config import deepseek, gemma3, llama, qwen35
+from updraft.model_config import deepseek, gemma3, llama, qwen35, qwen35_gguf
 
 # config.json (as a dict) and the architecture named in it -> ModelConfig's fields.
 Parser = Callable[[dict[str, Any], str], dict[str, Any]]
@@ -130,9 +130,34 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("DeepseekV32ForCausalLM", deepseek.parse, DEEPSEEK),
         # Gated DeltaNet layers between gated full-attention ones; the multimodal
         # checkpoints' text tower.
-        Architecture("Qwen3_5ForCausalLM", qwen35.parse, QWEN35),
-        Architecture("Qwen3_5MoeForCausalLM", qwen35.parse, QWEN35),
-        Architecture("Qwen3NextForCausalLM", qwen35.parse, QWEN35),
+        # Their GGUF files (qwen3next's read as Qwen3.5-MoE: model_config/qwen35_gguf.py);
+        # llama.cpp's converter tiles Qwen3.5's value heads.
+        Architecture(
+            "Qwen3_5ForCausalLM",
+            qwen35.parse,
+            QWEN35,
+            gguf_name="qwen35",
+            from_gguf=qwen35_gguf.from_gguf,
+            gguf_tensor_names=qwen35_gguf.GGUF_TENSORS,
+            gguf_tiled_value_heads=True,
+        ),
+        Architecture(
+            "Qwen3_5MoeForCausalLM",
+            qwen35.parse,
+            QWEN35,
+            gguf_name="qwen35moe",
+            from_gguf=qwen35_gguf.from_gguf,
+            gguf_tensor_names=qwen35_gguf.GGUF_TENSORS,
+            gguf_tiled_value_heads=True,
+        ),
+        Architecture(
+            "Qwen3NextForCausalLM",
+            qwen35.parse,
+            QWEN35,
+            gguf_name="qwen3next",
+            from_gguf=qwen35_gguf.from_gguf,
+            gguf_tensor_names=qwen35_gguf.GGUF_TENSORS,
+        ),
         Architecture("Qwen3_5ForConditionalGeneration", qwen35.parse, QWEN35),
         Architecture("Qwen3_5MoeForConditionalGeneration", qwen35.parse, QWEN35),
     )
