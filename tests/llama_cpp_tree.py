@@ -223,11 +223,11 @@ for job in json.loads(sys.argv.pop(1)):
 )
 
 
-def convert_many(jobs: list[tuple[Path, Path, str]], *extra: str) -> None:
-    """Each (checkpoint, outfile, outtype) written as ``convert`` writes it (with the
-    converter's arguments ``extra``), in one process."""
+def convert_many(jobs: list[tuple[Path, Path, str]]) -> None:
+    """Each (checkpoint, outfile, outtype) written as ``convert`` writes it, in one
+    process."""
     tree = llama_cpp_tree()
-    argv = [[str(c), "--outfile", str(o), "--outtype", t, *extra] for c, o, t in jobs]
+    argv = [[str(c), "--outfile", str(o), "--outtype", t] for c, o, t in jobs]
     command = [sys.executable, "-c", _CONVERT_MANY, str(tree), json.dumps(argv)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:

@@ -33,7 +33,7 @@ import pytest
 import torch
 import transformers
 from gguf import GGMLQuantizationType, quants
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from tests.helpers import generate_logits, greedy
 from tests.llama_cpp_tree import convert_many, llama_cpp_tree
@@ -103,10 +103,33 @@ def build(family: str, directory: Path) -> Path:
             elif name.endswith(("A_log", "dt_bias", "mlp.gate.weight")):
                 param.normal_(0, 1.0)
     model.save_pretrained(directory)
+    with_a_prediction_layer(directory)
     # The converter's built-in vocabulary is cut to the tokenizer's size.
     vocab = {str(i): i for i in range(HYBRID["vocab_size"])}
     (directory / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}}))
     return directory
+
+
+def with_a_prediction_layer(directory: Path) -> None:
+    """One multi-token prediction layer added as published Qwen3.5 checkpoints hold it
+    (transformers' model leaves it out): ``mtp.*`` tensors, a full-attention layer (the
+    last decoder layer's values) with its own norms and ``fc``, and
+    ``mtp_num_hidden_layers``; the converter writes it as a block after the decoder's."""
+    tensors = load_file(directory / "model.safetensors")
+    last = f"model.layers.{HYBRID['num_hidden_layers'] - 1}."
+    added = {
+        f"mtp.layers.0.{name.removeprefix(last)}": tensor.clone()
+        for name, tensor in tensors.items()
+        if name.startswith(last)
+    }
+    hidden = HYBRID["hidden_size"]
+    added["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden) * 0.1
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        added[f"mtp.{norm}.weight"] = torch.zeros(hidden)
+    save_file({**tensors, **added}, directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["mtp_num_hidden_layers"] = 1
+    (directory / "config.json").write_text(json.dumps(config))
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +143,7 @@ def files(tmp_path_factory) -> dict[str, tuple[Path, dict[str, Path]]]:
         paths = {outtype: root / f"{family}-{outtype}.gguf" for outtype in OUTTYPES}
         jobs += [(checkpoint, path, outtype) for outtype, path in paths.items()]
         made[family] = (checkpoint, paths)
-    # The tiny checkpoints have no multi-token prediction layers for the converter to add.
-    convert_many(jobs, "--no-mtp")
+    convert_many(jobs)
     return made
 
 
@@ -173,6 +195,8 @@ def checkpoint_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, torch.Tensor]] = {}
     for name, tensor in tensors.items():
+        if name.startswith("mtp."):
+            continue  # the prediction layer's: the decoder's loader passes them over
         for old, new in RENAMED_MODULES:
             name = name.replace(old, new)
         expert = re.fullmatch(r"(.+\.experts)\.(\d+)\.(\w+)\.weight", name)
@@ -323,20 +347,18 @@ def test_a_file_missing_a_state_tensor_or_with_inconsistent_sizes_is_refused(fil
         from_gguf(path.name, file_row(path).name, lambda k, d=None: fields.get(k, d), tensors)
 
 
-def test_multi_token_prediction_blocks_are_left_to_their_head(files):
-    """A file's MTP blocks come after the decoder's: the config counts them apart and
-    the loader passes them over."""
-    path = files["qwen3.5"][1]["f32"]
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_multi_token_prediction_blocks_are_left_to_their_head(files, family):
+    """The file's MTP block comes after the decoder's: the config counts it apart and
+    the decoder's loader passes it over."""
+    path = files[family][1]["f32"]
     fields, tensors = _metadata(path)
-    fields.update(block_count=5, nextn_predict_layers=1)
-    fields["attention.recurrent_layers"] = [*fields["attention.recurrent_layers"], False]
-    config = from_gguf(path.name, "Qwen3_5ForCausalLM", lambda k, d=None: fields.get(k, d), tensors)
+    assert (fields["block_count"], fields["nextn_predict_layers"]) == (5, 1)
+    assert "blk.4.nextn.eh_proj.weight" in tensors and "blk.4.attn_q.weight" in tensors
+    config = config_of(path)
     assert (config["num_hidden_layers"], config["mtp_num_hidden_layers"]) == (4, 1)
     assert config["layer_types"] == HYBRID["layer_types"]
-    linear = LinearAttentionConfig(2, 4, 16, 32, 4)
-    extra = MadeTensor("blk.4.attn_q.weight", np.zeros((4, 4), np.float32), F32)
-    kept = LinearAttentionTensors(4, linear, True).tensors([extra], path.name)
-    assert list(kept) == []
+    assert not [name for name in read_back(path) if name.startswith("model.layers.4.")]
 
 
 def test_a_value_head_narrower_than_a_block_is_widened_to_the_same_values():
