@@ -16,7 +16,13 @@ ranks other than 0, ``on_other_ranks`` (a worker pool's initializer) installs th
 * ``hidden_states``: the target's hidden states of a split step reach the heads
   ungathered (each rank's own rows, zeros for the rest) or gathered in rank order
   instead of the step's;
-* ``fail_in_a_head_step``: the rank exits, or hangs, when a head's forward reaches it.
+* ``fail_in_a_head_step``: the rank exits, or hangs, when a head's forward reaches it;
+* a hybrid model's recurrent state: ``padded_rows_write_slot`` (a bucket's padded
+  requests write a live request's slot), ``conv_window_shifted`` (the causal conv keeps
+  its window one token off), ``restarts_from_the_slot`` (a query from position 0 on,
+  after preemption too, starts from the slot's last state, not from zeros),
+  ``verify_keeps_only_its_last_state`` (a verify step leaves only the state after its
+  last draft, accepted or not).
 """
 
 from __future__ import annotations
@@ -30,15 +36,19 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import updraft.runner.runner as runner_module
+import updraft.step.inputs as inputs_module
 from updraft.graph.static_input import StaticInput
+from updraft.models import delta_rule
+from updraft.models.gated_delta_net import GatedDeltaNet
 from updraft.parallel.topology import GroupRank
 from updraft.runner.follower import Follower
 from updraft.runner.rank_messages import HiddenRows, RankStep
 from updraft.speculative.draft_model import DraftModel
 from updraft.speculative.head import HeadProposer
-from updraft.step.inputs import StepInputs
+from updraft.step.inputs import GRAPH_INPUTS, GraphInput, StepInputs
 from updraft.step.prefill_split import PrefillSplit, split_step, splits
 
 Active = Callable[[], bool]  # whether a mutation installed for a process's life is on
@@ -227,3 +237,39 @@ def switch_names(switch: Path, name: str) -> bool:
         return switch.read_text() == name
     except FileNotFoundError:
         return False
+
+
+# -- a hybrid model's recurrent state -------------------------------------------------
+
+
+def padded_rows_write_slot(monkeypatch: pytest.MonkeyPatch, slot: int) -> None:
+    """Padded requests of a graph bucket get state slot ``slot`` (a live request's)
+    instead of -1, the spare: their writes land in that request's state."""
+    padded = GraphInput("state_slots", ("requests",), pad=slot)
+    monkeypatch.setattr(inputs_module, "STATE_GRAPH_INPUTS", (*GRAPH_INPUTS, padded))
+
+
+def conv_window_shifted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The causal conv keeps the window one token too early: the K - 1 channels before
+    the newest token's, instead of the newest K - 1."""
+
+    def shifted(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor):
+        kernel = weight.shape[1]
+        sequence = torch.cat([window, x.transpose(1, 2)], dim=2)
+        out = F.conv1d(sequence, weight[:, None, :], groups=weight.shape[0])
+        end = sequence.shape[2] - 1
+        return F.silu(out).transpose(1, 2), sequence[:, :, end - (kernel - 1) : end]
+
+    monkeypatch.setattr(delta_rule, "causal_conv", shifted)
+
+
+def restarts_from_the_slot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A query from position 0 on (a new request, or a preempted one computed again)
+    starts from whatever its slot holds rather than from a zero state."""
+    initial = GatedDeltaNet._initial
+
+    def stale(self, cache: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor):
+        # The row before position 1 of the slot: what its last occupant left there.
+        return initial(self, cache, slots, starts.clamp(min=1))
+
+    monkeypatch.setattr(GatedDeltaNet, "_initial", stale)

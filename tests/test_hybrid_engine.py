@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from tests.helpers import generate_logits, greedy, token_ids
-from tests.mutations import forget_refresh
+from tests.mutations import (
+    conv_window_shifted,
+    forget_refresh,
+    padded_rows_write_slot,
+    restarts_from_the_slot,
+    verify_keeps_only_its_last_state,
+)
 from tests.probes import logits_of, probed, records
 from tests.test_qwen35 import build
 from updraft import LLM, SamplingParams
@@ -101,7 +107,7 @@ def test_requests_wait_for_a_state_slot_and_preemption_recomputes_the_state(qwen
     request_id = engine.add_request(prompts(1)[0], greedy(50))
     engine.step()
     assert engine.stats().state_slots_used == 1
-    engine.abort_request(request_id)
+    engine.abort(request_id)
     assert engine.stats().state_slots_used == 0
 
 
@@ -126,7 +132,7 @@ def test_sampling_under_speculation_draws_from_the_target_distribution(qwen35, t
     distribution) equals transformers' logits for the tokens before it. A rejected
     draft's state kept would move every later row."""
     reference, directory = qwen35
-    build("qwen3.5", tmp_path / "draft", seed=1)
+    build("qwen3-next", tmp_path / "draft")  # other weights, the same vocabulary
     batch = prompts(4, seed=5)
     params = [
         SamplingParams(temperature=1.0, max_tokens=10, seed=i, ignore_eos=True) for i in range(4)
@@ -147,3 +153,53 @@ def test_sampling_under_speculation_draws_from_the_target_distribution(qwen35, t
         with torch.no_grad():
             logits = reference(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
         torch.testing.assert_close(logits_of(seen, output), logits.float(), atol=2e-4, rtol=0)
+
+
+def test_a_padded_request_writing_a_live_slot_is_caught(qwen35, expected, monkeypatch):
+    """Three requests in a bucket of four: the padded fourth writes into slot 0, a live
+    request's, when its pad is 0 rather than the spare slot."""
+    _, directory = qwen35
+    padded_rows_write_slot(monkeypatch, 0)
+    batch = prompts(3)
+    got, llm = run(directory, batch, enforce_eager=False, capture_sizes=(4,))
+    assert llm.engine.stats().steps["graph"] > 0
+    assert got != expected[:3]
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_a_conv_window_shifted_by_one_is_caught(qwen35, expected, monkeypatch, eager):
+    _, directory = qwen35
+    conv_window_shifted(monkeypatch)
+    got, _ = run(directory, prompts(8), enforce_eager=eager)
+    assert got != expected
+
+
+def test_a_preempted_request_resuming_from_a_stale_state_is_caught(qwen35, expected, monkeypatch):
+    """With two slots handed from request to request and preemptions, a query from
+    position 0 that reads its slot instead of starting from zeros goes wrong."""
+    _, directory = qwen35
+    restarts_from_the_slot(monkeypatch)
+    llm = LLM(str(directory), **SMALL_STEPS, max_num_seqs=2, num_kv_blocks=24)
+    outputs = llm.generate(prompts(8), [greedy(MAX_TOKENS)] * 8)
+    assert sum(output.metrics.num_preemptions for output in outputs) > 0
+    assert token_ids(outputs) != expected
+
+
+@pytest.mark.parametrize("method", ["ngram", "other-draft"])
+def test_a_verify_step_that_keeps_its_last_drafts_state_is_caught(
+    qwen35, expected, monkeypatch, tmp_path, method
+):
+    """The state after a rejected draft kept: the next step starts from it. (Where every
+    draft is accepted, as with draft == target, the last state is the right one.)"""
+    _, directory = qwen35
+    verify_keeps_only_its_last_state(monkeypatch)
+    args = {"num_speculative_tokens": 3, "enforce_eager": False}
+    if method == "ngram":
+        args["speculative_method"] = "ngram"
+    else:
+        build("qwen3-next", tmp_path / "draft")
+        args["speculative_model"] = str(tmp_path / "draft")
+    got, llm = run(directory, prompts(8), **args)
+    metrics = llm.engine.stats().speculative
+    assert metrics.num_accepted_tokens < metrics.num_draft_tokens
+    assert got != expected

@@ -84,6 +84,21 @@ def test_data_dependent_shape_is_refused():
         capture(model, lambda: model.inputs[model.inputs > 0])
 
 
+@torch.inference_mode()
+def test_a_write_into_a_tensor_made_from_constants_is_refused():
+    """``torch.zeros`` reads nothing, so the graph folds it as a constant, and a view of
+    it too: a replay would read the capture's values where the step wrote new ones."""
+    model = Toy()
+
+    def accumulate() -> torch.Tensor:
+        out = torch.zeros(3, 4)
+        out[:2] = model.proj(model.inputs)[:2]
+        return out.view(12) + 1
+
+    with pytest.raises(CaptureError, match=r"aten.copy_.default at \(top level\) writes into a"):
+        capture(model, accumulate)
+
+
 @torch.inference_mode()  # as the engine captures: these ops then reach the recorder whole
 def test_an_op_that_may_alias_but_copied_is_rerun():
     """``to``, ``reshape`` and ``contiguous`` return a view only when they can; when they

@@ -92,6 +92,7 @@ class RecordedGraph:
         # hold a tensor produced later, which would then pass for a constant and be
         # baked into the graph with the capture's values.
         self.folded: list[torch.Tensor] = []
+        self.folded_storages: set[int] = set()
         self.persistent_storages = {storage_of(t) for t in persistent}
         self.produced: set[int] = set()
         self.nodes: list[OpNode | TaskNode] = []
@@ -186,8 +187,11 @@ class RecordedGraph:
         mutates = func._schema.is_mutable
         if reads_only_constants and not mutates:
             self.constant_storages.update(storage_of(t) for t in outputs)
+            self.folded_storages.update(storage_of(t) for t in outputs)
             self.folded.extend(outputs)
             return
+        if mutates:
+            self.check_writes(func, args, kwargs)
         self.produced.update(storage_of(t) for t in outputs)
         # An op whose schema allows aliasing (to, reshape, contiguous) returns a view
         # only sometimes: whether it did is in the storages, and a copy must re-run.
@@ -198,6 +202,23 @@ class RecordedGraph:
         self.nodes.append(
             OpNode(func, args, kwargs, [] if mutates else outputs, rerun, out_variant)
         )
+
+    def check_writes(self, func: Any, args: Any, kwargs: Any) -> None:
+        """Refuses a write into a tensor made from constants alone (``torch.zeros``):
+        the graph folded it, and what later ops read of it, as values of the capture,
+        so every replay would read the capture's values and not the write's."""
+        written = [
+            value
+            for argument, value in zip(func._schema.arguments, [*args, *kwargs.values()])
+            if argument.alias_info is not None and argument.alias_info.is_write
+        ]
+        for tensor in tensors_in(written):
+            if storage_of(tensor) in self.folded_storages:
+                raise CaptureError(
+                    f"{func} at {self.location()} writes into a {tuple(tensor.shape)} tensor "
+                    "made from constants alone (torch.zeros, torch.empty, ...), which the graph "
+                    "holds as a constant: make it from a tensor of the step (new_zeros)"
+                )
 
     def record_task(
         self, op: Callable[..., Any], kwargs: dict[str, Any], key: Hashable

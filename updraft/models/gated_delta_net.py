@@ -95,15 +95,19 @@ class GatedDeltaNet(nn.Module):
         """[T, hidden] -> [T, hidden], reading and writing each request's rows of
         ``state`` (``state_slots[r]`` is request r's slot)."""
         mixed, z, b, a = self.project(hidden)
-        out = torch.zeros(
-            hidden.shape[0], self.linear.value_dim, dtype=torch.float32, device=hidden.device
-        )
         inputs = (mixed.float(), b.float(), a.float())
-        runs = _runs(metadata, state_slots.numel(), state.shape[1])
-        for first, last, query_len, tokens in runs:
+        # The runs' outputs joined, not written into a buffer made here: a captured
+        # graph takes a tensor made from nothing for a constant, and what reads it
+        # would not be replayed.
+        pieces, covered = [], 0
+        for first, last, query_len, tokens in _runs(metadata, state_slots.numel(), state.shape[1]):
             part = [x[tokens].view(last - first, query_len, -1) for x in inputs]
             ends = metadata.seq_lens[first:last]
-            out[tokens] = self._run(state, state_slots[first:last], ends, *part).flatten(0, 1)
+            pieces.append(self._run(state, state_slots[first:last], ends, *part).flatten(0, 1))
+            covered = tokens.stop
+        if covered < hidden.shape[0]:  # a bucket's padding tokens
+            pieces.append(mixed.new_zeros(hidden.shape[0] - covered, self.linear.value_dim))
+        out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         heads = out.view(hidden.shape[0], -1, self.linear.value_head_dim).to(hidden.dtype)
         gated = self.norm(heads, z.view_as(heads))
         return self.out_proj(gated.flatten(1))
@@ -132,14 +136,14 @@ class GatedDeltaNet(nn.Module):
             core, memory = delta_rule.chunked(
                 *(x.transpose(1, 2) for x in (q, k, v, g, beta)), memory
             )
-            self._store(cache, slots, (ends - 1) % depth, window, memory)
+            self._store(cache, slots, ends - 1, window, memory)
             return core.transpose(1, 2).reshape(requests, query_len, -1)
         outputs = []
         for t in range(query_len):
             conv, window = delta_rule.causal_conv(mixed[:, t : t + 1], window, weight)
             q, k, v = (x[:, 0] for x in self._heads(conv))
             core, memory = delta_rule.recurrent_step(q, k, v, g[:, t], beta[:, t], memory)
-            self._store(cache, slots, (starts + t) % depth, window, memory)
+            self._store(cache, slots, starts + t, window, memory)
             outputs.append(core.reshape(requests, -1))
         return torch.stack(outputs, dim=1)
 
@@ -165,7 +169,11 @@ class GatedDeltaNet(nn.Module):
         """Each request's window [R, C, K - 1] and state [R, H, Dk, Dv] before its query:
         the row of the token before it, or zeros for a query from position 0 on."""
         linear = self.linear
-        rows = cache[slots, (starts - 1) % cache.shape[1]].float()
+        rows = (
+            cache.view(-1, cache.shape[-1])
+            .index_select(0, _row_index(cache, slots, starts - 1))
+            .float()
+        )
         rows = torch.where((starts > 0)[:, None], rows, torch.zeros_like(rows))
         split = linear.conv_dim * (linear.conv_kernel - 1)
         window = rows[:, :split].view(-1, linear.conv_dim, linear.conv_kernel - 1)
@@ -178,12 +186,22 @@ class GatedDeltaNet(nn.Module):
     def _store(
         cache: torch.Tensor,
         slots: torch.Tensor,
-        rows: torch.Tensor,
+        positions: torch.Tensor,
         window: torch.Tensor,
         memory: torch.Tensor,
     ) -> None:
         values = torch.cat([window.flatten(1), memory.flatten(1)], dim=1)
-        cache[slots, rows] = values.to(cache.dtype)
+        cache.view(-1, cache.shape[-1]).index_copy_(
+            0, _row_index(cache, slots, positions), values.to(cache.dtype)
+        )
+
+
+def _row_index(cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Where the state after each request's token at ``positions`` lives in ``cache``
+    seen as [slots * depth, width]: its slot's row ``position % depth`` (slot -1, a
+    padded request's, is the spare last one). Index ops only: a graph can hold them."""
+    num_slots, depth = cache.shape[:2]
+    return slots.remainder(num_slots) * depth + positions.remainder(depth)
 
 
 def _runs(metadata: AttentionMetadata, num_requests: int, depth: int):
