@@ -423,20 +423,31 @@ def _loaded_name(name: str) -> str:
     return name
 
 
-# Each family's Q8_0 file (its quantized linears), and one f32 file: each tensor is
-# compared with the checkpoint's in every file above.
-RUNS = [("qwen3.5", "f32"), ("qwen3.5", "q8_0"), ("qwen3.5-moe", "q8_0"), ("qwen3-next", "q8_0")]
+# Each family's Q8_0 file (its quantized linears), and one f32 file, eager; one from
+# captured graphs. Each tensor is compared with the checkpoint's in every file above.
+RUNS = [
+    ("qwen3.5", "f32", True),
+    ("qwen3.5", "q8_0", True),
+    ("qwen3.5-moe", "q8_0", True),
+    ("qwen3.5-moe", "q8_0", False),
+    ("qwen3-next", "q8_0", True),
+]
 
 
-@pytest.mark.parametrize(("family", "outtype"), RUNS)
-def test_a_converted_file_gives_transformers_tokens(files, family, outtype):
+@pytest.mark.parametrize(
+    ("family", "outtype", "eager"),
+    RUNS,
+    ids=[f"{f}-{o}-{'eager' if e else 'graphs'}" for f, o, e in RUNS],
+)
+def test_a_converted_file_gives_transformers_tokens(files, family, outtype, eager):
     checkpoint, paths = files[family]
     reference = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     as_the_file_stands(reference, paths[outtype])
     expected = [generate_logits(reference, prompt, NEW_TOKENS) for prompt in PROMPTS]
-    llm = probed(str(paths[outtype]), block_size=8, enforce_eager=True, activations="float32")
+    llm = probed(str(paths[outtype]), block_size=8, enforce_eager=eager, activations="float32")
     outputs = llm.generate(PROMPTS, greedy(NEW_TOKENS))
     seen = records(llm)
     for (tokens, logits), output in zip(expected, outputs, strict=True):
         assert list(output.outputs[0].token_ids) == tokens
         assert (logits_of(seen, output) - logits).abs().max().item() < 2e-4
+    assert ("graph" in llm.engine.stats().steps) != eager
