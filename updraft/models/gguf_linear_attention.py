@@ -109,12 +109,12 @@ class LinearAttentionTensors:
         elif what in ("ssm_beta.weight", "ssm_alpha.weight", "ssm_dt.bias"):
             data = data[self.heads]
         elif what == "ssm_out.weight":
-            data, kind = self._out_columns(data, kind, where)
+            data, kind = self._out_columns(data, kind)
         else:
             return tensor
         return MadeTensor(tensor.name, np.ascontiguousarray(data), kind)
 
-    def _out_columns(self, data: np.ndarray, kind: Any, where: str) -> tuple[np.ndarray, Any]:
+    def _out_columns(self, data: np.ndarray, kind: Any) -> tuple[np.ndarray, Any]:
         """``ssm_out``'s columns (the value heads' values) back in groups: whole blocks
         moved where a head is whole blocks wide, else the tensor widened to float32."""
         if kind in FLOATS:
