@@ -1,24 +1,26 @@
 """Qwen3.5, Qwen3.5-MoE and Qwen3-Next GGUF files as llama.cpp's own converter writes
 them give back transformers' checkpoint.
 
-Tiny random checkpoints (three Gated DeltaNet layers, then one full attention layer;
-two key heads each serving two value heads, so Qwen3.5's tiled value heads are not
-their own order) are converted to f32 and q8_0 files. The tensors the loader reads
-from a file, under transformers' Qwen3.5 names, are the checkpoint's: exactly in an
-f32 file, the very values their Q8_0 blocks stand for in a q8_0 one (gguf-py's own
-quantizer on the checkpoint's tensor; a value head's 32 values are one block, so the
-tiled columns of ``ssm_out`` move as whole blocks). A_log comes back through
-log(-(-exp(A_log))), within rounding. Qwen3-Next's fused projections are compared with
-what transformers' own ``fix_query_key_value_ordering`` makes of them.
-
+Tiny random checkpoints (three Gated DeltaNet layers, then one full attention layer,
+then one multi-token prediction layer as published checkpoints carry; two key heads
+each serving three value heads, so Qwen3.5's tiled value heads are neither their own
+order nor their order's inverse) are converted to f32 and q8_0 files. The tensors the
+loader reads from a file, under transformers' Qwen3.5 names, are the checkpoint's:
+exactly in an f32 file, the very values their Q8_0 blocks stand for in a q8_0 one
+(gguf-py's own quantizer on the checkpoint's tensor; a value head's 32 values are one
+block, so the tiled columns of ``ssm_out`` move as whole blocks). A_log comes back
+through log(-(-exp(A_log))), within rounding. Qwen3-Next's fused projections are
+compared with what transformers' own ``fix_query_key_value_ordering`` makes of them.
 The norms are drawn on a grid of 1/256, so the converter's 1 + w is exact and so is
 the loader's way back.
 
-Through ``LLM``, each family's Q8_0 file (and the f32 Qwen3.5 one) gives transformers'
-greedy tokens and logits on the weights the file stands for. A Qwen3-Next file is read
-as Qwen3.5-MoE (its converter stores Qwen3.5's projection layout), and gives Qwen3-Next's
-tokens. The config is the checkpoint's; a file missing a layer's tensor, or with sizes
-that disagree, is refused naming it.
+Through ``LLM``, each family's q8_0 file (and the f32 Qwen3.5 one) gives transformers'
+greedy tokens and logits on the weights the file stands for; so does a q8_0 file whose
+value heads (16 values) are half a block, its ``ssm_out`` left in the file's column
+order. A Qwen3-Next file is read as Qwen3.5-MoE (its converter stores Qwen3.5's
+projection layout) and gives Qwen3-Next's tokens. The config is the checkpoint's; the
+MTP block is counted apart and not loaded; a file missing a layer's tensor, or with
+sizes that disagree, is refused naming it.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ HYBRID = dict(
     num_key_value_heads=2,
     head_dim=16,
     linear_num_key_heads=2,
-    linear_num_value_heads=4,
+    linear_num_value_heads=6,
     linear_key_head_dim=16,
     linear_value_head_dim=32,
     linear_conv_kernel_dim=4,
@@ -85,15 +87,18 @@ FAMILIES = {
     ),
 }
 OUTTYPES = ("f32", "q8_0")
+# Value heads of 16, half a Q8_0 block: its q8_0 file's ssm_out stays in the file's
+# column order, and the layer's output is gathered into it.
+NARROW = {"qwen3.5-narrow": ("qwen3.5", {"linear_value_head_dim": 16})}
 F32 = GGMLQuantizationType.F32
 
 
-def build(family: str, directory: Path) -> Path:
+def build(family: str, directory: Path, **more: Any) -> Path:
     """A random checkpoint of ``family``: norms on a grid of 1/256 (the converter's
     1 + w exact), sharp routers, A_log and dt_bias drawn away from their constant
     initial values."""
     config_class, model_class, changes = FAMILIES[family]
-    config = getattr(transformers, config_class)(**{**HYBRID, **changes})
+    config = getattr(transformers, config_class)(**{**HYBRID, **changes, **more})
     torch.manual_seed(0)
     model = getattr(transformers, model_class)(config)
     with torch.no_grad():
@@ -143,6 +148,10 @@ def files(tmp_path_factory) -> dict[str, tuple[Path, dict[str, Path]]]:
         paths = {outtype: root / f"{family}-{outtype}.gguf" for outtype in OUTTYPES}
         jobs += [(checkpoint, path, outtype) for outtype, path in paths.items()]
         made[family] = (checkpoint, paths)
+    for name, (family, changes) in NARROW.items():
+        checkpoint = build(family, root / name, **changes)
+        jobs.append((checkpoint, root / f"{name}-q8_0.gguf", "q8_0"))
+        made[name] = (checkpoint, {"q8_0": jobs[-1][1]})
     convert_many(jobs)
     return made
 
@@ -173,7 +182,8 @@ def read_back(path: Path) -> dict[str, tuple[str, np.ndarray]]:
         conv_kernel=config["linear_conv_kernel_dim"],
     )
     tiled = file_row(path).gguf_tiled_value_heads
-    stream = LinearAttentionTensors(config["num_hidden_layers"], linear, tiled)
+    # a narrow head's ssm_out widened, as a tensor-parallel rank's is
+    stream = LinearAttentionTensors(config["num_hidden_layers"], linear, tiled, False)
     out = {}
     for tensor in stream.tensors(read_gguf(path).tensors, path.name):
         stacked = STACKED.fullmatch(tensor.name)
@@ -317,9 +327,9 @@ BROKEN = {
     "no ssm_beta": ("-blk.0.ssm_beta.weight", "layer 0 lacks blk.0.ssm_beta.weight"),
     "no attn_q": ("-blk.3.attn_q.weight", "layer 3 lacks blk.3.attn_q.weight"),
     "no conv kernel": ("ssm.conv_kernel=None", "lacks ssm.conv_kernel"),
-    "state size": ("ssm.state_size=8", r"blk.0.attn_qkv.weight has shape \[192, 64\]"),
-    "conv kernel": ("ssm.conv_kernel=3", r"blk.0.ssm_conv1d.weight has shape \[192, 4\]"),
-    "inner size": ("ssm.inner_size=30", "ssm.inner_size 30 does not split into"),
+    "state size": ("ssm.state_size=8", r"blk.0.attn_qkv.weight has shape \[256, 64\]"),
+    "conv kernel": ("ssm.conv_kernel=3", r"blk.0.ssm_conv1d.weight has shape \[256, 4\]"),
+    "inner size": ("ssm.inner_size=32", "ssm.inner_size 32 does not split into"),
     "value heads": ("ssm.time_step_rank=3", "ssm.time_step_rank 3 .* not a multiple of"),
     "layers": ("attention.recurrent_layers=[True]", "recurrent_layers lists 1 layers"),
     "gate rows": ("attention.head_count=2", r"blk.3.attn_q.weight has shape \[128, 64\]"),
@@ -363,13 +373,14 @@ def test_multi_token_prediction_blocks_are_left_to_their_head(files, family):
 
 def test_a_value_head_narrower_than_a_block_is_widened_to_the_same_values():
     """Where a head's values do not fill whole blocks (a K-quant's 256 over heads of
-    128; here Q4_0's 32 over heads of 16), ``ssm_out``'s columns move as the floats its
-    blocks stand for, exactly as a float file's would."""
-    linear = LinearAttentionConfig(2, 4, 16, 16, 4)
+    128; here Q4_0's 32 over heads of 16) and a tensor-parallel rank cuts its share of
+    the columns, ``ssm_out``'s columns move as the floats its blocks stand for, exactly
+    as a float file's would."""
+    linear = LinearAttentionConfig(2, 6, 16, 16, 4)
     tiled = np.random.default_rng(0).standard_normal((8, linear.value_dim), dtype=np.float32)
     blocks = quants.quantize(tiled, GGMLQuantizationType.Q4_0)
     as_floats = quants.dequantize(blocks, GGMLQuantizationType.Q4_0).astype(np.float32)
-    stream = LinearAttentionTensors(1, linear, True)
+    stream = LinearAttentionTensors(1, linear, True, keep_blocks=False)
     widened, floats = stream.tensors(
         [
             MadeTensor("blk.0.ssm_out.weight", blocks, GGMLQuantizationType.Q4_0),
@@ -381,10 +392,23 @@ def test_a_value_head_narrower_than_a_block_is_widened_to_the_same_values():
     assert not np.array_equal(floats.data, as_floats)  # the columns did move
 
 
+def test_a_narrow_head_s_ssm_out_stays_in_its_blocks(files):
+    """Loaded on one rank, a q8_0 file's ssm_out over heads of 16 keeps the file's
+    blocks (its input gathered into their order), where a rank's share is widened."""
+    path = files["qwen3.5-narrow"][1]["q8_0"]
+    linear = LinearAttentionConfig(2, 6, 16, 16, 4)
+    stream = LinearAttentionTensors(4, linear, True)
+    read = {t.name: t for t in stream.tensors(read_gguf(path).tensors, path.name)}
+    assert read["blk.0.ssm_out.weight"].tensor_type == GGMLQuantizationType.Q8_0
+    assert sorted(stream.input_orders) == [
+        f"model.layers.{i}.linear_attn.out_proj" for i in range(3)
+    ]
+
+
 def test_a_positive_ssm_a_is_refused():
     """ssm_a is -exp(A_log): a value of 0 or more is no A_log's."""
-    stream = LinearAttentionTensors(1, LinearAttentionConfig(2, 4, 16, 16, 4), True)
-    bad = MadeTensor("blk.0.ssm_a", np.array([-1.0, 0.5, -2.0, -1.0], np.float32), F32)
+    stream = LinearAttentionTensors(1, LinearAttentionConfig(2, 6, 16, 16, 4), True)
+    bad = MadeTensor("blk.0.ssm_a", np.array([-1.0, 0.5, -2.0, -1.0, -1.0, -1.0], np.float32), F32)
     with pytest.raises(ValueError, match=r"x\.gguf: blk\.0\.ssm_a: holds a value that is not"):
         list(stream.tensors([bad], "x.gguf"))
 
@@ -393,16 +417,21 @@ def test_a_positive_ssm_a_is_refused():
 # decoded one at a time from the state.
 PROMPTS = [list(range(3, 80)), [200, 17, 9], [5] * 30 + [6, 7, 8, 9]]
 NEW_TOKENS = 12
+# float32 summation order (the linear kernels' against torch's matmul, through four
+# layers and the delta rule's recurrence over 77 tokens) on logits of magnitude ~3
+TOLERANCE = 5e-4
 
 
 def as_the_file_stands(model: torch.nn.Module, path: Path) -> None:
     """Each of ``model``'s weights replaced by what the file holds for it: the values
     gguf-py's quantizer gives in the file's type (rows are quantized apart, so the
-    converter's row moves do not change them); A_log through the file's -exp(A_log)."""
+    converter's row moves do not change them); A_log through the file's -exp(A_log);
+    ``ssm_out`` as read back in transformers' column order (each value the checkpoint's
+    in the tests above; a narrow head's widened from the blocks the file tiles)."""
     loaded = read_back(path)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("A_log"):
+            if name.endswith(("A_log", "linear_attn.out_proj.weight")):
                 param.copy_(torch.from_numpy(loaded[name][1]))
                 continue
             kind = loaded[_loaded_name(name)][0]
@@ -431,6 +460,7 @@ RUNS = [
     ("qwen3.5-moe", "q8_0", True),
     ("qwen3.5-moe", "q8_0", False),
     ("qwen3-next", "q8_0", True),
+    ("qwen3.5-narrow", "q8_0", True),
 ]
 
 
@@ -449,5 +479,5 @@ def test_a_converted_file_gives_transformers_tokens(files, family, outtype, eage
     seen = records(llm)
     for (tokens, logits), output in zip(expected, outputs, strict=True):
         assert list(output.outputs[0].token_ids) == tokens
-        assert (logits_of(seen, output) - logits).abs().max().item() < 2e-4
+        assert (logits_of(seen, output) - logits).abs().max().item() < TOLERANCE
     assert ("graph" in llm.engine.stats().steps) != eager

@@ -17,8 +17,11 @@ is undone here, before the loader places (or a rank shares) anything:
   of ``attn_qkv`` and ``ssm_conv1d``, of ``attn_gate``, ``ssm_beta``, ``ssm_alpha``,
   ``ssm_a`` and ``ssm_dt``, and the columns of ``ssm_out``, are put back in groups.
   Rows in quantized blocks move whole; columns move as whole blocks where a head's
-  width is a multiple of the block's, else (a K-quant's 256 values over heads of 128)
-  that one tensor is widened to float32 values (gguf-py's dequantizer) and moved.
+  width is a multiple of the block's. Else (a K-quant's 256 values over heads of 128)
+  the blocks stay as the file has them and ``ssm_out`` takes its input in the file's
+  order (``InputOrdered``: one gather of the layer's output per token), or, where the
+  rank's share of the columns is cut from the file (tensor parallelism), the tensor is
+  widened to float32 values (gguf-py's dequantizer) and its columns moved.
 
 Blocks past the decoder layers (``nextn_predict_layers``: the multi-token prediction
 layers) are not the decoder's and are passed over here.
@@ -31,7 +34,9 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
+import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+from torch import nn
 
 from updraft.model_config.parts import LinearAttentionConfig
 from updraft.models.gguf_mla import MadeTensor
@@ -58,8 +63,19 @@ class LinearAttentionTensors:
     """Passes a file's tensors on with the converter's changes to the linear-attention
     layers (and the norms) undone, as transformers' tensors under llama.cpp's names."""
 
-    def __init__(self, layers: int, linear: LinearAttentionConfig, tiled_value_heads: bool) -> None:
+    def __init__(
+        self,
+        layers: int,
+        linear: LinearAttentionConfig,
+        tiled_value_heads: bool,
+        keep_blocks: bool = True,
+    ) -> None:
+        """``keep_blocks``: an ``ssm_out`` whose blocks cannot move whole stays in them,
+        and takes its input in the file's order (``order_inputs``); else it is widened."""
         self.layers = layers  # the decoder's; blocks past them are passed over
+        self.keep_blocks = keep_blocks
+        # out_proj module -> the order of its inputs that the file's columns take
+        self.input_orders: dict[str, np.ndarray] = {}
         self.key_dim = linear.key_dim
         self.key_heads = linear.num_key_heads
         self.value_heads = linear.num_value_heads
@@ -109,10 +125,29 @@ class LinearAttentionTensors:
         elif what in ("ssm_beta.weight", "ssm_alpha.weight", "ssm_dt.bias"):
             data = data[self.heads]
         elif what == "ssm_out.weight":
+            if self._kept_tiled(kind):
+                layer = tensor.name.split(".")[1]
+                module = f"model.layers.{layer}.linear_attn.out_proj"
+                self.input_orders[module] = np.argsort(self.values)
+                return tensor
             data, kind = self._out_columns(data, kind)
         else:
             return tensor
         return MadeTensor(tensor.name, np.ascontiguousarray(data), kind)
+
+    def _kept_tiled(self, kind: Any) -> bool:
+        """Whether ``ssm_out`` in ``kind`` stays as the file tiles its columns."""
+        if kind in FLOATS or not self.keep_blocks:
+            return False
+        return self.value_head_dim % GGML_QUANT_SIZES[kind][0] != 0
+
+    def order_inputs(self, model: nn.Module) -> None:
+        """Each ``ssm_out`` left in the file's column order takes its input so."""
+        modules = dict(model.named_modules())
+        for name, order in self.input_orders.items():
+            parent, _, child = name.rpartition(".")
+            ordered = InputOrdered(modules[name], torch.from_numpy(order))
+            setattr(modules[parent], child, ordered)
 
     def _out_columns(self, data: np.ndarray, kind: Any) -> tuple[np.ndarray, Any]:
         """``ssm_out``'s columns (the value heads' values) back in groups: whole blocks
@@ -137,6 +172,19 @@ class LinearAttentionTensors:
             rows = grouped[:, index * self.per_key : (index + 1) * self.per_key]
             rows = np.ascontiguousarray(rows.reshape(self.value_heads, *data.shape[1:]))
             yield MadeTensor(f"blk.{layer}.{name}.weight", rows, tensor.tensor_type)
+
+
+class InputOrdered(nn.Module):
+    """``linear`` over its input's features taken in ``order`` (its weight's columns
+    are in that order)."""
+
+    def __init__(self, linear: nn.Module, order: torch.Tensor) -> None:
+        super().__init__()
+        self.linear = linear
+        self.register_buffer("order", order.long(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.index_select(-1, self.order))
 
 
 def _with_value_rows(data: np.ndarray, key_dim: int, order: np.ndarray) -> np.ndarray:

@@ -279,7 +279,9 @@ def load_gguf_model(
         # read as another row's architecture)
         arch = read_gguf(parts[0]).fields.get("general.architecture")
         tiled = for_gguf(arch, parts[0].name).gguf_tiled_value_heads
-        linear = LinearAttentionTensors(config.num_layers, config.linear_attention, tiled)
+        # a rank's share of ssm_out's columns is cut from the file: those it widens
+        keep = share.ranks == 1
+        linear = LinearAttentionTensors(config.num_layers, config.linear_attention, tiled, keep)
     for path in parts:
         stream = latent.tensors(read_gguf(path).tensors, path.name)
         if linear is not None:  # the converter's changes to Gated DeltaNet layers undone
@@ -301,6 +303,8 @@ def load_gguf_model(
     latent.finish(parts[0].name)
     floats, blocks = share.renamed(gathered.floats), share.renamed(gathered.blocks)
     _place_blocks(model, blocks, floats, config, int8_activations)
+    if linear is not None:
+        linear.order_inputs(model)
     experts.place()
     _fill_floats(model, floats)
     left = [name for name, param in model.named_parameters() if param.is_meta]
