@@ -405,6 +405,32 @@ def test_a_narrow_head_s_ssm_out_stays_in_its_blocks(files):
     ]
 
 
+def test_an_early_qwen3_next_file_s_fused_projection_is_split(files):
+    """llama.cpp's first Qwen3-Next files hold transformers' in_proj_qkvz as it is
+    (``ssm_in``): it is read as the q/k/v and z rows transformers' own code makes of it,
+    and its config is read alike."""
+    checkpoint, paths = files["qwen3-next"]
+    fields, tensors = _metadata(paths["f32"])
+    expected = checkpoint_tensors(checkpoint)
+    hf = load_file(checkpoint / "model.safetensors")
+    early = []
+    for layer in range(3):
+        rows = hf[f"model.layers.{layer}.linear_attn.in_proj_qkvz.weight"].numpy()
+        early.append(MadeTensor(f"blk.{layer}.ssm_in.weight", rows, F32))
+        tensors[f"blk.{layer}.ssm_in.weight"] = ("F32", rows.shape)
+        del tensors[f"blk.{layer}.attn_qkv.weight"], tensors[f"blk.{layer}.attn_gate.weight"]
+    config = from_gguf(
+        "early.gguf", "Qwen3NextForCausalLM", lambda k, d=None: fields.get(k, d), tensors
+    )
+    assert config["layer_types"] == HYBRID["layer_types"]
+    linear = LinearAttentionConfig(2, 6, 16, 32, 4)
+    split = list(LinearAttentionTensors(4, linear, False).tensors(early, "early.gguf"))
+    assert len(split) == 6
+    for tensor in split:
+        name = hf_name(tensor.name, GGUF_TENSORS)
+        assert np.array_equal(tensor.data, expected[name].numpy()), name
+
+
 def test_a_positive_ssm_a_is_refused():
     """ssm_a is -exp(A_log): a value of 0 or more is no A_log's."""
     stream = LinearAttentionTensors(1, LinearAttentionConfig(2, 6, 16, 16, 4), True)

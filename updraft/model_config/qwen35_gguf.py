@@ -48,8 +48,6 @@ GGUF_TENSORS = (
 )
 # What a linear layer must hold; its beta and alpha rows as two tensors or (Qwen3-Next) one.
 LINEAR_TENSORS = (
-    "attn_qkv.weight",
-    "attn_gate.weight",
     "ssm_conv1d.weight",
     "ssm_a",
     "ssm_dt.bias",
@@ -57,6 +55,10 @@ LINEAR_TENSORS = (
     "ssm_out.weight",
 )
 SEPARATE_BETA_ALPHA = ("ssm_beta.weight", "ssm_alpha.weight")
+# Its q/k/v and z rows as two tensors or (early Qwen3-Next files: transformers' own
+# in_proj_qkvz) one.
+SEPARATE_QKVZ = ("attn_qkv.weight", "attn_gate.weight")
+FUSED_QKVZ = "ssm_in.weight"
 FUSED_BETA_ALPHA = ("ssm_ba.weight", "ssm_beta_alpha.weight")  # the converter's, early files
 FULL_TENSORS = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")
 # The families with experts (the parser's lists); Qwen3-Next's files are read as the
@@ -206,17 +208,26 @@ def _check_tensors(file_name: str, tensors: Tensors, config: dict, linear: dict)
             _expect(file_name, tensors, f"blk.{layer}.attn_q.weight", (q_rows, hidden))
             continue
         fused = [name for name in FUSED_BETA_ALPHA if f"blk.{layer}.{name}" in tensors]
+        one_qkvz = f"blk.{layer}.{FUSED_QKVZ}" in tensors
         _need_all(file_name, tensors, layer, LINEAR_TENSORS)
         _need_all(file_name, tensors, layer, () if fused else SEPARATE_BETA_ALPHA)
-        expected = {
-            "attn_qkv.weight": (conv_dim, hidden),
-            "attn_gate.weight": (value_dim, hidden),
-            "ssm_conv1d.weight": (conv_dim, linear["linear_conv_kernel_dim"]),
-            "ssm_a": (value_heads,),
-            "ssm_dt.bias": (value_heads,),
-            "ssm_norm.weight": (linear["linear_value_head_dim"],),
-            "ssm_out.weight": (hidden, value_dim),
-        }
+        _need_all(file_name, tensors, layer, () if one_qkvz else SEPARATE_QKVZ)
+        if one_qkvz:
+            expected = {FUSED_QKVZ: (conv_dim + value_dim, hidden)}
+        else:
+            expected = {
+                "attn_qkv.weight": (conv_dim, hidden),
+                "attn_gate.weight": (value_dim, hidden),
+            }
+        expected.update(
+            {
+                "ssm_conv1d.weight": (conv_dim, linear["linear_conv_kernel_dim"]),
+                "ssm_a": (value_heads,),
+                "ssm_dt.bias": (value_heads,),
+                "ssm_norm.weight": (linear["linear_value_head_dim"],),
+                "ssm_out.weight": (hidden, value_dim),
+            }
+        )
         if fused:
             expected[fused[0]] = (2 * value_heads, hidden)
         else:

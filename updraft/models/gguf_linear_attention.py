@@ -8,6 +8,10 @@ is undone here, before the loader places (or a rank shares) anything:
 * every RMSNorm weight but the DeltaNet output's (``ssm_norm``) holds 1 + w: w is the
   file's value less 1, in float64 (exact wherever the converter's float32 sum was);
 * ``ssm_conv1d`` is the conv's [channels, taps], without transformers' middle axis of 1;
+* Qwen3-Next's ``in_proj_qkvz`` is ``attn_qkv`` and ``attn_gate`` in Qwen3.5's layout,
+  or, in files of llama.cpp's first Qwen3-Next converter, ``ssm_in``, transformers'
+  rows as they are (each key head's q, k, v and z rows in turn): split here into
+  those two;
 * Qwen3-Next's ``in_proj_ba`` is one tensor, ``ssm_ba`` (``ssm_beta_alpha`` in some
   files), each key head's beta rows then its alpha rows: they become Qwen3.5's
   ``ssm_beta`` and ``ssm_alpha``;
@@ -96,6 +100,8 @@ class LinearAttentionTensors:
                 yield _float(tensor.name, _values(tensor, where) - 1.0)
             elif what in FUSED_BETA_ALPHA:
                 yield from self._beta_alpha(tensor, match[1])
+            elif what == "ssm_in.weight":
+                yield from self._qkvz(tensor, match[1])
             elif self.tiled or what in ("ssm_a", "ssm_conv1d.weight"):
                 yield self._regrouped(tensor, what, where)
             else:
@@ -162,6 +168,20 @@ class LinearAttentionTensors:
             return blocks[:, order].reshape(data.shape), kind
         values = quants.dequantize(data, kind).astype(np.float32)
         return values[:, self.values], GGMLQuantizationType.F32
+
+    def _qkvz(self, tensor: Any, layer: str) -> Iterator[MadeTensor]:
+        """An early Qwen3-Next file's ``ssm_in`` (transformers' ``in_proj_qkvz``: per key
+        head its q, k, v and z rows) as Qwen3.5's ``attn_qkv`` (every head's q, then k,
+        then v) and ``attn_gate`` (z)."""
+        data = np.asarray(tensor.data)
+        key, value = self.key_dim // self.key_heads, self.per_key * self.value_head_dim
+        heads = data.reshape(self.key_heads, 2 * key + 2 * value, *data.shape[1:])
+        q, k, v, z = np.split(heads, np.cumsum([key, key, value]), axis=1)
+        rows = [part.reshape(-1, *data.shape[1:]) for part in (q, k, v, z)]
+        qkv = np.ascontiguousarray(np.concatenate(rows[:3]))
+        yield MadeTensor(f"blk.{layer}.attn_qkv.weight", qkv, tensor.tensor_type)
+        gate = np.ascontiguousarray(rows[3])
+        yield MadeTensor(f"blk.{layer}.attn_gate.weight", gate, tensor.tensor_type)
 
     def _beta_alpha(self, tensor: Any, layer: str) -> Iterator[MadeTensor]:
         """Qwen3-Next's ``ssm_ba`` ([key heads, beta rows then alpha rows, ...]) as
