@@ -196,10 +196,6 @@ def _layer_types(file_name: str, get: Any, layers: int, blocks: int) -> list[str
 
 def _check_tensors(file_name: str, tensors: Tensors, config: dict, linear: dict) -> None:
     """Every layer holds its kind's tensors, in the sizes the metadata gives."""
-    key_dim = linear["linear_num_key_heads"] * linear["linear_key_head_dim"]
-    value_heads = linear["linear_num_value_heads"]
-    value_dim = value_heads * linear["linear_value_head_dim"]
-    conv_dim = 2 * key_dim + value_dim
     hidden, head_dim = config["hidden_size"], config["head_dim"]
     for layer, kind in enumerate(config["layer_types"]):
         if kind == "full_attention":
@@ -207,33 +203,43 @@ def _check_tensors(file_name: str, tensors: Tensors, config: dict, linear: dict)
             q_rows = 2 * config["num_attention_heads"] * head_dim
             _expect(file_name, tensors, f"blk.{layer}.attn_q.weight", (q_rows, hidden))
             continue
-        fused = [name for name in FUSED_BETA_ALPHA if f"blk.{layer}.{name}" in tensors]
-        one_qkvz = f"blk.{layer}.{FUSED_QKVZ}" in tensors
+        fused_ba = [name for name in FUSED_BETA_ALPHA if f"blk.{layer}.{name}" in tensors]
+        fused_qkvz = f"blk.{layer}.{FUSED_QKVZ}" in tensors
         _need_all(file_name, tensors, layer, LINEAR_TENSORS)
-        _need_all(file_name, tensors, layer, () if fused else SEPARATE_BETA_ALPHA)
-        _need_all(file_name, tensors, layer, () if one_qkvz else SEPARATE_QKVZ)
-        if one_qkvz:
-            expected = {FUSED_QKVZ: (conv_dim + value_dim, hidden)}
-        else:
-            expected = {
-                "attn_qkv.weight": (conv_dim, hidden),
-                "attn_gate.weight": (value_dim, hidden),
-            }
-        expected.update(
-            {
-                "ssm_conv1d.weight": (conv_dim, linear["linear_conv_kernel_dim"]),
-                "ssm_a": (value_heads,),
-                "ssm_dt.bias": (value_heads,),
-                "ssm_norm.weight": (linear["linear_value_head_dim"],),
-                "ssm_out.weight": (hidden, value_dim),
-            }
-        )
-        if fused:
-            expected[fused[0]] = (2 * value_heads, hidden)
-        else:
-            expected.update({name: (value_heads, hidden) for name in SEPARATE_BETA_ALPHA})
-        for name, shape in expected.items():
+        _need_all(file_name, tensors, layer, () if fused_ba else SEPARATE_BETA_ALPHA)
+        _need_all(file_name, tensors, layer, () if fused_qkvz else SEPARATE_QKVZ)
+        shapes = _linear_shapes(hidden, linear, fused_qkvz, fused_ba[0] if fused_ba else None)
+        for name, shape in shapes.items():
             _expect(file_name, tensors, f"blk.{layer}.{name}", shape)
+
+
+def _linear_shapes(
+    hidden: int, linear: dict, fused_qkvz: bool, fused_ba: str | None
+) -> dict[str, tuple[int, ...]]:
+    """A linear layer's tensors and their shapes (rows first), in the form it holds
+    its projections."""
+    key_dim = linear["linear_num_key_heads"] * linear["linear_key_head_dim"]
+    heads = linear["linear_num_value_heads"]
+    value_dim = heads * linear["linear_value_head_dim"]
+    conv_dim = 2 * key_dim + value_dim
+    if fused_qkvz:
+        shapes = {FUSED_QKVZ: (conv_dim + value_dim, hidden)}
+    else:
+        shapes = {"attn_qkv.weight": (conv_dim, hidden), "attn_gate.weight": (value_dim, hidden)}
+    if fused_ba:
+        shapes[fused_ba] = (2 * heads, hidden)
+    else:
+        shapes.update({name: (heads, hidden) for name in SEPARATE_BETA_ALPHA})
+    shapes.update(
+        {
+            "ssm_conv1d.weight": (conv_dim, linear["linear_conv_kernel_dim"]),
+            "ssm_a": (heads,),
+            "ssm_dt.bias": (heads,),
+            "ssm_norm.weight": (linear["linear_value_head_dim"],),
+            "ssm_out.weight": (hidden, value_dim),
+        }
+    )
+    return shapes
 
 
 def _need_all(file_name: str, tensors: Tensors, layer: int, names: tuple[str, ...]) -> None:
