@@ -26,6 +26,8 @@ embedding's blocks rather than keep a second copy.
 llama.cpp stores a Llama model's q and k rows permuted for its RoPE, which turns
 interleaved pairs where transformers turns the two halves of each head: they are put
 back in transformers' order here. Its Qwen2 and Qwen3 RoPE is transformers'.
+The Gated DeltaNet layers of Qwen3.5's and Qwen3-Next's files pass through
+``gguf_linear_attention``, which undoes what the converter changed in them.
 """
 
 from __future__ import annotations
