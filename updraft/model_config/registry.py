@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from updraft.model_config import deepseek, gemma3, llama, qwen35
+from updraft.model_config import deepseek, gemma3, llama, qwen35, qwen35_gguf
 
 # config.json (as a dict) and the architecture named in it -> ModelConfig's fields.
 Parser = Callable[[dict[str, Any], str], dict[str, Any]]
@@ -41,6 +41,9 @@ class Architecture:
     # what its converter added to every norm weight (Gemma's 1).
     gguf_tensor_names: tuple[tuple[str, str], ...] = ()
     gguf_norm_shift: float = 0.0
+    # Its converter stores linear attention's value heads tiled over the key heads
+    # (Qwen3.5's: ``models/gguf_linear_attention.py`` puts them back).
+    gguf_tiled_value_heads: bool = False
     eagle_head: bool = False  # an EAGLE head may be one layer of it
     prequantized: bool = False  # AWQ, GPTQ and compressed-tensors checkpoints are read
 
@@ -127,9 +130,34 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("DeepseekV32ForCausalLM", deepseek.parse, DEEPSEEK),
         # Gated DeltaNet layers between gated full-attention ones; the multimodal
         # checkpoints' text tower.
-        Architecture("Qwen3_5ForCausalLM", qwen35.parse, QWEN35),
-        Architecture("Qwen3_5MoeForCausalLM", qwen35.parse, QWEN35),
-        Architecture("Qwen3NextForCausalLM", qwen35.parse, QWEN35),
+        # Their GGUF files (qwen3next's read as Qwen3.5-MoE: model_config/qwen35_gguf.py);
+        # llama.cpp's converter tiles Qwen3.5's value heads.
+        Architecture(
+            "Qwen3_5ForCausalLM",
+            qwen35.parse,
+            QWEN35,
+            gguf_name="qwen35",
+            from_gguf=qwen35_gguf.from_gguf,
+            gguf_tensor_names=qwen35_gguf.GGUF_TENSORS,
+            gguf_tiled_value_heads=True,
+        ),
+        Architecture(
+            "Qwen3_5MoeForCausalLM",
+            qwen35.parse,
+            QWEN35,
+            gguf_name="qwen35moe",
+            from_gguf=qwen35_gguf.from_gguf,
+            gguf_tensor_names=qwen35_gguf.GGUF_TENSORS,
+            gguf_tiled_value_heads=True,
+        ),
+        Architecture(
+            "Qwen3NextForCausalLM",
+            qwen35.parse,
+            QWEN35,
+            gguf_name="qwen3next",
+            from_gguf=qwen35_gguf.from_gguf,
+            gguf_tensor_names=qwen35_gguf.GGUF_TENSORS,
+        ),
         Architecture("Qwen3_5ForConditionalGeneration", qwen35.parse, QWEN35),
         Architecture("Qwen3_5MoeForConditionalGeneration", qwen35.parse, QWEN35),
     )

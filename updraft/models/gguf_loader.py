@@ -26,6 +26,8 @@ embedding's blocks rather than keep a second copy.
 llama.cpp stores a Llama model's q and k rows permuted for its RoPE, which turns
 interleaved pairs where transformers turns the two halves of each head: they are put
 back in transformers' order here. Its Qwen2 and Qwen3 RoPE is transformers'.
+The Gated DeltaNet layers of Qwen3.5's and Qwen3-Next's files pass through
+``gguf_linear_attention``, which undoes what the converter changed in them.
 """
 
 from __future__ import annotations
@@ -53,9 +55,10 @@ from updraft.kernels.gguf_ops import (
     int8_kernel_builds,
 )
 from updraft.model_config import ModelConfig
-from updraft.model_config.registry import ARCHITECTURES
+from updraft.model_config.registry import ARCHITECTURES, for_gguf
 from updraft.models.gguf_experts import NAMES as EXPERT_NAMES
 from updraft.models.gguf_experts import ExpertTensors, down_target
+from updraft.models.gguf_linear_attention import LinearAttentionTensors
 from updraft.models.gguf_mla import LatentKV
 from updraft.models.gguf_panels import PANEL_FORMATS, block_panels
 from updraft.models.gguf_shards import RankShare, block_columns, embedding_over, kept_part
@@ -272,8 +275,20 @@ def load_gguf_model(
     gathered = Gathered(row.gguf_norm_shift)
     experts = ExpertTensors(modules, parts[0].name, share)
     latent = LatentKV()
+    linear = None
+    if config.linear_attention is not None:
+        # the file's own converter tiled the value heads or not (a qwen3next file is
+        # read as another row's architecture)
+        arch = read_gguf(parts[0]).fields.get("general.architecture")
+        tiled = for_gguf(arch, parts[0].name).gguf_tiled_value_heads
+        # a rank's share of ssm_out's columns is cut from the file: those it widens
+        keep = share.ranks == 1
+        linear = LinearAttentionTensors(config.num_layers, config.linear_attention, tiled, keep)
     for path in parts:
-        for tensor in latent.tensors(read_gguf(path).tensors, path.name):
+        stream = latent.tensors(read_gguf(path).tensors, path.name)
+        if linear is not None:  # the converter's changes to Gated DeltaNet layers undone
+            stream = linear.tensors(stream, path.name)
+        for tensor in stream:
             if tensor.name in CONFIG_TENSORS:  # read into the config, not a weight
                 continue
             if experts.take(tensor.name, tensor.tensor_type.name, tensor.data):
@@ -290,6 +305,8 @@ def load_gguf_model(
     latent.finish(parts[0].name)
     floats, blocks = share.renamed(gathered.floats), share.renamed(gathered.blocks)
     _place_blocks(model, blocks, floats, config, int8_activations)
+    if linear is not None:
+        linear.order_inputs(model)
     experts.place()
     _fill_floats(model, floats)
     left = [name for name, param in model.named_parameters() if param.is_meta]
