@@ -107,17 +107,17 @@ def load_mtp_layer(
     """The checkpoint's first MTP layer, computing in ``dtype`` on ``device``, its
     weights in ``weights`` (default: the compute dtype), and its config (``config`` is
     the main model's); with ``place``, the shard that rank keeps, split like a target
-    layer. A checkpoint whose config announces no MTP layer, or whose files hold none
-    (transformers drops them when it saves a model), is refused by name."""
-    if config.mtp_layers < 1:
-        raise ValueError(
-            f"{config.architecture} checkpoint {model_dir} has no multi-token prediction "
-            "layers (config.json: mtp_num_hidden_layers is 0 or absent)"
-        )
+    layer. The tensors decide, not the config (Qwen3-Next's announces no layer it
+    holds); a checkpoint without them is refused by name."""
     files = weight_files(Path(model_dir))
     held = [name for names in checkpoint_names(files).values() for name in names]
     if not any(name.startswith(FIRST_LAYER) for name in held):
         listed = ", ".join(path.name for path in files)
+        if config.mtp_layers < 1:
+            raise ValueError(
+                f"{config.architecture} checkpoint {model_dir} has no multi-token prediction "
+                f"layers: no {FIRST_LAYER}* tensors in {listed}"
+            )
         raise ValueError(
             f"{config.architecture} checkpoint {model_dir}: config.json announces "
             f"{config.mtp_layers} multi-token prediction layer(s) (mtp_num_hidden_layers), "
