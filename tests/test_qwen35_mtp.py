@@ -29,9 +29,11 @@ from tests.mutations import forget_refresh
 from tests.test_qwen35 import build
 from updraft import LLM
 from updraft.attention.cache_groups import CacheSizes, allocate_caches, cache_groups
+from updraft.checkpoints.gguf import LINK
 from updraft.model_config import ModelConfig
 from updraft.models.draft_head import mtp_head
 from updraft.models.loader import load_model
+from updraft.models.qwen35_mtp import load_mtp_layer
 from updraft.speculative.head import HeadProposer
 
 MAX_TOKENS = 10
@@ -282,9 +284,16 @@ def test_the_main_model_skips_the_mtp_tensors(qwen35):
     assert token_ids(got) == [generate_logits(reference.main, prompt, MAX_TOKENS)[0]]
 
 
-def test_a_checkpoint_without_its_mtp_layer_is_refused(tmp_path):
-    """A config that announces no MTP layer, and one that announces a layer its files
-    lack (as a model saved by transformers does), are refused by name."""
+def test_a_checkpoint_without_its_mtp_layer_is_refused(qwen35, tmp_path):
+    """A checkpoint without the layer's tensors (its config announcing none, or one, as
+    a model saved by transformers does), and a GGUF file, are refused by name."""
+    _, directory = qwen35
+    gguf = tmp_path / "gguf"
+    gguf.mkdir()
+    (gguf / LINK).write_text(json.dumps({"files": [str(gguf / "model.gguf")]}))
+    config = ModelConfig.from_dir(directory)
+    with pytest.raises(ValueError, match="GGUF file, whose multi-token prediction layer"):
+        load_mtp_layer(config, gguf, torch.float32, "cpu")
     build("qwen3.5", tmp_path)
     with pytest.raises(ValueError, match="no multi-token prediction layers"):
         LLM(str(tmp_path), speculative_method="mtp", enforce_eager=True)

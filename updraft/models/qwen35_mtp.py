@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from updraft.attention.metadata import AttentionMetadata
+from updraft.checkpoints.gguf import linked_files
 from updraft.model_config import ModelConfig
 from updraft.models.layers import norm
 from updraft.models.loader import MTP_PREFIX, building, checkpoint_names, fill, weight_files
@@ -109,6 +110,11 @@ def load_mtp_layer(
     the main model's); with ``place``, the shard that rank keeps, split like a target
     layer. The tensors decide, not the config (Qwen3-Next's announces no layer it
     holds); a checkpoint without them is refused by name."""
+    if linked_files(Path(model_dir)) is not None:
+        raise ValueError(
+            f"{model_dir} is a GGUF file, whose multi-token prediction layer is not read: "
+            "--speculative-method mtp needs the checkpoint directory (safetensors)"
+        )
     files = weight_files(Path(model_dir))
     held = [name for names in checkpoint_names(files).values() for name in names]
     if not any(name.startswith(FIRST_LAYER) for name in held):
