@@ -6,8 +6,9 @@ embedding ; normed hidden state], a decoder block, a final norm) around the mode
 decoder layer made full attention, its weights under the checkpoint's names. Through the
 engine: greedy tokens under MTP speculation equal transformers' greedy decoding (k = 1
 and 3, batch 1 and 8, eager and graphs), every proposal is what the reference drafts
-from the same tokens, and a head graph that replays stale hidden states or block tables
-is caught. Refusals: a checkpoint without MTP layers, or announcing one it lacks.
+from the same tokens, preemption keeps the tokens, and a head graph that replays stale
+hidden states or block tables is caught. Refusals: a checkpoint without MTP layers (or
+announcing one it lacks), a GGUF file.
 """
 
 from __future__ import annotations
@@ -301,3 +302,22 @@ def test_a_checkpoint_without_its_mtp_layer_is_refused(qwen35, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
     with pytest.raises(ValueError, match=r"mtp_num_hidden_layers.*hold no mtp\.layers\.0\."):
         LLM(str(tmp_path), speculative_method="mtp", enforce_eager=True)
+
+
+def test_preemption_keeps_greedy_tokens_with_the_head(qwen35, expected):
+    """Few blocks: running requests are preempted, give their state slot back and are
+    computed again from a zero state, and the head's mirror writes their entries again."""
+    _, directory = qwen35
+    llm = LLM(
+        str(directory),
+        **SMALL_STEPS,
+        num_kv_blocks=12,
+        max_num_seqs=4,
+        speculative_method="mtp",
+        num_speculative_tokens=3,
+    )
+    outputs = llm.generate(prompts(8), [greedy(MAX_TOKENS)] * 8)
+    assert sum(output.metrics.num_preemptions for output in outputs) > 0
+    assert token_ids(outputs) == expected
+    stats = llm.engine.stats()
+    assert stats.state_slots_used == 0 and stats.kv_blocks_used == 0
