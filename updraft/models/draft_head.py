@@ -10,6 +10,10 @@ apart is their body and where RoPE turns:
 
 * DeepSeek's MTP layer (``models/mtp.py``): its decoder block over a latent cache, the
   target's rotary table, turned at i + 1 as transformers' ``MtpModel`` turns it;
+* the hybrid Qwen families' MTP layer (``models/qwen35_mtp.py``): a full-attention layer
+  of the model over a paged cache (the target's recurrent state is not the head's), the
+  target's partial rotary table, turned at i as vLLM turns it (RoPE is relative: only
+  the distances between entries count);
 * an EAGLE-1 head (``models/eagle.py``): fc over [embedding ; state] and Llama decoder
   layers, with rotary tables of its own config, turned at i as EAGLE trains its heads.
 """
@@ -26,6 +30,7 @@ from updraft.attention.metadata import AttentionMetadata
 from updraft.model_config import ModelConfig
 from updraft.models.eagle import eagle_config, load_eagle_head
 from updraft.models.mtp import load_mtp_layers
+from updraft.models.qwen35_mtp import keeps_mtp_apart, load_mtp_layer
 from updraft.models.rope import RotaryEmbedding
 from updraft.parallel.topology import RankPlace
 from updraft.weights import WeightFormat
@@ -78,6 +83,9 @@ def mtp_head(
     """The checkpoint's first MTP layer as a head for ``target`` (whose config is
     ``config``), and the config its cache follows: the target's, with the one layer.
     With ``place``, the shard of the layer that rank keeps, split like a target layer."""
+    if keeps_mtp_apart(config):
+        body, layer_config = load_mtp_layer(config, model_dir, dtype, device, weights, place)
+        return DraftHead(target, body, target.rotary, rope_offset=0), layer_config
     layer = load_mtp_layers(config, model_dir, dtype, device, weights, place).depths()[0]
     return DraftHead(target, layer, target.rotary, rope_offset=1), replace(config, num_layers=1)
 
