@@ -259,6 +259,10 @@ def test_configs_are_read_as_transformers_reads_them():
     assert next_config.dense_layers == {2} and next_config.moe.shared_expert_gate
     multimodal = ModelConfig.from_dict(_config("qwen3.5-multimodal"))
     assert multimodal.num_layers == 4 and multimodal.linear_layers == {0, 1, 2}
+    # transformers ties the LM head by the outer config's word
+    tied = _config("qwen3.5-multimodal", tie_word_embeddings=True)
+    tied["text_config"]["tie_word_embeddings"] = False
+    assert ModelConfig.from_dict(tied).tie_word_embeddings
     assert ModelConfig.from_dict(_config("qwen3.5", mtp_num_hidden_layers=1)).mtp_layers == 1
 
 
