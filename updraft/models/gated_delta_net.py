@@ -110,7 +110,7 @@ class GatedDeltaNet(nn.Module):
             ends = metadata.seq_lens[first:last]
             pieces.append(self._run(state, state_slots[first:last], ends, *part).flatten(0, 1))
             covered = tokens.stop
-        if covered < hidden.shape[0]:  # a bucket's padding tokens
+        if covered < hidden.shape[0] or not pieces:  # a bucket's padding tokens
             pieces.append(inputs[0].new_zeros(hidden.shape[0] - covered, self.linear.value_dim))
         out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         heads = out.view(hidden.shape[0], -1, self.linear.value_head_dim).to(hidden.dtype)
