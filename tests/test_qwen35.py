@@ -207,29 +207,41 @@ def test_a_rejected_draft_leaves_no_trace(checkpoint):
     assert (got - expected).abs().max().item() < TOLERANCE
 
 
-@pytest.mark.parametrize("kind", ["qwen3.5", "qwen3-next"])
-def test_the_engine_matches_transformers_with_graphs_and_speculation(checkpoint, kind):
+@pytest.mark.parametrize(
+    ("kind", "speculation"),
+    [("qwen3.5", "draft"), ("qwen3-next", "ngram")],
+    ids=["qwen3.5-itself-as-draft", "qwen3-next-ngram"],
+)
+def test_the_engine_matches_transformers_with_graphs_and_speculation(checkpoint, kind, speculation):
     """Through ``LLM``: prompts prefilled in chunks of at most 24 tokens, decodes and
-    n-gram verify steps of up to 3 drafts replayed from captured graphs (each replay
-    checked against eager), every emitted token's logits those of transformers'
-    forward over the sequence."""
+    verify steps of 3 drafts replayed from captured graphs (each replay checked against
+    eager), every emitted token's logits those of transformers' forward over the
+    sequence. N-gram drafts are mostly rejected (each rejection must leave no trace);
+    the model as its own draft model has every draft accepted: its decode steps and
+    the verify steps run the same per-token arithmetic."""
     reference_model, directory = checkpoint(kind)
     prompts = [[5, 6, 7, 8] * 12, [200, 17] * 3, list(range(40, 77))]
+    if speculation == "draft":
+        method = {"speculative_model": str(directory)}
+    else:
+        method = {"speculative_method": "ngram"}
     llm = probed(
         directory,
         block_size=8,
         num_kv_blocks=64,
         max_num_batched_tokens=24,
         sanitize=True,
-        speculative_method="ngram",
         num_speculative_tokens=3,
         capture_sizes=(4,),  # three requests and a padding one
+        **method,
     )
     outputs = llm.generate(prompts, greedy(10))
     stats = llm.engine.stats()
     assert stats.steps.get("graph", 0) > 0
     assert stats.sanitize.healthy, stats.sanitize.summary()
     assert sum(stats.speculative.proposed) > 0
+    if speculation == "draft":
+        assert stats.speculative.accepted == stats.speculative.proposed
     seen = records(llm)
     for prompt, output in zip(prompts, outputs, strict=True):
         sequence = prompt + output.outputs[0].token_ids
