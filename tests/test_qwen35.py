@@ -2,11 +2,13 @@
 transformers' forward, driven step by step with the state tensors a hybrid model keeps.
 
 Tiny random checkpoints (3 Gated DeltaNet layers, 1 gated full-attention layer) in
-float32. Each model runs prompts longer than several blocks of the chunked delta rule,
+float32. Each model runs a prompt over several blocks of the chunked delta rule,
 prefilled in chunks that continue from the state the last one left, then decodes token
 by token and verifies 3 tokens at once from the state; every logits row is compared
-with transformers' forward over the whole sequence. Also: the chunked and the
-token-by-token forms of the delta rule agree, and bad configs are refused by name.
+with transformers' forward over the whole sequence. Through the engine: captured
+decode and verify steps (padded buckets), n-gram and draft-model speculation. Also: the
+chunked and the token-by-token forms of the delta rule agree, a rejected draft leaves
+no trace, an MTP layer is left unread, and bad configs are refused by name.
 """
 
 from __future__ import annotations
@@ -125,9 +127,9 @@ def checkpoint(tmp_path_factory):
 # long prompt in chunks beside a short one; a decode beside a chunk; decodes; a verify
 # step of 3 tokens for both; a decode beside a verify.
 STEPS = (
-    ((0, 70), (1, 30)),
-    ((1, 11), (0, 30)),
-    ((1, 1), (0, 50)),
+    ((0, 130), (1, 30)),  # 130: three blocks of the chunked form
+    ((1, 11), (0, 10)),
+    ((1, 1), (0, 10)),
     ((0, 1), (1, 1)),
     ((0, 1), (1, 1)),
     ((0, 3), (1, 3)),
@@ -137,10 +139,9 @@ STEPS = (
 
 @pytest.mark.parametrize("kind", list(FAMILIES))
 def test_prefill_in_chunks_then_decode_and_verify_match_transformers(checkpoint, kind):
-    """Two requests (158 and 48 tokens, the first's prompt over several blocks of the
-    chunked form) run through ``STEPS``: every query continues from the state its
-    request's last one left (chunked or token by token), and each token's logits are
-    transformers' over the whole sequence."""
+    """Two requests of 158 and 48 tokens run through ``STEPS``: every query continues
+    from the state its request's last one left (chunked or token by token), and each
+    token's logits are transformers' over the whole sequence."""
     reference_model, directory = checkpoint(kind)
     hybrid = Hybrid.load(directory, requests=2)
     lengths = [sum(n for step in STEPS for r_, n in step if r_ == r) for r in (0, 1)]
