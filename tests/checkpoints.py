@@ -82,6 +82,25 @@ GEMMA3_TEXT = dict(
     final_logit_softcapping=30.0,
 )
 
+# Qwen3.5's hybrid decoder: layers 0-2 Gated DeltaNet (2 key heads serving 4 value
+# heads), layer 3 gated full attention.
+QWEN35_TEXT = dict(
+    **{**TINY, "num_hidden_layers": 4, "intermediate_size": 96, "initializer_range": 0.1},
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+)
+QWEN35_EXPERTS = dict(
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+)
+
 # EAGLE-1 heads: one Llama layer; the target's width and vocabulary come from its config.
 EAGLE_HEAD = dict(
     intermediate_size=96,
@@ -137,6 +156,16 @@ def _gemma_norms(model: nn.Module) -> None:
     for name, param in model.named_parameters():
         if "norm" in name:
             param.normal_(0, 0.3)
+
+
+def _hybrid_params(model: nn.Module) -> None:
+    """Qwen3.5's (1 + w) norms and the DeltaNet's decays start at fixed values, and its
+    routers near ties: drawn, a norm's offset, a decay's sign or an expert mixed up shows."""
+    for name, param in model.named_parameters():
+        if "norm" in name or name.endswith(("dt_bias", "A_log")):
+            param.normal_(0, 0.3)
+        elif name.endswith("mlp.gate.weight"):
+            param.normal_(0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -268,6 +297,34 @@ FAMILIES: dict[str, Family] = {
     ),
     "phi3-window": _dense("Phi3", num_key_value_heads=2, sliding_window=WINDOW),
     "gemma3": Family("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3_TEXT, _gemma_norms),
+    "qwen3.5": Family("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", QWEN35_TEXT, _hybrid_params),
+    # every layer's MLP experts with a gated shared expert
+    "qwen3.5-moe": Family(
+        "Qwen3_5MoeTextConfig",
+        "Qwen3_5MoeForCausalLM",
+        {**QWEN35_TEXT, **QWEN35_EXPERTS},
+        _hybrid_params,
+    ),
+    # DeltaNet projections interleaved per key head; layers 1 and 3 full attention
+    # (full_attention_interval), layer 2 dense (mlp_only_layers)
+    "qwen3-next": Family(
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        {**QWEN35_TEXT, **QWEN35_EXPERTS, "full_attention_interval": 2, "mlp_only_layers": [2]},
+        _hybrid_params,
+    ),
+    # the text tower above with a tiny vision tower: updraft serves the text tower
+    "qwen3.5-multimodal": Family(
+        "Qwen3_5Config",
+        "Qwen3_5ForConditionalGeneration",
+        {
+            "text_config": QWEN35_TEXT,
+            "vision_config": dict(
+                depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64
+            ),
+        },
+        _hybrid_params,
+    ),
     # the text tower above with a tiny vision tower: updraft serves the text tower
     "gemma3-multimodal": Family(
         "Gemma3Config",

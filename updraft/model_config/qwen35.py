@@ -54,15 +54,18 @@ def parse(raw: dict[str, Any], architecture: str) -> dict[str, Any]:
 
 
 def _text_config(raw: dict[str, Any], architecture: str) -> dict[str, Any]:
-    """The text model's fields: a multimodal checkpoint's ``text_config`` (with what
-    its outer config says of the whole model where the text config is silent)."""
+    """The text model's fields: a multimodal checkpoint's ``text_config``, with the
+    outer config's word of whether the LM head is the embedding (transformers ties by
+    the outer config) and of the dtype where the text config names none."""
     if architecture not in MULTIMODAL:
         return raw
     text = raw.get("text_config")
     if not isinstance(text, dict):
         raise ValueError(f"config.json of {architecture} lacks its text_config")
-    outer = {key: raw[key] for key in ("tie_word_embeddings", "dtype", "torch_dtype") if key in raw}
-    return {**outer, **text}
+    text = {key: raw[key] for key in ("dtype", "torch_dtype") if key in raw} | text
+    if "tie_word_embeddings" in raw:
+        text["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    return text
 
 
 def _linear_attention(text: dict[str, Any]) -> LinearAttentionConfig:

@@ -94,6 +94,11 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """[T, hidden] -> [T, hidden], reading and writing each request's rows of
         ``state`` (``state_slots[r]`` is request r's slot)."""
+        if metadata.query_len is None and not metadata.query_lens:
+            raise ValueError(
+                "a linear-attention layer needs the step's query lengths: metadata.query_len "
+                "(a uniform step) or metadata.query_lens (an eager one)"
+            )
         mixed, z, b, a = self.project(hidden)
         inputs = (mixed.float(), b.float(), a.float())
         # The runs' outputs joined, not written into a buffer made here: a captured
@@ -105,8 +110,8 @@ class GatedDeltaNet(nn.Module):
             ends = metadata.seq_lens[first:last]
             pieces.append(self._run(state, state_slots[first:last], ends, *part).flatten(0, 1))
             covered = tokens.stop
-        if covered < hidden.shape[0]:  # a bucket's padding tokens
-            pieces.append(mixed.new_zeros(hidden.shape[0] - covered, self.linear.value_dim))
+        if covered < hidden.shape[0] or not pieces:  # a bucket's padding tokens
+            pieces.append(inputs[0].new_zeros(hidden.shape[0] - covered, self.linear.value_dim))
         out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         heads = out.view(hidden.shape[0], -1, self.linear.value_head_dim).to(hidden.dtype)
         gated = self.norm(heads, z.view_as(heads))
