@@ -382,6 +382,14 @@ def tiny_model(
     return model.to(dtype).eval()
 
 
+def saved_model(kind: str, directory: Path, **changes: Any) -> nn.Module:
+    """A random ``kind`` model (see ``tiny_model``), saved in ``directory`` as
+    transformers does: the reference and its checkpoint."""
+    model = tiny_model(kind, **changes)
+    model.save_pretrained(directory)
+    return model
+
+
 def build_checkpoint(
     kind: str,
     directory: Path,

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.checkpoints import saved_model
 from tests.helpers import greedy, token_ids
 from tests.probes import probed, records
-from tests.test_qwen35 import build
 from updraft import LLM
 from updraft.attention.cache_groups import (
     PAGED,
@@ -27,7 +27,7 @@ from updraft.models.gated_delta_net import GatedDeltaNet
 @pytest.fixture(scope="module")
 def qwen35_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("qwen3.5-caches")
-    build("qwen3.5", directory)
+    saved_model("qwen3.5", directory)
     return directory
 
 

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from tests.checkpoints import eagle_head_checkpoint
+from tests.checkpoints import eagle_head_checkpoint, saved_model
 from tests.conftest import add_byte_tokenizer
 from tests.helpers import generate_logits, greedy, token_ids
 from tests.mutations import (
@@ -22,7 +22,6 @@ from tests.mutations import (
     verify_keeps_only_its_last_state,
 )
 from tests.probes import logits_of, probed, records
-from tests.test_qwen35 import build
 from updraft import LLM, SamplingParams
 from updraft.structured_outputs import StructuredOutputsParams
 
@@ -44,7 +43,7 @@ def prompts(count: int, seed: int = 0) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def qwen35(tmp_path_factory):
     directory = tmp_path_factory.mktemp("qwen3.5-engine")
-    return build("qwen3.5", directory), directory
+    return saved_model("qwen3.5", directory), directory
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +172,7 @@ def test_sampling_under_speculation_draws_from_the_target_distribution(qwen35, t
     distribution) equals transformers' logits for the tokens before it. A rejected
     draft's state kept would move every later row."""
     reference, directory = qwen35
-    build("qwen3-next", tmp_path / "draft")  # other weights, the same vocabulary
+    saved_model("qwen3-next", tmp_path / "draft")  # other weights, the same vocabulary
     batch = prompts(4, seed=5)
     params = [
         SamplingParams(temperature=1.0, max_tokens=10, seed=i, ignore_eos=True) for i in range(4)
@@ -240,7 +239,7 @@ def test_a_verify_step_that_keeps_its_last_drafts_state_is_caught(
     if method == "ngram":
         args["speculative_method"] = "ngram"
     else:
-        build("qwen3-next", tmp_path / "draft")
+        saved_model("qwen3-next", tmp_path / "draft")
         args["speculative_model"] = str(tmp_path / "draft")
     got, llm = run(directory, prompts(8), **args)
     metrics = llm.engine.stats().speculative

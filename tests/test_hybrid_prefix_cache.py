@@ -19,10 +19,10 @@ from typing import NamedTuple
 import pytest
 import torch
 
+from tests.checkpoints import saved_model
 from tests.helpers import greedy, token_ids
 from tests.mutations import skip_state_restores
 from tests.probes import logits_of, probed, records
-from tests.test_qwen35 import build
 from updraft import LLM, SamplingParams
 from updraft.attention.cache_groups import CacheSizes, cache_groups, split_budget
 from updraft.engine.kv_blocks import BlockPool, KVCacheManager
@@ -255,7 +255,7 @@ TOLERANCE = 2e-4
 @pytest.fixture(scope="module")
 def qwen35(tmp_path_factory):
     directory = tmp_path_factory.mktemp("qwen3.5-prefix")
-    return build("qwen3.5", directory), directory
+    return saved_model("qwen3.5", directory), directory
 
 
 def conversation(seed: int = 0) -> tuple[list[int], list[list[int]]]:

@@ -24,10 +24,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers.modeling_layers import MtpLayer
 
+from tests.checkpoints import saved_model
 from tests.heads import prefill_then_decode
 from tests.helpers import generate_logits, greedy, token_ids
 from tests.mutations import forget_refresh
-from tests.test_qwen35 import build
 from updraft import LLM
 from updraft.attention.cache_groups import CacheSizes, allocate_caches, cache_groups
 from updraft.checkpoints.gguf import LINK
@@ -123,7 +123,7 @@ def with_mtp(kind: str, directory: Path, announce: bool = True) -> Reference:
     """A tiny checkpoint of ``kind`` with a random MTP layer written beside its tensors,
     named as the published checkpoints name it (experts one tensor each); with
     ``announce``, its config.json says so (Qwen3-Next's released config does not)."""
-    main = build(kind, directory)
+    main = saved_model(kind, directory)
     layer = mtp_layer_of(main)
     tensors = load_file(directory / "model.safetensors")
     for name, tensor in layer.state_dict().items():
@@ -295,7 +295,7 @@ def test_a_checkpoint_without_its_mtp_layer_is_refused(qwen35, tmp_path):
     config = ModelConfig.from_dir(directory)
     with pytest.raises(ValueError, match="GGUF file, whose multi-token prediction layer"):
         load_mtp_layer(config, gguf, torch.float32, "cpu")
-    build("qwen3.5", tmp_path)
+    saved_model("qwen3.5", tmp_path)
     with pytest.raises(ValueError, match="no multi-token prediction layers"):
         LLM(str(tmp_path), speculative_method="mtp", enforce_eager=True)
     config = json.loads((tmp_path / "config.json").read_text())
