@@ -150,8 +150,9 @@ def test_grouped_experts_compute_each_rows_expert_in_every_format(fmt):
 
 
 # What is not a linear layer's or an expert's weight, kept as the checkpoint has it: the
-# embedding, DeepSeek's absorbed kv_b_proj (read as a matrix inside attention) and router.
-NOT_PACKED = ("embed_tokens", "kv_b_proj", "mlp.gate.weight")
+# embedding, DeepSeek's absorbed kv_b_proj (read as a matrix inside attention), routers
+# and the gate of a shared expert (Qwen2-MoE, Qwen3.5-MoE).
+NOT_PACKED = ("embed_tokens", "kv_b_proj", "mlp.gate.weight", "shared_expert_gate")
 
 
 def dequantized_checkpoint(source, directory, fmt: WeightFormat):
@@ -196,6 +197,10 @@ def tokens_and_logits(llm: LLM, steps: int = 24):
         ("deepseek-v3.2", "int8"),
         ("llama", "int4"),
         ("deepseek-v3", "int4"),
+        ("qwen3.5", "bfloat16"),
+        ("qwen3.5", "int8"),
+        ("qwen3.5", "int4"),
+        ("qwen3.5-moe", "int4"),
     ],
 )
 def test_the_engine_equals_float32_on_the_weights_each_format_stands_for(kind, fmt, tmp_path):
