@@ -132,10 +132,12 @@ def check_parallel(
 
 def _check_groups(config: ModelConfig, size: int, weights: WeightFormat) -> None:
     """A rank quantizes the columns it keeps of a row-parallel layer (o_proj, down_proj,
-    the experts' down projections): its groups are one process's only where each rank's
-    share is a whole number of groups."""
+    the experts' down projections, a Gated DeltaNet's out_proj): its groups are one
+    process's only where each rank's share is a whole number of groups."""
     v_dim = config.mla.v_head_dim if config.mla is not None else config.head_dim
     widths = {"o_proj": config.num_heads * v_dim, "down_proj": config.intermediate_size}
+    if config.linear_attention is not None:
+        widths["the linear-attention out_proj"] = config.linear_attention.value_dim
     if config.moe is not None:
         widths["the experts' down_proj"] = config.moe.moe_intermediate_size
         if config.moe.shared_size:
