@@ -32,8 +32,10 @@ from torch import nn
 from updraft.kernels.gguf_ops import BLOCK_TYPES, BLOCKS
 from updraft.models.tensor_parallel import (
     Kept,
+    Rows,
     Shards,
     VocabParallelEmbedding,
+    pieces,
     shard_model,
     splits_tensors,
 )
@@ -75,18 +77,11 @@ def rank_share(
     if index == FUSED:  # every part of a fused projection, each its own rows
         starts = np.cumsum([0, *split_sizes[:-1]])
         return np.concatenate(
-            [
-                data[start + rows.start : start + rows.stop]
-                for start, rows in zip(starts, keep.parts, strict=True)
-            ]
+            [_kept_rows(data, rows, start) for start, rows in zip(starts, keep.parts, strict=True)]
         )
     kept = kept_part(keep, index)
     if keep.dim == 0:
-        rows = data[kept.start : kept.stop]
-        short = kept.stop - kept.start - rows.shape[0]  # the last vocabulary shard
-        if short:
-            rows = np.concatenate([rows, np.zeros((short, *rows.shape[1:]), rows.dtype)])
-        return rows
+        return _kept_rows(data, kept)
     if kind in BLOCK_TYPES:
         values, block_bytes = BLOCKS[BLOCK_TYPES[kind]]
         width = data.shape[1] // block_bytes * values
@@ -94,6 +89,19 @@ def rank_share(
     else:
         columns = kept
     return np.ascontiguousarray(data[:, columns])  # the kernels read whole rows
+
+
+def _kept_rows(data: np.ndarray, rows: Rows, start: int = 0) -> np.ndarray:
+    """The rows of ``data`` from ``start`` on that ``rows`` says, end to end; rows past
+    its end (the last vocabulary shard's) are zero bytes."""
+    kept = []
+    for piece in pieces(rows):
+        read = data[start + piece.start : start + piece.stop]
+        short = piece.stop - piece.start - read.shape[0]
+        if short:
+            read = np.concatenate([read, np.zeros((short, *read.shape[1:]), read.dtype)])
+        kept.append(read)
+    return np.concatenate(kept) if len(kept) > 1 else kept[0]
 
 
 def expert_share(
@@ -116,7 +124,7 @@ def expert_share(
     return np.ascontiguousarray(data[:, rows])
 
 
-def kept_part(keep: Kept, index: Slice) -> slice:
+def kept_part(keep: Kept, index: Slice) -> Rows:
     """What the rank keeps of slice ``index`` (a fused projection's part, an expert's
     gate or up) along ``keep.dim``."""
     return keep.parts[index[1] if isinstance(index, tuple) else index]

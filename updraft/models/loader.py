@@ -25,7 +25,7 @@ from updraft.models.packed_linear import PackedLinear
 from updraft.models.packing import packer, storage_dtype
 from updraft.models.prequantized import QuantizedCodes, unpack
 from updraft.models.registry import model_class
-from updraft.models.tensor_parallel import Shards, shard_model, splits_tensors
+from updraft.models.tensor_parallel import Shards, pieces, shard_model, splits_tensors
 from updraft.models.weight_targets import (
     FUSED,
     MadeParameters,
@@ -411,9 +411,12 @@ def _fill(
         part.copy_(source[:] if offset is None else source[first : first + shape[0]])
         return
     rows = keep.parts[index[1] if isinstance(index, tuple) else index]
-    stop = min(rows.stop, shape[keep.dim])  # the last vocabulary shard's padding
-    if keep.dim == 0:
-        read = source[first + rows.start : first + stop]
-    else:
-        read = source[first : first + shape[0], rows.start : stop]
-    part.narrow(keep.dim, 0, stop - rows.start).copy_(read)
+    at = 0  # where the next range lands in the rank's part
+    for piece in pieces(rows):
+        stop = min(piece.stop, shape[keep.dim])  # the last vocabulary shard's padding
+        if keep.dim == 0:
+            read = source[first + piece.start : first + stop]
+        else:
+            read = source[first : first + shape[0], piece.start : stop]
+        part.narrow(keep.dim, at, stop - piece.start).copy_(read)
+        at += piece.stop - piece.start

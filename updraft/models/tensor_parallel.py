@@ -1,4 +1,5 @@
-"""Tensor parallelism for the Llama family and DeepSeek: one rank's shard of a model.
+"""Tensor parallelism for the Llama family, DeepSeek and the hybrid Qwen3.5 family: one
+rank's shard of a model.
 
 ``shard_model`` splits a model built on the meta device (models/loader.py) and says, for
 each parameter, what the rank keeps of the checkpoint tensors that fill it (``Kept``), so
@@ -9,7 +10,8 @@ of the weights it holds. The split, before the linears are packed:
   MLP's intermediate rows) of every fused part. KV heads split like the query heads;
   where there are fewer KV heads than ranks, each rank keeps the one its query heads
   read (replicated). Under decode context parallelism the C ranks of a group keep the
-  same KV heads (each stores every C-th position) and the heads split T / C ways.
+  same KV heads (each stores every C-th position) and the heads split T / C ways. A
+  gated attention's query rows (per head its query, then its gate) split by heads too.
 * o_proj and down_proj are row-parallel: each rank multiplies its slice of the inputs,
   and one all-reduce sums the partial outputs: one per attention, one per MLP.
 * The embedding and the LM head are vocabulary-parallel: each rank holds a contiguous
@@ -19,6 +21,13 @@ of the weights it holds. The split, before the linears are packed:
   row-parallel; the latent down-projections, the latent cache and DSA's indexer stay
   whole on every rank. Every expert's intermediate rows split like an MLP's (the router
   whole), and the routed and shared experts' parts are summed in one all-reduce.
+* Gated DeltaNet (linear attention): the key heads split, each with the value heads it
+  serves, so a rank's state holds whole heads (``local_config`` says their counts).
+  Every projection keeps its rows of those heads: the q, k and v sections of the q/k/v
+  channels and of the convolution (three ranges of one tensor, kept end to end), z, b,
+  a, the per-value-head decay and its bias; Qwen3-Next's projections, interleaved per
+  key head, keep one range. The gated norm (per head) is whole; out_proj is
+  row-parallel, one all-reduce.
 
 The residual stream is whole on every rank, so everything else (norms, RoPE, sampling,
 hidden states for a proposer) is as in one process. Collectives are the ops of
@@ -34,7 +43,9 @@ import torch
 from torch import nn
 
 from updraft.model_config import ModelConfig
+from updraft.model_config.parts import LinearAttentionConfig
 from updraft.models.deepseek import LatentAttention
+from updraft.models.gated_delta_net import GatedDeltaNet
 from updraft.models.layers import MLP, CausalLM, DecoderLayer, FusedLinear
 from updraft.models.llama import Attention
 from updraft.models.moe import SparseMoE
@@ -42,19 +53,31 @@ from updraft.parallel import collectives  # noqa: F401 (registers the collective
 from updraft.parallel.topology import GroupRank, ParallelSizes, RankPlace
 from updraft.weights import INT4_GROUP_SIZES, WeightFormat
 
+# An index range of a checkpoint tensor, or several ranges kept end to end.
+Rows = slice | tuple[slice, ...]
+
 
 @dataclass(frozen=True)
 class Kept:
     """What a rank keeps of the checkpoint tensors of one parameter: its own parameter
     ``param``, and of each part (a fused projection's parts; an expert's gate and up) the
-    index range along ``dim`` (``dim`` None: all of it). A range may run past the
-    tensor's end (the last vocabulary shard), its rows left zero. ``zeros``: the rank
-    holds zeros (a row-parallel bias, which rank 0 alone adds)."""
+    index range along ``dim`` (``dim`` None: all of it), or ranges (``Rows``). A range
+    may run past the tensor's end (the last vocabulary shard), its rows left zero.
+    ``zeros``: the rank holds zeros (a row-parallel bias, which rank 0 alone adds)."""
 
     param: nn.Parameter
     dim: int | None = None
-    parts: tuple[slice, ...] = ()
+    parts: tuple[Rows, ...] = ()
     zeros: bool = False
+
+
+def pieces(rows: Rows) -> tuple[slice, ...]:
+    """The ranges of ``rows``, in the order the rank keeps them."""
+    return rows if isinstance(rows, tuple) else (rows,)
+
+
+def kept_count(rows: Rows) -> int:
+    return sum(piece.stop - piece.start for piece in pieces(rows))
 
 
 Shards = dict[nn.Parameter, Kept]  # an unsplit parameter -> what one rank keeps of it
@@ -109,10 +132,12 @@ def check_parallel(
 
 def _check_groups(config: ModelConfig, size: int, weights: WeightFormat) -> None:
     """A rank quantizes the columns it keeps of a row-parallel layer (o_proj, down_proj,
-    the experts' down projections): its groups are one process's only where each rank's
-    share is a whole number of groups."""
+    the experts' down projections, a Gated DeltaNet's out_proj): its groups are one
+    process's only where each rank's share is a whole number of groups."""
     v_dim = config.mla.v_head_dim if config.mla is not None else config.head_dim
     widths = {"o_proj": config.num_heads * v_dim, "down_proj": config.intermediate_size}
+    if config.linear_attention is not None:
+        widths["the linear-attention out_proj"] = config.linear_attention.value_dim
     if config.moe is not None:
         widths["the experts' down_proj"] = config.moe.moe_intermediate_size
         if config.moe.shared_size:
@@ -138,6 +163,21 @@ def local_config(config: ModelConfig, sizes: ParallelSizes) -> ModelConfig:
         config,
         num_heads=config.num_heads // sizes.tensor,
         num_kv_heads=max(1, config.num_kv_heads // kv_ranks),
+        linear_attention=local_linear_attention(config.linear_attention, sizes.tensor),
+    )
+
+
+def local_linear_attention(
+    linear: LinearAttentionConfig | None, ranks: int
+) -> LinearAttentionConfig | None:
+    """One rank's Gated DeltaNet heads: its share of the key heads and of the value
+    heads they serve (``check_parallel`` makes sure both divide)."""
+    if linear is None:
+        return None
+    return replace(
+        linear,
+        num_key_heads=linear.num_key_heads // ranks,
+        num_value_heads=linear.num_value_heads // ranks,
     )
 
 
@@ -188,10 +228,15 @@ class VocabParallelHead(nn.Module):
         return logits[..., : self.vocab_size]
 
 
-def _rows(weight: torch.Tensor, parts: list[int], keep: list[slice]) -> torch.Tensor:
+def _take(tensor: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """The rows (dim 0) of ``tensor`` that ``rows`` says, end to end."""
+    return torch.cat([tensor[piece] for piece in pieces(rows)]).contiguous()
+
+
+def _rows(weight: torch.Tensor, parts: list[int], keep: list[Rows]) -> torch.Tensor:
     """Of each part of a fused weight (stacked on dim 0), the rows ``keep`` says."""
     return torch.cat(
-        [part[rows] for part, rows in zip(weight.split(parts), keep, strict=True)]
+        [_take(part, rows) for part, rows in zip(weight.split(parts), keep, strict=True)]
     ).contiguous()
 
 
@@ -204,9 +249,9 @@ def _keep(
     return param
 
 
-def _shard_fused(linear: FusedLinear, keep: list[slice], kept: Shards) -> FusedLinear:
+def _shard_fused(linear: FusedLinear, keep: list[Rows], kept: Shards) -> FusedLinear:
     weight = _rows(linear.weight.detach(), linear.split_sizes, keep)
-    sizes = [rows.stop - rows.start for rows in keep]
+    sizes = [kept_count(rows) for rows in keep]
     with torch.device("meta"):  # its parameters are replaced right away
         sharded = FusedLinear(linear.in_features, sizes, bias=linear.bias is not None)
     sharded.weight = _keep(kept, linear.weight, weight, 0, *keep)
@@ -252,10 +297,13 @@ def _shard_attention(attention: Attention, place: RankPlace, kept: Shards) -> No
         group_heads = _share(attention.num_heads, kv_rank)
         kv_head = group_heads.start // (attention.num_heads // attention.num_kv_heads)
         kv_heads = slice(kv_head, kv_head + 1)
-    q_rows = slice(heads.start * dim, heads.stop * dim)
+    # A gated attention's query rows hold per head its query, then its gate.
+    q_width = 2 * dim if attention.output_gate else dim
+    q_rows = slice(heads.start * q_width, heads.stop * q_width)
     kv_rows = slice(kv_heads.start * dim, kv_heads.stop * dim)
     attention.qkv_proj = _shard_fused(attention.qkv_proj, [q_rows, kv_rows, kv_rows], kept)
-    attention.o_proj = _row_parallel(attention.o_proj, q_rows, rank, kept)
+    o_columns = slice(heads.start * dim, heads.stop * dim)
+    attention.o_proj = _row_parallel(attention.o_proj, o_columns, rank, kept)
     attention.num_heads = heads.stop - heads.start
     attention.num_kv_heads = kv_heads.stop - kv_heads.start
 
@@ -273,6 +321,41 @@ def _column(linear: nn.Linear, rows: slice, kept: Shards) -> nn.Linear:
     sharded = nn.Linear(linear.in_features, rows.stop - rows.start, bias=False, device="meta")
     sharded.weight = _keep(kept, linear.weight, linear.weight.detach()[rows].contiguous(), 0, rows)
     return sharded
+
+
+def _times(heads: slice, width: int, offset: int = 0) -> slice:
+    """The rows of ``heads`` heads of ``width`` rows each, from row ``offset`` on."""
+    return slice(offset + heads.start * width, offset + heads.stop * width)
+
+
+def _shard_linear_attention(layer: GatedDeltaNet, rank: GroupRank, kept: Shards) -> None:
+    """The rank's key heads and the value heads they serve, in every projection."""
+    linear = layer.linear
+    key_heads = _share(linear.num_key_heads, rank)
+    per_key = linear.num_value_heads // linear.num_key_heads
+    value_heads = _times(key_heads, per_key)
+    key_dim, value_dim = linear.key_head_dim, linear.value_head_dim
+    values = _times(value_heads, value_dim)
+    channels = (  # of q, of k, of v: the convolution's channels and in_proj_qkv's rows
+        _times(key_heads, key_dim),
+        _times(key_heads, key_dim, linear.key_dim),
+        _times(value_heads, value_dim, 2 * linear.key_dim),
+    )
+    if layer.interleaved:  # per key head: q, k, v, z; and b, a
+        per_head = 2 * key_dim + 2 * per_key * value_dim
+        layer.in_proj_qkvz = _column(layer.in_proj_qkvz, _times(key_heads, per_head), kept)
+        layer.in_proj_ba = _column(layer.in_proj_ba, _times(key_heads, 2 * per_key), kept)
+    else:
+        keep = [channels, values, value_heads, value_heads]
+        layer.in_proj = _shard_fused(layer.in_proj, keep, kept)
+        layer.projection_sizes = layer.in_proj.split_sizes
+    conv = layer.conv1d.weight
+    layer.conv1d.weight = _keep(kept, conv, _take(conv.detach(), channels), 0, channels)
+    for name in ("dt_bias", "A_log"):
+        old = getattr(layer, name)
+        setattr(layer, name, _keep(kept, old, _take(old.detach(), value_heads), 0, value_heads))
+    layer.out_proj = _row_parallel(layer.out_proj, values, rank, kept)
+    layer.linear = local_linear_attention(linear, rank.size)
 
 
 def _shard_latent_attention(attention: LatentAttention, place: RankPlace, kept: Shards) -> None:
@@ -370,7 +453,9 @@ def shard_layer(layer: DecoderLayer, place: RankPlace) -> Shards:
     head's, which splits like a target layer of its kind); what it keeps of each
     parameter."""
     kept: Shards = {}
-    if isinstance(layer.self_attn, LatentAttention):
+    if isinstance(getattr(layer, "linear_attn", None), GatedDeltaNet):
+        _shard_linear_attention(layer.linear_attn, place.tensor, kept)
+    elif isinstance(layer.self_attn, LatentAttention):
         _shard_latent_attention(layer.self_attn, place, kept)
     else:
         _shard_attention(layer.self_attn, place, kept)
