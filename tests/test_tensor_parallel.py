@@ -18,7 +18,6 @@ import torch
 from tests.checkpoints import build_checkpoint
 from tests.helpers import greedy, token_ids
 from tests.probes import assert_idle, logits_of, probed, records
-from tests.test_qwen35 import build
 from updraft import LLM
 from updraft.config import ParallelSizes
 from updraft.demo import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
@@ -424,7 +423,7 @@ def test_a_gguf_width_whose_share_is_not_whole_blocks_is_refused_with_the_number
 
 # -- hybrid models: each rank keeps its share of the Gated DeltaNet heads and their state --
 #
-# Tiny random checkpoints (tests/test_qwen35.py): 2 linear-attention key heads, each
+# Tiny random checkpoints (tests/checkpoints.py): 2 linear-attention key heads, each
 # serving 2 value heads, so each rank keeps one key head and its two value heads; 4
 # gated attention heads over 2 KV heads.
 
@@ -439,7 +438,7 @@ def hybrids(tmp_path_factory) -> Callable[[str], Path]:
 
     def checkpoint(kind: str):
         if kind not in made:
-            build(kind, root / kind)
+            build_checkpoint(kind, root / kind)
             made[kind] = root / kind
         return made[kind]
 
