@@ -18,6 +18,7 @@ import torch
 from tests.checkpoints import build_checkpoint
 from tests.helpers import greedy, token_ids
 from tests.probes import assert_idle, logits_of, probed, records
+from tests.test_qwen35_mtp import with_mtp
 from updraft import LLM
 from updraft.config import ParallelSizes
 from updraft.demo import DEMO_DRAFT_DIR, DEMO_MODEL_DIR
@@ -507,3 +508,44 @@ def test_quantization_groups_the_split_of_linear_attention_would_cut_are_refused
             quantization_group_size=32,
             tensor_parallel_size=2,
         )
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_a_hybrid_models_mtp_head_over_two_ranks_drafts_what_one_process_drafts(
+    tmp_path, pool, eager
+):
+    """The MTP layer is split like a target layer (gated attention by heads): greedy
+    tokens and logits equal one process's."""
+    with_mtp("qwen3.5", tmp_path / "mtp")
+    args = dict(
+        speculative_method="mtp", num_speculative_tokens=2, enforce_eager=eager, capture_sizes=(4,)
+    )
+    _, plain, plain_logits = run(tmp_path / "mtp", **args)
+    llm, split, split_logits = run(tmp_path / "mtp", pool, tensor_parallel_size=2, **args)
+    assert token_ids(split) == token_ids(plain)
+    for ours, reference in zip(split_logits, plain_logits, strict=True):
+        torch.testing.assert_close(ours, reference, atol=1e-4, rtol=0)
+    assert llm.engine.stats().speculative.rounds > 0
+
+
+def test_a_hybrid_prefix_hit_over_two_ranks_resumes_what_one_process_resumes(hybrids, pool):
+    """Prompts that go on from cached ones resume from stored states on every rank (the
+    state copies ride in the step): tokens and logits equal one process's."""
+    results = []
+    for size in (1, 2):
+        llm = probed(
+            str(hybrids("qwen3.5")),
+            worker_pool=pool if size == 2 else None,
+            tensor_parallel_size=size,
+            enforce_eager=False,
+            **ARGS,
+        )
+        first = llm.generate(PROMPTS, PARAMS)
+        again = llm.generate([[*prompt, 9, 9, 9] for prompt in PROMPTS], PARAMS)
+        hits = llm.engine.stats().prefix_states.hits
+        seen = records(llm)
+        results.append((token_ids(first), token_ids(again), [logits_of(seen, o) for o in again]))
+        assert hits > 0
+    assert results[0][:2] == results[1][:2]
+    for ours, reference in zip(results[1][2], results[0][2], strict=True):
+        torch.testing.assert_close(ours, reference, atol=1e-4, rtol=0)
