@@ -28,6 +28,8 @@ runs updraft and llama.cpp on the same Q8_0, Q4_0 and Q4_K_M files.
 1 (``make_random_qwen35``). llama.cpp reads it from the F32 file that llama.cpp's own
 converter writes (the tree of the pinned ``llama-cpp-python`` sdist, as the tests use
 it), since the GGUF layout of its linear-attention tensors is the converter's to define.
+vLLM's CPU build runs its linear-attention layers in bfloat16 only (``--format
+bfloat16``); in the other formats it is left out.
 """
 
 from __future__ import annotations
@@ -142,6 +144,9 @@ def contenders(fmt: str, engines: list[str], model: Path, work: Path) -> list[Co
     out = []
     for label, engine, kind, options in FORMATS[fmt]:
         if engine not in engines:
+            continue
+        if engine == "vllm" and kind != "bfloat16" and is_hybrid(model):
+            print(f"skipping {label}: vLLM's CPU Gated DeltaNet runs in bfloat16 only")
             continue
         if engine == "llama.cpp":
             checkpoint = prepare_gguf(model, work, kind)
