@@ -17,12 +17,19 @@ here first. Engines run in rounds, in a rotating order; the table shows the best
 and the range. Every engine's tokens are compared with updraft's.
 
     bash benchmarks/peers/setup_vllm.sh; bash benchmarks/peers/setup_llamacpp.sh
-    .venv/bin/python -m benchmarks.bench_peers [--model demo|100m|500m|moe] [--rounds 3] \\
-        [--format float32|bfloat16|float16|int4|gguf] [--contention] [--ngram]
+    .venv/bin/python -m benchmarks.bench_peers [--model demo|100m|500m|moe|qwen3.5] \\
+        [--rounds 3] [--format float32|bfloat16|float16|int4|gguf] [--contention] [--ngram]
 
 ``--format`` runs each engine on the weights users would download or make in that
 format (FORMATS below); every run's floor is its own weight bytes per token. ``gguf``
 runs updraft and llama.cpp on the same Q8_0, Q4_0 and Q4_K_M files.
+
+``--model qwen3.5`` is a hybrid of Gated DeltaNet and gated full-attention layers, 3 to
+1 (``make_random_qwen35``). llama.cpp reads it from the F32 file that llama.cpp's own
+converter writes (the tree of the pinned ``llama-cpp-python`` sdist, as the tests use
+it), since the GGUF layout of its linear-attention tensors is the converter's to define.
+vLLM's CPU build runs its linear-attention layers in bfloat16 only (``--format
+bfloat16``); in the other formats it is left out.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from benchmarks.common import (
     active_expert_fraction,
     make_random_qwen3,
     make_random_qwen3_moe,
+    make_random_qwen35,
     markdown_table,
     stored_in,
     stream_bandwidth,
@@ -137,6 +145,9 @@ def contenders(fmt: str, engines: list[str], model: Path, work: Path) -> list[Co
     for label, engine, kind, options in FORMATS[fmt]:
         if engine not in engines:
             continue
+        if engine == "vllm" and kind != "bfloat16" and is_hybrid(model):
+            print(f"skipping {label}: vLLM's CPU Gated DeltaNet runs in bfloat16 only")
+            continue
         if engine == "llama.cpp":
             checkpoint = prepare_gguf(model, work, kind)
         elif kind.startswith("gguf:"):  # updraft on llama.cpp's own file
@@ -218,17 +229,24 @@ def prepare_model(name: str, work: Path) -> tuple[Path, int]:
         return make_random_qwen3_moe(work / "qwen3-moe"), 16000
     if name == "500m":
         return make_random_qwen3(work / "qwen3-500m", scale=2), 32000
+    if name == "qwen3.5":
+        return make_random_qwen35(work / "qwen3.5-100m"), 32000
     return make_random_qwen3(work / "qwen3-100m"), 32000
 
 
 def prepare_gguf(model: Path, work: Path, file_type: str = "F32") -> Path:
-    """``model`` as a GGUF file of ``file_type``: F32 written by make_gguf.py, the others
-    quantized from it by llama.cpp."""
+    """``model`` as a GGUF file of ``file_type``: F32 written by make_gguf.py (by
+    llama.cpp's converter for a hybrid), the others quantized from it by llama.cpp."""
     out = work / f"{model.name}-{file_type.lower()}.gguf"
     if out.is_file():
         return out
     python = str(PYTHONS["llama.cpp"])
-    if file_type == "F32":
+    if file_type == "F32" and is_hybrid(model):
+        from tests.llama_cpp_tree import convert
+
+        # the checkpoint carries no MTP head, which the converter would otherwise expect
+        convert(model, out, "f32", "--no-mtp")
+    elif file_type == "F32":
         subprocess.run([python, str(PEERS / "make_gguf.py"), str(model), str(out)], check=True)
     else:
         source = str(prepare_gguf(model, work))
@@ -237,6 +255,12 @@ def prepare_gguf(model: Path, work: Path, file_type: str = "F32") -> Path:
             check=True,
         )
     return out
+
+
+def is_hybrid(model: Path) -> bool:
+    """Whether ``model`` has linear-attention layers (a Qwen3.5 or Qwen3-Next)."""
+    config = json.loads((model / "config.json").read_text())
+    return "linear_attention" in (config.get("layer_types") or [])
 
 
 def summary(values: list[float]) -> str:
@@ -248,7 +272,9 @@ def summary(values: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=["demo", "100m", "500m", "moe"], default="100m")
+    parser.add_argument(
+        "--model", choices=["demo", "100m", "500m", "moe", "qwen3.5"], default="100m"
+    )
     parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "peers")
     parser.add_argument("--engines", default="updraft,vllm,llama.cpp,transformers")
     parser.add_argument("--format", choices=list(FORMATS), default="float32")

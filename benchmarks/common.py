@@ -48,6 +48,55 @@ def make_random_qwen3(
     return directory
 
 
+def make_random_qwen35(
+    directory: Path,
+    seed: int = 0,
+    full_attention_every: int = 4,
+    max_positions: int = 16384,
+) -> Path:
+    """A Qwen3.5-style hybrid (``Qwen3_5ForCausalLM``) with random weights in float32,
+    about 116M parameters, shaped as the 100M Qwen3 model is where the two share parts:
+    hidden 768, 12 layers, MLP 2048, a tied 32k vocabulary; full-attention layers of 12
+    query heads (gated, so q_proj makes twice that) and 4 KV heads of 64, a quarter of
+    each head rotated; Gated DeltaNet layers of 8 key heads and 16 value heads of 64
+    (value heads twice the key heads, as in the published models), conv kernel 4.
+
+    Every ``full_attention_every``-th layer is full attention (4: layers 3, 7 and 11, as
+    the published models interleave them; 1: all twelve, the same model with no linear
+    layer, against which the hybrid's growth with the context is measured)."""
+    import transformers
+
+    if (directory / "config.json").is_file():
+        return directory
+    layers = 12
+    config = transformers.Qwen3_5TextConfig(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=layers,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        head_dim=64,
+        linear_num_key_heads=8,
+        linear_num_value_heads=16,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        layer_types=[
+            "full_attention" if (i + 1) % full_attention_every == 0 else "linear_attention"
+            for i in range(layers)
+        ],
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    transformers.Qwen3_5ForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
 def make_random_qwen3_moe(directory: Path, seed: int = 0) -> Path:
     """A Qwen3-MoE-style model with random weights in float32: 8 experts of which 2 are
     active per token, sized so that a token reads about 110 MB of weights (hidden 512, 8

@@ -15,4 +15,7 @@ python3 -m venv "$venv"
 # import fails beside this one and takes vLLM's import down with it. No text-only model
 # needs them.
 "$venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+# vLLM's Qwen3.5 module imports image code that imports torchvision: an import-only
+# stand-in (the CUDA-built torchvision on PyPI does not load beside the CPU torch).
+"$venv/bin/python" "$here/stand_in_torchvision.py"
 "$venv/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
