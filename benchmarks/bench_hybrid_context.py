@@ -59,33 +59,13 @@ def decode_seconds_per_token(llm: LLM, context: int, new_tokens: int, seed: int)
     return statistics.median(gaps)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--contexts", default="128,512,2048,8192")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--quick", action="store_true", help="128,512,2048; 1 round; 16 tokens")
-    parser.add_argument(
-        "--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "hybrid-context"
-    )
-    args = parser.parse_args()
-    contexts = [int(c) for c in ("128,512,2048" if args.quick else args.contexts).split(",")]
-    rounds = 1 if args.quick else args.rounds
-    new_tokens = 16 if args.quick else args.new_tokens
-    longest = max(contexts) + new_tokens
+Times = dict[tuple[str, int], list[float]]
 
-    engines = {}
-    for label, every in MODELS:
-        model = make_random_qwen35(
-            args.work_dir / f"qwen3.5-100m-full-every-{every}",
-            full_attention_every=every,
-            max_positions=max(16384, longest),
-        )
-        engines[label] = LLM(model, dtype="float32", kv_cache_memory_gib=1, max_model_len=longest)
-        # warm up: captured decode steps and the prefill path, before any timing
-        decode_seconds_per_token(engines[label], contexts[0], 8, seed=-1)
 
-    times: dict[tuple[str, int], list[float]] = {}
+def measure(engines: dict[str, LLM], contexts: list[int], rounds: int, new_tokens: int) -> Times:
+    """Seconds per decoded token of each (model, context), one value a round; rounds
+    alternate the models' order."""
+    times: Times = {}
     for round_index in range(rounds):
         order = list(engines) if round_index % 2 == 0 else list(reversed(engines))
         for label in order:
@@ -99,8 +79,12 @@ def main() -> None:
                     f"{seconds * 1e3:7.2f} ms/token",
                     flush=True,
                 )
-    for label, llm in engines.items():  # how the steps ran: decodes should all replay
-        print(f"{label}: steps {llm.engine.stats().steps}")
+    return times
+
+
+def table(times: Times, contexts: list[int], rounds: int) -> str:
+    """Best times, the growths from the shortest context, their ratio, and the growths
+    split into a part per attention layer and a part outside the attention layers."""
 
     def best(label: str, context: int) -> float:
         return min(times[(label, context)]) * 1e3
@@ -112,7 +96,6 @@ def main() -> None:
 
     hybrid, full = (label for label, _ in MODELS)
     hybrid_layers, full_layers = FULL_LAYERS[4], FULL_LAYERS[1]
-    expected = hybrid_layers / full_layers
     rows = []
     for context in contexts:
         grow_hybrid = best(hybrid, context) - best(hybrid, contexts[0])
@@ -140,13 +123,45 @@ def main() -> None:
         f"{full}, ms/token",
         f"hybrid growth from {contexts[0]}",
         "full growth",
-        f"hybrid / full growth (expected {expected:.2f})",
+        f"hybrid / full growth (expected {hybrid_layers / full_layers:.2f})",
         "growth per attention layer",
         "growth outside the attention layers",
     ]
     title = f"batch-1 decode per token against the context, best of {rounds}"
+    return markdown_table(title, header, rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--contexts", default="128,512,2048,8192")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--quick", action="store_true", help="128,512,2048; 1 round; 16 tokens")
+    parser.add_argument(
+        "--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "hybrid-context"
+    )
+    args = parser.parse_args()
+    contexts = [int(c) for c in ("128,512,2048" if args.quick else args.contexts).split(",")]
+    rounds = 1 if args.quick else args.rounds
+    new_tokens = 16 if args.quick else args.new_tokens
+    longest = max(contexts) + new_tokens
+
+    engines = {}
+    for label, every in MODELS:
+        model = make_random_qwen35(
+            args.work_dir / f"qwen3.5-100m-full-every-{every}",
+            full_attention_every=every,
+            max_positions=max(16384, longest),
+        )
+        engines[label] = LLM(model, dtype="float32", kv_cache_memory_gib=1, max_model_len=longest)
+        # warm up: captured decode steps and the prefill path, before any timing
+        decode_seconds_per_token(engines[label], contexts[0], 8, seed=-1)
+
+    times = measure(engines, contexts, rounds, new_tokens)
+    for label, llm in engines.items():  # how the steps ran: decodes should all replay
+        print(f"{label}: steps {llm.engine.stats().steps}")
     print()
-    print(markdown_table(title, header, rows))
+    print(table(times, contexts, rounds))
     for llm in engines.values():
         llm.engine.close()
 
