@@ -110,8 +110,8 @@ def split_budget(
         blocks = budget_bytes // (slots_per_block * paged.bytes_per_slot)
         if blocks < 1:
             raise ValueError(
-                f"kv_cache_memory_gib holds no KV block ({slots_per_block * paged.bytes_per_slot} "
-                "bytes each)"
+                f"kv_cache_memory_gib leaves {budget_bytes} bytes for KV blocks, which hold "
+                f"no block ({slots_per_block * paged.bytes_per_slot} bytes each)"
             )
     return CacheSizes(blocks, slots, prefixes)
 
@@ -138,7 +138,7 @@ def allocate_caches(
         except (MemoryError, OSError, torch.OutOfMemoryError) as error:  # mmap: ENOMEM
             size = len(group.layers) * math.prod(shape) * group.dtype.itemsize / 2**30
             raise ValueError(
-                f"cannot allocate a {group.kind} cache of {count} slots ({size:.1f} GiB) on "
+                f"cannot allocate a KV cache ({group.kind}: {count} slots, {size:.1f} GiB) on "
                 f"{device}: {error}; lower kv_cache_memory_gib or num_kv_blocks"
             ) from error
     return caches
