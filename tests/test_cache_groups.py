@@ -90,3 +90,21 @@ def test_a_state_read_through_no_declared_input_is_refused_at_capture(qwen35_dir
     monkeypatch.setattr(GatedDeltaNet, "forward", own_slots)
     with pytest.raises(CaptureError, match=r"reads a \(\d+,\) torch.int64 tensor"):
         LLM(str(qwen35_dir), enforce_eager=False)
+
+
+def test_a_model_with_no_full_attention_layer_serves_the_whole_context(tmp_path):
+    """Every layer linear: no KV is kept, and blocks (which then cost nothing) still let
+    each running request reach the context length."""
+    reference = saved_model(
+        "qwen3.5", tmp_path, layer_types=["linear_attention"] * 4, max_position_embeddings=256
+    )
+    llm = LLM(str(tmp_path), max_num_seqs=4)
+    assert llm.engine.stats().kv_blocks_total >= 4 * 256 // 16
+    prompt = list(range(5, 60))
+    got = token_ids(llm.generate([prompt], [greedy(6)]))[0]
+    tokens = list(prompt)  # transformers' cache needs an attention layer: whole forwards
+    with torch.no_grad():
+        for _ in range(6):
+            logits = reference(torch.tensor([tokens]), use_cache=False).logits
+            tokens.append(int(logits[0, -1].argmax()))
+    assert got == tokens[len(prompt) :]

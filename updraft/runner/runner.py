@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from updraft.attention.cache_groups import (
+    PAGED,
     RECURRENT,
     CacheSizes,
     allocate_caches,
@@ -217,9 +218,15 @@ class Runner:
             slots = config.max_num_seqs if hybrid else 0
             return CacheSizes(config.num_kv_blocks, slots, slots if prefixes is None else prefixes)
         budget = int(config.kv_cache_memory_gib * 2**30)
-        return split_budget(
+        sizes = split_budget(
             self.cache_groups, budget, config.block_size, config.max_num_seqs, prefixes
         )
+        if group_of(self.cache_groups, PAGED) is None:
+            # No layer keeps KV: blocks cost nothing but still count positions, so every
+            # running request may reach the context length.
+            per_request = -(-self.max_model_len // self.positions_per_block)
+            sizes = sizes._replace(num_blocks=config.max_num_seqs * per_request)
+        return sizes
 
     @cached_property
     def state_caches(self) -> list[torch.Tensor]:
