@@ -48,6 +48,19 @@ class Architecture:
     prequantized: bool = False  # AWQ, GPTQ and compressed-tensors checkpoints are read
 
 
+def _hybrid(name: str, gguf_name: str, tiled_value_heads: bool = False) -> Architecture:
+    """A Qwen3.5-family row that reads GGUF files too."""
+    return Architecture(
+        name,
+        qwen35.parse,
+        QWEN35,
+        gguf_name=gguf_name,
+        from_gguf=qwen35_gguf.from_gguf,
+        gguf_tensor_names=qwen35_gguf.GGUF_TENSORS,
+        gguf_tiled_value_heads=tiled_value_heads,
+    )
+
+
 ARCHITECTURES: dict[str, Architecture] = {
     row.name: row
     for row in (
@@ -132,32 +145,9 @@ ARCHITECTURES: dict[str, Architecture] = {
         # checkpoints' text tower.
         # Their GGUF files (qwen3next's read as Qwen3.5-MoE: model_config/qwen35_gguf.py);
         # llama.cpp's converter tiles Qwen3.5's value heads.
-        Architecture(
-            "Qwen3_5ForCausalLM",
-            qwen35.parse,
-            QWEN35,
-            gguf_name="qwen35",
-            from_gguf=qwen35_gguf.from_gguf,
-            gguf_tensor_names=qwen35_gguf.GGUF_TENSORS,
-            gguf_tiled_value_heads=True,
-        ),
-        Architecture(
-            "Qwen3_5MoeForCausalLM",
-            qwen35.parse,
-            QWEN35,
-            gguf_name="qwen35moe",
-            from_gguf=qwen35_gguf.from_gguf,
-            gguf_tensor_names=qwen35_gguf.GGUF_TENSORS,
-            gguf_tiled_value_heads=True,
-        ),
-        Architecture(
-            "Qwen3NextForCausalLM",
-            qwen35.parse,
-            QWEN35,
-            gguf_name="qwen3next",
-            from_gguf=qwen35_gguf.from_gguf,
-            gguf_tensor_names=qwen35_gguf.GGUF_TENSORS,
-        ),
+        _hybrid("Qwen3_5ForCausalLM", "qwen35", tiled_value_heads=True),
+        _hybrid("Qwen3_5MoeForCausalLM", "qwen35moe", tiled_value_heads=True),
+        _hybrid("Qwen3NextForCausalLM", "qwen3next"),
         Architecture("Qwen3_5ForConditionalGeneration", qwen35.parse, QWEN35),
         Architecture("Qwen3_5MoeForConditionalGeneration", qwen35.parse, QWEN35),
     )
