@@ -102,6 +102,31 @@ QWEN35_EXPERTS = dict(
     shared_expert_intermediate_size=48,
 )
 
+# gpt-oss: a sliding layer (window shorter than most prompts), then a full one; 4 experts
+# of 32 rows, 2 per token, float; YaRN (not truncated) over an original context of 32
+# positions, which the prompts and decodes run past; a SwiGLU clamp low enough to bite.
+GPT_OSS = dict(
+    **{**TINY, "intermediate_size": 32},
+    num_key_value_heads=2,
+    head_dim=16,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=WINDOW,
+    layer_types=["sliding_attention", "full_attention"],
+    attention_bias=True,
+    swiglu_limit=2.0,
+    tie_word_embeddings=False,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 16.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 32,
+    },
+)
+
 # EAGLE-1 heads: one Llama layer; the target's width and vocabulary come from its config.
 EAGLE_HEAD = dict(
     intermediate_size=96,
@@ -167,6 +192,16 @@ def _hybrid_params(model: nn.Module) -> None:
             param.normal_(0, 0.3)
         elif name.endswith("mlp.gate.weight"):
             param.normal_(0, 1.0)
+
+
+def _gpt_oss_params(model: nn.Module) -> None:
+    """gpt-oss's expert biases start at 0 and its sinks and router near it: drawn, a bias,
+    a sink or a routing mixed up shows."""
+    for name, param in model.named_parameters():
+        if name.endswith(("sinks", "router.weight", "router.bias")):
+            param.normal_(0, 1.0)
+        elif name.endswith("proj_bias"):
+            param.normal_(0, 0.5)
 
 
 @dataclass(frozen=True)
@@ -326,6 +361,7 @@ FAMILIES: dict[str, Family] = {
         },
         _hybrid_params,
     ),
+    "gpt-oss": Family("GptOssConfig", "GptOssForCausalLM", GPT_OSS, _gpt_oss_params),
     # the text tower above with a tiny vision tower: updraft serves the text tower
     "gemma3-multimodal": Family(
         "Gemma3Config",

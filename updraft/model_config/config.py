@@ -71,6 +71,8 @@ class ModelConfig:
     linear_attention: LinearAttentionConfig | None = None
     linear_layers: frozenset[int] = frozenset()
     attention_output_gate: bool = False
+    # gpt-oss: a learned logit per query head in each attention softmax's denominator.
+    attention_sinks: bool = False
     # Linears quantized to 4 bits before they reached here (AWQ, GPTQ, compressed-tensors).
     quantized: QuantizedCheckpoint | None = None
 

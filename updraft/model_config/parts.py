@@ -69,6 +69,9 @@ class MoEConfig:
     # The shared experts' rows when not n_shared_experts * moe_intermediate_size.
     shared_intermediate_size: int | None = None
     shared_expert_gate: bool = False
+    # gpt-oss's experts: the clamped SwiGLU's sigmoid gain and clamp (None: plain SiLU).
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
 
     @property
     def shared_size(self) -> int:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from updraft.model_config import deepseek, gemma3, llama, qwen35, qwen35_gguf
+from updraft.model_config import deepseek, gemma3, gpt_oss, llama, qwen35, qwen35_gguf
 
 # config.json (as a dict) and the architecture named in it -> ModelConfig's fields.
 Parser = Callable[[dict[str, Any], str], dict[str, Any]]
@@ -26,6 +26,7 @@ LLAMA = "updraft.models.llama:LlamaForCausalLM"
 GEMMA3 = "updraft.models.gemma:Gemma3ForCausalLM"
 DEEPSEEK = "updraft.models.deepseek:DeepseekForCausalLM"
 QWEN35 = "updraft.models.qwen35:Qwen35ForCausalLM"
+GPT_OSS = "updraft.models.gpt_oss:GptOssForCausalLM"
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,8 @@ ARCHITECTURES: dict[str, Architecture] = {
         _hybrid("Qwen3NextForCausalLM", "qwen3next"),
         Architecture("Qwen3_5ForConditionalGeneration", qwen35.parse, QWEN35),
         Architecture("Qwen3_5MoeForConditionalGeneration", qwen35.parse, QWEN35),
+        # Attention sinks, alternating windows, YaRN, biased clamped-SwiGLU experts.
+        Architecture("GptOssForCausalLM", gpt_oss.parse, GPT_OSS),
     )
 }
 
