@@ -153,7 +153,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("Qwen3_5ForConditionalGeneration", qwen35.parse, QWEN35),
         Architecture("Qwen3_5MoeForConditionalGeneration", qwen35.parse, QWEN35),
         # Attention sinks, alternating windows, YaRN, biased clamped-SwiGLU experts.
-        Architecture("GptOssForCausalLM", gpt_oss.parse, GPT_OSS),
+        Architecture("GptOssForCausalLM", gpt_oss.parse, GPT_OSS, mxfp4_experts=True),
     )
 }
 
