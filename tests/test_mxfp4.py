@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -250,3 +251,10 @@ def test_a_bad_block_tensor_in_a_checkpoint_is_refused_by_name(gpt_oss_mxfp4, tm
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=rf"model.safetensors: {name} has shape"):
         loaded(tmp_path)
+
+
+def test_mxfp4_of_an_architecture_without_mxfp4_experts_is_refused_by_name(gpt_oss_mxfp4):
+    raw = json.loads((gpt_oss_mxfp4[0] / "config.json").read_text())
+    llama = {**raw, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    with pytest.raises(ValueError, match="mxfp4 checkpoint of LlamaForCausalLM"):
+        ModelConfig.from_dict(llama)
