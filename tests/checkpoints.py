@@ -440,7 +440,7 @@ def build_checkpoint(
     does (a kind of ``MXFP4_KINDS``: its float kind, its experts then quantized)."""
     if kind in MXFP4_KINDS:
         build_checkpoint(MXFP4_KINDS[kind], directory, seed=seed, dtype=dtype, **changes)
-        return _mxfp4_experts(directory)
+        return write_mxfp4_experts(directory)
     tiny_model(kind, seed=seed, dtype=dtype, sharpen=sharpen, **changes).save_pretrained(directory)
     return directory
 
@@ -588,7 +588,7 @@ def mxfp4_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(np.ascontiguousarray(blocks)), torch.from_numpy(scales.copy())
 
 
-def _mxfp4_experts(directory: Path) -> Path:
+def write_mxfp4_experts(directory: Path) -> Path:
     """The checkpoint in ``directory`` with its experts' weights (transformers' [E, in,
     out]) replaced by MXFP4 ``_blocks`` and ``_scales`` over their rows of outputs, and
     the ``quantization_config`` that says so."""
