@@ -233,3 +233,8 @@ def _parsed_header(head: str) -> tuple[str, str] | None:
     if others or len(recipients) > 1 or any(not r for r in recipients):
         return None
     return words_after[0], recipients[0] if recipients else ""
+
+
+def control_token_in(text: str) -> str | None:
+    """The first of harmony's markers that ``text`` spells, if any."""
+    return next((marker for marker in MARKERS if marker in text), None)
