@@ -115,15 +115,20 @@ class ChatServing:
                     param=field.split("[")[0],
                 )
         spec = params.structured_outputs
-        if body.calls_required():
-            choice = body.effective_tool_choice()
-            named = choice.function.name if isinstance(choice, NamedToolChoice) else None
-            spec = call_spec(body.template_tools() or [], named)
-        elif spec is not None and not self.base.settings.structured_outputs_in_reasoning:
-            backend = self.base.tokenizer.backend
-            spec = final_answer_spec(
-                spec, lambda text: backend.encode(text, add_special_tokens=False).ids
-            )
+        try:
+            if body.calls_required():
+                choice = body.effective_tool_choice()
+                named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+                spec = call_spec(body.template_tools() or [], named)
+            elif spec is not None and not self.base.settings.structured_outputs_in_reasoning:
+                backend = self.base.tokenizer.backend
+                spec = final_answer_spec(
+                    spec, lambda text: backend.encode(text, add_special_tokens=False).ids
+                )
+        except ValueError as error:  # a grammar past the size a spec may have
+            field = "tools" if body.calls_required() else body.structured_outputs_field()
+            message = str(error).removeprefix("structured_outputs")
+            raise APIError(400, f"{field}{message}", param=field) from error
         return replace(params, skip_special_tokens=False, structured_outputs=spec)
 
     def _reasoning(

@@ -237,4 +237,5 @@ def _parsed_header(head: str) -> tuple[str, str] | None:
 
 def control_token_in(text: str) -> str | None:
     """The first of harmony's markers that ``text`` spells, if any."""
-    return next((marker for marker in MARKERS if marker in text), None)
+    found = [(at, marker) for marker in MARKERS if (at := text.find(marker)) >= 0]
+    return min(found)[1] if found else None

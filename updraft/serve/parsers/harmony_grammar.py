@@ -16,6 +16,7 @@ they are.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from updraft.engine.grammar_compiler import JSON_OPTIONS
@@ -33,18 +34,21 @@ FINAL_HEADER = CHANNEL + "final" + MESSAGE
 
 def final_answer_spec(spec: StructuredOutputsParams, encode: Any) -> StructuredOutputsParams:
     """``spec`` applied to the final message only; ``encode(text) -> list[int]`` spells
-    the final channel's header for specs that start after it."""
-    if spec.json_object:
-        return _grammar('answer: <|channel|> "final" <|message|> body\n', {"type": "object"})
-    if spec.json is not None:
-        schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
-        return _grammar('answer: <|channel|> "final" <|message|> body\n', schema)
-    return StructuredOutputsParams(
-        regex=spec.regex,
-        choice=spec.choice,
-        grammar=spec.grammar,
-        starts_after=tuple(encode(FINAL_HEADER)),
-    )
+    the final channel's header for specs that start after it (and for a schema whose
+    text is not JSON, which the compiler then names)."""
+    try:
+        if spec.json_object:
+            body = _json_text({"type": "object"})
+        elif spec.json is not None:
+            body = _json_text(json.loads(spec.json) if isinstance(spec.json, str) else spec.json)
+        else:
+            body = None
+    except (ValueError, RecursionError):
+        body = None
+    if body is None:
+        return replace(spec, starts_after=tuple(encode(FINAL_HEADER)))
+    answer = 'answer: <|channel|> "final" <|message|> body\n'
+    return StructuredOutputsParams(grammar=f"{THINKING}{answer}body: %json {body}\n")
 
 
 def call_spec(tools: list[dict[str, Any]], named: str | None) -> StructuredOutputsParams:
@@ -61,12 +65,6 @@ def call_spec(tools: list[dict[str, Any]], named: str | None) -> StructuredOutpu
         bodies.append(f"args{index}: %json {_json_text(parameters)}")
     answer = "answer: " + " | ".join(calls) + "\n" + "\n".join(bodies) + "\n"
     return StructuredOutputsParams(grammar=THINKING + answer)
-
-
-def _grammar(answer: str, schema: Any) -> StructuredOutputsParams:
-    return StructuredOutputsParams(
-        grammar=THINKING + answer + f"body: %json {_json_text(schema)}\n"
-    )
 
 
 def _json_text(schema: Any) -> str:
