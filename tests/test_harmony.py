@@ -190,8 +190,10 @@ def test_reasoning_calls_and_answers_come_back_plain_and_streamed(clients):
         "<|start|>assistant<|channel|>final<|message|>Noon."
     )
     asks = [(CALL_REPLY,), (CALL_REPLY, True), (answer,), (answer, True)]
-    with ThreadPoolExecutor(4) as pool:  # one batch
-        call, call_chunks, final, final_chunks = pool.map(lambda a: forced(client, *a), asks)
+    with ThreadPoolExecutor(4) as pool:  # one batch; a tool need not have a description
+        call, call_chunks, final, final_chunks = pool.map(
+            lambda a: forced(client, *a, tools=[UNDESCRIBED]), asks
+        )
     assert call.message.reasoning_content == "Need the clock."
     assert call.message.content is None
     assert [(c.function.name, c.function.arguments) for c in call.message.tool_calls] == [
@@ -276,6 +278,8 @@ def test_a_schema_constrains_the_final_channel_only(checkpoint):
     ):
         matcher = compiler.matcher(spec)
         assert matcher.consume_tokens(encode(reply).ids) == accepted, reply
+    matcher = compiler.matcher(final_answer_spec(StructuredOutputsParams(json_object=True), None))
+    assert not matcher.consume_tokens(encode("<|channel|>final<|message|>[1]").ids)
     other = {"type": "function", "function": {"name": "get_date", "description": "The date."}}
     for named, accepted in ((None, True), ("get_time", True), ("get_date", False)):
         matcher = compiler.matcher(call_spec([CLOCK, other], named))

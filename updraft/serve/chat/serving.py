@@ -165,13 +165,17 @@ class ChatServing:
         """The conversation as the prompt text, rendered off the event loop: a template
         over a megabyte of messages takes a while."""
         messages = [m.for_template() for m in body.messages]
+        tools = body.template_tools()
+        if self.harmony and tools:
+            # gpt-oss's template writes every tool's description; OpenAI's is optional.
+            tools = [{**t, "function": {"description": "", **t["function"]}} for t in tools]
         try:
             return await self.base.off_loop(
                 self.base.processor.render_chat,
                 messages,
                 body.add_generation_prompt,
                 body.template_variables(),
-                body.template_tools(),
+                tools,
                 body.continue_final_message,
             )
         except ChatTemplateError as error:
