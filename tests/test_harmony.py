@@ -24,7 +24,7 @@ from updraft.config import EngineConfig
 from updraft.demo import DEMO_MODEL_DIR
 from updraft.engine.engine import Engine
 from updraft.engine.grammar_compiler import GrammarCompiler
-from updraft.serve.chat.protocol import ChatMessage
+from updraft.serve.chat.protocol import ChatCompletionRequest
 from updraft.serve.parsers.harmony import MARKERS, HarmonyReader, is_harmony
 from updraft.serve.parsers.harmony_grammar import call_spec, final_answer_spec
 from updraft.serve.parsers.tools import Delta
@@ -162,9 +162,13 @@ def test_harmony_is_chosen_by_the_template_and_renders_as_transformers_renders_i
         },
         {"role": "tool", "tool_call_id": "c1", "content": "12:00"},
     ]
-    ours = [ChatMessage.model_validate(m, strict=False).for_template() for m in messages]
+    body = ChatCompletionRequest.model_validate(
+        {"model": MODEL, "messages": messages, "tools": [CLOCK], "reasoning_effort": "high"},
+        strict=False,
+    )
+    ours = [message.for_template() for message in body.messages]
     rendered = ChatTemplate.from_dir(checkpoint).render(
-        ours, template_kwargs={"reasoning_effort": "high"}, tools=[CLOCK]
+        ours, template_kwargs=body.template_variables(), tools=body.template_tools()
     )
     reference = transformers.AutoTokenizer.from_pretrained(checkpoint).apply_chat_template(
         ours, tools=[CLOCK], reasoning_effort="high", tokenize=False, add_generation_prompt=True
