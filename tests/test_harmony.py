@@ -344,3 +344,31 @@ def test_the_reader_reads_any_cut_the_same(size):
 def test_a_checkpoint_without_harmony_keeps_its_parsers(tmp_path):
     shutil.copytree(DEMO_MODEL_DIR, tmp_path / "demo")
     assert not is_harmony(ChatTemplate.from_dir(tmp_path / "demo").source)
+
+
+@pytest.mark.parametrize(
+    "reply, expected",
+    [
+        (  # the recipient before the channel, the call's end token in the text
+            "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>"
+            '{"zone": "UTC"}<|call|>',
+            ("", "", [("get_time", '{"zone": "UTC"}')]),
+        ),
+        (  # a preamble to no one is content; a final channel closed by <|end|> too
+            "<|channel|>commentary<|message|>Checking. <|end|>"
+            "<|start|>assistant<|channel|>final<|message|>Noon.<|end|>",
+            ("", "Checking. Noon.", []),
+        ),
+        (  # a header that never reaches <|message|> is content as written
+            "<|channel|>analysis" + " x" * 200,
+            ("", "<|channel|>analysis" + " x" * 200, []),
+        ),
+    ],
+)
+def test_headers_in_either_order_and_their_limits(reply, expected):
+    reader = HarmonyReader(["get_time"])
+    if reply.startswith("<|start|>"):  # as a later message, after an empty analysis
+        reply = "<|channel|>analysis<|message|><|end|>" + reply
+    delta = reader.read_all(reply)
+    calls = [(c.name, c.arguments) for c in reader.calls]
+    assert (delta.reasoning, delta.content, calls) == expected

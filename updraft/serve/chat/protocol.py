@@ -180,7 +180,7 @@ class ChatCompletionRequest(SamplingRequest):
             return self.chat_template_kwargs
         return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
-    def harmony_text_fields(self) -> list[tuple[str, str]]:
+    def prompt_text_fields(self) -> list[tuple[str, str]]:
         """(field, its text as JSON) for every part of the request the chat template
         writes into the prompt."""
         fields = [

@@ -106,7 +106,7 @@ class ChatServing:
         answer, not the analysis (harmony_grammar.py). A request that writes a marker
         itself is refused: the tokenizer would read it as one, letting a message's text
         open a message of another role."""
-        for field, value in body.harmony_text_fields():
+        for field, value in body.prompt_text_fields():
             marker = control_token_in(value)
             if marker is not None:
                 raise APIError(
