@@ -39,6 +39,7 @@ class ChatMessage(Strict):
     name: Text | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: Text | None = None  # what a tool message answers
+    reasoning_content: Text | None = None  # an assistant's earlier reasoning
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates read it: content a string, a call's arguments
@@ -63,6 +64,9 @@ class ChatMessage(Strict):
             ]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            # Qwen3's templates read it by this name, gpt-oss's as "thinking".
+            message["reasoning_content"] = message["thinking"] = self.reasoning_content
         return message
 
 
@@ -119,6 +123,8 @@ class ChatCompletionRequest(SamplingRequest):
     function_call: Any = None
     # More variables for the chat template, such as Qwen3's enable_thinking.
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's; gpt-oss's template reads it (low, medium or high).
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -167,6 +173,28 @@ class ChatCompletionRequest(SamplingRequest):
     def calls_required(self) -> bool:
         choice = self.effective_tool_choice()
         return choice == "required" or isinstance(choice, NamedToolChoice)
+
+    def template_variables(self) -> dict[str, Any] | None:
+        """chat_template_kwargs, with reasoning_effort where the request sets it."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
+
+    def prompt_text_fields(self) -> list[tuple[str, str]]:
+        """(field, its text as JSON) for every part of the request the chat template
+        writes into the prompt."""
+        fields = [
+            (f"messages[{i}]", json.dumps(m.model_dump(), ensure_ascii=False))
+            for i, m in enumerate(self.messages)
+        ]
+        fields += [
+            (f"tools[{i}]", json.dumps(t.model_dump(), ensure_ascii=False))
+            for i, t in enumerate(self.tools or [])
+        ]
+        if self.chat_template_kwargs:
+            kwargs = json.dumps(self.chat_template_kwargs, ensure_ascii=False, default=str)
+            fields.append(("chat_template_kwargs", kwargs))
+        return fields
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as the chat template reads them (none when tool_choice is none)."""

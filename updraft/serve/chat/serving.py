@@ -37,6 +37,8 @@ from updraft.serve.chat.protocol import (
     TopLogprob,
 )
 from updraft.serve.errors import APIError
+from updraft.serve.parsers.harmony import HarmonyReader, control_token_in, is_harmony
+from updraft.serve.parsers.harmony_grammar import call_spec, final_answer_spec
 from updraft.serve.parsers.reasoning import (
     REASONING_PARSERS,
     ReasoningStream,
@@ -67,7 +69,9 @@ class ChatServing:
         source = base.processor.chat_template.source
         self.tool_parser = base.settings.tool_call_parser or default_parser(source)
         reasoning = base.settings.reasoning_parser or default_reasoning(source)
-        self.reasoning_tags = REASONING_PARSERS.get(reasoning or "none")
+        # Harmony's channels carry reasoning and calls alike: one reader for both.
+        self.harmony = is_harmony(source)
+        self.reasoning_tags = None if self.harmony else REASONING_PARSERS.get(reasoning or "none")
 
     async def create(self, body: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
         base = self.base
@@ -78,6 +82,8 @@ class ChatServing:
             base.max_tokens_limit, base.max_tokens_limit, body.logprobs_asked()
         )
         structured_field = "tools" if body.calls_required() else body.structured_outputs_field()
+        if self.harmony:
+            params = self._harmony(params, body)
         await base.compile(params, structured_field)
         prompt, start, params = self._reasoning(await self._render(body), params, body)
         if self.tool_parser == "mistral" and self.reply_stream(body) is not None:
@@ -94,6 +100,36 @@ class ChatServing:
             events = ChatEvents(self, request_id, body, streams, options, start).events()
             return ClosingStreamingResponse(sse(events), media_type="text/event-stream")
         return await self._response(request_id, body, streams, start)
+
+    def _harmony(self, params: SamplingParams, body: ChatCompletionRequest) -> SamplingParams:
+        """Harmony's markers kept in the text, to be read; a grammar set to constrain the
+        answer, not the analysis (harmony_grammar.py). A request that writes a marker
+        itself is refused: the tokenizer would read it as one, letting a message's text
+        open a message of another role."""
+        for field, value in body.prompt_text_fields():
+            marker = control_token_in(value)
+            if marker is not None:
+                raise APIError(
+                    400,
+                    f"{field}: contains {marker}, one of the chat format's control tokens",
+                    param=field.split("[")[0],
+                )
+        spec = params.structured_outputs
+        try:
+            if body.calls_required():
+                choice = body.effective_tool_choice()
+                named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+                spec = call_spec(body.template_tools() or [], named)
+            elif spec is not None and not self.base.settings.structured_outputs_in_reasoning:
+                backend = self.base.tokenizer.backend
+                spec = final_answer_spec(
+                    spec, lambda text: backend.encode(text, add_special_tokens=False).ids
+                )
+        except ValueError as error:  # a grammar past the size a spec may have
+            field = "tools" if body.calls_required() else body.structured_outputs_field()
+            message = str(error).removeprefix("structured_outputs")
+            raise APIError(400, f"{field}{message}", param=field) from error
+        return replace(params, skip_special_tokens=False, structured_outputs=spec)
 
     def _reasoning(
         self, prompt: str, params: SamplingParams, body: ChatCompletionRequest
@@ -129,13 +165,17 @@ class ChatServing:
         """The conversation as the prompt text, rendered off the event loop: a template
         over a megabyte of messages takes a while."""
         messages = [m.for_template() for m in body.messages]
+        tools = body.template_tools()
+        if self.harmony and tools:
+            # gpt-oss's template writes every tool's description; OpenAI's is optional.
+            tools = [{**t, "function": {"description": "", **t["function"]}} for t in tools]
         try:
             return await self.base.off_loop(
                 self.base.processor.render_chat,
                 messages,
                 body.add_generation_prompt,
-                body.chat_template_kwargs,
-                body.template_tools(),
+                body.template_variables(),
+                tools,
                 body.continue_final_message,
             )
         except ChatTemplateError as error:
@@ -170,7 +210,7 @@ class ChatServing:
                 completion.token_ids, completion.logprobs, completion.top_logprobs
             )
         reader = self.reply_reader(body, start)
-        reply = reader.read_all(completion.text)
+        reply = reader.read_all(completion.text, cut=completion.finish_reason == "length")
         content, calls = reply.content, reader.calls
         return ChatChoice(
             index=completion.index,
@@ -183,9 +223,14 @@ class ChatServing:
             finish_reason=finish_reason(completion.finish_reason, bool(calls)),
         )
 
-    def reply_reader(self, body: ChatCompletionRequest, start: Start | None) -> ReplyReader:
-        """What reads one choice's reply: its reasoning where the server has a reasoning
-        parser (``start``: where the reply starts), then its tool calls."""
+    def reply_reader(
+        self, body: ChatCompletionRequest, start: Start | None
+    ) -> ReplyReader | HarmonyReader:
+        """What reads one choice's reply: harmony's channels, or its reasoning where the
+        server has a reasoning parser (``start``: where the reply starts), then its tool
+        calls."""
+        if self.harmony:
+            return HarmonyReader([tool["function"]["name"] for tool in body.template_tools() or []])
         reasoning = None if start is None else ReasoningStream(self.reasoning_tags, start)
         return ReplyReader(reasoning, self.reply_stream(body))
 
@@ -256,7 +301,7 @@ class ChatEvents:
         self.options = options
         self.created = now()
         self.want_logprobs = streams[0][1].outputs[0].logprobs is not None
-        self.replies: dict[int, ReplyReader] = {}
+        self.replies: dict[int, ReplyReader | HarmonyReader] = {}
         self.called: set[int] = set()
         self.usage = UsageSoFar()
 
@@ -301,7 +346,7 @@ class ChatEvents:
         reader = self.replies[index]  # reasoning and calls taken out of the text
         reply = reader.feed(completion.delta_text)
         if completion.finish_reason is not None:
-            reply = reply + reader.finish()
+            reply = reply + reader.finish(cut=completion.finish_reason == "length")
         text, tool_calls, reasoning = reply.content, reply.tool_calls or None, reply.reasoning
         if tool_calls:
             self.called.add(index)

@@ -21,12 +21,14 @@ class ReplyReader:
     def feed(self, text: str) -> Delta:
         return self._read(text, finished=False)
 
-    def finish(self) -> Delta:
+    def finish(self, cut: bool = False) -> Delta:
+        """What is left once the reply has ended (``cut``, by its length limit, reads the
+        same here: a call that parses is sent)."""
         return self._read("", finished=True)
 
-    def read_all(self, text: str) -> Delta:
+    def read_all(self, text: str, cut: bool = False) -> Delta:
         """A whole reply, as one delta."""
-        return self.feed(text) + self.finish()
+        return self.feed(text) + self.finish(cut)
 
     def _read(self, text: str, finished: bool) -> Delta:
         reasoning = ""
