@@ -193,6 +193,10 @@ def _gemma4_params(model: nn.Module) -> None:
     for name, param in model.named_parameters():
         if "norm" in name:
             param.normal_(1.0, 0.3)
+        elif name.endswith(("router.scale", "per_expert_scale")):
+            param.uniform_(0.5, 1.5)
+        elif name.endswith("router.proj.weight"):
+            param.normal_(0, 1.0)
     for name, buffer in model.named_buffers():
         if name.endswith("layer_scalar"):
             buffer.uniform_(0.5, 1.5)
@@ -338,6 +342,19 @@ FAMILIES: dict[str, Family] = {
     "phi3-window": _dense("Phi3", num_key_value_heads=2, sliding_window=WINDOW),
     "gemma3": Family("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3_TEXT, _gemma_norms),
     "gemma4": Family("Gemma4TextConfig", "Gemma4ForCausalLM", GEMMA4_TEXT, _gemma4_params),
+    # experts beside every layer's MLP
+    "gemma4-moe": Family(
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        {
+            **GEMMA4_TEXT,
+            "enable_moe_block": True,
+            "num_experts": 4,
+            "top_k_experts": 2,
+            "moe_intermediate_size": 32,
+        },
+        _gemma4_params,
+    ),
     "qwen3.5": Family("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", QWEN35_TEXT, _hybrid_params),
     # every layer's MLP experts with a gated shared expert
     "qwen3.5-moe": Family(

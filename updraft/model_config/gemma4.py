@@ -113,11 +113,6 @@ def _text_config(raw: dict[str, Any], architecture: str) -> dict[str, Any]:
             "config.json: Gemma 4 use_bidirectional_attention "
             f"{text['use_bidirectional_attention']!r} is not supported (causal attention is)"
         )
-    if text["enable_moe_block"]:
-        raise ValueError(
-            "config.json: Gemma 4 with enable_moe_block (its experts beside the MLP) is not "
-            "supported yet"
-        )
     if text["attention_bias"]:
         raise ValueError("config.json: Gemma 4 with attention_bias is not supported")
     if text.get("attn_logit_softcapping") is not None:
@@ -195,7 +190,7 @@ def _kv_shared_layers(text: dict[str, Any], kinds: list[str]) -> int:
 
 def _experts(text: dict[str, Any]) -> MoEConfig:
     """The MoE block beside each layer's MLP: a softmax over the experts, the top k
-    renormalised (the per-expert scale is the model's, ``models/gemma4_moe.py``)."""
+    renormalised (its own norm and per-expert scale are the model's: ``models/gemma4.py``)."""
     return MoEConfig(
         hidden_size=positive_int(text, "hidden_size"),
         moe_intermediate_size=positive_int(text, "moe_intermediate_size"),
@@ -207,4 +202,5 @@ def _experts(text: dict[str, Any]) -> MoEConfig:
         routed_scaling_factor=1.0,
         norm_topk_prob=True,
         scoring="softmax",
+        activation="gelu_pytorch_tanh",
     )

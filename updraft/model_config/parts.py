@@ -72,6 +72,7 @@ class MoEConfig:
     # The shared experts' rows when not n_shared_experts * moe_intermediate_size.
     shared_intermediate_size: int | None = None
     shared_expert_gate: bool = False
+    activation: str = "silu"  # the experts' gate: silu | gelu_pytorch_tanh (Gemma 4)
 
     @property
     def shared_size(self) -> int:

@@ -16,7 +16,10 @@ capped logits) with these differences, each switched on by ``ModelConfig``:
 * per-layer inputs: each token's row of a large table (mapped, not loaded:
   ``mapped_table.py``) plus a projection of its embedding, one slice per layer, which
   each layer gates into its residual stream after the MLP;
-* each layer's output is scaled by its ``layer_scalar``.
+* each layer's output is scaled by its ``layer_scalar``;
+* with ``enable_moe_block`` (``ModelConfig.moe``), routed experts beside the MLP, fed
+  and routed from the MLP's input before its norm, each output normed before the two
+  are summed.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from updraft.attention.metadata import AttentionMetadata
 from updraft.model_config import ModelConfig
 from updraft.models.layers import ACTIVATIONS, MLP, CausalLM, FusedLinear
 from updraft.models.mapped_table import MappedEmbedding, rounded
+from updraft.models.moe import Experts
 from updraft.models.rope import RotaryEmbedding, apply_rotary
 
 PER_LAYER_TABLE = "model.embed_tokens_per_layer.weight"
@@ -105,6 +109,41 @@ class Gemma4Attention(nn.Module):
         return self.o_proj(attended)
 
 
+class Gemma4Router(nn.Module):
+    """The input normed without a weight, scaled by ``scale`` and hidden_size ** -0.5,
+    projected to a softmax over the experts; the top k renormalised to sum to 1, each
+    then scaled by its expert's ``per_expert_scale``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        moe, hidden = config.moe, config.hidden_size
+        self.top_k = moe.num_experts_per_tok
+        self.norm = Gemma4Norm(hidden, config.rms_norm_eps, scaled=False)
+        self.proj = RouterProjection(moe.num_experts, hidden)
+        self.scale = nn.Parameter(torch.ones(hidden))
+        self.per_expert_scale = nn.Parameter(torch.ones(moe.num_experts))
+        self.root = hidden**-0.5
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, k] float32, experts [T, k] int64)."""
+        scaled = self.norm(x) * self.scale.to(x.dtype) * self.root
+        scores = F.linear(scaled, self.proj.weight.to(x.dtype)).softmax(-1, dtype=torch.float32)
+        weights, experts = scores.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.per_expert_scale.index_select(0, experts.flatten()).view_as(
+            weights
+        ), experts
+
+
+class RouterProjection(nn.Module):
+    """The router's [experts, hidden] matrix, applied as it is (not packed: a panel's
+    other summation order could change which experts win a near-tie)."""
+
+    def __init__(self, experts: int, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(experts, hidden))
+
+
 class Gemma4DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
@@ -117,6 +156,13 @@ class Gemma4DecoderLayer(nn.Module):
         size = config.intermediate_size * (2 if wide else 1)
         self.mlp = MLP(hidden, size, activation=config.hidden_act)
         self.post_feedforward_layernorm = Gemma4Norm(hidden, eps)
+        self.has_experts = config.moe is not None
+        if self.has_experts:
+            self.router = Gemma4Router(config)
+            self.experts = Experts(config.moe)
+            self.pre_feedforward_layernorm_2 = Gemma4Norm(hidden, eps)
+            self.post_feedforward_layernorm_1 = Gemma4Norm(hidden, eps)
+            self.post_feedforward_layernorm_2 = Gemma4Norm(hidden, eps)
         self.per_layer_input_size = per_layer = config.per_layer_input_size
         if per_layer:
             self.activation = ACTIVATIONS[config.hidden_act]
@@ -137,6 +183,11 @@ class Gemma4DecoderLayer(nn.Module):
         attended = self.self_attn(self.input_layernorm(hidden), rotary, kv_cache, metadata)
         hidden = hidden + self.post_attention_layernorm(attended)
         mixed = self.mlp(self.pre_feedforward_layernorm(hidden))
+        if self.has_experts:
+            weights, chosen = self.router(hidden)
+            routed = self.experts(self.pre_feedforward_layernorm_2(hidden), weights, chosen)
+            mixed = self.post_feedforward_layernorm_1(mixed)
+            mixed = mixed + self.post_feedforward_layernorm_2(routed)
         hidden = hidden + self.post_feedforward_layernorm(mixed)
         if self.per_layer_input_size:
             gated = self.activation(self.per_layer_input_gate(hidden)) * per_layer_input

@@ -319,7 +319,7 @@ def load_weights(
                         _check_fused(checkpoint_name, source, parts, modules)
                         for target, offset in parts:
                             _fill(params, modules, target, source, kept, made, offset)
-                            unfilled.discard(target)
+                            unfilled.difference_update(_covered(target, params, modules))
             except (SafetensorError, OSError, RuntimeError) as error:
                 raise ValueError(f"cannot read weights file {path}: {error}") from error
         if loaded is not None:
@@ -381,6 +381,15 @@ def _slices(params: dict[str, nn.Parameter], modules: dict[str, nn.Module]):
                 yield from ((name, (expert, part)) for part in parts)
         else:
             yield name, 0
+
+
+def _covered(target: tuple[str, Slice], params, modules) -> set[tuple[str, Slice]]:
+    """The slices a tensor filling ``target`` fills: a stacked experts tensor as the
+    checkpoint holds it ([E, ...], transformers 5's layout) fills every expert's."""
+    name, index = target
+    if index == 0 and isinstance(modules[name.rpartition(".")[0]], Experts):
+        return set(_slices({name: params[name]}, modules))
+    return {target}
 
 
 def _describe(name: str, index: Slice) -> str:
