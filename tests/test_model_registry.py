@@ -77,10 +77,12 @@ def test_a_family_is_named_only_in_its_parser_its_model_file_and_the_registry():
         "model_config/registry.py",
         "model_config/llama.py",
         "model_config/gemma3.py",
+        "model_config/gemma4.py",
         "model_config/deepseek.py",
         "model_config/qwen35.py",
         "models/llama.py",
         "models/gemma.py",
+        "models/gemma4.py",
         "models/deepseek.py",
         "models/qwen35.py",
     }
