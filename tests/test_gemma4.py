@@ -13,8 +13,11 @@ is not built is refused by name.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from tests.checkpoints import FAMILIES, build_checkpoint, tiny_config, tiny_model
 from tests.helpers import greedy, token_ids
@@ -216,6 +219,24 @@ def test_a_bfloat16_per_layer_table_stays_mapped_from_its_file(tmp_path):
     rows = model.model.embed_tokens_per_layer(torch.tensor([3, 7]), torch.float32)
     assert rows.dtype == torch.float32
     assert torch.equal(rows, table[[3, 7]].float() * 8**0.5)
+
+
+def test_a_kv_shared_layer_s_own_key_and_value_tensors_are_left_unread(checkpoint, tmp_path):
+    """Some checkpoints carry k/v projections and norms for the KV-shared layers, which
+    the reference ignores: they load and change nothing; any other stray tensor is
+    still refused by name."""
+    _, directory = checkpoint("gemma4")
+    tensors = load_file(directory / "model.safetensors")
+    tensors["model.layers.4.self_attn.k_proj.weight"] = torch.ones(2 * 16, 64)
+    tensors["model.layers.5.self_attn.v_norm.weight"] = torch.ones(32)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy(directory / "config.json", tmp_path / "config.json")
+    config = ModelConfig.from_dir(tmp_path)
+    load_model(config, tmp_path, torch.float32)
+    tensors["model.layers.3.self_attn.v_proj.weight"] = torch.ones(32, 64)  # k_eq_v: none
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"unexpected tensors \['model.layers.3.self_attn.v_proj"):
+        load_model(config, tmp_path, torch.float32)
 
 
 def _config(kind: str = "gemma4", **changes) -> dict:
