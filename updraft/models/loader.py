@@ -118,18 +118,7 @@ def load_model(
     files = weight_files(Path(model_dir))
     # Pre-quantized linears are found by their tensors' names, read once for both steps.
     names = {} if config.quantized is None else checkpoint_names(files)
-    # gpt-oss's MXFP4 checkpoints quantize experts, the others linears.
-    mxfp4 = config.quantized is not None and config.quantized.method == "mxfp4"
-    experts = mxfp4_slots(model, names) if mxfp4 else {}
-    quantized = (
-        {} if config.quantized is None or mxfp4 else make_slots(model, names, config.quantized)
-    )
-    owned = slot_tensors(experts) | {
-        f"{prefix}.{suffix}"
-        for parts in quantized.values()
-        for prefix in parts.values()
-        for suffix in config.quantized.suffixes
-    }
+    quantized, experts, owned = prequantized_slots(model, config, names)
     # A checkpoint's multi-token prediction layers follow its decoder layers; the model
     # does not run them (models/mtp.py loads them on their own).
     mtp = range(config.num_layers, config.num_layers + config.mtp_layers)
@@ -157,6 +146,26 @@ def load_model(
     if tables:
         attach_tables(tables, files, device)
     return model
+
+
+def prequantized_slots(
+    model: nn.Module, config: ModelConfig, names: dict[Path, list[str]]
+) -> tuple[dict, dict, set[str]]:
+    """A pre-quantized checkpoint's slots: its quantized linears', or (gpt-oss's MXFP4
+    checkpoints, which quantize experts) its experts', and the tensors they read, which
+    the float fill leaves out."""
+    mxfp4 = config.quantized is not None and config.quantized.method == "mxfp4"
+    experts = mxfp4_slots(model, names) if mxfp4 else {}
+    quantized = (
+        {} if config.quantized is None or mxfp4 else make_slots(model, names, config.quantized)
+    )
+    owned = slot_tensors(experts) | {
+        f"{prefix}.{suffix}"
+        for parts in quantized.values()
+        for prefix in parts.values()
+        for suffix in config.quantized.suffixes
+    }
+    return quantized, experts, owned
 
 
 def attach_tables(
