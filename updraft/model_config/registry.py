@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from updraft.model_config import deepseek, gemma3, llama, qwen35, qwen35_gguf
+from updraft.model_config import deepseek, gemma3, gemma4_assistant, llama, qwen35, qwen35_gguf
 
 # config.json (as a dict) and the architecture named in it -> ModelConfig's fields.
 Parser = Callable[[dict[str, Any], str], dict[str, Any]]
@@ -26,6 +26,7 @@ LLAMA = "updraft.models.llama:LlamaForCausalLM"
 GEMMA3 = "updraft.models.gemma:Gemma3ForCausalLM"
 DEEPSEEK = "updraft.models.deepseek:DeepseekForCausalLM"
 QWEN35 = "updraft.models.qwen35:Qwen35ForCausalLM"
+GEMMA4_ASSISTANT = "updraft.models.gemma4_assistant:Gemma4Assistant"
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ class Architecture:
     gguf_tiled_value_heads: bool = False
     eagle_head: bool = False  # an EAGLE head may be one layer of it
     prequantized: bool = False  # AWQ, GPTQ and compressed-tensors checkpoints are read
+    # A drafter that runs only beside its target: the proposer (speculative_method) that
+    # a --speculative-model checkpoint of it is served by.
+    proposer: str | None = None
 
 
 def _hybrid(name: str, gguf_name: str, tiled_value_heads: bool = False) -> Architecture:
@@ -150,6 +154,13 @@ ARCHITECTURES: dict[str, Architecture] = {
         _hybrid("Qwen3NextForCausalLM", "qwen3next"),
         Architecture("Qwen3_5ForConditionalGeneration", qwen35.parse, QWEN35),
         Architecture("Qwen3_5MoeForConditionalGeneration", qwen35.parse, QWEN35),
+        # Gemma 4's assistant drafter: it reads the Gemma 4 target's hidden states and K/V.
+        Architecture(
+            "Gemma4AssistantForCausalLM",
+            gemma4_assistant.parse,
+            GEMMA4_ASSISTANT,
+            proposer="gemma4-assistant",
+        ),
     )
 }
 
