@@ -40,7 +40,7 @@ from updraft.models.loader import load_model
 from updraft.models.tensor_parallel import local_config
 from updraft.parallel.topology import GroupRank, ParallelSizes, RankPlace, rank_device
 from updraft.runner.captured import Bucket, CapturedSteps
-from updraft.runner.draft_loop import DraftLoopInputs
+from updraft.runner.draft_loop import DraftLoop, DraftLoopInputs, greedy_drafts
 from updraft.runner.logits_processors import adjust_logits
 from updraft.runner.probe import Probe
 from updraft.runner.rank_messages import HiddenRows, Send, loop_message, step_message
@@ -92,8 +92,10 @@ class Runner:
         place: RankPlace | None = None,
         inputs: tuple[GraphInput, ...] = GRAPH_INPUTS,
         draft_loop_depth: int = 0,
+        draft_loop: DraftLoop = greedy_drafts,
         splits_prefills: bool = True,
         send: Send | None = None,
+        kv_caches: list[torch.Tensor] | None = None,
     ):
         """``model`` is what ``model_config`` describes, as this rank holds it (its
         cache follows the config's layers and this rank's KV heads), computing in
@@ -107,11 +109,15 @@ class Runner:
         steps in its own process (engine/workers.py). ``inputs``: the declared graph
         inputs its forward reads (beyond ``GRAPH_INPUTS`` they reach the model as
         keyword arguments). A ``draft_loop_depth`` above 1 also captures the greedy
-        draft loop of that many drafts (``draft_loop.py``). ``splits_prefills``:
+        draft loop of that many drafts (``draft_loop.py``), ``draft_loop`` (a head's
+        chained loop, by default). ``splits_prefills``:
         whether the prefill-context ranks split a long prefill (the target's), or each
         runs it whole (a replicated draft head's). ``send``: on rank 0 of a split
         model, how each forward is announced to the other ranks just before it runs
-        (``rank_messages.py``)."""
+        (``rank_messages.py``). ``kv_caches``: for a model that writes no KV of its own
+        and reads another runner's (Gemma 4's assistant reads the target's), that
+        runner's caches, whose ``model_config`` is then the other runner's: none are
+        allocated."""
         self.model = model
         self.model_config = model_config
         self.config = config
@@ -143,7 +149,7 @@ class Runner:
         self.num_prefix_states = (
             cache_sizes.num_prefix_states if num_prefix_states is None else num_prefix_states
         )
-        self.kv_caches = allocate_caches(
+        self.kv_caches = kv_caches or allocate_caches(
             self.cache_groups,
             model_config.num_layers,
             CacheSizes(self.num_blocks, self.num_state_slots, self.num_prefix_states),
@@ -151,7 +157,9 @@ class Runner:
             self.device,
         )
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
-        self.captured = self._capture(query_lens, draft_loop_depth) if config.use_graphs else None
+        self.captured = (
+            self._capture(query_lens, draft_loop_depth, draft_loop) if config.use_graphs else None
+        )
         # How each step ran: "graph" or "eager (<why>)", counted.
         self.step_modes: Counter[str] = Counter()
         self.sanitize_report = (
@@ -160,7 +168,9 @@ class Runner:
         rank = 0 if place is None else place.rank
         self.probe = None if config.probe is None else Probe(config.probe, name, rank)
 
-    def _capture(self, query_lens: tuple[int, ...], draft_loop_depth: int) -> CapturedSteps:
+    def _capture(
+        self, query_lens: tuple[int, ...], draft_loop_depth: int, draft_loop: DraftLoop
+    ) -> CapturedSteps:
         hidden = {"hidden": self.model_config.hidden_size}
         return CapturedSteps(
             self.model,
@@ -178,6 +188,7 @@ class Runner:
             context=self.context,
             owner=self.name,
             draft_loop_depth=draft_loop_depth,
+            draft_loop=draft_loop,
             mixed_tokens=self._mixed_tokens(),
         )
 
