@@ -126,14 +126,17 @@ def layer_types(text: dict[str, Any]) -> tuple[str, ...]:
 
 
 def head_dims(text: dict[str, Any], kinds: tuple[str, ...]) -> tuple[int, ...]:
-    """Each layer's head size: ``per_layer_config`` where the config lists it (as
-    transformers writes it), else ``global_head_dim`` for full layers."""
-    per_layer = text.get("per_layer_config") or {}
+    """Each layer's head size, as transformers reads it: from ``per_layer_config`` where
+    the config has one (a layer it leaves out has ``head_dim``), else ``global_head_dim``
+    for full layers."""
+    per_layer = text.get("per_layer_config")
     dims = []
     for layer, kind in enumerate(kinds):
-        default = text["global_head_dim"] if kind == "full_attention" else text["head_dim"]
-        override = per_layer.get(str(layer)) or per_layer.get(layer) or {}
-        dims.append(override.get("head_dim", default))
+        if per_layer is not None:
+            override = per_layer.get(str(layer)) or per_layer.get(layer) or {}
+            dims.append(override.get("head_dim", text["head_dim"]))
+        else:
+            dims.append(text["global_head_dim"] if kind == "full_attention" else text["head_dim"])
     if not all(isinstance(d, int) and d > 0 and d % 2 == 0 for d in dims):
         raise ValueError(f"config.json: text_config head sizes must be even ints, got {dims}")
     return tuple(dims)

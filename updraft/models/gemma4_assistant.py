@@ -157,6 +157,7 @@ class AssistantWeights(nn.Module):
 
     def __init__(self, config: AssistantConfig, max_positions: int) -> None:
         super().__init__()
+        self.config = config
         backbone, size = config.backbone_hidden_size, config.hidden_size
         self.pre_projection = nn.Linear(2 * backbone, size, bias=False)
         self.post_projection = nn.Linear(size, backbone, bias=False)
