@@ -1,0 +1,273 @@
+"""Gemma 4's assistant drafter: a draft step's logits and next state equal transformers'
+drafter given the same target state (its final hidden state and ``shared_kv_states``,
+here read from a paged cache through scattered blocks), with the plain and the
+centroid-masked head; through the engine, greedy output equals no speculation's, graphs
+on and off and under preemption; a graph replay that keeps a stale input drafts other
+tokens; and an assistant built to agree with its target has every draft accepted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+from torch import nn
+
+from tests.checkpoints import build_checkpoint, gemma4_assistant
+from tests.helpers import greedy, token_ids
+from tests.mutations import forget_refresh
+from updraft import LLM, SamplingParams
+from updraft.attention.metadata import AttentionMetadata
+from updraft.models.gemma4_assistant import load_assistant
+from updraft.runner.runner import Runner
+from updraft.speculative.assistant import AssistantProposer
+from updraft.step.inputs import ForwardInputs
+
+# A Gemma 4 target with its published flags where they touch the assistant: full layers
+# with their own head size and one KV head whose values are their keys, proportional
+# RoPE, a window shorter than the longer prompt, and KV shared by its last two layers
+# (so the store layers, 0 and 1, are not its last).
+GEMMA4_TARGET = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=32,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
+    sliding_window=8,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+    num_kv_shared_layers=2,
+    hidden_size_per_layer_input=0,
+    vocab_size_per_layer_input=0,
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+        "full_attention": {
+            "rope_type": "proportional",
+            "partial_rotary_factor": 0.5,
+            "rope_theta": 10000.0,
+        },
+    },
+    max_position_embeddings=512,
+    final_logit_softcapping=30.0,
+    initializer_range=0.2,
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=None,
+)
+BLOCK = 4
+
+
+class TargetEmbedding(nn.Module):
+    """What the assistant reads of its target: transformers' scaled embedding."""
+
+    def __init__(self, target: nn.Module) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = target.model.embed_tokens
+        self.embed = target.model.embed_tokens
+
+
+@pytest.fixture(scope="module")
+def hf_target() -> nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Gemma4TextConfig(**GEMMA4_TARGET)
+    return transformers.Gemma4ForCausalLM(config).eval()
+
+
+def store_layers(target: nn.Module) -> dict[str, int]:
+    config = target.config
+    modes = config.kv_sharing_modes
+    return {config.layer_types[i]: i for i, mode in enumerate(modes) if mode == "store"}
+
+
+def paged(kv: tuple[torch.Tensor, torch.Tensor], blocks: list[int], cache: torch.Tensor) -> None:
+    """One sequence's K/V [1, heads, n, dim] written into ``cache`` through ``blocks``."""
+    for position in range(kv[0].shape[2]):
+        slot = blocks[position // BLOCK] * BLOCK + position % BLOCK
+        cache[0, slot], cache[1, slot] = kv[0][0, :, position], kv[1][0, :, position]
+
+
+@pytest.mark.parametrize("ordered", [False, True], ids=["lm-head", "centroid-head"])
+@torch.inference_mode()
+def test_two_draft_steps_equal_transformers(hf_target, ordered, tmp_path):
+    """Two requests (one longer than the window) in one batch, their target K/V in
+    blocks out of order: each draft step's logits and next state equal transformers'
+    drafter, fed as its candidate generator feeds it, within 1e-4."""
+    directory = build_checkpoint(
+        "gemma4-assistant",
+        tmp_path / "assistant",
+        seed=1,
+        **gemma4_assistant(GEMMA4_TARGET, use_ordered_embeddings=ordered),
+    )
+    import transformers
+
+    reference = transformers.Gemma4AssistantForCausalLM.from_pretrained(directory).eval()
+    store = store_layers(hf_target)
+    assistant = load_assistant(
+        directory, TargetEmbedding(hf_target), store, torch.float32, "cpu", 512
+    )
+    sequences = [list(range(40, 61)), [7, 3, 9, 12, 5, 77]]
+    block_lists = [[5, 0, 3, 7, 1, 9], [2, 8]]
+    caches: list[Any] = [None] * GEMMA4_TARGET["num_hidden_layers"]
+    states, expected = [], []
+    for sequence, blocks in zip(sequences, block_lists, strict=True):
+        context = torch.tensor([sequence[:-1]])
+        out = hf_target(context, output_hidden_states=True, return_shared_kv_states=True)
+        for kind, layer in store.items():
+            k = out.shared_kv_states[kind][0]
+            if caches[layer] is None:
+                caches[layer] = torch.zeros(2, 10 * BLOCK + 1, k.shape[1], k.shape[3])
+            paged(out.shared_kv_states[kind], blocks, caches[layer])
+        state, token, steps = out.hidden_states[-1][:, -1:], torch.tensor([sequence[-1:]]), []
+        states.append(state[0])
+        for _ in range(2):  # as SinglePositionMultiTokenCandidateGenerator drafts
+            embeds = torch.cat([hf_target.get_input_embeddings()(token), state], dim=-1)
+            drafted = reference(
+                inputs_embeds=embeds,
+                position_ids=torch.tensor([[len(sequence) - 1]]),
+                shared_kv_states=out.shared_kv_states,
+            )
+            token, state = drafted.logits.argmax(-1), drafted.last_hidden_state
+            steps.append((drafted.logits[0, 0], state[0, 0], token[0, 0]))
+        expected.append(steps)
+    positions = torch.tensor([len(s) - 1 for s in sequences])
+    step = ForwardInputs(
+        input_ids=torch.tensor([s[-1] for s in sequences]),
+        positions=positions,
+        slot_mapping=torch.full((2,), -1),
+        block_table=torch.tensor([blocks + [0] * (6 - len(blocks)) for blocks in block_lists]),
+        seq_lens=positions,
+        query_start_loc=torch.arange(3),
+        hidden_states=torch.cat(states),
+    )
+    metadata = AttentionMetadata.from_step(step, BLOCK, "cpu")
+    tokens, state = step.input_ids, step.hidden_states
+    for depth in range(2):
+        output = assistant(tokens, positions, caches, metadata, hidden_states=state)
+        logits, state = assistant.compute_logits(output), assistant.next_states(output)
+        for row, steps in enumerate(expected):
+            want_logits, want_state, _ = steps[depth]
+            torch.testing.assert_close(logits[row], want_logits, atol=1e-4, rtol=0)
+            torch.testing.assert_close(state[row], want_state, atol=1e-4, rtol=0)
+        tokens = torch.stack([steps[depth][2] for steps in expected])
+        assert torch.equal(logits.argmax(-1), tokens)
+
+
+# -- through the engine -------------------------------------------------------------------
+
+PROMPTS = [list(range(10, 31)), [5, 6, 7] * 5, list(range(100, 137))]
+PARAMS = [greedy(n) for n in (14, 9, 11)]
+ENGINE = dict(block_size=BLOCK, num_kv_blocks=256)
+
+
+class Pair(NamedTuple):
+    target: Path
+    assistant: Path
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> Pair:
+    """A tiny Gemma 3 target (a sliding and a full layer kind) and an assistant over its
+    widths, with random weights."""
+    root = tmp_path_factory.mktemp("assistant-pair")
+    target = build_checkpoint("gemma3", root / "target")
+    return Pair(target, build_checkpoint("gemma4-assistant", root / "assistant", seed=1))
+
+
+@pytest.fixture(scope="module")
+def plain(pair) -> list[list[int]]:
+    return token_ids(LLM(str(pair.target), **ENGINE).generate(PROMPTS, PARAMS))
+
+
+class Run(NamedTuple):
+    tokens: list[list[int]]
+    proposals: list[tuple[list[int], list[int]]]  # (the tokens it was made from, drafts)
+    stats: Any
+    preemptions: int
+
+
+def speculative_run(pair: Pair, monkeypatch, **args: Any) -> Run:
+    """The greedy prompts with the assistant drafting 3 tokens, every proposal recorded."""
+    proposals = []
+    propose = AssistantProposer.propose
+
+    def spy(self, inputs, output, drafting):
+        drafts = propose(self, inputs, output, drafting)
+        for request, _ in drafting:
+            if request.request_id in drafts:
+                proposals.append((list(request.token_ids), drafts[request.request_id].token_ids))
+        return drafts
+
+    with monkeypatch.context() as patch:
+        patch.setattr(AssistantProposer, "propose", spy)
+        llm = LLM(
+            str(pair.target),
+            speculative_model=str(pair.assistant),
+            num_speculative_tokens=3,
+            **{**ENGINE, **args},
+        )
+        outputs = llm.generate(PROMPTS, PARAMS)
+    stats = llm.engine.stats()
+    assert stats.speculative.rounds > 0 and stats.kv_blocks_used == 0
+    preemptions = sum(output.metrics.num_preemptions for output in outputs)
+    return Run(token_ids(outputs), proposals, stats, preemptions)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [dict(enforce_eager=True), {}, dict(num_kv_blocks=14, max_num_batched_tokens=16)],
+    ids=["eager", "graphs", "preempted"],
+)
+def test_greedy_output_equals_no_speculation(pair, plain, args, monkeypatch):
+    """The assistant (its own proposer, picked by its architecture) keeps greedy output,
+    eagerly, with its steps and loop replayed, and with requests preempted for blocks."""
+    run = speculative_run(pair, monkeypatch, **args)
+    assert run.tokens == plain
+    assert len(run.proposals) > 10
+    modes = run.stats.draft_steps
+    assert ("graph" in modes) != bool(args.get("enforce_eager")), modes
+    if "num_kv_blocks" in args:
+        assert run.preemptions > 0
+
+
+def test_sampled_requests_finish_and_repeat_with_a_seed(pair):
+    """Sampled drafts (step by step, with their probabilities) are verified by the
+    rejection sampler: requests finish, and a seed repeats them."""
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=12) for s in (1, 2, 3)]
+    runs = []
+    for _ in range(2):
+        llm = LLM(str(pair.target), speculative_model=str(pair.assistant), **ENGINE)
+        runs.append(token_ids(llm.generate(PROMPTS, params)))
+        assert llm.engine.stats().speculative.rounds > 0
+    assert runs[0] == runs[1] and all(len(tokens) == 12 for tokens in runs[0])
+
+
+STEP_INPUTS = ("hidden_states", "block_table", "positions", "seq_lens", "input_ids")
+LOOP_INPUTS = ("input_ids", "hidden_states", "block_table", "positions")
+MUTATIONS = {
+    **{f"step-{name}": ("assistant", name) for name in STEP_INPUTS},
+    **{f"loop-{name}": ("assistant draft loop", name) for name in LOOP_INPUTS},
+}
+
+
+@pytest.mark.parametrize("mutation", ["step", "loop", *MUTATIONS])
+def test_a_stale_graph_input_drafts_other_tokens(pair, mutation, monkeypatch):
+    """With graphs, every proposal equals the eager run's, drafted step by step (as
+    sampled requests are) or by the greedy loop; a replay that keeps its block table
+    (the target's blocks it reads), hidden states, positions, lengths or tokens from an
+    earlier step, in the step graphs or the loop's, drafts others."""
+    if mutation.startswith("step"):  # no loop: each draft step replays a step graph
+        monkeypatch.setattr(Runner, "fits_draft_loop", lambda self, num_reqs: False)
+    eager = speculative_run(pair, monkeypatch, enforce_eager=True)
+    if mutation in MUTATIONS:
+        forget_refresh(monkeypatch, *reversed(MUTATIONS[mutation]))
+    graphs = speculative_run(pair, monkeypatch)
+    same = graphs.proposals == eager.proposals
+    assert same if mutation not in MUTATIONS else not same, mutation
