@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.checkpoints import build_checkpoint, gemma4_assistant
+from tests.checkpoints import GEMMA3_TEXT, build_checkpoint, gemma4_assistant, tiny_model
 from tests.helpers import greedy, token_ids
 from tests.mutations import forget_refresh
 from updraft import LLM, SamplingParams
@@ -160,11 +160,70 @@ def test_two_draft_steps_equal_transformers(hf_target, ordered, tmp_path):
         assert torch.equal(logits.argmax(-1), tokens)
 
 
+# -- an assistant that agrees with its target ---------------------------------------------
+
+
+def agreeing_pair(root: Path) -> Pair:
+    """A two-layer Gemma 3 target whose attention adds nothing (o_proj zero: its next
+    token is a function of its newest token alone), and an assistant that computes
+    that function: it reads only the embedding half of its input, its attention adds
+    nothing either, and its MLPs, norms (Gemma 3's 1 + w as Gemma 4's w) and LM head
+    are the target's. Its every draft is the target's greedy next token."""
+    import transformers
+
+    kinds = ["sliding_attention", "full_attention"]
+    target = tiny_model("gemma3", num_hidden_layers=2, layer_types=kinds)
+    config = transformers.Gemma4AssistantConfig(
+        **gemma4_assistant(
+            {**GEMMA3_TEXT, "num_hidden_layers": 2, "layer_types": kinds},
+        )
+    )
+    config.text_config.hidden_size = GEMMA3_TEXT["hidden_size"]
+    config.text_config.intermediate_size = GEMMA3_TEXT["intermediate_size"]
+    assistant = transformers.Gemma4AssistantForCausalLM(config).eval()
+    size = config.text_config.hidden_size
+    with torch.no_grad():
+        projection = assistant.pre_projection.weight
+        projection.zero_()
+        projection[:, :size] = torch.eye(size)
+        for mine, theirs in zip(assistant.model.layers, target.model.layers, strict=True):
+            theirs.self_attn.o_proj.weight.zero_()
+            mine.self_attn.o_proj.weight.zero_()
+            mine.mlp.load_state_dict(theirs.mlp.state_dict())
+            for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+                getattr(mine, norm).weight.copy_(1 + getattr(theirs, norm).weight)
+        assistant.model.norm.weight.copy_(1 + target.model.norm.weight)
+        assistant.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+    target.save_pretrained(root / "target")
+    assistant.save_pretrained(root / "assistant")
+    return Pair(root / "target", root / "assistant")
+
+
+def test_an_assistant_that_agrees_with_its_target_has_every_draft_accepted(tmp_path):
+    """Its proposals line up with the target's next tokens (the newest token at its
+    position, each draft fed back): every draft is accepted, graphs on and off, and
+    greedy output is the target's."""
+    pair = agreeing_pair(tmp_path)
+    plain = token_ids(LLM(str(pair.target), **ENGINE).generate(PROMPTS, PARAMS))
+    for enforce_eager in (True, False):
+        llm = LLM(
+            str(pair.target),
+            speculative_model=str(pair.assistant),
+            num_speculative_tokens=3,
+            enforce_eager=enforce_eager,
+            **ENGINE,
+        )
+        assert token_ids(llm.generate(PROMPTS, PARAMS)) == plain
+        speculative = llm.engine.stats().speculative
+        assert sum(speculative.proposed) > 20
+        assert speculative.accepted == speculative.proposed
+
+
 # -- through the engine -------------------------------------------------------------------
 
 PROMPTS = [list(range(10, 31)), [5, 6, 7] * 5, list(range(100, 137))]
 PARAMS = [greedy(n) for n in (14, 9, 11)]
-ENGINE = dict(block_size=BLOCK, num_kv_blocks=256)
+ENGINE = dict(block_size=BLOCK, num_kv_blocks=256, capture_sizes=(1, 4))
 
 
 class Pair(NamedTuple):
@@ -249,25 +308,31 @@ def test_sampled_requests_finish_and_repeat_with_a_seed(pair):
     assert runs[0] == runs[1] and all(len(tokens) == 12 for tokens in runs[0])
 
 
-STEP_INPUTS = ("hidden_states", "block_table", "positions", "seq_lens", "input_ids")
-LOOP_INPUTS = ("input_ids", "hidden_states", "block_table", "positions")
+STEP_INPUTS = ("hidden_states", "block_table", "positions", "seq_lens")
+LOOP_INPUTS = ("hidden_states", "block_table", "positions")
 MUTATIONS = {
     **{f"step-{name}": ("assistant", name) for name in STEP_INPUTS},
     **{f"loop-{name}": ("assistant draft loop", name) for name in LOOP_INPUTS},
 }
 
 
+@pytest.fixture(scope="module")
+def eager_proposals(pair) -> list:
+    """Every proposal of an eager run (its drafts step by step, as the loop's are)."""
+    with pytest.MonkeyPatch.context() as patch:
+        return speculative_run(pair, patch, enforce_eager=True).proposals
+
+
 @pytest.mark.parametrize("mutation", ["step", "loop", *MUTATIONS])
-def test_a_stale_graph_input_drafts_other_tokens(pair, mutation, monkeypatch):
+def test_a_stale_graph_input_drafts_other_tokens(pair, eager_proposals, mutation, monkeypatch):
     """With graphs, every proposal equals the eager run's, drafted step by step (as
     sampled requests are) or by the greedy loop; a replay that keeps its block table
     (the target's blocks it reads), hidden states, positions, lengths or tokens from an
     earlier step, in the step graphs or the loop's, drafts others."""
-    if mutation.startswith("step"):  # no loop: each draft step replays a step graph
+    path = mutation.partition("-")[0]
+    if path == "step":  # no loop: each draft step replays a step graph
         monkeypatch.setattr(Runner, "fits_draft_loop", lambda self, num_reqs: False)
-    eager = speculative_run(pair, monkeypatch, enforce_eager=True)
     if mutation in MUTATIONS:
         forget_refresh(monkeypatch, *reversed(MUTATIONS[mutation]))
-    graphs = speculative_run(pair, monkeypatch)
-    same = graphs.proposals == eager.proposals
+    same = speculative_run(pair, monkeypatch).proposals == eager_proposals
     assert same if mutation not in MUTATIONS else not same, mutation
