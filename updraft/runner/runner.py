@@ -108,16 +108,13 @@ class Runner:
         runner's rank of a model split over ranks, whose every other rank runs the same
         steps in its own process (engine/workers.py). ``inputs``: the declared graph
         inputs its forward reads (beyond ``GRAPH_INPUTS`` they reach the model as
-        keyword arguments). A ``draft_loop_depth`` above 1 also captures the greedy
-        draft loop of that many drafts (``draft_loop.py``), ``draft_loop`` (a head's
-        chained loop, by default). ``splits_prefills``:
+        keyword arguments). A ``draft_loop_depth`` above 1 also captures ``draft_loop``
+        of that many drafts (``draft_loop.py``). ``splits_prefills``:
         whether the prefill-context ranks split a long prefill (the target's), or each
         runs it whole (a replicated draft head's). ``send``: on rank 0 of a split
         model, how each forward is announced to the other ranks just before it runs
-        (``rank_messages.py``). ``kv_caches``: for a model that writes no KV of its own
-        and reads another runner's (Gemma 4's assistant reads the target's), that
-        runner's caches, whose ``model_config`` is then the other runner's: none are
-        allocated."""
+        (``rank_messages.py``). ``kv_caches``: another runner's, which a model that
+        writes no KV reads (``model_config`` is that runner's): none are allocated."""
         self.model = model
         self.model_config = model_config
         self.config = config
@@ -158,9 +155,8 @@ class Runner:
             kv_sources=[model_config.kv_source(i) for i in range(model_config.num_layers)],
         )
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
-        self.captured = (
-            self._capture(query_lens, draft_loop_depth, draft_loop) if config.use_graphs else None
-        )
+        self.draft_loop = draft_loop
+        self.captured = self._capture(query_lens, draft_loop_depth) if config.use_graphs else None
         # How each step ran: "graph" or "eager (<why>)", counted.
         self.step_modes: Counter[str] = Counter()
         self.sanitize_report = (
@@ -169,9 +165,7 @@ class Runner:
         rank = 0 if place is None else place.rank
         self.probe = None if config.probe is None else Probe(config.probe, name, rank)
 
-    def _capture(
-        self, query_lens: tuple[int, ...], draft_loop_depth: int, draft_loop: DraftLoop
-    ) -> CapturedSteps:
+    def _capture(self, query_lens: tuple[int, ...], draft_loop_depth: int) -> CapturedSteps:
         hidden = {"hidden": self.model_config.hidden_size}
         return CapturedSteps(
             self.model,
@@ -189,7 +183,7 @@ class Runner:
             context=self.context,
             owner=self.name,
             draft_loop_depth=draft_loop_depth,
-            draft_loop=draft_loop,
+            draft_loop=self.draft_loop,
             mixed_tokens=self._mixed_tokens(),
         )
 
