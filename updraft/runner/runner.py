@@ -155,7 +155,7 @@ class Runner:
             kv_sources=[model_config.kv_source(i) for i in range(model_config.num_layers)],
         )
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
-        self.draft_loop = draft_loop
+        self.greedy_loop = draft_loop
         self.captured = self._capture(query_lens, draft_loop_depth) if config.use_graphs else None
         # How each step ran: "graph" or "eager (<why>)", counted.
         self.step_modes: Counter[str] = Counter()
@@ -183,7 +183,7 @@ class Runner:
             context=self.context,
             owner=self.name,
             draft_loop_depth=draft_loop_depth,
-            draft_loop=self.draft_loop,
+            draft_loop=self.greedy_loop,
             mixed_tokens=self._mixed_tokens(),
         )
 
