@@ -3,15 +3,18 @@ drafter given the same target state (its final hidden state and ``shared_kv_stat
 here read from a paged cache through scattered blocks), with the plain and the
 centroid-masked head; through the engine, greedy output equals no speculation's, graphs
 on and off and under preemption; a graph replay that keeps a stale input drafts other
-tokens; and an assistant built to agree with its target has every draft accepted."""
+tokens; an assistant built to agree with its target has every draft accepted; and bad
+assistants are refused by name."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tests.checkpoints import GEMMA3_TEXT, build_checkpoint, gemma4_assistant, tiny_model
@@ -19,6 +22,7 @@ from tests.helpers import greedy, token_ids
 from tests.mutations import forget_refresh
 from updraft import LLM, SamplingParams
 from updraft.attention.metadata import AttentionMetadata
+from updraft.model_config import ModelConfig
 from updraft.models.gemma4_assistant import load_assistant
 from updraft.runner.runner import Runner
 from updraft.speculative.assistant import AssistantProposer
@@ -336,3 +340,25 @@ def test_a_stale_graph_input_drafts_other_tokens(pair, eager_proposals, mutation
         forget_refresh(monkeypatch, *reversed(MUTATIONS[mutation]))
     same = speculative_run(pair, monkeypatch).proposals == eager_proposals
     assert same if mutation not in MUTATIONS else not same, mutation
+
+
+def test_bad_assistants_are_refused_by_name(pair, tmp_path):
+    """An assistant for another width, one served as the model, a config transformers
+    refuses, and a token order that misses a token: each a ValueError that names it."""
+    narrow = build_checkpoint("gemma4-assistant", tmp_path / "narrow", backbone_hidden_size=32)
+    with pytest.raises(ValueError, match="backbone_hidden_size 32, its target 64"):
+        LLM(str(pair.target), speculative_model=str(narrow), enforce_eager=True, **ENGINE)
+    with pytest.raises(ValueError, match="is a drafter that runs beside its target"):
+        LLM(str(pair.assistant), enforce_eager=True, **ENGINE)
+    raw = json.loads((pair.assistant / "config.json").read_text())
+    raw["text_config"]["num_kv_shared_layers"] = 1
+    with pytest.raises(ValueError, match=r"num_kv_shared_layers = num_hidden_layers = 2\), got 1"):
+        ModelConfig.from_dict(raw)
+    ordered = build_checkpoint(
+        "gemma4-assistant", tmp_path / "ordered", use_ordered_embeddings=True
+    )
+    tensors = load_file(ordered / "model.safetensors")
+    tensors["masked_embedding.token_ordering"][0] = 1  # token 0 in no cluster, 1 in two
+    save_file(tensors, ordered / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="token_ordering must list each of the 256 token ids"):
+        LLM(str(pair.target), speculative_model=str(ordered), enforce_eager=True, **ENGINE)
