@@ -28,41 +28,6 @@ from updraft.runner.runner import Runner
 from updraft.speculative.assistant import AssistantProposer
 from updraft.step.inputs import ForwardInputs
 
-# A Gemma 4 target with its published flags where they touch the assistant: full layers
-# with their own head size and one KV head whose values are their keys, proportional
-# RoPE, a window shorter than the longer prompt, and KV shared by its last two layers
-# (so the store layers, 0 and 1, are not its last).
-GEMMA4_TARGET = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    global_head_dim=32,
-    num_global_key_value_heads=1,
-    attention_k_eq_v=True,
-    sliding_window=8,
-    layer_types=["sliding_attention", "full_attention"] * 2,
-    num_kv_shared_layers=2,
-    hidden_size_per_layer_input=0,
-    vocab_size_per_layer_input=0,
-    rope_parameters={
-        "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
-        "full_attention": {
-            "rope_type": "proportional",
-            "partial_rotary_factor": 0.5,
-            "rope_theta": 10000.0,
-        },
-    },
-    max_position_embeddings=512,
-    final_logit_softcapping=30.0,
-    initializer_range=0.2,
-    eos_token_id=None,
-    bos_token_id=None,
-    pad_token_id=None,
-)
 BLOCK = 4
 
 
@@ -78,11 +43,10 @@ class TargetEmbedding(nn.Module):
 
 @pytest.fixture(scope="module")
 def hf_target() -> nn.Module:
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.Gemma4TextConfig(**GEMMA4_TARGET)
-    return transformers.Gemma4ForCausalLM(config).eval()
+    """The tiny gemma4 target: full layers with their own head size and one KV head
+    whose values are their keys, proportional RoPE, a window shorter than the longer
+    prompt, and KV shared by its last two layers (the store layers are 2 and 3)."""
+    return tiny_model("gemma4")
 
 
 def store_layers(target: nn.Module) -> dict[str, int]:
@@ -105,10 +69,7 @@ def test_two_draft_steps_equal_transformers(hf_target, ordered, tmp_path):
     blocks out of order: each draft step's logits and next state equal transformers'
     drafter, fed as its candidate generator feeds it, within 1e-4."""
     directory = build_checkpoint(
-        "gemma4-assistant",
-        tmp_path / "assistant",
-        seed=1,
-        **gemma4_assistant(GEMMA4_TARGET, use_ordered_embeddings=ordered),
+        "gemma4-assistant", tmp_path / "assistant", seed=1, use_ordered_embeddings=ordered
     )
     import transformers
 
@@ -119,7 +80,7 @@ def test_two_draft_steps_equal_transformers(hf_target, ordered, tmp_path):
     )
     sequences = [list(range(40, 61)), [7, 3, 9, 12, 5, 77]]
     block_lists = [[5, 0, 3, 7, 1, 9], [2, 8]]
-    caches: list[Any] = [None] * GEMMA4_TARGET["num_hidden_layers"]
+    caches: list[Any] = [None] * hf_target.config.num_hidden_layers
     states, expected = [], []
     for sequence, blocks in zip(sequences, block_lists, strict=True):
         context = torch.tensor([sequence[:-1]])
@@ -237,10 +198,9 @@ class Pair(NamedTuple):
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> Pair:
-    """A tiny Gemma 3 target (a sliding and a full layer kind) and an assistant over its
-    widths, with random weights."""
+    """The tiny gemma4 target and an assistant over its widths, random weights."""
     root = tmp_path_factory.mktemp("assistant-pair")
-    target = build_checkpoint("gemma3", root / "target")
+    target = build_checkpoint("gemma4", root / "target")
     return Pair(target, build_checkpoint("gemma4-assistant", root / "assistant", seed=1))
 
 
