@@ -13,10 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from updraft.model_config.fields import LAYER_TYPES, dtype_name, positive_int
+from updraft.model_config.fields import LAYER_TYPES, dtype_name, positive_int, rope_config
 from updraft.model_config.parts import RopeConfig
 
-ROPE_KINDS = ("default", "proportional")
 # What a published config leaves out takes transformers' defaults.
 TEXT_DEFAULTS = {
     "head_dim": 256,
@@ -44,17 +43,6 @@ DEFAULT_ROPE = {
 
 
 @dataclass(frozen=True)
-class LayerRope:
-    """One layer kind's RoPE: ``proportional`` turns the first ``partial_rotary_factor``
-    of each head's frequency pairs (exponents over the whole head) and leaves the rest
-    unturned, over the whole head's rotate-half layout."""
-
-    theta: float
-    kind: str = "default"
-    partial_rotary_factor: float = 1.0
-
-
-@dataclass(frozen=True)
 class AssistantConfig:
     vocab_size: int
     hidden_size: int
@@ -65,7 +53,7 @@ class AssistantConfig:
     layer_types: tuple[str, ...]  # sliding_attention | full_attention, per layer
     head_dims: tuple[int, ...]  # per layer
     sliding_window: int  # transformers' window of the assistant's sliding layers
-    rope: dict[str, LayerRope]  # by layer kind
+    rope: dict[str, RopeConfig]  # by layer kind, as the target's
     max_position_embeddings: int
     tie_word_embeddings: bool
     use_ordered_embeddings: bool
@@ -142,22 +130,16 @@ def head_dims(text: dict[str, Any], kinds: tuple[str, ...]) -> tuple[int, ...]:
     return tuple(dims)
 
 
-def layer_rope(text: dict[str, Any], kinds: tuple[str, ...]) -> dict[str, LayerRope]:
+def layer_rope(text: dict[str, Any], kinds: tuple[str, ...]) -> dict[str, RopeConfig]:
+    """Each layer kind's RoPE (transformers nests them by kind): the target's, which
+    turned the keys the assistant's queries meet."""
     params = text.get("rope_parameters") or DEFAULT_ROPE
     ropes = {}
-    for kind in set(kinds):
+    for kind in sorted(set(kinds)):
         given = params.get(kind)
         if not isinstance(given, dict):
             raise ValueError(f"config.json: text_config.rope_parameters lacks {kind!r}")
-        rope_type = given.get("rope_type", "default")
-        if rope_type not in ROPE_KINDS or given.get("factor", 1.0) != 1.0:
-            raise ValueError(
-                f"config.json: text_config.rope_parameters.{kind}: RoPE {rope_type!r} with "
-                f"factor {given.get('factor', 1.0)} is not supported ({', '.join(ROPE_KINDS)} "
-                "without scaling are)"
-            )
-        factor = given.get("partial_rotary_factor", 1.0) if rope_type == "proportional" else 1.0
-        ropes[kind] = LayerRope(float(given.get("rope_theta", 10_000.0)), rope_type, factor)
+        ropes[kind] = rope_config({"rope_parameters": given})
     return ropes
 
 
@@ -202,7 +184,6 @@ def parse(raw: dict[str, Any], architecture: str) -> dict[str, Any]:
     only the assistant has is ``assistant_config``'s)."""
     config = assistant_config(raw)
     text = text_config(raw)
-    full = config.rope["full_attention"]
     return {
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
@@ -213,7 +194,8 @@ def parse(raw: dict[str, Any], architecture: str) -> dict[str, Any]:
         "head_dim": text["head_dim"],
         "rms_norm_eps": config.rms_norm_eps,
         "max_position_embeddings": config.max_position_embeddings,
-        "rope": RopeConfig(theta=full.theta),
+        "rope": config.rope["full_attention"],
+        "local_rope": config.rope.get("sliding_attention"),
         "tie_word_embeddings": config.tie_word_embeddings,
         "attention_bias": False,
         "mlp_bias": False,

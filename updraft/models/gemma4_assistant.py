@@ -32,30 +32,14 @@ from torch import nn
 from updraft.attention.context_parallel import attention
 from updraft.attention.gqa import PagedKV
 from updraft.attention.metadata import AttentionMetadata
-from updraft.model_config.gemma4_assistant import AssistantConfig, LayerRope, assistant_config
+from updraft.model_config.gemma4_assistant import AssistantConfig, assistant_config
 from updraft.models.layers import MLP, RMSNorm
 from updraft.models.loader import building, checkpoint_names, fill, weight_files
-from updraft.models.rope import apply_rotary
+from updraft.models.rope import RotaryEmbedding, apply_rotary
 from updraft.weights import WeightFormat, torch_dtype
 
 # Tensors that are not parameters of a linear: read as they are.
 BUFFERS = ("masked_embedding.token_ordering",)
-
-
-def rope_table(rope: LayerRope, head_dim: int, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [positions, head_dim] of transformers' Gemma 4 RoPE of one layer kind:
-    ``proportional`` turns the first ``partial_rotary_factor`` of the frequency pairs,
-    exponents over the whole head, and leaves the others still (frequency 0)."""
-    pairs = head_dim // 2
-    turned = (
-        int(rope.partial_rotary_factor * head_dim // 2) if rope.kind == "proportional" else pairs
-    )
-    exponents = torch.arange(0, 2 * turned, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = torch.zeros(pairs)
-    inv_freq[:turned] = 1.0 / rope.theta**exponents
-    freqs = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq[None]
-    angles = torch.cat([freqs, freqs], dim=-1)
-    return angles.cos(), angles.sin()
 
 
 class AssistantAttention(nn.Module):
@@ -169,24 +153,21 @@ class AssistantWeights(nn.Module):
         self.model.embed_tokens = HeadRows(config.vocab_size, size)  # the tied LM head
         self.lm_head = None if config.tie_word_embeddings else HeadRows(config.vocab_size, size)
         self.masked_embedding = MaskedEmbedder(config) if config.use_ordered_embeddings else None
-        # Tables made on the CPU when the weights are built on the meta device.
-        device = torch.get_default_device()
-        with torch.device("cpu" if device.type == "meta" else device):
-            if self.masked_embedding is not None:
+        if self.masked_embedding is not None:  # on the CPU, when built on the meta device
+            device = torch.get_default_device()
+            with torch.device("cpu" if device.type == "meta" else device):
                 self.masked_embedding.register_buffer(
                     "token_ordering", torch.arange(config.vocab_size), persistent=False
                 )
-            for kind, rope in config.rope.items():
-                dims = {
-                    d
-                    for d, k in zip(config.head_dims, config.layer_types, strict=True)
-                    if k == kind
-                }
-                if len(dims) != 1:
-                    raise ValueError(f"the assistant's {kind} layers differ in head size: {dims}")
-                cos, sin = rope_table(rope, dims.pop(), max_positions)
-                self.register_buffer(f"{kind}_cos", cos, persistent=False)
-                self.register_buffer(f"{kind}_sin", sin, persistent=False)
+        # Each layer kind's queries turn as the target turned its keys.
+        self.rotary = nn.ModuleDict()
+        for kind, rope in config.rope.items():
+            dims = {
+                d for d, k in zip(config.head_dims, config.layer_types, strict=True) if k == kind
+            }
+            if len(dims) != 1:
+                raise ValueError(f"the assistant's {kind} layers differ in head size: {dims}")
+            self.rotary[kind] = RotaryEmbedding(rope, dims.pop(), max_positions)
 
     def head(self) -> torch.Tensor:
         return (self.model.embed_tokens if self.lm_head is None else self.lm_head).weight
@@ -223,15 +204,7 @@ class Gemma4Assistant(nn.Module):
         embeds = self.target_embed(input_ids)
         hidden = weights.pre_projection(torch.cat([embeds, hidden_states.to(embeds.dtype)], dim=-1))
         rotary = {
-            kind: (
-                getattr(weights, f"{kind}_cos")
-                .index_select(0, positions)
-                .to(hidden.dtype)[:, None],
-                getattr(weights, f"{kind}_sin")
-                .index_select(0, positions)
-                .to(hidden.dtype)[:, None],
-            )
-            for kind in self.store_layers
+            kind: table.lookup(positions, hidden.dtype) for kind, table in weights.rotary.items()
         }
         for layer in weights.model.layers:
             cache = kv_caches[self.store_layers[layer.kind]]
