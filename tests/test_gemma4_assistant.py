@@ -2,7 +2,8 @@
 drafter given the same target state (its final hidden state and ``shared_kv_states``,
 here read from a paged cache through scattered blocks), with the plain and the
 centroid-masked head; through the engine, greedy output equals no speculation's, graphs
-on and off and under preemption; a graph replay that keeps a stale input drafts other
+on and off and under preemption, every proposal is what transformers drafts from the
+same tokens; a graph replay that keeps a stale input drafts other
 tokens; an assistant built to agree with its target has every draft accepted; and bad
 assistants are refused by name."""
 
@@ -19,7 +20,11 @@ from torch import nn
 
 from tests.checkpoints import GEMMA3_TEXT, build_checkpoint, gemma4_assistant, tiny_model
 from tests.helpers import greedy, token_ids
-from tests.mutations import forget_refresh
+from tests.mutations import (
+    assistant_reads_one_on,
+    assistant_state_from_the_row_before,
+    forget_refresh,
+)
 from updraft import LLM, SamplingParams
 from updraft.attention.metadata import AttentionMetadata
 from updraft.model_config import ModelConfig
@@ -248,6 +253,62 @@ def speculative_run(pair: Pair, monkeypatch, **args: Any) -> Run:
     [dict(enforce_eager=True), {}, dict(num_kv_blocks=14, max_num_batched_tokens=16)],
     ids=["eager", "graphs", "preempted"],
 )
+class ReferenceDrafts:
+    """transformers' drafts: the target over a sequence's tokens but its newest, then
+    the assistant fed as ``SinglePositionMultiTokenCandidateGenerator`` feeds it."""
+
+    def __init__(self, pair: Pair) -> None:
+        import transformers
+
+        self.target = transformers.Gemma4ForCausalLM.from_pretrained(pair.target).eval()
+        self.assistant = transformers.Gemma4AssistantForCausalLM.from_pretrained(
+            pair.assistant
+        ).eval()
+
+    @torch.inference_mode()
+    def drafts(self, tokens: list[int], count: int) -> list[int]:
+        context = torch.tensor([tokens[:-1]])
+        out = self.target(context, output_hidden_states=True, return_shared_kv_states=True)
+        state, token, drafts = out.hidden_states[-1][:, -1:], torch.tensor([tokens[-1:]]), []
+        for _ in range(count):
+            embeds = torch.cat([self.target.get_input_embeddings()(token), state], dim=-1)
+            drafted = self.assistant(
+                inputs_embeds=embeds,
+                position_ids=torch.tensor([[len(tokens) - 1]]),
+                shared_kv_states=out.shared_kv_states,
+            )
+            token, state = drafted.logits.argmax(-1), drafted.last_hidden_state
+            drafts.append(int(token))
+        return drafts
+
+
+@pytest.fixture(scope="module")
+def reference(pair) -> ReferenceDrafts:
+    return ReferenceDrafts(pair)
+
+
+PROPOSAL_MUTATIONS = {
+    "reads-one-on": assistant_reads_one_on,
+    "state-row-before": assistant_state_from_the_row_before,
+}
+
+
+@pytest.mark.parametrize("mutation", ["loop", "steps", *PROPOSAL_MUTATIONS])
+def test_every_proposal_is_transformers_drafts(pair, reference, mutation, monkeypatch):
+    """Every proposal, by the captured greedy loop or step by step, equals what
+    transformers drafts from the same tokens: the newest token at its position, the
+    target's state before it, the target's K/V of every position before it. An
+    assistant that also reads the K/V at its own position, or the state of the row
+    before, drafts otherwise."""
+    if mutation == "steps":
+        monkeypatch.setattr(Runner, "fits_draft_loop", lambda self, num_reqs: False)
+    elif mutation in PROPOSAL_MUTATIONS:
+        PROPOSAL_MUTATIONS[mutation](monkeypatch)
+    run = speculative_run(pair, monkeypatch)
+    matches = [drafts == reference.drafts(tokens, len(drafts)) for tokens, drafts in run.proposals]
+    assert all(matches) if mutation in ("loop", "steps") else not all(matches), mutation
+
+
 def test_greedy_output_equals_no_speculation(pair, plain, args, monkeypatch):
     """The assistant (its own proposer, picked by its architecture) keeps greedy output,
     eagerly, with its steps and loop replayed, and with requests preempted for blocks."""

@@ -41,6 +41,13 @@ from updraft.step.output import StepOutput
 from updraft.step.plan import Draft
 
 
+def context_lengths(positions: torch.Tensor) -> torch.Tensor:
+    """How many of the target's positions a draft at ``positions`` reads: those before
+    it, all of which the target has accepted (its own K/V at the draft's position is
+    not the newest token's yet)."""
+    return positions
+
+
 def assistant_drafts(
     assistant: Gemma4Assistant,
     kv_caches: list[torch.Tensor],
@@ -56,7 +63,7 @@ def assistant_drafts(
         positions_per_block,
         slot_mapping=torch.full_like(inputs.positions, -1),
         block_table=inputs.block_table,
-        seq_lens=inputs.positions,  # padded rows: position 0, no context
+        seq_lens=context_lengths(inputs.positions),  # padded rows: position 0, none
         query_start_loc=inputs.query_start_loc,
         num_requests=inputs.num_reqs,
         query_len=1,
@@ -177,7 +184,7 @@ class AssistantProposer:
             forward = replace(
                 step.forward,
                 positions=position,
-                seq_lens=position,
+                seq_lens=context_lengths(position),
                 slot_mapping=torch.full_like(position, -1),
                 hidden_states=states,
             )
