@@ -38,7 +38,7 @@ from updraft.models.loader import building, checkpoint_names, fill, weight_files
 from updraft.models.rope import RotaryEmbedding, apply_rotary
 from updraft.weights import WeightFormat, torch_dtype
 
-# Tensors that are not parameters of a linear: read as they are.
+# The checkpoint's tensors that are no parameter: read on their own, and checked.
 BUFFERS = ("masked_embedding.token_ordering",)
 
 
@@ -112,7 +112,7 @@ class MaskedEmbedder(nn.Module):
         super().__init__()
         self.top_k = config.centroid_intermediate_top_k
         self.centroids = nn.Linear(config.hidden_size, config.num_centroids, bias=False)
-        self.token_ordering: torch.Tensor  # made beside the rotary tables
+        self.token_ordering: torch.Tensor  # [vocab], registered by AssistantWeights
         self.clusters = (config.num_centroids, config.tokens_per_centroid)
 
     def forward(self, hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
