@@ -210,6 +210,14 @@ def pair(tmp_path_factory) -> Pair:
 
 
 @pytest.fixture(scope="module")
+def centroid_pair(pair, tmp_path_factory) -> Pair:
+    """The same target, and an assistant with the centroid-masked head."""
+    directory = tmp_path_factory.mktemp("centroid-assistant")
+    assistant = build_checkpoint("gemma4-assistant", directory, seed=2, use_ordered_embeddings=True)
+    return Pair(pair.target, assistant)
+
+
+@pytest.fixture(scope="module")
 def plain(pair) -> list[list[int]]:
     return token_ids(LLM(str(pair.target), **ENGINE).generate(PROMPTS, PARAMS))
 
@@ -285,6 +293,16 @@ class ReferenceDrafts:
 @pytest.fixture(scope="module")
 def reference(pair) -> ReferenceDrafts:
     return ReferenceDrafts(pair)
+
+
+def test_the_centroid_head_drafts_as_transformers_in_graphs(centroid_pair, plain, monkeypatch):
+    """With the centroid-masked head (its top-k of clusters and scatter captured in the
+    loop's graph), every proposal is transformers' and greedy output is kept."""
+    run = speculative_run(centroid_pair, monkeypatch)
+    assert run.tokens == plain and "graph" in run.stats.draft_steps
+    reference = ReferenceDrafts(centroid_pair)
+    for tokens, drafts in run.proposals:
+        assert drafts == reference.drafts(tokens, len(drafts))
 
 
 PROPOSAL_MUTATIONS = {
