@@ -1,11 +1,11 @@
 """Gemma 4's assistant drafter: a draft step's logits and next state equal transformers'
 drafter given the same target state (its final hidden state and ``shared_kv_states``,
 here read from a paged cache through scattered blocks), with the plain and the
-centroid-masked head; through the engine, greedy output equals no speculation's, graphs
-on and off and under preemption, every proposal is what transformers drafts from the
-same tokens; a graph replay that keeps a stale input drafts other
-tokens; an assistant built to agree with its target has every draft accepted; and bad
-assistants are refused by name."""
+centroid-masked head. Through the engine: every proposal is what transformers drafts
+from the same tokens, greedy output equals no speculation's (graphs on and off, under
+preemption), a graph replay that keeps a stale input drafts other tokens, an assistant
+built to agree with its target has every draft accepted, and bad assistants are
+refused by name."""
 
 from __future__ import annotations
 
@@ -128,65 +128,6 @@ def test_two_draft_steps_equal_transformers(hf_target, ordered, tmp_path):
             torch.testing.assert_close(state[row], want_state, atol=1e-4, rtol=0)
         tokens = torch.stack([steps[depth][2] for steps in expected])
         assert torch.equal(logits.argmax(-1), tokens)
-
-
-# -- an assistant that agrees with its target ---------------------------------------------
-
-
-def agreeing_pair(root: Path) -> Pair:
-    """A two-layer Gemma 3 target whose attention adds nothing (o_proj zero: its next
-    token is a function of its newest token alone), and an assistant that computes
-    that function: it reads only the embedding half of its input, its attention adds
-    nothing either, and its MLPs, norms (Gemma 3's 1 + w as Gemma 4's w) and LM head
-    are the target's. Its every draft is the target's greedy next token."""
-    import transformers
-
-    kinds = ["sliding_attention", "full_attention"]
-    target = tiny_model("gemma3", num_hidden_layers=2, layer_types=kinds)
-    config = transformers.Gemma4AssistantConfig(
-        **gemma4_assistant(
-            {**GEMMA3_TEXT, "num_hidden_layers": 2, "layer_types": kinds},
-        )
-    )
-    config.text_config.hidden_size = GEMMA3_TEXT["hidden_size"]
-    config.text_config.intermediate_size = GEMMA3_TEXT["intermediate_size"]
-    assistant = transformers.Gemma4AssistantForCausalLM(config).eval()
-    size = config.text_config.hidden_size
-    with torch.no_grad():
-        projection = assistant.pre_projection.weight
-        projection.zero_()
-        projection[:, :size] = torch.eye(size)
-        for mine, theirs in zip(assistant.model.layers, target.model.layers, strict=True):
-            theirs.self_attn.o_proj.weight.zero_()
-            mine.self_attn.o_proj.weight.zero_()
-            mine.mlp.load_state_dict(theirs.mlp.state_dict())
-            for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
-                getattr(mine, norm).weight.copy_(1 + getattr(theirs, norm).weight)
-        assistant.model.norm.weight.copy_(1 + target.model.norm.weight)
-        assistant.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
-    target.save_pretrained(root / "target")
-    assistant.save_pretrained(root / "assistant")
-    return Pair(root / "target", root / "assistant")
-
-
-def test_an_assistant_that_agrees_with_its_target_has_every_draft_accepted(tmp_path):
-    """Its proposals line up with the target's next tokens (the newest token at its
-    position, each draft fed back): every draft is accepted, graphs on and off, and
-    greedy output is the target's."""
-    pair = agreeing_pair(tmp_path)
-    plain = token_ids(LLM(str(pair.target), **ENGINE).generate(PROMPTS, PARAMS))
-    for enforce_eager in (True, False):
-        llm = LLM(
-            str(pair.target),
-            speculative_model=str(pair.assistant),
-            num_speculative_tokens=3,
-            enforce_eager=enforce_eager,
-            **ENGINE,
-        )
-        assert token_ids(llm.generate(PROMPTS, PARAMS)) == plain
-        speculative = llm.engine.stats().speculative
-        assert sum(speculative.proposed) > 20
-        assert speculative.accepted == speculative.proposed
 
 
 # -- through the engine -------------------------------------------------------------------
@@ -379,6 +320,65 @@ def test_a_stale_graph_input_drafts_other_tokens(pair, eager_proposals, mutation
         forget_refresh(monkeypatch, *reversed(MUTATIONS[mutation]))
     same = speculative_run(pair, monkeypatch).proposals == eager_proposals
     assert same if mutation not in MUTATIONS else not same, mutation
+
+
+# -- an assistant that agrees with its target ---------------------------------------------
+
+
+def agreeing_pair(root: Path) -> Pair:
+    """A two-layer Gemma 3 target whose attention adds nothing (o_proj zero: its next
+    token is a function of its newest token alone), and an assistant that computes
+    that function: it reads only the embedding half of its input, its attention adds
+    nothing either, and its MLPs, norms (Gemma 3's 1 + w as Gemma 4's w) and LM head
+    are the target's. Its every draft is the target's greedy next token."""
+    import transformers
+
+    kinds = ["sliding_attention", "full_attention"]
+    target = tiny_model("gemma3", num_hidden_layers=2, layer_types=kinds)
+    config = transformers.Gemma4AssistantConfig(
+        **gemma4_assistant(
+            {**GEMMA3_TEXT, "num_hidden_layers": 2, "layer_types": kinds},
+        )
+    )
+    config.text_config.hidden_size = GEMMA3_TEXT["hidden_size"]
+    config.text_config.intermediate_size = GEMMA3_TEXT["intermediate_size"]
+    assistant = transformers.Gemma4AssistantForCausalLM(config).eval()
+    size = config.text_config.hidden_size
+    with torch.no_grad():
+        projection = assistant.pre_projection.weight
+        projection.zero_()
+        projection[:, :size] = torch.eye(size)
+        for mine, theirs in zip(assistant.model.layers, target.model.layers, strict=True):
+            theirs.self_attn.o_proj.weight.zero_()
+            mine.self_attn.o_proj.weight.zero_()
+            mine.mlp.load_state_dict(theirs.mlp.state_dict())
+            for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+                getattr(mine, norm).weight.copy_(1 + getattr(theirs, norm).weight)
+        assistant.model.norm.weight.copy_(1 + target.model.norm.weight)
+        assistant.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+    target.save_pretrained(root / "target")
+    assistant.save_pretrained(root / "assistant")
+    return Pair(root / "target", root / "assistant")
+
+
+def test_an_assistant_that_agrees_with_its_target_has_every_draft_accepted(tmp_path):
+    """Its proposals line up with the target's next tokens (the newest token at its
+    position, each draft fed back): every draft is accepted, graphs on and off, and
+    greedy output is the target's."""
+    pair = agreeing_pair(tmp_path)
+    plain = token_ids(LLM(str(pair.target), **ENGINE).generate(PROMPTS, PARAMS))
+    for enforce_eager in (True, False):
+        llm = LLM(
+            str(pair.target),
+            speculative_model=str(pair.assistant),
+            num_speculative_tokens=3,
+            enforce_eager=enforce_eager,
+            **ENGINE,
+        )
+        assert token_ids(llm.generate(PROMPTS, PARAMS)) == plain
+        speculative = llm.engine.stats().speculative
+        assert sum(speculative.proposed) > 20
+        assert speculative.accepted == speculative.proposed
 
 
 def test_bad_assistants_are_refused_by_name(pair, tmp_path):
