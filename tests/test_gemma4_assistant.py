@@ -197,11 +197,6 @@ def speculative_run(pair: Pair, monkeypatch, **args: Any) -> Run:
     return Run(token_ids(outputs), proposals, stats, preemptions)
 
 
-@pytest.mark.parametrize(
-    "args",
-    [dict(enforce_eager=True), {}, dict(num_kv_blocks=14, max_num_batched_tokens=16)],
-    ids=["eager", "graphs", "preempted"],
-)
 class ReferenceDrafts:
     """transformers' drafts: the target over a sequence's tokens but its newest, then
     the assistant fed as ``SinglePositionMultiTokenCandidateGenerator`` feeds it."""
@@ -268,6 +263,11 @@ def test_every_proposal_is_transformers_drafts(pair, reference, mutation, monkey
     assert all(matches) if mutation in ("loop", "steps") else not all(matches), mutation
 
 
+@pytest.mark.parametrize(
+    "args",
+    [dict(enforce_eager=True), {}, dict(num_kv_blocks=14, max_num_batched_tokens=16)],
+    ids=["eager", "graphs", "preempted"],
+)
 def test_greedy_output_equals_no_speculation(pair, plain, args, monkeypatch):
     """The assistant (its own proposer, picked by its architecture) keeps greedy output,
     eagerly, with its steps and loop replayed, and with requests preempted for blocks."""
