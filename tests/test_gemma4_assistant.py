@@ -401,3 +401,49 @@ def test_bad_assistants_are_refused_by_name(pair, tmp_path):
     save_file(tensors, ordered / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="token_ordering must list each of the 256 token ids"):
         LLM(str(pair.target), speculative_model=str(ordered), enforce_eager=True, **ENGINE)
+
+
+def test_a_published_shape_of_config_is_read_as_transformers_reads_it():
+    """The E2B assistant's config as published (no per_layer_config: full layers take
+    global_head_dim; num_kv_shared_layers given): head sizes per layer, the full
+    layers' proportional RoPE, the centroid head's clusters."""
+    from updraft.model_config.gemma4_assistant import assistant_config
+
+    text = dict(
+        hidden_size=256,
+        intermediate_size=2048,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        global_head_dim=512,
+        sliding_window=512,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        num_kv_shared_layers=4,
+        hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0,
+        vocab_size=262144,
+        rope_parameters={
+            "full_attention": {
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 1e6,
+                "rope_type": "proportional",
+            },
+            "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"},
+        },
+    )
+    raw = dict(
+        architectures=["Gemma4AssistantForCausalLM"],
+        backbone_hidden_size=1536,
+        num_centroids=2048,
+        centroid_intermediate_top_k=32,
+        use_ordered_embeddings=True,
+        text_config=text,
+    )
+    config = assistant_config(raw)
+    assert config.head_dims == (256, 256, 256, 512)
+    assert config.rope["full_attention"].kind == "proportional"
+    assert config.rope["full_attention"].proportion == 0.25
+    assert config.rope["sliding_attention"].theta == 1e4
+    assert config.tokens_per_centroid == 128 and config.backbone_hidden_size == 1536
+    assert ModelConfig.from_dict(raw).layer_windows == (512, 512, 512, None)
