@@ -83,6 +83,45 @@ GEMMA3_TEXT = dict(
     final_logit_softcapping=30.0,
 )
 
+
+def gemma4_assistant(target: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    """A tiny Gemma 4 assistant's config for a target whose text config is ``target``:
+    the target's widths where it reads the target (its hidden states, vocabulary, each
+    layer kind's head size, KV heads, window and RoPE), a narrower width of its own, and
+    one layer of each kind. ``changes``: top-level fields (``use_ordered_embeddings``)."""
+    text = dict(
+        vocab_size=target["vocab_size"],
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=target["num_key_value_heads"],
+        head_dim=target["head_dim"],
+        global_head_dim=target.get("global_head_dim", target["head_dim"]),
+        num_global_key_value_heads=target.get("num_global_key_value_heads"),
+        attention_k_eq_v=target.get("attention_k_eq_v", False),
+        sliding_window=target["sliding_window"],
+        layer_types=["sliding_attention", "full_attention"],
+        num_kv_shared_layers=2,
+        hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0,
+        rope_parameters=target["rope_parameters"],
+        max_position_embeddings=target["max_position_embeddings"],
+        initializer_range=0.2,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    return {
+        "text_config": text,
+        "backbone_hidden_size": target["hidden_size"],
+        "use_ordered_embeddings": False,
+        "num_centroids": 16,  # of 16 tokens each; the best 4 scored per row
+        "centroid_intermediate_top_k": 4,
+        **changes,
+    }
+
+
 # Gemma 4's E-style text model: layers 4 and 5 read the KV of layers 2 (sliding) and 3
 # (full) and have double-wide MLPs; full layers have heads of their own (32 values, one
 # KV head, values are keys) and proportional RoPE turning a quarter of their
@@ -211,6 +250,20 @@ def _gemma_norms(model: nn.Module) -> None:
     for name, param in model.named_parameters():
         if "norm" in name:
             param.normal_(0, 0.3)
+
+
+def _assistant_params(model: nn.Module) -> None:
+    """Gemma 4's norms scale by their weight (from 1) and its layer scalars start at 1:
+    drawn, a norm or scalar mixed up shows; the centroid head's token order drawn as a
+    permutation, so clusters are not runs of ids."""
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.normal_(1.0, 0.3)
+    for name, buffer in model.named_buffers():
+        if name.endswith("layer_scalar"):
+            buffer.uniform_(0.5, 1.5)
+        elif name.endswith("token_ordering"):
+            buffer.copy_(torch.randperm(buffer.numel()))
 
 
 def _gemma4_params(model: nn.Module) -> None:
@@ -420,6 +473,13 @@ FAMILIES: dict[str, Family] = {
         _hybrid_params,
     ),
     "gpt-oss": Family("GptOssConfig", "GptOssForCausalLM", GPT_OSS, _gpt_oss_params),
+    # Gemma 4's assistant drafter, over the gemma4 target's widths
+    "gemma4-assistant": Family(
+        "Gemma4AssistantConfig",
+        "Gemma4AssistantForCausalLM",
+        gemma4_assistant(GEMMA4_TEXT),
+        _assistant_params,
+    ),
     # the text tower above with a tiny vision tower: updraft serves the text tower
     "gemma3-multimodal": Family(
         "Gemma3Config",

@@ -16,6 +16,10 @@ ranks other than 0, ``on_other_ranks`` (a worker pool's initializer) installs th
 * ``hidden_states``: the target's hidden states of a split step reach the heads
   ungathered (each rank's own rows, zeros for the rest) or gathered in rank order
   instead of the step's;
+* Gemma 4's assistant: ``assistant_reads_one_on`` (a draft at position p also reads
+  the target's K/V at p, as transformers lets it after a rejection, where the target
+  has not written the newest token's), ``assistant_state_from_the_row_before`` (its
+  first draft reads the target's hidden state one row before the last accepted one);
 * ``fail_in_a_head_step``: the rank exits, or hangs, when a head's forward reaches it;
 * a hybrid model's recurrent state: ``padded_rows_write_slot`` (a bucket's padded
   requests write a live request's slot), ``conv_window_shifted`` (the causal conv keeps
@@ -40,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 import updraft.runner.runner as runner_module
+import updraft.speculative.assistant as assistant_module
 import updraft.step.inputs as inputs_module
 from updraft.graph.static_input import StaticInput
 from updraft.models import delta_rule, gated_delta_net
@@ -83,6 +88,22 @@ def first_draft_from_the_row_before(monkeypatch: pytest.MonkeyPatch) -> None:
         return forward._replace(hidden_states=forward.hidden_states.roll(1, 0))
 
     monkeypatch.setattr(HeadProposer, "mirror", shifted)
+
+
+def assistant_reads_one_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma 4's assistant attends over the target's positions up to its own."""
+    monkeypatch.setattr(assistant_module, "context_lengths", lambda positions: positions + 1)
+
+
+def assistant_state_from_the_row_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma 4's assistant drafts from the target's state one row before each request's
+    last accepted row."""
+    rows_of = assistant_module.last_accepted_rows
+
+    def row_before(inputs, output):
+        return {request: max(row - 1, 0) for request, row in rows_of(inputs, output).items()}
+
+    monkeypatch.setattr(assistant_module, "last_accepted_rows", row_before)
 
 
 def draft_mirror_on(

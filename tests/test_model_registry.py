@@ -81,12 +81,14 @@ def test_a_family_is_named_only_in_its_parser_its_model_file_and_the_registry():
         "model_config/deepseek.py",
         "model_config/qwen35.py",
         "model_config/gpt_oss.py",
+        "model_config/gemma4_assistant.py",
         "models/llama.py",
         "models/gemma.py",
         "models/gemma4.py",
         "models/deepseek.py",
         "models/qwen35.py",
         "models/gpt_oss.py",
+        "models/gemma4_assistant.py",
     }
     naming = {
         path.relative_to(PACKAGE).as_posix(): sorted(found)

@@ -15,7 +15,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from updraft.model_config import deepseek, gemma3, gemma4, gpt_oss, llama, qwen35, qwen35_gguf
+from updraft.model_config import (
+    deepseek,
+    gemma3,
+    gemma4,
+    gemma4_assistant,
+    gpt_oss,
+    llama,
+    qwen35,
+    qwen35_gguf,
+)
 
 # config.json (as a dict) and the architecture named in it -> ModelConfig's fields.
 Parser = Callable[[dict[str, Any], str], dict[str, Any]]
@@ -28,6 +37,7 @@ GEMMA4 = "updraft.models.gemma4:Gemma4ForCausalLM"
 DEEPSEEK = "updraft.models.deepseek:DeepseekForCausalLM"
 QWEN35 = "updraft.models.qwen35:Qwen35ForCausalLM"
 GPT_OSS = "updraft.models.gpt_oss:GptOssForCausalLM"
+GEMMA4_ASSISTANT = "updraft.models.gemma4_assistant:Gemma4Assistant"
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,9 @@ class Architecture:
     eagle_head: bool = False  # an EAGLE head may be one layer of it
     prequantized: bool = False  # AWQ, GPTQ and compressed-tensors checkpoints are read
     mxfp4_experts: bool = False  # checkpoints with MXFP4 experts (gpt-oss's) are read
+    # A drafter that runs only beside its target: the proposer (speculative_method) that
+    # a --speculative-model checkpoint of it is served by.
+    proposer: str | None = None
 
 
 def _hybrid(name: str, gguf_name: str, tiled_value_heads: bool = False) -> Architecture:
@@ -159,6 +172,13 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("Qwen3_5MoeForConditionalGeneration", qwen35.parse, QWEN35),
         # Attention sinks, alternating windows, YaRN, biased clamped-SwiGLU experts.
         Architecture("GptOssForCausalLM", gpt_oss.parse, GPT_OSS, mxfp4_experts=True),
+        # Gemma 4's assistant drafter: it reads the Gemma 4 target's hidden states and K/V.
+        Architecture(
+            "Gemma4AssistantForCausalLM",
+            gemma4_assistant.parse,
+            GEMMA4_ASSISTANT,
+            proposer="gemma4-assistant",
+        ),
     )
 }
 

@@ -12,7 +12,13 @@ from updraft.model_config.registry import ARCHITECTURES
 
 
 def model_class(config: ModelConfig) -> type[nn.Module]:
-    model = ARCHITECTURES[config.architecture].model
+    row = ARCHITECTURES[config.architecture]
+    if row.proposer is not None:
+        raise ValueError(
+            f"{config.architecture} is a drafter that runs beside its target: give it as "
+            "--speculative-model, not as the model"
+        )
+    model = row.model
     if isinstance(model, str):
         module, _, name = model.partition(":")
         model = getattr(importlib.import_module(module), name)

@@ -25,7 +25,7 @@ from updraft.graph.cuda import CudaGraph
 from updraft.graph.recorded import RecordedGraph
 from updraft.graph.static_input import StaticInput
 from updraft.graph.updatable import UpdatableGraph
-from updraft.runner.draft_loop import DRAFT_LOOP_INPUTS, DraftLoopInputs, greedy_drafts
+from updraft.runner.draft_loop import DRAFT_LOOP_INPUTS, DraftLoop, DraftLoopInputs, greedy_drafts
 from updraft.step.inputs import (
     GRAPH_INPUTS,
     ForwardInputs,
@@ -87,6 +87,7 @@ class CapturedSteps:
         context: ContextSplit = NO_SPLIT,
         owner: str = "target",
         draft_loop_depth: int = 0,
+        draft_loop: DraftLoop = greedy_drafts,
         mixed_tokens: tuple[int, ...] = (),
     ) -> None:
         """``full``: the query lengths whose graphs capture attention inside them,
@@ -97,9 +98,10 @@ class CapturedSteps:
         beyond ``GRAPH_INPUTS`` reach the model as keyword arguments. ``owner``: which
         runner's graphs these are, in the names of their static inputs.
         ``draft_loop_depth`` > 1: also capture the greedy draft loop of that many drafts,
-        one bucket per size. ``mixed_tokens``: the token counts of mixed steps to capture
-        (prefill chunks, alone or beside decodes), each of up to as many requests as the
-        largest size; their attention is always a task, made fresh from each step."""
+        one bucket per size, run by ``draft_loop``. ``mixed_tokens``: the token counts of
+        mixed steps to capture (prefill chunks, alone or beside decodes), each of up to as
+        many requests as the largest size; their attention is always a task, made fresh
+        from each step."""
         self.model, self.kv_caches = model, kv_caches
         self.positions_per_block, self.context = positions_per_block, context
         self.max_blocks = max_blocks_per_request
@@ -108,6 +110,7 @@ class CapturedSteps:
         self.full, self.specs, self.compile_runs = full, inputs, compile_runs
         self.other_sizes = sizes_of_dims or {}
         self.owner, self.draft_loop_depth = owner, draft_loop_depth
+        self.draft_loop = draft_loop
         buckets = [Bucket(size, q) for q in self.query_lens for size in self.sizes]
         self.mixed = [
             Bucket(min(self.sizes[-1], tokens), 0, tokens=tokens)
@@ -206,6 +209,7 @@ class CapturedSteps:
         tensors = {name: static_input.buffer for name, static_input in inputs.items()}
         model, kv_caches, context = self.model, self.kv_caches, self.context
         positions_per_block, depth = self.positions_per_block, self.draft_loop_depth
+        draft_loop = self.draft_loop
         empty = empty_inputs(specs, DraftLoopInputs if bucket.loop else ForwardInputs, sizes)
         attention = {name: tensors[name] for name in ATTENTION_INPUTS if name in tensors}
 
@@ -224,7 +228,7 @@ class CapturedSteps:
             loop = DraftLoopInputs(**tensors)
 
             def forward() -> torch.Tensor:
-                return greedy_drafts(model, kv_caches, loop, depth, positions_per_block, context)
+                return draft_loop(model, kv_caches, loop, depth, positions_per_block, context)
 
         else:
             if not bucket.mixed and bucket.query_len in self.full:  # attention bucket-shaped

@@ -22,6 +22,7 @@ in FULL graphs): a loop has no host-side parameter left to resolve per step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -57,6 +58,21 @@ class DraftLoopInputs:
     @property
     def num_tokens(self) -> int:  # the next token of each request
         return self.num_reqs
+
+
+class DraftLoop(Protocol):
+    """A loop's forward: every request's ``depth`` greedy drafts [requests, depth] over
+    a bucket of ``inputs.num_reqs`` (``greedy_drafts``, or a drafter's own)."""
+
+    def __call__(
+        self,
+        head: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        inputs: DraftLoopInputs,
+        depth: int,
+        positions_per_block: int,
+        context: ContextSplit,
+    ) -> torch.Tensor: ...
 
 
 def greedy_drafts(

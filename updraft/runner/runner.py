@@ -40,7 +40,7 @@ from updraft.models.loader import load_model
 from updraft.models.tensor_parallel import local_config
 from updraft.parallel.topology import GroupRank, ParallelSizes, RankPlace, rank_device
 from updraft.runner.captured import Bucket, CapturedSteps
-from updraft.runner.draft_loop import DraftLoopInputs
+from updraft.runner.draft_loop import DraftLoop, DraftLoopInputs, greedy_drafts
 from updraft.runner.logits_processors import adjust_logits
 from updraft.runner.probe import Probe
 from updraft.runner.rank_messages import HiddenRows, Send, loop_message, step_message
@@ -92,8 +92,10 @@ class Runner:
         place: RankPlace | None = None,
         inputs: tuple[GraphInput, ...] = GRAPH_INPUTS,
         draft_loop_depth: int = 0,
+        draft_loop: DraftLoop = greedy_drafts,
         splits_prefills: bool = True,
         send: Send | None = None,
+        kv_caches: list[torch.Tensor] | None = None,
     ):
         """``model`` is what ``model_config`` describes, as this rank holds it (its
         cache follows the config's layers and this rank's KV heads), computing in
@@ -106,12 +108,13 @@ class Runner:
         runner's rank of a model split over ranks, whose every other rank runs the same
         steps in its own process (engine/workers.py). ``inputs``: the declared graph
         inputs its forward reads (beyond ``GRAPH_INPUTS`` they reach the model as
-        keyword arguments). A ``draft_loop_depth`` above 1 also captures the greedy
-        draft loop of that many drafts (``draft_loop.py``). ``splits_prefills``:
+        keyword arguments). A ``draft_loop_depth`` above 1 also captures ``draft_loop``
+        of that many drafts (``draft_loop.py``). ``splits_prefills``:
         whether the prefill-context ranks split a long prefill (the target's), or each
         runs it whole (a replicated draft head's). ``send``: on rank 0 of a split
         model, how each forward is announced to the other ranks just before it runs
-        (``rank_messages.py``)."""
+        (``rank_messages.py``). ``kv_caches``: another runner's, which a model that
+        writes no KV reads (``model_config`` is that runner's): none are allocated."""
         self.model = model
         self.model_config = model_config
         self.config = config
@@ -143,7 +146,7 @@ class Runner:
         self.num_prefix_states = (
             cache_sizes.num_prefix_states if num_prefix_states is None else num_prefix_states
         )
-        self.kv_caches = allocate_caches(
+        self.kv_caches = kv_caches or allocate_caches(
             self.cache_groups,
             model_config.num_layers,
             CacheSizes(self.num_blocks, self.num_state_slots, self.num_prefix_states),
@@ -152,6 +155,7 @@ class Runner:
             kv_sources=[model_config.kv_source(i) for i in range(model_config.num_layers)],
         )
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.greedy_loop = draft_loop
         self.captured = self._capture(query_lens, draft_loop_depth) if config.use_graphs else None
         # How each step ran: "graph" or "eager (<why>)", counted.
         self.step_modes: Counter[str] = Counter()
@@ -179,6 +183,7 @@ class Runner:
             context=self.context,
             owner=self.name,
             draft_loop_depth=draft_loop_depth,
+            draft_loop=self.greedy_loop,
             mixed_tokens=self._mixed_tokens(),
         )
 

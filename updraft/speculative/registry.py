@@ -6,9 +6,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from updraft.config import EngineConfig
+from updraft.model_config import ModelConfig
+from updraft.model_config.registry import ARCHITECTURES
 from updraft.models.draft_head import eagle_head, mtp_head
 from updraft.runner.rank_messages import Send
 from updraft.runner.runner import Runner
+from updraft.speculative.assistant import AssistantProposer, assistant_runner
 from updraft.speculative.draft_model import DraftModel, draft_runner
 from updraft.speculative.head import HeadProposer, head_runner
 from updraft.speculative.ngram import NgramProposer
@@ -26,6 +29,7 @@ class ProposerContext:
 
 
 ProposerFactory = Callable[[ProposerContext], Proposer]
+ASSISTANT = "gemma4-assistant"
 RunnerFactory = Callable[[ProposerContext], Runner]
 
 
@@ -77,12 +81,33 @@ PROPOSERS: dict[str, ProposerFactory] = {
     "ngram": lambda context: NgramProposer(context.config.num_speculative_tokens),
     "mtp": lambda context: HeadProposer(context.target, RUNNERS["mtp"](context)),
     "eagle": lambda context: HeadProposer(context.target, RUNNERS["eagle"](context)),
+    # Gemma 4's assistant drafter: the target's hidden states and K/V, one process.
+    ASSISTANT: lambda context: AssistantProposer(
+        context.target,
+        assistant_runner(context.config, context.target, context.config.num_speculative_tokens),
+    ),
 }
+
+
+def method_of(config: EngineConfig) -> str | None:
+    """The proposer ``config`` asks for: its ``speculative_method``, where a draft
+    model's checkpoint whose architecture has a proposer of its own (a drafter that
+    reads its target, such as Gemma 4's assistant) is served by that proposer."""
+    method = config.speculative_method
+    if method == "draft" and config.speculative_model is not None:
+        architecture = ModelConfig.from_dir(config.speculative_model).architecture
+        return ARCHITECTURES[architecture].proposer or method
+    if method == ASSISTANT and config.speculative_model is None:
+        raise ValueError(
+            f"speculative_method {ASSISTANT!r} needs speculative_model (the assistant's "
+            "checkpoint directory)"
+        )
+    return method
 
 
 def rank_runners(context: ProposerContext) -> list[Runner]:
     """The runners of the proposer's model that a rank other than 0 runs."""
-    method = context.config.speculative_method
+    method = method_of(context.config)
     if method not in RUNNERS or (
         method == "draft" and context.config.draft_tensor_parallel_size == 1
     ):
@@ -105,6 +130,6 @@ def check_method(method: str | None) -> None:
 
 
 def make_proposer(context: ProposerContext) -> Proposer | None:
-    method = context.config.speculative_method
-    check_method(method)
+    check_method(context.config.speculative_method)
+    method = method_of(context.config)
     return None if method is None else PROPOSERS[method](context)
