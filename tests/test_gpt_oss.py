@@ -21,10 +21,13 @@ from tests.helpers import greedy, token_ids
 from tests.test_reference_models import PROMPTS, assert_logits_match
 from tests.test_sliding_window import GRAPH_MODES, _run, assert_greedy_equals_generate
 from updraft import LLM
-from updraft.model_config import ModelConfig
+from updraft.kernels import ops
+from updraft.model_config import ModelConfig, MoEConfig
 from updraft.model_config.parts import RopeConfig
 from updraft.models import gpt_oss
+from updraft.models.moe import PackedExperts
 from updraft.models.rope import attention_factor, inverse_frequencies
+from updraft.weights import WeightFormat
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +129,70 @@ def test_clamped_swiglu_is_transformers_activation():
     ours = gpt_oss.clamped_swiglu(gate, up, config.swiglu_alpha, config.swiglu_limit)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
     assert (gate_up[:, ::2].abs() > config.swiglu_limit).any()  # the clamp bit
+
+
+# -- the experts through the grouped expert kernel ------------------------------------------
+
+EXPERTS = MoEConfig(
+    hidden_size=64,
+    moe_intermediate_size=40,
+    num_experts=4,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    n_shared_experts=0,
+    routed_scaling_factor=1.0,
+    norm_topk_prob=True,
+    swiglu_alpha=1.702,
+    swiglu_limit=2.0,
+)
+
+
+@pytest.fixture(scope="module")
+def float_experts():
+    torch.manual_seed(0)
+    experts = gpt_oss.GptOssExperts(EXPERTS).requires_grad_(False)
+    for param in experts.parameters():
+        param.copy_(torch.randn_like(param) * 0.3)
+    return experts
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_the_grouped_expert_kernel_computes_what_the_float_path_does(float_experts, tokens):
+    """Biases and the clamped SwiGLU in ``updraft::grouped_mlp``, every expert (one with
+    no rows) and a prefill's rows."""
+    packed = PackedExperts.packed(float_experts, WeightFormat("float32"))
+    x = torch.randn(tokens, EXPERTS.hidden_size)
+    weights = torch.rand(tokens, 2)
+    chosen = torch.stack([torch.randperm(3)[:2] for _ in range(tokens)])  # expert 3 idle
+    expected = float_experts(x, weights, chosen)
+    torch.testing.assert_close(packed(x, weights, chosen), expected, atol=1e-5, rtol=1e-5)
+
+
+@torch.inference_mode()
+def test_the_expert_kernel_built_for_narrower_instructions_computes_the_same(float_experts):
+    packed = PackedExperts.packed(float_experts, WeightFormat("float32"))
+    x = torch.randn(12, EXPERTS.hidden_size) * 3
+    offsets = torch.tensor([0, 5, 5, 9, 12])
+    args = (
+        x,
+        offsets,
+        packed.gate_up_codes,
+        None,
+        None,
+        packed.down_codes,
+        None,
+        None,
+        packed.code,
+        *packed.groups,
+        packed.inter,
+        packed.gate_up_bias,
+        packed.down_bias,
+        *packed.swiglu,
+    )
+    native = ops.grouped_mlp(*args)
+    torch.testing.assert_close(ops.grouped_mlp(*args, march="x86-64"), native)
 
 
 # -- against transformers ------------------------------------------------------------------

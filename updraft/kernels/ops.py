@@ -53,6 +53,7 @@ def _linear_library(march: str = "native") -> ctypes.CDLL:
         + [POINTER, POINTER, POINTER, INT] * 2
         + [POINTER] * 3
         + [INT] * 4
+        + [POINTER, POINTER, ctypes.c_float, ctypes.c_float]
         + [ctypes.c_int]
     )
     return lib
@@ -205,10 +206,18 @@ def grouped_mlp(
     gate_up_group: int,
     down_group: int,
     inter: int,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    swiglu_alpha: float = 0.0,
+    swiglu_limit: float = 0.0,
+    march: str = "native",
 ) -> torch.Tensor:
     """Rows of x [R, H] grouped by expert (rows [offsets[e], offsets[e+1]) to expert e)
     through each expert's SiLU MLP, whose gate_up [2I, H] and down [H, I] weights are in
-    panels of format ``fmt``, stacked over experts -> [R, H]."""
+    panels of format ``fmt``, stacked over experts -> [R, H]. gpt-oss's experts: biases
+    gate_up_bias [E, 2I] and down_bias [E, H], and with ``swiglu_limit`` above 0 the
+    clamped SwiGLU (``models/gpt_oss.py``'s ``clamped_swiglu``) in place of SiLU.
+    ``march``: the kernel built for other instructions than the machine's (tests)."""
     op = "grouped_mlp"
     check(x.dtype == torch.float32 and x.device.type == "cpu", op, "float32 x on the CPU")
     experts, hidden = gate_up.shape[0], x.shape[1]
@@ -222,12 +231,21 @@ def grouped_mlp(
         (down, down_scales, down_zeros, down_group, hidden, inter),
     ):
         _check_expert_panels(op, codes, scales, zeros, fmt, group, n, k, (experts, hidden, inter))
+    for bias, shape in ((gate_up_bias, (experts, 2 * inter)), (down_bias, (experts, hidden))):
+        check(
+            bias is None or (bias.dtype == torch.float32 and bias.shape == shape),
+            op,
+            f"float32 biases gate_up [E, 2I] and down [E, H], E={experts}, H={hidden}, I={inter}",
+        )
+    gate_up_bias, down_bias = (
+        b if b is None else b.contiguous() for b in (gate_up_bias, down_bias)
+    )
     x = x.contiguous()
     rows = x.shape[0]
     gate_up_out = torch.empty(rows, 2 * inter, dtype=torch.float32)
     h = torch.empty(rows, inter, dtype=torch.float32)
     out = torch.zeros_like(x)
-    _linear_library().grouped_mlp(
+    _linear_library(march).grouped_mlp(
         x.data_ptr(),
         offsets.contiguous().data_ptr(),
         fmt,
@@ -246,6 +264,10 @@ def grouped_mlp(
         experts,
         hidden,
         inter,
+        pointer(gate_up_bias),
+        pointer(down_bias),
+        swiglu_alpha,
+        swiglu_limit,
         torch.get_num_threads(),
     )
     return out
@@ -289,7 +311,8 @@ define_op(
 define_op(
     "grouped_mlp(Tensor x, Tensor offsets, Tensor gate_up, Tensor? gate_up_scales, "
     "Tensor? gate_up_zeros, Tensor down, Tensor? down_scales, Tensor? down_zeros, int fmt, "
-    "int gate_up_group, int down_group, int inter) -> Tensor",
+    "int gate_up_group, int down_group, int inter, Tensor? gate_up_bias=None, "
+    "Tensor? down_bias=None, float swiglu_alpha=0.0, float swiglu_limit=0.0) -> Tensor",
     grouped_mlp,
     lambda x, *rest: torch.empty_like(x),
 )

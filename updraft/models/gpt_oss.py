@@ -58,7 +58,8 @@ class GptOssRouter(nn.Module):
 class GptOssExperts(RoutedExperts):
     """The routed experts in float: each (token, expert) row through its expert's
     weights, gathered per row (no shape depends on the routing, so a graph holds it; it
-    copies each row's weights, so it is the correct path, not the fast one)."""
+    copies each row's weights, so it is the correct path, not the fast one). On the CPU
+    a loaded model's are packed, biases and activation with them (``PackedExperts``)."""
 
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
