@@ -11,10 +11,12 @@ it, and the mistakes each piece guards against failing the parity test."""
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 from tests.checkpoints import GPT_OSS, build_checkpoint
 from tests.helpers import greedy, token_ids
@@ -129,6 +131,16 @@ def test_clamped_swiglu_is_transformers_activation():
     ours = gpt_oss.clamped_swiglu(gate, up, config.swiglu_alpha, config.swiglu_limit)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
     assert (gate_up[:, ::2].abs() > config.swiglu_limit).any()  # the clamp bit
+
+
+def test_experts_stored_in_another_layout_are_refused_by_name(checkpoint, tmp_path):
+    tensors = load_file(checkpoint / "model.safetensors")
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    tensors[name] = tensors[name][0]  # one expert's, not the stack
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy(checkpoint / "config.json", tmp_path / "config.json")
+    with pytest.raises(ValueError, match="gate_up_proj must be 3-D"):
+        LLM(tmp_path, block_size=4)
 
 
 # -- the experts through the grouped expert kernel ------------------------------------------

@@ -75,6 +75,12 @@ class GptOssExperts(RoutedExperts):
     @staticmethod
     def from_checkpoint(name: str, tensor: torch.Tensor) -> torch.Tensor:
         """transformers' tensor for the parameter ``name`` in the layout kept here."""
+        dims = 3 if name.endswith("proj") else 2
+        if tensor.dim() != dims or (name.startswith("gate_up") and tensor.shape[-1] % 2):
+            raise ValueError(
+                f"gpt-oss experts' {name} must be {dims}-D ([experts, ...]), with gate and "
+                f"up columns in pairs for gate_up, got shape {tuple(tensor.shape)}"
+            )
         if name in ("gate_up_proj", "gate_up_bias"):  # gate, up columns interleaved
             tensor = torch.cat([tensor[..., ::2], tensor[..., 1::2]], dim=-1)
         if name in ("gate_up_proj", "down_proj"):  # stored [E, in, out]
