@@ -28,6 +28,8 @@ from updraft.kernels.launch import (
 PANEL = 16  # output rows per panel (``PANEL`` in linear.c)
 INT4 = 4
 QUANTIZED_FORMATS = (3, INT4)
+# The gate activations ``grouped_mlp`` applies, by index.
+EXPERT_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "clamped_swiglu")
 # The element type of each format's codes (``enum format`` in linear.c).
 CODE_DTYPES = {
     0: torch.float32,
@@ -53,8 +55,8 @@ def _linear_library(march: str = "native") -> ctypes.CDLL:
         + [POINTER, POINTER, POINTER, INT] * 2
         + [POINTER] * 3
         + [INT] * 4
+        + [ctypes.c_int] * 2
         + [POINTER, POINTER, ctypes.c_float, ctypes.c_float]
-        + [ctypes.c_int]
     )
     return lib
 
@@ -206,6 +208,7 @@ def grouped_mlp(
     gate_up_group: int,
     down_group: int,
     inter: int,
+    activation: int = 0,
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
     swiglu_alpha: float = 0.0,
@@ -213,11 +216,11 @@ def grouped_mlp(
     march: str = "native",
 ) -> torch.Tensor:
     """Rows of x [R, H] grouped by expert (rows [offsets[e], offsets[e+1]) to expert e)
-    through each expert's SiLU MLP, whose gate_up [2I, H] and down [H, I] weights are in
-    panels of format ``fmt``, stacked over experts -> [R, H]. gpt-oss's experts: biases
-    gate_up_bias [E, 2I] and down_bias [E, H], and with ``swiglu_limit`` above 0 the
-    clamped SwiGLU (``models/gpt_oss.py``'s ``clamped_swiglu``) in place of SiLU.
-    ``march``: the kernel built for other instructions than the machine's (tests)."""
+    through each expert's gated MLP, whose gate_up [2I, H] and down [H, I] weights are in
+    panels of format ``fmt``, stacked over experts -> [R, H]. ``activation``: the gate's,
+    an index of ``EXPERT_ACTIVATIONS`` (gpt-oss's clamped SwiGLU with ``swiglu_alpha``
+    and ``swiglu_limit``); gpt-oss's experts' biases gate_up_bias [E, 2I] and down_bias
+    [E, H]. ``march``: the build to run (tests of the narrower ones)."""
     op = "grouped_mlp"
     check(x.dtype == torch.float32 and x.device.type == "cpu", op, "float32 x on the CPU")
     experts, hidden = gate_up.shape[0], x.shape[1]
@@ -264,11 +267,12 @@ def grouped_mlp(
         experts,
         hidden,
         inter,
+        torch.get_num_threads(),
+        activation,
         pointer(gate_up_bias),
         pointer(down_bias),
         swiglu_alpha,
         swiglu_limit,
-        torch.get_num_threads(),
     )
     return out
 
@@ -311,8 +315,9 @@ define_op(
 define_op(
     "grouped_mlp(Tensor x, Tensor offsets, Tensor gate_up, Tensor? gate_up_scales, "
     "Tensor? gate_up_zeros, Tensor down, Tensor? down_scales, Tensor? down_zeros, int fmt, "
-    "int gate_up_group, int down_group, int inter, Tensor? gate_up_bias=None, "
-    "Tensor? down_bias=None, float swiglu_alpha=0.0, float swiglu_limit=0.0) -> Tensor",
+    "int gate_up_group, int down_group, int inter, int activation=0, "
+    "Tensor? gate_up_bias=None, Tensor? down_bias=None, float swiglu_alpha=0.0, "
+    "float swiglu_limit=0.0) -> Tensor",
     grouped_mlp,
     lambda x, *rest: torch.empty_like(x),
 )

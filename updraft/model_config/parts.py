@@ -9,7 +9,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    kind: str = "default"  # default | linear | llama3 | yarn | longrope
+    kind: str = "default"  # default | linear | llama3 | yarn | longrope | proportional
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -30,6 +30,9 @@ class RopeConfig:
     # hold Llama 3.1's scaling): each inverse frequency is divided by its factor before
     # the kind's own scaling, as llama.cpp's RoPE does.
     frequency_factors: tuple[float, ...] | None = None
+    # Proportional RoPE (Gemma 4's full layers): only the first ``proportion`` of the
+    # head's frequencies turn, at the exponents of the whole head; the rest stay still.
+    proportion: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class MoEConfig:
     # gpt-oss's experts: the clamped SwiGLU's sigmoid gain and clamp (None: plain SiLU).
     swiglu_alpha: float | None = None
     swiglu_limit: float | None = None
+    activation: str = "silu"  # the experts' gate: silu | gelu_pytorch_tanh (Gemma 4)
 
     @property
     def shared_size(self) -> int:

@@ -65,12 +65,18 @@ class GptOssExperts(RoutedExperts):
         super().__init__()
         self.num_experts = experts = config.num_experts
         size, hidden = config.moe_intermediate_size, config.hidden_size
+        self.activation = "clamped_swiglu"  # as ``PackedExperts`` names it
         self.alpha = config.swiglu_alpha
         self.limit = config.swiglu_limit
         self.gate_up_proj = nn.Parameter(torch.zeros(experts, 2 * size, hidden))
         self.gate_up_bias = nn.Parameter(torch.zeros(experts, 2 * size))
         self.down_proj = nn.Parameter(torch.zeros(experts, hidden, size))
         self.down_bias = nn.Parameter(torch.zeros(experts, hidden))
+
+    @property
+    def swiglu(self) -> tuple[float, float]:
+        """The clamped SwiGLU's (alpha, limit)."""
+        return self.alpha, self.limit
 
     @staticmethod
     def from_checkpoint(name: str, tensor: torch.Tensor) -> torch.Tensor:

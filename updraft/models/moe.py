@@ -25,9 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from updraft.kernels.ops import EXPERT_ACTIVATIONS
 from updraft.kernels.panels import Panels, pack_stacked
 from updraft.model_config import MoEConfig
-from updraft.models.layers import MLP
+from updraft.models.layers import ACTIVATIONS, MLP
 from updraft.weights import WeightFormat
 
 
@@ -107,6 +108,7 @@ class Experts(RoutedExperts):
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
         self.num_experts = config.num_experts
+        self.activation = config.activation
         size, hidden = config.moe_intermediate_size, config.hidden_size
         self.gate_up_proj = nn.Parameter(torch.zeros(config.num_experts, 2 * size, hidden))
         self.down_proj = nn.Parameter(torch.zeros(config.num_experts, hidden, size))
@@ -121,7 +123,7 @@ class Experts(RoutedExperts):
         gate, up = torch.bmm(self.gate_up_proj.index_select(0, experts), rows[:, :, None]).chunk(
             2, dim=1
         )
-        hidden = F.silu(gate) * up
+        hidden = ACTIVATIONS[self.activation](gate) * up
         return torch.bmm(self.down_proj.index_select(0, experts), hidden)[:, :, 0]
 
 
@@ -136,17 +138,20 @@ class PackedExperts(RoutedExperts):
         gate_up: Panels,
         down: Panels,
         fmt: WeightFormat,
+        activation: str = "silu",
         biases: tuple[torch.Tensor, torch.Tensor] | None = None,
         swiglu: tuple[float, float] | None = None,
     ) -> None:
         """Over stacked panels already made: gate_up [E, 2I, H] and down [E, H, I];
-        ``biases`` [E, 2I] and [E, H] where the experts have them."""
+        ``biases`` [E, 2I] and [E, H] and the clamped SwiGLU's (alpha, limit) where the
+        experts have them (gpt-oss's)."""
         super().__init__()
         self.num_experts = gate_up.codes.shape[0]
+        self.activation = EXPERT_ACTIVATIONS.index(activation)
         self.format = fmt
         self.inter = down.in_features
         self.code, self.groups = gate_up.code, (gate_up.group, down.group)
-        self.swiglu = swiglu or (0.0, 0.0)  # a limit of 0: SiLU
+        self.swiglu = swiglu or (0.0, 0.0)  # (alpha, limit): the clamped SwiGLU's only
         for prefix, panels in (("gate_up", gate_up), ("down", down)):
             for name in ("codes", "scales", "zeros"):
                 self.register_buffer(f"{prefix}_{name}", getattr(panels, name), persistent=False)
@@ -161,9 +166,9 @@ class PackedExperts(RoutedExperts):
         gate_up = pack_stacked(experts.gate_up_proj.detach(), fmt)
         down = pack_stacked(experts.down_proj.detach(), fmt)
         if getattr(experts, "gate_up_bias", None) is None:
-            return cls(gate_up, down, fmt)
+            return cls(gate_up, down, fmt, experts.activation)
         biases = (experts.gate_up_bias.detach().float(), experts.down_bias.detach().float())
-        return cls(gate_up, down, fmt, biases, (experts.alpha, experts.limit))
+        return cls(gate_up, down, fmt, experts.activation, biases, experts.swiglu)
 
     def _grouped(
         self, rows: torch.Tensor, chosen: torch.Tensor, order: torch.Tensor
@@ -180,6 +185,7 @@ class PackedExperts(RoutedExperts):
             self.code,
             *self.groups,
             self.inter,
+            self.activation,
             self.gate_up_bias,
             self.down_bias,
             *self.swiglu,
