@@ -11,20 +11,27 @@ it, and the mistakes each piece guards against failing the parity test."""
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 from tests.checkpoints import GPT_OSS, build_checkpoint
 from tests.helpers import greedy, token_ids
+from tests.probes import logits_of, probed, records
 from tests.test_reference_models import PROMPTS, assert_logits_match
 from tests.test_sliding_window import GRAPH_MODES, _run, assert_greedy_equals_generate
+from tests.test_weight_formats import cpu_flags
 from updraft import LLM
-from updraft.model_config import ModelConfig
+from updraft.kernels import ops
+from updraft.model_config import ModelConfig, MoEConfig
 from updraft.model_config.parts import RopeConfig
 from updraft.models import gpt_oss
+from updraft.models.moe import PackedExperts
 from updraft.models.rope import attention_factor, inverse_frequencies
+from updraft.weights import WeightFormat
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +135,84 @@ def test_clamped_swiglu_is_transformers_activation():
     assert (gate_up[:, ::2].abs() > config.swiglu_limit).any()  # the clamp bit
 
 
+def test_experts_stored_in_another_layout_are_refused_by_name(checkpoint, tmp_path):
+    tensors = load_file(checkpoint / "model.safetensors")
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    tensors[name] = tensors[name][0]  # one expert's, not the stack
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy(checkpoint / "config.json", tmp_path / "config.json")
+    with pytest.raises(ValueError, match="gate_up_proj must be 3-D"):
+        LLM(tmp_path, block_size=4)
+
+
+# -- the experts through the grouped expert kernel ------------------------------------------
+
+EXPERTS = MoEConfig(
+    hidden_size=64,
+    moe_intermediate_size=40,
+    num_experts=4,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    n_shared_experts=0,
+    routed_scaling_factor=1.0,
+    norm_topk_prob=True,
+    swiglu_alpha=1.702,
+    swiglu_limit=2.0,
+)
+
+
+@pytest.fixture(scope="module")
+def float_experts():
+    torch.manual_seed(0)
+    experts = gpt_oss.GptOssExperts(EXPERTS).requires_grad_(False)
+    for param in experts.parameters():
+        param.copy_(torch.randn_like(param) * 0.3)
+    return experts
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_the_grouped_expert_kernel_computes_what_the_float_path_does(float_experts, tokens):
+    """Biases and the clamped SwiGLU in ``updraft::grouped_mlp``, every expert (one with
+    no rows) and a prefill's rows."""
+    packed = PackedExperts.packed(float_experts, WeightFormat("float32"))
+    x = torch.randn(tokens, EXPERTS.hidden_size)
+    weights = torch.rand(tokens, 2)
+    chosen = torch.stack([torch.randperm(3)[:2] for _ in range(tokens)])  # expert 3 idle
+    expected = float_experts(x, weights, chosen)
+    torch.testing.assert_close(packed(x, weights, chosen), expected, atol=1e-5, rtol=1e-5)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("march", ["haswell", "x86-64"])
+def test_the_expert_kernel_built_for_narrower_instructions_computes_the_same(float_experts, march):
+    if march == "haswell" and not {"avx2", "fma", "f16c", "bmi2"} <= cpu_flags():
+        pytest.skip("this CPU cannot run AVX2 code")
+    packed = PackedExperts.packed(float_experts, WeightFormat("float32"))
+    x = torch.randn(12, EXPERTS.hidden_size) * 3
+    offsets = torch.tensor([0, 5, 5, 9, 12])
+    args = (
+        x,
+        offsets,
+        packed.gate_up_codes,
+        None,
+        None,
+        packed.down_codes,
+        None,
+        None,
+        packed.code,
+        *packed.groups,
+        packed.inter,
+        packed.activation,
+        packed.gate_up_bias,
+        packed.down_bias,
+        *packed.swiglu,
+    )
+    native = ops.grouped_mlp(*args)
+    torch.testing.assert_close(ops.grouped_mlp(*args, march=march), native)
+
+
 # -- against transformers ------------------------------------------------------------------
 
 
@@ -142,16 +227,21 @@ def test_greedy_equals_generate_eager_and_with_full_and_piecewise_graphs(checkpo
 
 def test_a_bfloat16_checkpoint_loads(tmp_path):
     """Kept in bfloat16 and computed in float32 it is transformers' float32 forward of
-    the same weights; computed in bfloat16 it runs, near that."""
+    the same weights; computed in bfloat16 (the experts' float path) it is near
+    transformers' bfloat16 forward."""
     directory = build_checkpoint("gpt-oss", tmp_path, dtype=torch.bfloat16)
     assert ModelConfig.from_dir(directory).checkpoint_dtype == "bfloat16"
     assert_logits_match(directory)
-    prompts, params = PROMPTS[:3], greedy(4)
-    wide = token_ids(LLM(directory, block_size=4, enforce_eager=True).generate(prompts, params))
-    narrow = LLM(directory, dtype="bfloat16", block_size=4, enforce_eager=True)
-    narrow_tokens = token_ids(narrow.generate(prompts, params))
-    agree = sum(a[0] == b[0] for a, b in zip(narrow_tokens, wide, strict=True))
-    assert agree >= 2  # bfloat16's rounding may flip a near tie, not every prompt
+    prompt = PROMPTS[2]
+    llm = probed(directory, dtype="bfloat16", block_size=4, enforce_eager=True)
+    (output,) = llm.generate([prompt], greedy(6))
+    got = logits_of(records(llm), output)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
+    sequence = prompt + output.outputs[0].token_ids
+    with torch.no_grad():
+        expected = reference(torch.tensor([sequence])).logits[0].float()
+    expected = expected[len(prompt) - 1 : len(sequence) - 1]
+    assert (got - expected).abs().max() < 0.05 * expected.abs().max()  # bfloat16's rounding
 
 
 # -- split over ranks ----------------------------------------------------------------------

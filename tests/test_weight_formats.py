@@ -393,7 +393,8 @@ def test_grouped_experts_take_the_gates_activation_in_every_build(march):
     ]
     groups = (gate_up_panels.code, gate_up_panels.group, down_panels.group, inter)
     offsets = F.pad(counts.cumsum(0), (1, 0))
-    for index, name in enumerate(ops.EXPERT_ACTIVATIONS):
+    for name in ("silu", "gelu_pytorch_tanh"):  # gpt-oss's clamped SwiGLU: test_gpt_oss
+        index = ops.EXPERT_ACTIVATIONS.index(name)
         got = ops.grouped_mlp(x, offsets, *weights, *groups, index, march=march)
         expected, first = [], 0
         for expert, count in enumerate(counts.tolist()):

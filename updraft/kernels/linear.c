@@ -373,9 +373,39 @@ static int64_t clamp(int64_t value, int64_t low, int64_t high) {
     return value < low ? low : (value > high ? high : value);
 }
 
+/* One row's activation from its gate and up halves [2 * inter] into h [inter]:
+   ``activation`` 0: silu(gate) * up; 1: GELU with the tanh approximation (Gemma's) times
+   up; 2: gpt-oss's clamped SwiGLU: the gate clamped above at ``limit``, the up to
+   [-limit, limit], then gate * sigmoid(alpha * gate) * (up + 1). */
+static void activate(const float *gate, float *h, int64_t inter, int activation, float alpha,
+                     float limit) {
+    const float *up = gate + inter;
+    if (activation == 1) {
+        /* 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), as torch's gelu "tanh" */
+        for (int64_t j = 0; j < inter; j++) {
+            const float g = gate[j];
+            const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+            h[j] = 0.5f * g * (1.0f + tanhf(inner)) * up[j];
+        }
+        return;
+    }
+    if (activation == 2) {
+#pragma omp simd
+        for (int64_t j = 0; j < inter; j++) {
+            const float g = fminf(gate[j], limit), u = fminf(fmaxf(up[j], -limit), limit);
+            h[j] = g / (1.0f + expf(-alpha * g)) * (u + 1.0f);
+        }
+        return;
+    }
+#pragma omp simd
+    for (int64_t j = 0; j < inter; j++) h[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
+}
+
 /* Routed experts over rows already grouped by expert: rows [offsets[e], offsets[e + 1])
    of x [rows, hidden] go to expert e, h = act(x W_gate^T) * (x W_up^T), out = h W_down^T,
-   act SiLU (``activation`` 0) or GELU with the tanh approximation (1, Gemma's).
+   act ``activate``'s of ``activation`` (with gpt-oss's ``alpha`` and ``limit``), and
+   ``gate_up_bias`` [experts, 2 * inter] and ``down_bias`` [experts, hidden] added where
+   not NULL.
    Expert e's gate_up [2 * inter, hidden] (gate rows, then up rows) and down [hidden,
    inter] are in panels of ``format``, experts one after another (``*_scales`` and
    ``*_zeros`` likewise, per expert). Each chosen expert's weights are streamed once,
@@ -386,7 +416,8 @@ void grouped_mlp(const float *x, const int64_t *offsets, int format, const void 
                  const float *gate_up_scales, const float *gate_up_zeros, int64_t gate_up_group,
                  const void *down, const float *down_scales, const float *down_zeros,
                  int64_t down_group, float *gate_up_out, float *h, float *out, int64_t rows,
-                 int64_t experts, int64_t hidden, int64_t inter, int threads, int activation) {
+                 int64_t experts, int64_t hidden, int64_t inter, int threads, int activation,
+                 const float *gate_up_bias, const float *down_bias, float alpha, float limit) {
     const int64_t bytes = step_bytes(format);
     const int64_t gate_up_panels = (2 * inter + PANEL - 1) / PANEL;
     const int64_t down_panels = (hidden + PANEL - 1) / PANEL;
@@ -403,27 +434,16 @@ void grouped_mlp(const float *x, const int64_t *offsets, int format, const void 
         const int64_t down_q = e * down_panels * down_groups * PANEL;
         panel_linear(x + first * hidden, (const char *)gate_up + e * gate_up_bytes, format,
                      gate_up_scales ? gate_up_scales + gu_q : NULL,
-                     gate_up_zeros ? gate_up_zeros + gu_q : NULL, gate_up_group, NULL,
+                     gate_up_zeros ? gate_up_zeros + gu_q : NULL, gate_up_group,
+                     gate_up_bias ? gate_up_bias + e * 2 * inter : NULL,
                      gate_up_out + first * 2 * inter, 2 * inter, count, 2 * inter, hidden,
                      threads);
-        for (int64_t r = first; r < last; r++) {
-            const float *gate = gate_up_out + r * 2 * inter, *up = gate + inter;
-            if (activation == 1) {
-                /* 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), as torch's gelu "tanh" */
-                for (int64_t j = 0; j < inter; j++) {
-                    const float g = gate[j];
-                    const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-                    h[r * inter + j] = 0.5f * g * (1.0f + tanhf(inner)) * up[j];
-                }
-                continue;
-            }
-#pragma omp simd
-            for (int64_t j = 0; j < inter; j++)
-                h[r * inter + j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
-        }
+        for (int64_t r = first; r < last; r++)
+            activate(gate_up_out + r * 2 * inter, h + r * inter, inter, activation, alpha, limit);
         panel_linear(h + first * inter, (const char *)down + e * down_bytes, format,
                      down_scales ? down_scales + down_q : NULL,
-                     down_zeros ? down_zeros + down_q : NULL, down_group, NULL,
+                     down_zeros ? down_zeros + down_q : NULL, down_group,
+                     down_bias ? down_bias + e * hidden : NULL,
                      out + first * hidden, hidden, count, hidden, inter, threads);
     }
 }

@@ -29,7 +29,7 @@ PANEL = 16  # output rows per panel (``PANEL`` in linear.c)
 INT4 = 4
 QUANTIZED_FORMATS = (3, INT4)
 # The gate activations ``grouped_mlp`` applies, by index.
-EXPERT_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+EXPERT_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "clamped_swiglu")
 # The element type of each format's codes (``enum format`` in linear.c).
 CODE_DTYPES = {
     0: torch.float32,
@@ -56,6 +56,7 @@ def _linear_library(march: str = "native") -> ctypes.CDLL:
         + [POINTER] * 3
         + [INT] * 4
         + [ctypes.c_int] * 2
+        + [POINTER, POINTER, ctypes.c_float, ctypes.c_float]
     )
     return lib
 
@@ -208,13 +209,18 @@ def grouped_mlp(
     down_group: int,
     inter: int,
     activation: int = 0,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    swiglu_alpha: float = 0.0,
+    swiglu_limit: float = 0.0,
     march: str = "native",
 ) -> torch.Tensor:
     """Rows of x [R, H] grouped by expert (rows [offsets[e], offsets[e+1]) to expert e)
     through each expert's gated MLP, whose gate_up [2I, H] and down [H, I] weights are in
     panels of format ``fmt``, stacked over experts -> [R, H]. ``activation``: the gate's,
-    an index of ``EXPERT_ACTIVATIONS``. ``march``: the build to run (tests of the
-    narrower ones)."""
+    an index of ``EXPERT_ACTIVATIONS`` (gpt-oss's clamped SwiGLU with ``swiglu_alpha``
+    and ``swiglu_limit``); gpt-oss's experts' biases gate_up_bias [E, 2I] and down_bias
+    [E, H]. ``march``: the build to run (tests of the narrower ones)."""
     op = "grouped_mlp"
     check(x.dtype == torch.float32 and x.device.type == "cpu", op, "float32 x on the CPU")
     experts, hidden = gate_up.shape[0], x.shape[1]
@@ -228,6 +234,15 @@ def grouped_mlp(
         (down, down_scales, down_zeros, down_group, hidden, inter),
     ):
         _check_expert_panels(op, codes, scales, zeros, fmt, group, n, k, (experts, hidden, inter))
+    for bias, shape in ((gate_up_bias, (experts, 2 * inter)), (down_bias, (experts, hidden))):
+        check(
+            bias is None or (bias.dtype == torch.float32 and bias.shape == shape),
+            op,
+            f"float32 biases gate_up [E, 2I] and down [E, H], E={experts}, H={hidden}, I={inter}",
+        )
+    gate_up_bias, down_bias = (
+        b if b is None else b.contiguous() for b in (gate_up_bias, down_bias)
+    )
     x = x.contiguous()
     rows = x.shape[0]
     gate_up_out = torch.empty(rows, 2 * inter, dtype=torch.float32)
@@ -254,6 +269,10 @@ def grouped_mlp(
         inter,
         torch.get_num_threads(),
         activation,
+        pointer(gate_up_bias),
+        pointer(down_bias),
+        swiglu_alpha,
+        swiglu_limit,
     )
     return out
 
@@ -296,7 +315,9 @@ define_op(
 define_op(
     "grouped_mlp(Tensor x, Tensor offsets, Tensor gate_up, Tensor? gate_up_scales, "
     "Tensor? gate_up_zeros, Tensor down, Tensor? down_scales, Tensor? down_zeros, int fmt, "
-    "int gate_up_group, int down_group, int inter, int activation=0) -> Tensor",
+    "int gate_up_group, int down_group, int inter, int activation=0, "
+    "Tensor? gate_up_bias=None, Tensor? down_bias=None, float swiglu_alpha=0.0, "
+    "float swiglu_limit=0.0) -> Tensor",
     grouped_mlp,
     lambda x, *rest: torch.empty_like(x),
 )

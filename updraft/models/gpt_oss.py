@@ -58,12 +58,14 @@ class GptOssRouter(nn.Module):
 class GptOssExperts(RoutedExperts):
     """The routed experts in float: each (token, expert) row through its expert's
     weights, gathered per row (no shape depends on the routing, so a graph holds it; it
-    copies each row's weights, so it is the correct path, not the fast one)."""
+    copies each row's weights, so it is the correct path, not the fast one). On the CPU
+    a loaded model's are packed, biases and activation with them (``PackedExperts``)."""
 
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
         self.num_experts = experts = config.num_experts
         size, hidden = config.moe_intermediate_size, config.hidden_size
+        self.activation = "clamped_swiglu"  # as ``PackedExperts`` names it
         self.alpha = config.swiglu_alpha
         self.limit = config.swiglu_limit
         self.gate_up_proj = nn.Parameter(torch.zeros(experts, 2 * size, hidden))
@@ -71,9 +73,20 @@ class GptOssExperts(RoutedExperts):
         self.down_proj = nn.Parameter(torch.zeros(experts, hidden, size))
         self.down_bias = nn.Parameter(torch.zeros(experts, hidden))
 
+    @property
+    def swiglu(self) -> tuple[float, float]:
+        """The clamped SwiGLU's (alpha, limit)."""
+        return self.alpha, self.limit
+
     @staticmethod
     def from_checkpoint(name: str, tensor: torch.Tensor) -> torch.Tensor:
         """transformers' tensor for the parameter ``name`` in the layout kept here."""
+        dims = 3 if name.endswith("proj") else 2
+        if tensor.dim() != dims or (name.startswith("gate_up") and tensor.shape[-1] % 2):
+            raise ValueError(
+                f"gpt-oss experts' {name} must be {dims}-D ([experts, ...]), with gate and "
+                f"up columns in pairs for gate_up, got shape {tuple(tensor.shape)}"
+            )
         if name in ("gate_up_proj", "gate_up_bias"):  # gate, up columns interleaved
             tensor = torch.cat([tensor[..., ::2], tensor[..., 1::2]], dim=-1)
         if name in ("gate_up_proj", "down_proj"):  # stored [E, in, out]

@@ -130,28 +130,45 @@ class Experts(RoutedExperts):
 class PackedExperts(RoutedExperts):
     """``Experts`` on the CPU: every expert's weights in the panels of a weight format,
     through ``updraft::grouped_mlp``, which streams each chosen expert's weights once over
-    its rows (the work follows the tokens routed, not the number of experts)."""
+    its rows (the work follows the tokens routed, not the number of experts). gpt-oss's
+    experts also keep their biases and their clamped SwiGLU's (alpha, limit)."""
 
     def __init__(
-        self, gate_up: Panels, down: Panels, fmt: WeightFormat, activation: str = "silu"
+        self,
+        gate_up: Panels,
+        down: Panels,
+        fmt: WeightFormat,
+        activation: str = "silu",
+        biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+        swiglu: tuple[float, float] | None = None,
     ) -> None:
-        """Over stacked panels already made: gate_up [E, 2I, H] and down [E, H, I]."""
+        """Over stacked panels already made: gate_up [E, 2I, H] and down [E, H, I];
+        ``biases`` [E, 2I] and [E, H] and the clamped SwiGLU's (alpha, limit) where the
+        experts have them (gpt-oss's)."""
         super().__init__()
         self.num_experts = gate_up.codes.shape[0]
         self.activation = EXPERT_ACTIVATIONS.index(activation)
         self.format = fmt
         self.inter = down.in_features
         self.code, self.groups = gate_up.code, (gate_up.group, down.group)
+        self.swiglu = swiglu or (0.0, 0.0)  # (alpha, limit): the clamped SwiGLU's only
         for prefix, panels in (("gate_up", gate_up), ("down", down)):
             for name in ("codes", "scales", "zeros"):
                 self.register_buffer(f"{prefix}_{name}", getattr(panels, name), persistent=False)
+        gate_up_bias, down_bias = biases or (None, None)
+        self.register_buffer("gate_up_bias", gate_up_bias, persistent=False)
+        self.register_buffer("down_bias", down_bias, persistent=False)
 
     @classmethod
-    def packed(cls, experts: Experts, fmt: WeightFormat) -> PackedExperts:
-        """``experts``' float weights packed into ``fmt``'s panels."""
+    def packed(cls, experts: RoutedExperts, fmt: WeightFormat) -> PackedExperts:
+        """``experts``' float weights (``Experts``', or gpt-oss's with biases and a
+        clamped SwiGLU) packed into ``fmt``'s panels."""
         gate_up = pack_stacked(experts.gate_up_proj.detach(), fmt)
         down = pack_stacked(experts.down_proj.detach(), fmt)
-        return cls(gate_up, down, fmt, experts.activation)
+        if getattr(experts, "gate_up_bias", None) is None:
+            return cls(gate_up, down, fmt, experts.activation)
+        biases = (experts.gate_up_bias.detach().float(), experts.down_bias.detach().float())
+        return cls(gate_up, down, fmt, experts.activation, biases, experts.swiglu)
 
     def _grouped(
         self, rows: torch.Tensor, chosen: torch.Tensor, order: torch.Tensor
@@ -169,6 +186,9 @@ class PackedExperts(RoutedExperts):
             *self.groups,
             self.inter,
             self.activation,
+            self.gate_up_bias,
+            self.down_bias,
+            *self.swiglu,
         )
 
     def extra_repr(self) -> str:

@@ -6,10 +6,10 @@ A model is built on the meta device and filled in the dtype its weights arrive i
 through float32). After each decoder layer fills, ``pack_model`` (through ``Packer``)
 puts what is filled into the form it runs in for float32 compute: every linear layer
 and the routed experts are packed into the weight format (``PackedLinear``,
-``PackedExperts``), the embedding table stays as loaded and widens the rows it looks
-up, and every other parameter (norms, biases, the router, DeepSeek's absorbed
-``kv_b_proj``, which is read as a matrix inside attention rather than called as a
-layer) becomes float32.
+``PackedExperts``, gpt-oss's with their biases), the embedding table stays as loaded
+and widens the rows it looks up, and every other parameter (norms, biases, the router,
+DeepSeek's absorbed ``kv_b_proj``, which is read as a matrix inside attention rather
+than called as a layer) becomes float32.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from updraft.model_config import ModelConfig
+from updraft.models.gpt_oss import GptOssExperts
 from updraft.models.moe import Experts, PackedExperts
 from updraft.models.packed_linear import can_pack, few_rows_for, pack_linears
 from updraft.models.tensor_parallel import VocabParallelEmbedding
@@ -66,7 +67,7 @@ def pack_model(
         if isinstance(module, WidenedEmbedding):
             continue  # its table stays as it is
         for name, child in list(module.named_children()):
-            if isinstance(child, Experts) and _loaded(child):
+            if isinstance(child, Experts | GptOssExperts) and _loaded(child):
                 setattr(module, name, PackedExperts.packed(child, fmt))
             elif isinstance(child, EMBEDDINGS) and _loaded(child) and child.weight.dtype != compute:
                 setattr(module, name, WidenedEmbedding(child, compute))
