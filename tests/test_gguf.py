@@ -60,6 +60,10 @@ def random_blocks(
     about ``scale``."""
     values, size = BLOCKS[BLOCK_TYPES[kind]]
     blocks = rng.integers(0, 256, size=(rows, k // values, size), dtype=np.uint8)
+    if kind == "MXFP4":  # a power-of-two scale byte, 2^(e - 127), around ``scale``
+        exponent = 127 + round(np.log2(scale))
+        blocks[..., 0] = rng.integers(exponent - 4, exponent + 3, size=(rows, k // values))
+        return blocks.reshape(rows, -1)
     start, count = SCALE_BYTES[kind]
     scales = rng.normal(0, scale, size=(rows, k // values, count)).astype(np.float16)
     blocks[..., start : start + 2 * count] = scales.view(np.uint8)

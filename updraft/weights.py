@@ -53,13 +53,15 @@ class WeightFormat:
         return f"{self.name}{group}{', zero points' if self.zero_point else ''}"
 
 
-PREQUANTIZED_METHODS = ("awq", "gptq", "compressed-tensors")
+PREQUANTIZED_METHODS = ("awq", "gptq", "compressed-tensors", "mxfp4")
 PREQUANTIZED_GROUP_SIZES = (32, 64, 128)
 # What each method's tensors of one linear are called (the first names the linear).
 PREQUANTIZED_TENSORS = {
     "awq": ("qweight", "qzeros", "scales"),
     "gptq": ("qweight", "qzeros", "scales", "g_idx"),
     "compressed-tensors": ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape"),
+    # experts only: ``{gate_up,down}_proj_blocks`` and ``_scales`` (models/mxfp4_experts.py)
+    "mxfp4": ("blocks", "scales"),
 }
 
 
@@ -93,6 +95,8 @@ class QuantizedCheckpoint:
             )
         if method == "compressed-tensors":
             return cls._compressed_tensors(raw)
+        if method == "mxfp4":  # FP4 codes, a power-of-two scale per 32: nothing to choose
+            return cls("mxfp4", 32, symmetric=True)
         bits = raw.get("bits", raw.get("w_bit"))
         if bits != 4:
             raise ValueError(f"quantization_config: {method} with {bits}-bit weights (4 is read)")

@@ -29,7 +29,7 @@ from updraft.model_config import registry
 # Tensor types read: the float ones as tensors, the rest in their blocks.
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # The block types read (``kernels/gguf_ops.py`` takes its list from here).
-BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")  # blocks of 32 values
+BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4")  # of 32 values
 BLOCK_TYPES += ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")  # blocks of 256
 SPLIT = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf")
 LINK = "gguf.json"

@@ -2,7 +2,7 @@
    for a few rows of x that widens each block in registers as it goes.
 
    A weight [N, K] of a block type is N rows of K / B blocks of ``block_bytes`` bytes,
-   B = 32 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL) or 256 (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+   B = 32 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4) or 256 (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
    IQ4_XS), exactly as in the file. Each block widens to B float32 values the way
    llama.cpp's reference does: every product of a scale and a code is exact in float32
    (a half's 11 significant bits times a sub-block scale and a code of at most 13 bits
@@ -11,7 +11,12 @@
    dequantization.
 
    Types are ggml's numbers: Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q2_K 10, Q3_K 11,
-   Q4_K 12, Q5_K 13, Q6_K 14, IQ4_NL 20, IQ4_XS 23. */
+   Q4_K 12, Q5_K 13, Q6_K 14, IQ4_NL 20, IQ4_XS 23, MXFP4 39.
+
+   MXFP4 (OCP microscaling FP4, gpt-oss's experts) is a power-of-two scale byte (E8M0)
+   and 32 FP4 (E2M1) codes: 4.25 bits a weight. As llama.cpp does, its codes stand for
+   twice their E2M1 values (integers, -12..12) and its scale for half of 2^(e - 127),
+   so each product is an integer times a power of two: exact, in any order. */
 
 #include <stdint.h>
 #include <string.h>
@@ -75,6 +80,7 @@ int64_t gguf_block_bytes(int type) {
     case 14: return 210; /* Q6_K: 128 bytes low 4 bits, 64 bytes high 2 bits, 16 scales, d */
     case 20: return 18;  /* IQ4_NL: d, 16 bytes of nibbles indexing IQ4_VALUES */
     case 23: return 136; /* IQ4_XS: d, 2 + 4 bytes of 6-bit scales, 128 bytes of nibbles */
+    case 39: return 17;  /* MXFP4: e8m0 scale, 16 bytes of nibbles indexing MXFP4_VALUES */
     default: return 0;
     }
 }
@@ -122,8 +128,23 @@ static int scale_iq4xs(int j, const uint8_t *b) {
 static const int8_t IQ4_VALUES[16] __attribute__((aligned(16))) = {
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
-/* widen_block's other half: a block of Q2_K, Q3_K, Q5_K, IQ4_XS (256 values) or IQ4_NL
-   (32) at b -> its values. Q2_K's and Q3_K's value 32s + l of each half of 128 has
+/* E2M1's 16 codes doubled (sign bit 3; 0, .5, 1, 1.5, 2, 3, 4, 6 times two), so that
+   they are int8, looked up as IQ4_VALUES are; MXFP4's scale is halved to match. */
+static const int8_t MXFP4_VALUES[16] __attribute__((aligned(16))) = {
+    0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* An MXFP4 block's scale byte e -> 2^(e - 128) (half its E8M0 value), built from the
+   bits: e = 0 and 1 are subnormal floats. Never rounded, so every product with a code
+   is exact. */
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* widen_block's other half: a block of Q2_K, Q3_K, Q5_K, IQ4_XS (256 values), IQ4_NL or
+   MXFP4 (32) at b -> its values. Q2_K's and Q3_K's value 32s + l of each half of 128 has
    bits 2s, 2s + 1 of the half's code byte l (and Q3_K's third bit is bit 4 half + s of
    byte l); Q5_K's value 32j + l has the low (j even) or high nibble of code byte
    32 (j / 2) + l, and bit j of fifth-bit byte l. */
@@ -173,6 +194,15 @@ static void widen_block_more(int type, const uint8_t *b, float *restrict y) {
         for (int j = 0; j < 16; j++) {
             y[j] = d * (float)IQ4_VALUES[q[j] & 0xF];
             y[j + 16] = d * (float)IQ4_VALUES[q[j] >> 4];
+        }
+        break;
+    }
+    case 39: { /* MXFP4: scale * table[q], low nibbles values 0..15, high ones 16..31 */
+        const float d = e8m0_half(b[0]);
+        const uint8_t *q = b + 1;
+        for (int j = 0; j < 16; j++) {
+            y[j] = d * (float)MXFP4_VALUES[q[j] & 0xF];
+            y[j + 16] = d * (float)MXFP4_VALUES[q[j] >> 4];
         }
         break;
     }
@@ -292,10 +322,10 @@ void gguf_dequantize(int type, const uint8_t *w, int64_t rows, int64_t k, int64_
 }
 
 #if defined(__AVX2__)
-/* 16 bytes' low and high nibbles (values 0..15 and 16..31 of an IQ4 run of 32) looked
-   up in IQ4_VALUES, as int8: one byte shuffle each. */
-static inline void iq4_lookup16(const uint8_t *p, __m128i *lo, __m128i *hi) {
-    const __m128i table = _mm_load_si128((const __m128i *)IQ4_VALUES);
+/* 16 bytes' low and high nibbles (values 0..15 and 16..31 of an IQ4 or MXFP4 run of
+   32) looked up in a table of 16 int8 values: one byte shuffle each. */
+static inline void lookup16(const int8_t *values, const uint8_t *p, __m128i *lo, __m128i *hi) {
+    const __m128i table = _mm_load_si128((const __m128i *)values);
     const __m128i nibble = _mm_set1_epi8(0xF), bytes = _mm_loadu_si128((const __m128i *)p);
     *lo = _mm_shuffle_epi8(table, _mm_and_si128(bytes, nibble));
     *hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
@@ -323,7 +353,7 @@ static inline __m512 floats16(__m128i bytes) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
 }
 
-/* Q2_K, Q3_K, Q5_K, IQ4_NL and IQ4_XS (their layouts at widen_block_more). */
+/* Q2_K, Q3_K, Q5_K, IQ4_NL, IQ4_XS and MXFP4 (their layouts at widen_block_more). */
 static void block_fma_more(int type, const uint8_t *b, const float *x, int64_t k,
                            int64_t base, int64_t m, __m512 *acc) {
     const __m512i three = _mm512_set1_epi32(3);
@@ -398,7 +428,7 @@ static void block_fma_more(int type, const uint8_t *b, const float *x, int64_t k
     case 20: { /* IQ4_NL: d * table[q], low nibbles values 0..15, high ones 16..31 */
         const __m512 d = splat(half_at(b));
         __m128i lo, hi;
-        iq4_lookup16(b + 2, &lo, &hi);
+        lookup16(IQ4_VALUES, b + 2, &lo, &hi);
         ROWS_FMA(_mm512_mul_ps(floats16(lo), d), 0)
         ROWS_FMA(_mm512_mul_ps(floats16(hi), d), 16)
         break;
@@ -408,10 +438,18 @@ static void block_fma_more(int type, const uint8_t *b, const float *x, int64_t k
         for (int j = 0; j < 8; j++) {
             const __m512 dl = splat(d * (float)scale_iq4xs(j, b));
             __m128i lo, hi;
-            iq4_lookup16(b + 8 + 16 * j, &lo, &hi);
+            lookup16(IQ4_VALUES, b + 8 + 16 * j, &lo, &hi);
             ROWS_FMA(_mm512_mul_ps(floats16(lo), dl), 32 * j)
             ROWS_FMA(_mm512_mul_ps(floats16(hi), dl), 32 * j + 16)
         }
+        break;
+    }
+    case 39: { /* MXFP4: scale * table[q], as IQ4_NL's with MXFP4_VALUES */
+        const __m512 d = splat(e8m0_half(b[0]));
+        __m128i lo, hi;
+        lookup16(MXFP4_VALUES, b + 1, &lo, &hi);
+        ROWS_FMA(_mm512_mul_ps(floats16(lo), d), 0)
+        ROWS_FMA(_mm512_mul_ps(floats16(hi), d), 16)
         break;
     }
     }
@@ -565,7 +603,7 @@ static inline __m256 floats8(__m128i bytes) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
 }
 
-/* Q2_K, Q3_K, Q5_K, IQ4_NL and IQ4_XS (their layouts at widen_block_more). */
+/* Q2_K, Q3_K, Q5_K, IQ4_NL, IQ4_XS and MXFP4 (their layouts at widen_block_more). */
 static inline __attribute__((always_inline)) void block_fma8_more(
     int type, const uint8_t *b, const float *x, int64_t k, int64_t base, int64_t m, __m256 *acc) {
     const __m256i three = _mm256_set1_epi32(3), one = _mm256_set1_epi32(1);
@@ -644,7 +682,7 @@ static inline __attribute__((always_inline)) void block_fma8_more(
     case 20: { /* IQ4_NL: d * table[q], low nibbles values 0..15, high ones 16..31 */
         const __m256 d = splat8(half_at(b));
         __m128i lo, hi;
-        iq4_lookup16(b + 2, &lo, &hi);
+        lookup16(IQ4_VALUES, b + 2, &lo, &hi);
         ROWS_FMA8(_mm256_mul_ps(floats8(lo), d), 0)
         ROWS_FMA8(_mm256_mul_ps(floats8(_mm_srli_si128(lo, 8)), d), 8)
         ROWS_FMA8(_mm256_mul_ps(floats8(hi), d), 16)
@@ -657,12 +695,22 @@ static inline __attribute__((always_inline)) void block_fma8_more(
         for (int j = 0; j < 8; j++) {
             const __m256 dl = splat8(d * (float)scale_iq4xs(j, b));
             __m128i lo, hi;
-            iq4_lookup16(b + 8 + 16 * j, &lo, &hi);
+            lookup16(IQ4_VALUES, b + 8 + 16 * j, &lo, &hi);
             ROWS_FMA8(_mm256_mul_ps(floats8(lo), dl), 32 * j)
             ROWS_FMA8(_mm256_mul_ps(floats8(_mm_srli_si128(lo, 8)), dl), 32 * j + 8)
             ROWS_FMA8(_mm256_mul_ps(floats8(hi), dl), 32 * j + 16)
             ROWS_FMA8(_mm256_mul_ps(floats8(_mm_srli_si128(hi, 8)), dl), 32 * j + 24)
         }
+        break;
+    }
+    case 39: { /* MXFP4: scale * table[q], as IQ4_NL's with MXFP4_VALUES */
+        const __m256 d = splat8(e8m0_half(b[0]));
+        __m128i lo, hi;
+        lookup16(MXFP4_VALUES, b + 1, &lo, &hi);
+        ROWS_FMA8(_mm256_mul_ps(floats8(lo), d), 0)
+        ROWS_FMA8(_mm256_mul_ps(floats8(_mm_srli_si128(lo, 8)), d), 8)
+        ROWS_FMA8(_mm256_mul_ps(floats8(hi), d), 16)
+        ROWS_FMA8(_mm256_mul_ps(floats8(_mm_srli_si128(hi, 8)), d), 24)
         break;
     }
     }
@@ -806,7 +854,7 @@ void gguf_linear(int type, const float *x, int64_t m, int64_t k, const uint8_t *
         break;
             switch (type) {
                 ONE_ROW(2) ONE_ROW(3) ONE_ROW(6) ONE_ROW(7) ONE_ROW(8) ONE_ROW(10) ONE_ROW(11)
-                ONE_ROW(12) ONE_ROW(13) ONE_ROW(14) ONE_ROW(20) ONE_ROW(23)
+                ONE_ROW(12) ONE_ROW(13) ONE_ROW(14) ONE_ROW(20) ONE_ROW(23) ONE_ROW(39)
             }
 #undef ONE_ROW
             const __m256 four = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));

@@ -1,6 +1,7 @@
 """``updraft::gguf_grouped_mlp``: a mixture-of-experts layer's routed experts over
 weights in GGUF blocks, as ``updraft::grouped_mlp`` is over panels. Rows come sorted by
-expert; each chosen expert's SiLU MLP runs over its rows through the block kernels
+expert; each chosen expert's MLP (SiLU-gated, or gpt-oss's clamped SwiGLU with biases)
+runs over its rows through the block kernels
 (``kernels/gguf_ops.py``: a pass of ``gguf_linear`` per 8 rows for a few rows, a chunk
 of weight rows widened and multiplied for many), reading only that expert's blocks, in
 the file's bytes: nothing is widened beyond a chunk, and an idle expert is not read.
@@ -24,13 +25,38 @@ from updraft.kernels.gguf_ops import (
 from updraft.kernels.launch import check, define_op
 
 
-def _block_linear(x: torch.Tensor, blocks: torch.Tensor, block_type: int, k: int) -> torch.Tensor:
-    """x [M, k] @ the weight in ``blocks`` [N, row_bytes] transposed -> [M, N]."""
+def _block_linear(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    block_type: int,
+    k: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, k] @ the weight in ``blocks`` [N, row_bytes] transposed (+ bias) -> [M, N]."""
     if x.shape[0] > BLOCK_PASSES_UP_TO:
-        return gguf_widened_linear(x, blocks, block_type, k, blocks.shape[0], False)
+        out = gguf_widened_linear(x, blocks, block_type, k, blocks.shape[0], False)
+        return out if bias is None else out + bias
     return torch.cat(
-        [gguf_linear(rows, blocks, None, block_type, k) for rows in x.split(GGUF_MAX_ROWS)]
+        [gguf_linear(rows, blocks, bias, block_type, k) for rows in x.split(GGUF_MAX_ROWS)]
     )
+
+
+def clamped_swiglu(
+    gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float
+) -> torch.Tensor:
+    """gpt-oss's activation, as transformers computes it: gate clamped above at
+    ``limit``, up into [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def _activation(gate: torch.Tensor, up: torch.Tensor, swiglu: list[float] | None) -> torch.Tensor:
+    """SiLU(gate) * up, or with ``swiglu`` = [alpha, limit] the clamped SwiGLU."""
+    if swiglu is None:
+        return F.silu(gate) * up
+    alpha, limit = swiglu
+    return clamped_swiglu(gate, up, alpha, limit)
 
 
 def gguf_grouped_mlp(
@@ -41,12 +67,17 @@ def gguf_grouped_mlp(
     down: torch.Tensor,
     down_type: int,
     inter: int,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    swiglu: list[float] | None = None,
 ) -> torch.Tensor:
     """Rows of x [R, H] grouped by expert (rows [offsets[e], offsets[e+1]) to expert e)
-    through each expert's SiLU MLP -> [R, H]. ``gate_up``: the stacked gate and up
+    through each expert's MLP -> [R, H]. ``gate_up``: the stacked gate and up
     projections in blocks, either one tensor [E, 2I, row_bytes] (gate rows, then up
     rows) or two [E, I, row_bytes], each of its own type in ``gate_up_types``; ``down``
-    [E, H, row_bytes] of ``down_type``."""
+    [E, H, row_bytes] of ``down_type``. Optional float32 biases [E, 2I] (gate, then up)
+    and [E, H]; the activation SiLU(gate) * up, or with ``swiglu`` = [alpha, limit]
+    gpt-oss's clamped SwiGLU."""
     op = "gguf_grouped_mlp"
     check(x.dtype == torch.float32 and x.dim() == 2, op, "float32 x [rows, hidden]")
     experts, hidden = down.shape[0], x.shape[1]
@@ -60,6 +91,13 @@ def gguf_grouped_mlp(
     for part in gate_up:
         check(part.dim() == 3 and part.shape[:2] == (experts, rows_per_part), op, "gate/up rows")
     check(down.dim() == 3 and down.shape[1] == hidden, op, f"down [experts, {hidden}, bytes]")
+    for bias, rows in ((gate_up_bias, 2 * inter), (down_bias, hidden)):
+        check(
+            bias is None or (bias.dtype == torch.float32 and bias.shape == (experts, rows)),
+            op,
+            f"float32 biases [{experts}, {rows}]",
+        )
+    check(swiglu is None or len(swiglu) == 2, op, "swiglu [alpha, limit]")
     out = torch.zeros_like(x)
     bounds = offsets.tolist()
     for expert in range(experts):
@@ -67,18 +105,28 @@ def gguf_grouped_mlp(
         if start == end:
             continue
         rows = x[start:end]
+        biases = [None] * len(gate_up)
+        if gate_up_bias is not None:
+            biases = list(gate_up_bias[expert].split(rows_per_part))
         parts = [
-            _block_linear(rows, part[expert], code, hidden)
-            for part, code in zip(gate_up, gate_up_types, strict=True)
+            _block_linear(rows, part[expert], code, hidden, bias)
+            for part, code, bias in zip(gate_up, gate_up_types, biases, strict=True)
         ]
         gate, up = torch.cat(parts, dim=1).split(inter, dim=1)
-        out[start:end] = _block_linear(F.silu(gate) * up, down[expert], down_type, inter)
+        out[start:end] = _block_linear(
+            _activation(gate, up, swiglu),
+            down[expert],
+            down_type,
+            inter,
+            None if down_bias is None else down_bias[expert],
+        )
     return out
 
 
 define_op(
     "gguf_grouped_mlp(Tensor x, Tensor offsets, Tensor[] gate_up, int[] gate_up_types, "
-    "Tensor down, int down_type, int inter) -> Tensor",
+    "Tensor down, int down_type, int inter, Tensor? gate_up_bias=None, "
+    "Tensor? down_bias=None, float[]? swiglu=None) -> Tensor",
     gguf_grouped_mlp,
     lambda x, *rest: torch.empty_like(x),
 )

@@ -126,10 +126,15 @@ class ModelConfig:
         quantized = None
         if raw.get("quantization_config"):
             quantized = QuantizedCheckpoint.from_config(raw["quantization_config"])
-            if not row.prequantized:
+            mxfp4 = quantized.method == "mxfp4"
+            if not (row.mxfp4_experts if mxfp4 else row.prequantized):
+                why = (
+                    "MXFP4 is read as gpt-oss's experts only"
+                    if mxfp4
+                    else "pre-quantized experts and latent attention are not read yet"
+                )
                 raise ValueError(
-                    f"a {quantized.method} checkpoint of {row.name} is not supported: "
-                    "pre-quantized experts and latent attention are not read yet"
+                    f"a {quantized.method} checkpoint of {row.name} is not supported: {why}"
                 )
         parsed = row.parse(raw, row.name)
         return cls(

@@ -46,6 +46,7 @@ class Architecture:
     gguf_tiled_value_heads: bool = False
     eagle_head: bool = False  # an EAGLE head may be one layer of it
     prequantized: bool = False  # AWQ, GPTQ and compressed-tensors checkpoints are read
+    mxfp4_experts: bool = False  # checkpoints with MXFP4 experts (gpt-oss's) are read
 
 
 def _hybrid(name: str, gguf_name: str, tiled_value_heads: bool = False) -> Architecture:

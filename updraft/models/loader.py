@@ -21,6 +21,7 @@ from updraft.kernels.panels import pack_codes
 from updraft.model_config import ModelConfig
 from updraft.models.gguf_loader import load_gguf_model
 from updraft.models.moe import Experts
+from updraft.models.mxfp4_experts import fill_mxfp4, mxfp4_slots, slot_tensors
 from updraft.models.packed_linear import PackedLinear
 from updraft.models.packing import packer, storage_dtype
 from updraft.models.prequantized import QuantizedCodes, unpack
@@ -112,8 +113,13 @@ def load_model(
     files = weight_files(Path(model_dir))
     # Pre-quantized linears are found by their tensors' names, read once for both steps.
     names = {} if config.quantized is None else checkpoint_names(files)
-    quantized = {} if config.quantized is None else make_slots(model, names, config.quantized)
-    owned = {
+    # gpt-oss's MXFP4 checkpoints quantize experts, the others linears.
+    mxfp4 = config.quantized is not None and config.quantized.method == "mxfp4"
+    experts = mxfp4_slots(model, names) if mxfp4 else {}
+    quantized = (
+        {} if config.quantized is None or mxfp4 else make_slots(model, names, config.quantized)
+    )
+    owned = slot_tensors(experts) | {
         f"{prefix}.{suffix}"
         for parts in quantized.values()
         for prefix in parts.values()
@@ -135,6 +141,8 @@ def load_model(
     )
     if quantized:
         fill_slots(model, names, config.quantized, quantized)
+    if experts:
+        fill_mxfp4(model, names, experts)
     return model
 
 
