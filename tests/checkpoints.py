@@ -82,6 +82,35 @@ GEMMA3_TEXT = dict(
     final_logit_softcapping=30.0,
 )
 
+# Gemma 4's E-style text model: layers 4 and 5 read the KV of layers 2 (sliding) and 3
+# (full) and have double-wide MLPs; full layers have heads of their own (32 values, one
+# KV head, values are keys) and proportional RoPE turning a quarter of their
+# frequencies; per-layer inputs of 8 values.
+GEMMA4_TEXT = dict(
+    **{**TINY, "num_hidden_layers": 6, "intermediate_size": 64},
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=32,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
+    sliding_window=WINDOW,
+    layer_types=["sliding_attention", "full_attention"] * 3,
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+        "full_attention": {
+            "rope_type": "proportional",
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 10000.0,
+        },
+    },
+    num_kv_shared_layers=2,
+    use_double_wide_mlp=True,
+    hidden_size_per_layer_input=8,
+    vocab_size_per_layer_input=256,
+    final_logit_softcapping=30.0,
+    tie_word_embeddings=False,  # tied, the tiny model mostly repeats its last token
+)
+
 # Qwen3.5's hybrid decoder: layers 0-2 Gated DeltaNet (2 key heads serving 4 value
 # heads), layer 3 gated full attention.
 QWEN35_TEXT = dict(
@@ -156,6 +185,21 @@ def _gemma_norms(model: nn.Module) -> None:
     for name, param in model.named_parameters():
         if "norm" in name:
             param.normal_(0, 0.3)
+
+
+def _gemma4_params(model: nn.Module) -> None:
+    """Gemma 4's norms scale by their weight and each layer's output by its scalar, all
+    1 at first: drawn, a norm or scalar mixed up or left out shows."""
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.normal_(1.0, 0.3)
+        elif name.endswith(("router.scale", "per_expert_scale")):
+            param.uniform_(0.5, 1.5)
+        elif name.endswith("router.proj.weight"):
+            param.normal_(0, 1.0)
+    for name, buffer in model.named_buffers():
+        if name.endswith("layer_scalar"):
+            buffer.uniform_(0.5, 1.5)
 
 
 def _hybrid_params(model: nn.Module) -> None:
@@ -297,6 +341,20 @@ FAMILIES: dict[str, Family] = {
     ),
     "phi3-window": _dense("Phi3", num_key_value_heads=2, sliding_window=WINDOW),
     "gemma3": Family("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3_TEXT, _gemma_norms),
+    "gemma4": Family("Gemma4TextConfig", "Gemma4ForCausalLM", GEMMA4_TEXT, _gemma4_params),
+    # experts beside every layer's MLP
+    "gemma4-moe": Family(
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        {
+            **GEMMA4_TEXT,
+            "enable_moe_block": True,
+            "num_experts": 4,
+            "top_k_experts": 2,
+            "moe_intermediate_size": 32,
+        },
+        _gemma4_params,
+    ),
     "qwen3.5": Family("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", QWEN35_TEXT, _hybrid_params),
     # every layer's MLP experts with a gated shared expert
     "qwen3.5-moe": Family(
@@ -342,6 +400,34 @@ FAMILIES: dict[str, Family] = {
             "mm_tokens_per_image": 4,
         },
         _gemma_norms,
+    ),
+    # the Gemma 4 text tower above with tiny vision and audio towers: updraft serves the
+    # text tower
+    "gemma4-multimodal": Family(
+        "Gemma4Config",
+        "Gemma4ForConditionalGeneration",
+        {
+            "text_config": GEMMA4_TEXT,
+            "vision_config": dict(
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                head_dim=8,
+                patch_size=4,
+                pooling_kernel_size=2,
+                position_embedding_size=64,
+            ),
+            "audio_config": dict(
+                hidden_size=16,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                subsampling_conv_channels=[4, 4],
+                output_proj_dims=16,
+            ),
+        },
+        _gemma4_params,
     ),
 }
 

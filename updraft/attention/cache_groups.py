@@ -2,7 +2,10 @@
 
 * **paged**: per-token K/V (or MLA's latent) in blocks of positions that every request
   pages through by its block table. One slot is one position; the pool of blocks and
-  the prefix cache count blocks and never look inside.
+  the prefix cache count blocks and never look inside. A model may have several paged
+  groups, one per slot layout (Gemma 4's full-attention layers' heads differ from its
+  sliding layers'): they share the one block table and block count, so a block is a
+  block in every paged group and costs the sum of their bytes.
 * **recurrent**: per-request state of linear-attention layers (Gated DeltaNet's causal
   conv window and recurrent state). A request holds one slot from admission to its end
   or preemption, whatever its length; a slot has ``depth`` rows, the state after
@@ -13,12 +16,15 @@
 Both kinds are paid for out of one memory budget (``split_budget``). Every cache has one
 spare slot at its end that padded tokens (slot -1) and padded requests (state slot -1)
 write into. The layers of a group share a layout and dtype; the list of caches handed to
-a model has one tensor per decoder layer, in layer order.
+a model has one tensor per decoder layer, in layer order. A KV-shared layer (Gemma 4's
+``num_kv_shared_layers``) is in no group: it writes nothing, and its entry is the very
+tensor of the layer whose KV it reads (``ModelConfig.kv_source``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -55,8 +61,11 @@ def cache_groups(
     state of its linear-attention layers in ``state_dtype``, ``depth`` rows per slot
     (1 + the speculative tokens a verify step carries)."""
     groups = []
-    if config.attention_layers:
-        groups.append(CacheGroup(PAGED, config.attention_layers, cache_layout(config), dtype))
+    layouts: dict[CacheLayout, list[int]] = {}
+    for layer in config.kv_writing_layers:
+        layouts.setdefault(cache_layout(config, layer), []).append(layer)
+    for layout, layers in layouts.items():
+        groups.append(CacheGroup(PAGED, tuple(layers), layout, dtype))
     linear = config.linear_attention
     if config.linear_layers:
         state = CacheLayout(before_slots=(), per_slot=(depth, linear.state_width))
@@ -67,7 +76,13 @@ def cache_groups(
 
 
 def group_of(groups: tuple[CacheGroup, ...], kind: str) -> CacheGroup | None:
+    """The first group of ``kind`` (a model has at most one recurrent group)."""
     return next((group for group in groups if group.kind == kind), None)
+
+
+def bytes_per_block(groups: tuple[CacheGroup, ...], slots_per_block: int) -> int:
+    """What one block costs: its slots in every paged group (0: no layer keeps KV)."""
+    return sum(g.bytes_per_slot for g in groups if g.kind == PAGED) * slots_per_block
 
 
 class CacheSizes(NamedTuple):
@@ -90,7 +105,7 @@ def split_budget(
     state slots: a request waits at admission for a free slot as it does for free
     blocks. ``prefix_states``: slots for prefix states besides, out of that half too;
     None: as many as the running slots."""
-    paged, recurrent = group_of(groups, PAGED), group_of(groups, RECURRENT)
+    recurrent = group_of(groups, RECURRENT)
     slots = prefixes = 0
     if recurrent is not None:
         half = budget_bytes // 2 // recurrent.bytes_per_slot
@@ -106,12 +121,13 @@ def split_budget(
             )
         budget_bytes -= (slots + prefixes) * recurrent.bytes_per_slot
     blocks = 0
-    if paged is not None:
-        blocks = budget_bytes // (slots_per_block * paged.bytes_per_slot)
+    block_bytes = bytes_per_block(groups, slots_per_block)
+    if block_bytes:
+        blocks = budget_bytes // block_bytes
         if blocks < 1:
             raise ValueError(
                 f"kv_cache_memory_gib leaves {budget_bytes} bytes for KV blocks, which hold "
-                f"no block ({slots_per_block * paged.bytes_per_slot} bytes each)"
+                f"no block ({block_bytes} bytes each)"
             )
     return CacheSizes(blocks, slots, prefixes)
 
@@ -122,8 +138,11 @@ def allocate_caches(
     sizes: CacheSizes,
     slots_per_block: int,
     device: torch.device | str,
+    kv_sources: Sequence[int] = (),
 ) -> list[torch.Tensor]:
-    """One cache tensor per decoder layer, in layer order, each with its spare slot."""
+    """One cache tensor per decoder layer, in layer order, each with its spare slot.
+    ``kv_sources``: per layer, the layer whose cache it reads (``ModelConfig.kv_source``;
+    empty: each its own); a layer that reads another's is given that very tensor."""
     caches: list[torch.Tensor | None] = [None] * num_layers
     for group in groups:
         count = (
@@ -141,6 +160,9 @@ def allocate_caches(
                 f"cannot allocate a KV cache ({group.kind}: {count} slots, {size:.1f} GiB) on "
                 f"{device}: {error}; lower kv_cache_memory_gib or num_kv_blocks"
             ) from error
+    for layer, source in enumerate(kv_sources):
+        if source != layer:
+            caches[layer] = caches[source]
     return caches
 
 

@@ -41,13 +41,17 @@ class CacheLayout:
         return math.prod(self.before_slots) * math.prod(self.per_slot)
 
 
-def cache_layout(config: ModelConfig) -> CacheLayout:
+def cache_layout(config: ModelConfig, layer: int = 0) -> CacheLayout:
+    """Decoder layer ``layer``'s slot (Gemma 4's full layers differ from its sliding
+    ones in head size and KV heads)."""
     if config.mla is not None:
         width = config.mla.kv_lora_rank + config.mla.qk_rope_head_dim
         if config.indexer is not None:
             width += config.indexer.head_dim
         return CacheLayout(before_slots=(), per_slot=(width,))
-    return CacheLayout(before_slots=(2,), per_slot=(config.num_kv_heads, config.head_dim))
+    return CacheLayout(
+        before_slots=(2,), per_slot=(config.layer_kv_heads(layer), config.layer_head_dim(layer))
+    )
 
 
 def zeros_on_first_write(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

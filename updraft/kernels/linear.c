@@ -374,7 +374,8 @@ static int64_t clamp(int64_t value, int64_t low, int64_t high) {
 }
 
 /* Routed experts over rows already grouped by expert: rows [offsets[e], offsets[e + 1])
-   of x [rows, hidden] go to expert e, h = silu(x W_gate^T) * (x W_up^T), out = h W_down^T.
+   of x [rows, hidden] go to expert e, h = act(x W_gate^T) * (x W_up^T), out = h W_down^T,
+   act SiLU (``activation`` 0) or GELU with the tanh approximation (1, Gemma's).
    Expert e's gate_up [2 * inter, hidden] (gate rows, then up rows) and down [hidden,
    inter] are in panels of ``format``, experts one after another (``*_scales`` and
    ``*_zeros`` likewise, per expert). Each chosen expert's weights are streamed once,
@@ -385,7 +386,7 @@ void grouped_mlp(const float *x, const int64_t *offsets, int format, const void 
                  const float *gate_up_scales, const float *gate_up_zeros, int64_t gate_up_group,
                  const void *down, const float *down_scales, const float *down_zeros,
                  int64_t down_group, float *gate_up_out, float *h, float *out, int64_t rows,
-                 int64_t experts, int64_t hidden, int64_t inter, int threads) {
+                 int64_t experts, int64_t hidden, int64_t inter, int threads, int activation) {
     const int64_t bytes = step_bytes(format);
     const int64_t gate_up_panels = (2 * inter + PANEL - 1) / PANEL;
     const int64_t down_panels = (hidden + PANEL - 1) / PANEL;
@@ -407,6 +408,15 @@ void grouped_mlp(const float *x, const int64_t *offsets, int format, const void 
                      threads);
         for (int64_t r = first; r < last; r++) {
             const float *gate = gate_up_out + r * 2 * inter, *up = gate + inter;
+            if (activation == 1) {
+                /* 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), as torch's gelu "tanh" */
+                for (int64_t j = 0; j < inter; j++) {
+                    const float g = gate[j];
+                    const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+                    h[r * inter + j] = 0.5f * g * (1.0f + tanhf(inner)) * up[j];
+                }
+                continue;
+            }
 #pragma omp simd
             for (int64_t j = 0; j < inter; j++)
                 h[r * inter + j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];

@@ -28,6 +28,8 @@ from updraft.kernels.launch import (
 PANEL = 16  # output rows per panel (``PANEL`` in linear.c)
 INT4 = 4
 QUANTIZED_FORMATS = (3, INT4)
+# The gate activations ``grouped_mlp`` applies, by index.
+EXPERT_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # The element type of each format's codes (``enum format`` in linear.c).
 CODE_DTYPES = {
     0: torch.float32,
@@ -53,7 +55,7 @@ def _linear_library(march: str = "native") -> ctypes.CDLL:
         + [POINTER, POINTER, POINTER, INT] * 2
         + [POINTER] * 3
         + [INT] * 4
-        + [ctypes.c_int]
+        + [ctypes.c_int] * 2
     )
     return lib
 
@@ -205,10 +207,12 @@ def grouped_mlp(
     gate_up_group: int,
     down_group: int,
     inter: int,
+    activation: int = 0,
 ) -> torch.Tensor:
     """Rows of x [R, H] grouped by expert (rows [offsets[e], offsets[e+1]) to expert e)
-    through each expert's SiLU MLP, whose gate_up [2I, H] and down [H, I] weights are in
-    panels of format ``fmt``, stacked over experts -> [R, H]."""
+    through each expert's gated MLP, whose gate_up [2I, H] and down [H, I] weights are in
+    panels of format ``fmt``, stacked over experts -> [R, H]. ``activation``: the gate's,
+    an index of ``EXPERT_ACTIVATIONS``."""
     op = "grouped_mlp"
     check(x.dtype == torch.float32 and x.device.type == "cpu", op, "float32 x on the CPU")
     experts, hidden = gate_up.shape[0], x.shape[1]
@@ -247,6 +251,7 @@ def grouped_mlp(
         hidden,
         inter,
         torch.get_num_threads(),
+        activation,
     )
     return out
 
@@ -289,7 +294,7 @@ define_op(
 define_op(
     "grouped_mlp(Tensor x, Tensor offsets, Tensor gate_up, Tensor? gate_up_scales, "
     "Tensor? gate_up_zeros, Tensor down, Tensor? down_scales, Tensor? down_zeros, int fmt, "
-    "int gate_up_group, int down_group, int inter) -> Tensor",
+    "int gate_up_group, int down_group, int inter, int activation=0) -> Tensor",
     grouped_mlp,
     lambda x, *rest: torch.empty_like(x),
 )

@@ -71,6 +71,19 @@ class ModelConfig:
     linear_attention: LinearAttentionConfig | None = None
     linear_layers: frozenset[int] = frozenset()
     attention_output_gate: bool = False
+    # Gemma 4: full-attention layers with a head size and KV heads of their own
+    # (global_head_dim, num_global_key_value_heads), whose values are their keys
+    # (attention_k_eq_v); the last ``num_kv_shared_layers`` layers read the KV of the
+    # last writing layer of their kind and write none (their MLPs twice as wide where
+    # ``double_wide_mlp``); per-layer inputs of ``per_layer_input_size`` values per
+    # layer, from a table of ``per_layer_vocab_size`` rows.
+    full_head_dim: int | None = None
+    full_kv_heads: int | None = None
+    attention_k_eq_v: bool = False
+    num_kv_shared_layers: int = 0
+    double_wide_mlp: bool = False
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
     # Linears quantized to 4 bits before they reached here (AWQ, GPTQ, compressed-tensors).
     quantized: QuantizedCheckpoint | None = None
 
@@ -89,14 +102,48 @@ class ModelConfig:
         windows = [self.window(layer) for layer in range(self.num_layers)]
         return None if None in windows else max(windows)
 
+    def layer_type(self, layer: int) -> str:
+        """``sliding_attention`` or ``full_attention``, as transformers names them."""
+        return "full_attention" if self.window(layer) is None else "sliding_attention"
+
+    def layer_head_dim(self, layer: int) -> int:
+        """Decoder layer ``layer``'s attention head size."""
+        full = self.full_head_dim is not None and self.window(layer) is None
+        return self.full_head_dim if full else self.head_dim
+
+    def layer_kv_heads(self, layer: int) -> int:
+        """Decoder layer ``layer``'s KV heads."""
+        full = self.full_kv_heads is not None and self.window(layer) is None
+        return self.full_kv_heads if full else self.num_kv_heads
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose KV decoder layer ``layer`` attends over: its own, or for a
+        KV-shared layer the last writing layer of its kind."""
+        first_shared = self.num_layers - self.num_kv_shared_layers
+        if layer < first_shared:
+            return layer
+        kind = self.layer_type(layer)
+        return max(i for i in range(first_shared) if self.layer_type(i) == kind)
+
+    def kv_store_layers(self) -> dict[str, int]:
+        """The last writing layer of each kind, by kind: the KV an assistant drafter
+        reads (transformers' "store" layers)."""
+        first_shared = self.num_layers - self.num_kv_shared_layers
+        return {self.layer_type(i): i for i in range(first_shared) if not self.is_linear(i)}
+
     def is_linear(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` is a linear-attention layer (no KV cache)."""
         return layer in self.linear_layers
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
-        """The layers that keep KV in the paged cache."""
+        """The layers that attend over the paged cache (KV-shared ones included)."""
         return tuple(i for i in range(self.num_layers) if i not in self.linear_layers)
+
+    @property
+    def kv_writing_layers(self) -> tuple[int, ...]:
+        """The attention layers that keep KV of their own in the paged cache."""
+        return tuple(i for i in self.attention_layers if self.kv_source(i) == i)
 
     def has_experts(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` routes to experts rather than one MLP."""

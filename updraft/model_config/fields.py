@@ -12,7 +12,7 @@ from updraft.model_config.parts import RopeConfig
 from updraft.weights import DTYPES
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
-ROPE_KINDS = ("default", "linear", "llama3", "yarn", "longrope")
+ROPE_KINDS = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 
 
 def positive_int(raw: dict[str, Any], key: str) -> int:
@@ -123,6 +123,8 @@ def rope_config(raw: dict[str, Any]) -> RopeConfig:
         if kind in ("llama3", "longrope"):
             raise ValueError(f"RoPE frequency_factors cannot be combined with {kind} scaling")
         frequency_factors = tuple(float(f) for f in frequency_factors)
+    if kind == "proportional":
+        optional["proportion"] = float(params.get("partial_rotary_factor", 1.0))
     return RopeConfig(
         theta=float(theta),
         kind=kind,

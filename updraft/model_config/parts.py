@@ -9,7 +9,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    kind: str = "default"  # default | linear | llama3 | yarn | longrope
+    kind: str = "default"  # default | linear | llama3 | yarn | longrope | proportional
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -30,6 +30,9 @@ class RopeConfig:
     # hold Llama 3.1's scaling): each inverse frequency is divided by its factor before
     # the kind's own scaling, as llama.cpp's RoPE does.
     frequency_factors: tuple[float, ...] | None = None
+    # Proportional RoPE (Gemma 4's full layers): only the first ``proportion`` of the
+    # head's frequencies turn, at the exponents of the whole head; the rest stay still.
+    proportion: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ class MoEConfig:
     # The shared experts' rows when not n_shared_experts * moe_intermediate_size.
     shared_intermediate_size: int | None = None
     shared_expert_gate: bool = False
+    activation: str = "silu"  # the experts' gate: silu | gelu_pytorch_tanh (Gemma 4)
 
     @property
     def shared_size(self) -> int:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from updraft.model_config import deepseek, gemma3, llama, qwen35, qwen35_gguf
+from updraft.model_config import deepseek, gemma3, gemma4, llama, qwen35, qwen35_gguf
 
 # config.json (as a dict) and the architecture named in it -> ModelConfig's fields.
 Parser = Callable[[dict[str, Any], str], dict[str, Any]]
@@ -24,6 +24,7 @@ GGUFParser = Callable[[str, str, Any, dict[str, tuple[str, tuple[int, ...]]]], d
 
 LLAMA = "updraft.models.llama:LlamaForCausalLM"
 GEMMA3 = "updraft.models.gemma:Gemma3ForCausalLM"
+GEMMA4 = "updraft.models.gemma4:Gemma4ForCausalLM"
 DEEPSEEK = "updraft.models.deepseek:DeepseekForCausalLM"
 QWEN35 = "updraft.models.qwen35:Qwen35ForCausalLM"
 
@@ -132,6 +133,10 @@ ARCHITECTURES: dict[str, Architecture] = {
             prequantized=True,
         ),
         Architecture("Gemma3ForConditionalGeneration", gemma3.parse, GEMMA3, prequantized=True),
+        # Per-layer head shapes, KV-shared layers and per-layer inputs; the multimodal
+        # checkpoints' text tower.
+        Architecture("Gemma4ForCausalLM", gemma4.parse, GEMMA4),
+        Architecture("Gemma4ForConditionalGeneration", gemma4.parse, GEMMA4),
         Architecture("DeepseekV2ForCausalLM", deepseek.parse, DEEPSEEK),
         # V2's GGUF files say deepseek2 too: the parser tells the two apart by their router.
         Architecture(

@@ -20,6 +20,7 @@ from updraft.checkpoints.gguf import linked_files
 from updraft.kernels.panels import pack_codes
 from updraft.model_config import ModelConfig
 from updraft.models.gguf_loader import load_gguf_model
+from updraft.models.mapped_table import MappedEmbedding, mapped_tensor
 from updraft.models.moe import Experts
 from updraft.models.mxfp4_experts import fill_mxfp4, mxfp4_slots, slot_tensors
 from updraft.models.packed_linear import PackedLinear
@@ -46,6 +47,9 @@ VISION_PREFIXES = (
     "model.multi_modal_projector.",
     "multi_modal_projector.",
     "model.visual.",  # Qwen3.5's
+    "model.audio_tower.",  # Gemma 4's, and its towers' projections
+    "model.embed_vision.",
+    "model.embed_audio.",
 )
 # Qwen3.5's multi-token prediction layer, kept apart from the decoder's layers.
 MTP_PREFIX = "mtp."
@@ -128,6 +132,8 @@ def load_model(
     # A checkpoint's multi-token prediction layers follow its decoder layers; the model
     # does not run them (models/mtp.py loads them on their own).
     mtp = range(config.num_layers, config.num_layers + config.mtp_layers)
+    tables = {m.name: m for m in model.modules() if isinstance(m, MappedEmbedding)}
+    unused = getattr(model, "unused_tensor", lambda name: False)
     model = fill(
         model,
         files,
@@ -135,7 +141,11 @@ def load_model(
         dtype,
         device,
         select=lambda name: (
-            layer_of(name) not in mtp and not name.startswith(MTP_PREFIX) and name not in owned
+            layer_of(name) not in mtp
+            and not name.startswith(MTP_PREFIX)
+            and name not in owned
+            and text_name(name) not in tables
+            and not unused(text_name(name))
         ),
         place=place,
     )
@@ -143,7 +153,27 @@ def load_model(
         fill_slots(model, names, config.quantized, quantized)
     if experts:
         fill_mxfp4(model, names, experts)
+    if tables:
+        attach_tables(tables, files, device)
     return model
+
+
+def attach_tables(
+    tables: dict[str, MappedEmbedding], files: list[Path], device: torch.device | str
+) -> None:
+    """Map each table from the file that holds it, as it is there (``mapped_table.py``);
+    on a device other than the CPU it is copied there, in the file's dtype."""
+    found = {
+        text_name(name): (path, name)
+        for path, held in checkpoint_names(files).items()
+        for name in held
+    }
+    for name, table in tables.items():
+        if name not in found:
+            listed = ", ".join(str(f.name) for f in files)
+            raise ValueError(f"weights missing from {listed}: {name}")
+        mapped = mapped_tensor(*found[name])
+        table.attach(mapped if torch.device(device).type == "cpu" else mapped.to(device))
 
 
 # -- linears quantized before they reach here (models/prequantized.py) ------------------
@@ -297,7 +327,7 @@ def load_weights(
                         _check_fused(checkpoint_name, source, parts, modules)
                         for target, offset in parts:
                             _fill(params, modules, target, source, kept, made, offset)
-                            unfilled.discard(target)
+                            unfilled.difference_update(_covered(target, params, modules))
             except (SafetensorError, OSError, RuntimeError) as error:
                 raise ValueError(f"cannot read weights file {path}: {error}") from error
         if loaded is not None:
@@ -359,6 +389,15 @@ def _slices(params: dict[str, nn.Parameter], modules: dict[str, nn.Module]):
                 yield from ((name, (expert, part)) for part in parts)
         else:
             yield name, 0
+
+
+def _covered(target: tuple[str, Slice], params, modules) -> set[tuple[str, Slice]]:
+    """The slices a tensor filling ``target`` fills: a stacked experts tensor as the
+    checkpoint holds it ([E, ...], transformers 5's layout) fills every expert's."""
+    name, index = target
+    if index == 0 and isinstance(modules[name.rpartition(".")[0]], Experts):
+        return set(_slices({name: params[name]}, modules))
+    return {target}
 
 
 def _describe(name: str, index: Slice) -> str:

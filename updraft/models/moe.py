@@ -25,9 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from updraft.kernels.ops import EXPERT_ACTIVATIONS
 from updraft.kernels.panels import Panels, pack_stacked
 from updraft.model_config import MoEConfig
-from updraft.models.layers import MLP
+from updraft.models.layers import ACTIVATIONS, MLP
 from updraft.weights import WeightFormat
 
 
@@ -107,6 +108,7 @@ class Experts(RoutedExperts):
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
         self.num_experts = config.num_experts
+        self.activation = config.activation
         size, hidden = config.moe_intermediate_size, config.hidden_size
         self.gate_up_proj = nn.Parameter(torch.zeros(config.num_experts, 2 * size, hidden))
         self.down_proj = nn.Parameter(torch.zeros(config.num_experts, hidden, size))
@@ -121,7 +123,7 @@ class Experts(RoutedExperts):
         gate, up = torch.bmm(self.gate_up_proj.index_select(0, experts), rows[:, :, None]).chunk(
             2, dim=1
         )
-        hidden = F.silu(gate) * up
+        hidden = ACTIVATIONS[self.activation](gate) * up
         return torch.bmm(self.down_proj.index_select(0, experts), hidden)[:, :, 0]
 
 
@@ -130,10 +132,13 @@ class PackedExperts(RoutedExperts):
     through ``updraft::grouped_mlp``, which streams each chosen expert's weights once over
     its rows (the work follows the tokens routed, not the number of experts)."""
 
-    def __init__(self, gate_up: Panels, down: Panels, fmt: WeightFormat) -> None:
+    def __init__(
+        self, gate_up: Panels, down: Panels, fmt: WeightFormat, activation: str = "silu"
+    ) -> None:
         """Over stacked panels already made: gate_up [E, 2I, H] and down [E, H, I]."""
         super().__init__()
         self.num_experts = gate_up.codes.shape[0]
+        self.activation = EXPERT_ACTIVATIONS.index(activation)
         self.format = fmt
         self.inter = down.in_features
         self.code, self.groups = gate_up.code, (gate_up.group, down.group)
@@ -145,7 +150,8 @@ class PackedExperts(RoutedExperts):
     def packed(cls, experts: Experts, fmt: WeightFormat) -> PackedExperts:
         """``experts``' float weights packed into ``fmt``'s panels."""
         gate_up = pack_stacked(experts.gate_up_proj.detach(), fmt)
-        return cls(gate_up, pack_stacked(experts.down_proj.detach(), fmt), fmt)
+        down = pack_stacked(experts.down_proj.detach(), fmt)
+        return cls(gate_up, down, fmt, experts.activation)
 
     def _grouped(
         self, rows: torch.Tensor, chosen: torch.Tensor, order: torch.Tensor
@@ -162,6 +168,7 @@ class PackedExperts(RoutedExperts):
             self.code,
             *self.groups,
             self.inter,
+            self.activation,
         )
 
     def extra_repr(self) -> str:

@@ -30,6 +30,10 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int, long: bool = False) -> 
         return inv_freq / torch.tensor(factors, dtype=torch.float32)
     if rope.kind == "linear":
         return inv_freq / rope.factor
+    if rope.kind == "proportional":
+        turning = int(rope.proportion * head_dim // 2)
+        inv_freq[turning:] = 0.0  # cos 1, sin 0: those dimensions pass through
+        return inv_freq / rope.factor
     if rope.kind == "llama3":
         return _llama3_scaled(inv_freq, rope)
     if rope.kind == "yarn":

@@ -96,6 +96,17 @@ def check_parallel(
             f"a {config.quantized.method} checkpoint is not split over tensor-parallel ranks "
             "yet: run it with tensor_parallel_size 1"
         )
+    if (
+        config.full_head_dim is not None
+        or config.num_kv_shared_layers
+        or config.per_layer_input_size
+    ):
+        raise ValueError(
+            "Gemma 4 is not split over ranks yet (its full-attention layers' own heads, "
+            "KV-shared layers and per-layer inputs have no shard): run it with "
+            "tensor_parallel_size, prefill_context_parallel_size and "
+            "decode_context_parallel_size 1"
+        )
     if config.linear_layers and (sizes.prefill_context > 1 or sizes.decode_context > 1):
         raise ValueError(
             "context parallelism (prefill_context_parallel_size, "

@@ -149,6 +149,7 @@ class Runner:
             CacheSizes(self.num_blocks, self.num_state_slots, self.num_prefix_states),
             config.block_size,
             self.device,
+            kv_sources=[model_config.kv_source(i) for i in range(model_config.num_layers)],
         )
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.captured = self._capture(query_lens, draft_loop_depth) if config.use_graphs else None
@@ -407,6 +408,8 @@ class Runner:
             return self.model.compute_logits(states) if logits is None else logits.clone()
 
         groups = {layer: group for group in self.cache_groups for layer in group.layers}
+        for layer in range(self.model_config.num_layers):  # a KV-shared layer: its source's
+            groups.setdefault(layer, groups.get(self.model_config.kv_source(layer)))
         logits = checked_replay(
             replay,
             lambda kv_caches: self.model.compute_logits(self._hidden_eager(step, kv_caches)),
