@@ -17,6 +17,7 @@ changes no values: Gemma 4's norms are stored as the checkpoint's weights.
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 from updraft.model_config.fields import LAYER_TYPES
@@ -61,7 +62,7 @@ def from_gguf(file_name: str, architecture: str, get: Any, tensors: Tensors) -> 
     """The config.json of a Gemma 4 file: ``get(key, default)`` reads its ``gemma4.``
     metadata. A missing or inconsistent size, or a layer without one of its tensors, is
     refused naming it."""
-    need = _needing(file_name, get)
+    need = needing(file_name, get, "gemma4")
     hidden, layers, heads = (
         need("embedding_length"),
         need("block_count"),
@@ -87,7 +88,7 @@ def from_gguf(file_name: str, architecture: str, get: Any, tensors: Tensors) -> 
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "global_head_dim": global_head_dim,
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rms_norm_eps": float32_decimal(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "max_position_embeddings": int(get("context_length", 131_072)),
         "sliding_window": need("attention.sliding_window"),
         "layer_types": layer_types,
@@ -113,15 +114,29 @@ def from_gguf(file_name: str, architecture: str, get: Any, tensors: Tensors) -> 
     return config
 
 
-def _needing(file_name: str, get: Any) -> Any:
+def float32_decimal(value: float) -> float:
+    """The shortest decimal that a float32 metadata value rounds from (1e-06, not
+    9.99999997e-07): the value the checkpoint's config wrote."""
+    stored = struct.pack("<f", value)
+    for digits in range(1, 10):
+        decimal = float(f"{value:.{digits}g}")
+        if struct.pack("<f", decimal) == stored:
+            return decimal
+    return float(value)
+
+
+def needing(file_name: str, get: Any, arch: str) -> Any:
+    """``need(key)``: the positive number ``<arch>.<key>`` of the file's metadata, or
+    an error naming the key."""
+
     def need(key: str) -> int:
         value = get(key)
         if value is None:
             raise ValueError(
-                f"{file_name}: the GGUF metadata lacks gemma4.{key}, which the model needs"
+                f"{file_name}: the GGUF metadata lacks {arch}.{key}, which the model needs"
             )
         if isinstance(value, list) or int(value) < 1:
-            raise ValueError(f"{file_name}: gemma4.{key} must be a positive number, got {value}")
+            raise ValueError(f"{file_name}: {arch}.{key} must be a positive number, got {value}")
         return int(value)
 
     return need

@@ -3,7 +3,8 @@ would write it for the checkpoint the file came from, checked against the file's
 tensors before anything loads.
 
 What llama.cpp fixes for gpt-oss rather than reads: every other layer slides (the
-first does), the experts' clamped SwiGLU (alpha 1.702, limit 7), the top k's weights
+first does), the experts' clamped SwiGLU (alpha 1.702, limit 7, unless the file states
+``swiglu_clamp_exp``), the top k's weights
 a softmax over the k chosen, and attention with biases and one sink per head. Its
 converter splits transformers' interleaved gate/up columns into ``ffn_gate_exps`` and
 ``ffn_up_exps`` (and their biases), transposes the float experts into rows of their
@@ -18,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from updraft.model_config.fields import LAYER_TYPES
+from updraft.model_config.gemma4_gguf import float32_decimal, needing
 from updraft.model_config.gguf_experts import read_experts
 
 Tensors = dict[str, tuple[str, tuple[int, ...]]]  # name -> (type, shape, rows first)
@@ -47,16 +49,7 @@ def from_gguf(file_name: str, architecture: str, get: Any, tensors: Tensors) -> 
     metadata. A missing or inconsistent size, or a layer without one of its tensors,
     is refused naming it."""
 
-    def need(key: str) -> int:
-        value = get(key)
-        if value is None:
-            raise ValueError(
-                f"{file_name}: the GGUF metadata lacks gpt-oss.{key}, which the model needs"
-            )
-        if isinstance(value, list) or int(value) < 1:
-            raise ValueError(f"{file_name}: gpt-oss.{key} must be a positive number, got {value}")
-        return int(value)
-
+    need = needing(file_name, get, "gpt-oss")
     hidden, layers, heads = (
         need("embedding_length"),
         need("block_count"),
@@ -88,7 +81,7 @@ def from_gguf(file_name: str, architecture: str, get: Any, tensors: Tensors) -> 
         "head_dim": int(get("attention.key_length", hidden // heads)),
         "num_local_experts": experts.num_experts,
         "num_experts_per_tok": experts.experts_per_token,
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rms_norm_eps": float32_decimal(get("attention.layer_norm_rms_epsilon", 1e-5)),
         "max_position_embeddings": int(get("context_length", 131_072)),
         "sliding_window": need("attention.sliding_window"),
         "layer_types": [
@@ -98,13 +91,28 @@ def from_gguf(file_name: str, architecture: str, get: Any, tensors: Tensors) -> 
         "attention_bias": True,
         "hidden_act": "silu",
         "swiglu_alpha": SWIGLU_ALPHA,
-        "swiglu_limit": SWIGLU_LIMIT,
+        "swiglu_limit": _clamp(file_name, get, layers),
         "tie_word_embeddings": "output.weight" not in tensors,
         "rope_parameters": _rope(file_name, get),
         "torch_dtype": "float32",
     }
     _check_tensors(file_name, tensors, config)
     return config
+
+
+def _clamp(file_name: str, get: Any, layers: int) -> float:
+    """The experts' SwiGLU clamp: llama.cpp's fixed 7, unless the file states one per
+    layer (``swiglu_clamp_exp``, as other families' files do), the same in each."""
+    limits = get("swiglu_clamp_exp")
+    if limits is None:
+        return SWIGLU_LIMIT
+    limits = limits if isinstance(limits, list) else [limits] * layers
+    if len(limits) != layers or len(set(limits)) != 1 or not limits[0] > 0:
+        raise ValueError(
+            f"{file_name}: gpt-oss.swiglu_clamp_exp is {limits}; one positive clamp for "
+            f"all {layers} layers is read"
+        )
+    return float32_decimal(limits[0])
 
 
 def _rope(file_name: str, get: Any) -> dict[str, Any]:

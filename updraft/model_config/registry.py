@@ -15,7 +15,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from updraft.model_config import deepseek, gemma3, gemma4, llama, qwen35, qwen35_gguf
+from updraft.model_config import (
+    deepseek,
+    gemma3,
+    gemma4,
+    gemma4_gguf,
+    llama,
+    qwen35,
+    qwen35_gguf,
+)
 
 # config.json (as a dict) and the architecture named in it -> ModelConfig's fields.
 Parser = Callable[[dict[str, Any], str], dict[str, Any]]
@@ -135,7 +143,14 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("Gemma3ForConditionalGeneration", gemma3.parse, GEMMA3, prequantized=True),
         # Per-layer head shapes, KV-shared layers and per-layer inputs; the multimodal
         # checkpoints' text tower.
-        Architecture("Gemma4ForCausalLM", gemma4.parse, GEMMA4),
+        Architecture(
+            "Gemma4ForCausalLM",
+            gemma4.parse,
+            GEMMA4,
+            gguf_name="gemma4",
+            from_gguf=gemma4_gguf.from_gguf,
+            gguf_tensor_names=gemma4_gguf.GGUF_TENSORS,
+        ),
         Architecture("Gemma4ForConditionalGeneration", gemma4.parse, GEMMA4),
         Architecture("DeepseekV2ForCausalLM", deepseek.parse, DEEPSEEK),
         # V2's GGUF files say deepseek2 too: the parser tells the two apart by their router.

@@ -4,8 +4,9 @@ llama.cpp stores each layer's routed experts as one tensor per projection, [expe
 rows, columns] (``STACKED``), beside the router and any shared experts (``NAMES``:
 ordinary tensors, which ``gguf_loader`` places by their transformers names). Every
 family whose experts live at ``model.layers.N.mlp`` (Qwen3-MoE, Qwen2-MoE, Mixtral,
-DeepSeek: router ``gate``, routed ``experts``, ``shared_experts``) reads them alike. A
-layer's experts become, by the types the file keeps them in:
+DeepSeek: router ``gate``, routed ``experts``, ``shared_experts``) reads them alike, and
+so does Gemma 4, whose experts live at ``model.layers.N.experts`` beside its dense MLP.
+A layer's experts become, by the types the file keeps them in:
 
 * float (F32, F16, BF16): the model's stacked ``Experts`` parameters, packed like a
   safetensors checkpoint's (``PackedExperts`` in the file's float format);
@@ -41,9 +42,14 @@ from updraft.models.gguf_tensors import FLOAT_DTYPES, block_rows, float_tensor
 from updraft.models.moe import Experts, PackedExperts, RoutedExperts, expert_offsets
 from updraft.weights import WeightFormat
 
-# A layer's stacked routed experts: which projection each tensor holds.
-STACKED = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate|up|gate_up|down)_exps\.weight")
+# A layer's stacked routed experts: which projection each tensor holds (gpt-oss's have
+# a bias beside each).
+STACKED = re.compile(
+    r"blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate|up|gate_up|down)_exps\.(?P<part>weight|bias)"
+)
 EXPERTS_MODULE = "model.layers.{layer}.mlp.experts"
+# Where else a layer's experts may live: beside its dense MLP (Gemma 4's).
+OTHER_EXPERTS_MODULES = ("model.layers.{layer}.experts",)
 # The tensors around them, as transformers' checkpoints of these families name them.
 NAMES = (
     (r"blk\.(\d+)\.ffn_gate_inp\.weight", r"model.layers.\1.mlp.gate.weight"),
@@ -63,7 +69,7 @@ def down_target(name: str) -> tuple[str, int] | None:
     """The parameter (and its part) that a stacked ``ffn_down_exps`` tensor ``name``
     fills, whose inputs a tensor-parallel rank splits; None for any other tensor."""
     match = STACKED.fullmatch(name)
-    if match is None or match["proj"] != "down":
+    if match is None or match["proj"] != "down" or match["part"] != "weight":
         return None
     return f"{EXPERTS_MODULE.format(layer=match['layer'])}.down_proj", 0
 
@@ -134,13 +140,24 @@ class ExpertTensors:
         match = STACKED.fullmatch(name)
         if match is None:
             return False
-        module = EXPERTS_MODULE.format(layer=match["layer"])
-        if not isinstance(self.modules.get(module), Experts):
+        module = self._module(match["layer"])
+        if module is None:
             raise ValueError(f"{self.file_name}: GGUF tensor {name} fits no experts of the model")
         proj = match["proj"]
+        if match["part"] == "bias":
+            raise ValueError(f"{self.file_name}: {name}: these experts have no biases")
         data = self.share.experts(name, kind, data, module, proj)
-        self.layers.setdefault(module, {})[proj] = Stacked(kind, data)
+        key = proj if match["part"] == "weight" else f"{proj}.bias"
+        self.layers.setdefault(module, {})[key] = Stacked(kind, data)
         return True
+
+    def _module(self, layer: str) -> str | None:
+        """The name of layer ``layer``'s routed experts in the model, if it has any."""
+        for pattern in (EXPERTS_MODULE, *OTHER_EXPERTS_MODULES):
+            module = pattern.format(layer=layer)
+            if isinstance(self.modules.get(module), Experts):
+                return module
+        return None
 
     def place(self) -> None:
         for module_name, parts in self.layers.items():
@@ -182,7 +199,14 @@ class ExpertTensors:
             per_expert = [[part[e] for part in blocks] for e in range(num_experts)]
             gate_up_panels = stacked_block_panels(per_expert, fmt, hidden)
             down_panels = stacked_block_panels([[d] for d in down_blocks], fmt, inter)
-            return PackedExperts(gate_up_panels, down_panels, WeightFormat(fmt, 32))
+            fmt = WeightFormat(fmt, 32)
+            return PackedExperts(gate_up_panels, down_panels, fmt, experts.activation)
+        if experts.activation != "silu":  # the block kernels' experts gate with SiLU
+            raise ValueError(
+                f"{self.file_name}: {where}'s experts gate with {experts.activation} and "
+                f"are in {sorted(kinds)} blocks; such experts are read in float, all Q8_0 "
+                "or all Q4_0"
+            )
         types = [BLOCK_TYPES[part.kind] for part in gate_up]
         return BlockExperts(blocks, types, down_blocks, BLOCK_TYPES[down.kind], inter)
 

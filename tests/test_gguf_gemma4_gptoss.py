@@ -1,0 +1,259 @@
+"""Gemma 4 and gpt-oss GGUF files as llama.cpp's own converter writes them give what
+transformers gives on the weights they hold.
+
+The tiny checkpoints ("gemma4": KV-shared layers, per-layer inputs, a double-wide MLP,
+full layers whose values are their keys with their own head size and KV heads,
+proportional RoPE; "gemma4-moe": experts beside each dense MLP; "gpt-oss": sinks,
+biases, float experts; "gpt-oss-mxfp4": its experts as HF's MXFP4 blocks) are
+converted to f32, f16, bf16, q8_0 and (gpt-oss-mxfp4) MXFP4-expert files in one
+converter process. The reference is transformers' model of the checkpoint's config
+with every parameter set to the values the file holds: read with gguf-py's reader,
+widened by gguf-py's own dequantizers (Q8_0, MXFP4, the float types) and placed by
+gguf-py's own name map (llama.cpp's), with the converter's documented change to
+gpt-oss's experts undone (gate/up columns split, the float ones transposed). Every
+parameter must be filled. An f32 file holds the checkpoint exactly; every file, read
+by updraft, gives the reference's greedy tokens and logits. Gemma 4's per-layer table
+stays in the file's map, in its type.
+
+The config.json made from a file's metadata gives transformers' config of the
+checkpoint; a file missing a tensor, or with a size or key that disagrees, is refused
+naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, get_tensor_name_map, quants
+
+from tests.checkpoints import build_checkpoint
+from tests.helpers import greedy
+from tests.llama_cpp_tree import convert_many, llama_cpp_tree
+from tests.probes import logits_of, probed, records
+from tests.test_gguf_deepseek import rewritten
+from updraft import LLM
+
+PROMPTS = [list(range(3, 20)), [200, 17, 9]]  # each past the windows of 8
+NEW_TOKENS = 8
+# gpt-oss's files state no SwiGLU clamp: llama.cpp fixes gpt-oss's own 7.
+GPT_OSS = {"swiglu_limit": 7.0}
+# Per-layer inputs of 16 a layer: the table's rows (6 layers) are whole Q8_0 blocks.
+GEMMA4 = {"hidden_size_per_layer_input": 16}
+# name -> (tiny checkpoint, its changes, the converter's outtype)
+FILES = {
+    "gemma4-f32": ("gemma4", GEMMA4, "f32"),
+    "gemma4-f16": ("gemma4", GEMMA4, "f16"),
+    "gemma4-bf16": ("gemma4", GEMMA4, "bf16"),
+    "gemma4-q8_0": ("gemma4", GEMMA4, "q8_0"),
+    "gemma4-moe-f32": ("gemma4-moe", GEMMA4, "f32"),
+    "gemma4-moe-q8_0": ("gemma4-moe", GEMMA4, "q8_0"),
+}
+# Gemma 4's router scales, which the converter names itself (gguf-py's map has them not).
+RENAMED_BY_THE_CONVERTER = {
+    "scale": "ffn_gate_inp.scale",
+    "per_expert_scale": "ffn_down_exps.scale",
+}
+# Within what updraft's logits match the reference's, by the file's float arithmetic.
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """name -> (checkpoint, GGUF file), every file converted in one process."""
+    llama_cpp_tree()
+    root = tmp_path_factory.mktemp("gguf-gemma4-gptoss")
+    checkpoints: dict[str, Path] = {}
+    jobs, made = [], {}
+    for name, (kind, changes, outtype) in FILES.items():
+        if kind not in checkpoints:
+            checkpoint = build_checkpoint(kind, root / kind, **changes)
+            # Gemma's converter cuts the embedding to the tokenizer's size; these
+            # checkpoints' vocabulary is llama.cpp's built-in one cut to theirs.
+            vocab = {str(i): i for i in range(256)}
+            tokenizer = {"model": {"vocab": vocab}, "added_tokens": []}
+            (checkpoint / "tokenizer.json").write_text(json.dumps(tokenizer))
+            checkpoints[kind] = checkpoint
+        path = root / f"{name}.gguf"
+        jobs.append((checkpoints[kind], path, outtype))
+        made[name] = (checkpoints[kind], path)
+    convert_many(jobs)
+    return made
+
+
+def file_model(checkpoint: Path, path: Path) -> torch.nn.Module:
+    """transformers' model of ``checkpoint``'s config (float experts), each parameter
+    the values ``path`` holds for it."""
+    config = transformers.AutoConfig.from_pretrained(checkpoint)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # its experts come from the file, widened
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    reader = GGUFReader(str(path))
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    arch = reader.fields["general.architecture"].contents()
+    arch = next(key for key, name in MODEL_ARCH_NAMES.items() if name == arch)
+    names = get_tensor_name_map(arch, config.num_hidden_layers)
+    used = set()
+
+    def values(name: str) -> torch.Tensor:
+        used.add(name)
+        tensor = tensors[name]
+        kind = tensor.tensor_type
+        if kind == GGMLQuantizationType.F32:
+            return torch.from_numpy(np.array(tensor.data))
+        return torch.from_numpy(quants.dequantize(np.asarray(tensor.data), kind).copy())
+
+    with torch.no_grad():
+        for hf, param in weights(model).items():
+            if ".mlp.experts." in hf and "gpt_oss" in config.model_type:
+                param.copy_(gpt_oss_expert(hf, values))
+                continue
+            base, _, suffix = hf.rpartition(".")
+            found = names.get_name(hf, try_suffixes=(".weight", ".bias", ".scale"))
+            if base.endswith(".router") and suffix in RENAMED_BY_THE_CONVERTER:
+                found = f"blk.{hf.split('.')[2]}.{RENAMED_BY_THE_CONVERTER[suffix]}"
+            if found is None:  # gguf-py maps the module; the suffix is the converter's
+                found = names.get_name(base) and f"{names.get_name(base)}.{suffix}"
+            if found not in tensors and f"{found}.weight" in tensors:
+                found = f"{found}.weight"  # scalars and sinks get a .weight
+            assert found in tensors, (hf, found)
+            param.copy_(values(found).reshape(param.shape))
+    assert set(tensors) - used <= {"rope_freqs.weight", "output.weight"}, set(tensors) - used
+    return model
+
+
+def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A transformers model's parameters, and the buffers its checkpoint fills (Gemma
+    4's layer scalars)."""
+    scalars = {name: b for name, b in model.named_buffers() if name.endswith("layer_scalar")}
+    return {**dict(model.named_parameters()), **scalars}
+
+
+def gpt_oss_expert(hf: str, values) -> torch.Tensor:
+    """transformers' gpt-oss expert tensor ``hf`` from the file's split gate and up
+    (interleaved back as columns) and its rows-of-inputs weights (transposed back)."""
+    layer = hf.split(".")[2]
+    blk = f"blk.{layer}"
+    if hf.endswith("down_proj"):
+        return values(f"{blk}.ffn_down_exps.weight").transpose(1, 2)
+    if hf.endswith("down_proj_bias"):
+        return values(f"{blk}.ffn_down_exps.bias")
+    part = "bias" if hf.endswith("_bias") else "weight"
+    gate, up = (values(f"{blk}.ffn_{proj}_exps.{part}") for proj in ("gate", "up"))
+    if part == "weight":
+        gate, up = gate.transpose(1, 2), up.transpose(1, 2)
+    return torch.stack([gate, up], dim=-1).flatten(-2)
+
+
+@pytest.fixture(scope="module")
+def file_models(files):
+    """name -> ``file_model`` of that file, made once."""
+    cache: dict[str, torch.nn.Module] = {}
+
+    def of(name: str) -> torch.nn.Module:
+        if name not in cache:
+            cache[name] = file_model(*files[name]).eval()
+        return cache[name]
+
+    return of
+
+
+@pytest.mark.parametrize("name", ["gemma4-f32", "gemma4-moe-f32"])
+def test_an_f32_file_holds_the_checkpoint(files, file_models, name):
+    checkpoint, _ = files[name]
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    ours = weights(file_models(name))
+    for hf, param in weights(theirs).items():
+        assert torch.equal(ours[hf], param), hf
+
+
+@pytest.mark.parametrize("name", sorted(FILES))
+def test_a_converted_file_gives_transformers_tokens_and_logits(files, file_models, name):
+    """updraft's greedy tokens are the reference's (each its argmax after the ones
+    before), its logits within ``TOLERANCE`` of the reference's."""
+    _, path = files[name]
+    llm = probed(str(path), block_size=4, num_kv_blocks=64, enforce_eager=True)
+    outputs = llm.generate(PROMPTS, greedy(NEW_TOKENS))
+    seen = records(llm)
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        tokens = list(output.outputs[0].token_ids)
+        sequence = prompt + tokens
+        with torch.no_grad():
+            expected = file_models(name)(torch.tensor([sequence])).logits[0]
+        expected = expected[len(prompt) - 1 : len(sequence) - 1]
+        assert expected.argmax(-1).tolist() == tokens, name
+        got = logits_of(seen, output)
+        assert (got - expected).abs().max().item() < TOLERANCE, name
+
+
+def test_the_config_is_the_checkpoint_s(files):
+    """The config.json made from each file's metadata is transformers' config of the
+    checkpoint, field for field (but its dtype and the token ids the file keeps apart)."""
+    from updraft.checkpoints.local import local_checkpoint
+
+    left_out = {"dtype", "torch_dtype", "bos_token_id", "eos_token_id", "pad_token_id"}
+    left_out |= {"transformers_version", "quantization_config", "architectures", "_name_or_path"}
+    left_out |= {"initializer_range"}  # training's
+    for name in ("gemma4-f32", "gemma4-moe-f32"):
+        checkpoint, path = files[name]
+        theirs = transformers.AutoConfig.from_pretrained(checkpoint)
+        made = json.loads((Path(local_checkpoint(str(path))) / "config.json").read_text())
+        made.pop("model_type")  # the file's architecture (gguf.py writes it)
+        ours, theirs = type(theirs)(**made).to_dict(), theirs.to_dict()
+        for key in sorted((set(ours) | set(theirs)) - left_out):
+            assert ours.get(key) == theirs.get(key), (name, key)
+
+
+def test_the_per_layer_table_stays_in_the_file_s_map_in_its_type(files):
+    from updraft.models.gguf_tables import BlockTable
+    from updraft.models.mapped_table import MappedEmbedding
+
+    for name, kind in (("gemma4-bf16", torch.bfloat16), ("gemma4-q8_0", None)):
+        llm = LLM(str(files[name][1]), block_size=4, num_kv_blocks=16, enforce_eager=True)
+        model = llm.engine._runner.model  # noqa: SLF001
+        table = model.model.embed_tokens_per_layer
+        if kind is None:
+            assert isinstance(table, BlockTable) and table.blocks.dtype == torch.uint8
+        else:
+            assert isinstance(table, MappedEmbedding) and table.weight.dtype == kind
+        buffer = table.blocks if kind is None else table.weight
+        assert not buffer.untyped_storage().resizable()  # the file's map, not a copy
+        llm.engine.close()
+
+
+def without(name: str):
+    return lambda tensor: [] if tensor.name == name else None
+
+
+def shortened(name: str):
+    """The tensor ``name`` less its last row (rows first)."""
+    return lambda tensor: (
+        [(name, np.array(tensor.data)[:-1], tensor.tensor_type)] if tensor.name == name else None
+    )
+
+
+@pytest.mark.parametrize(
+    "name, changed, tensors, message",
+    [
+        ("gemma4-f32", {}, without("blk.1.attn_k.weight"), "layer 1 lacks blk.1.attn_k.weight"),
+        ("gemma4-f32", {}, without("per_layer_token_embd.weight"), "no per_layer_token_embd"),
+        ("gemma4-f32", {}, shortened("blk.0.attn_q.weight"), r"blk.0.attn_q.weight has shape"),
+        ("gemma4-f32", {"attention.sliding_window_pattern": None}, None, "sliding_window_pattern"),
+        (
+            "gemma4-f32",
+            {"attention.key_length_swa": None},
+            None,
+            "lacks gemma4.attention.key_length_swa",
+        ),
+        ("gemma4-moe-f32", {}, without("blk.0.ffn_down_exps.weight"), "no ffn_down_exps"),
+    ],
+)
+def test_what_cannot_be_read_is_refused_by_name(files, tmp_path, name, changed, tensors, message):
+    _, path = files[name]
+    bad = rewritten(path, tmp_path / "bad.gguf", changed, tensors or (lambda tensor: None))
+    with pytest.raises(ValueError, match=f"bad.gguf: .*{message}"):
+        LLM(str(bad), enforce_eager=True)
