@@ -17,8 +17,8 @@ here first. Engines run in rounds, in a rotating order; the table shows the best
 and the range. Every engine's tokens are compared with updraft's.
 
     bash benchmarks/peers/setup_vllm.sh; bash benchmarks/peers/setup_llamacpp.sh
-    .venv/bin/python -m benchmarks.bench_peers [--model demo|100m|500m|moe|qwen3.5] \\
-        [--rounds 3] [--format float32|bfloat16|float16|int4|gguf] [--contention] [--ngram]
+    .venv/bin/python -m benchmarks.bench_peers [--model demo|100m|500m|moe|qwen3.5|gpt-oss] \\
+        [--rounds 3] [--format float32|bfloat16|float16|int4|gguf|mxfp4] [--contention] [--ngram]
 
 ``--format`` runs each engine on the weights users would download or make in that
 format (FORMATS below); every run's floor is its own weight bytes per token. ``gguf``
@@ -30,6 +30,11 @@ converter writes (the tree of the pinned ``llama-cpp-python`` sdist, as the test
 it), since the GGUF layout of its linear-attention tensors is the converter's to define.
 vLLM's CPU build runs its linear-attention layers in bfloat16 only (``--format
 bfloat16``); in the other formats it is left out.
+
+``--model gpt-oss --format mxfp4`` is a gpt-oss-shaped mixture (32 experts, 4 active,
+attention sinks, alternating 128-token windows) whose experts are in MXFP4, as OpenAI
+ships gpt-oss (``make_random_gpt_oss``); llama.cpp reads the GGUF file its own converter
+writes from that checkpoint, experts still in MXFP4.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from safetensors import safe_open
 
 from benchmarks.common import (
     active_expert_fraction,
+    make_random_gpt_oss,
     make_random_qwen3,
     make_random_qwen3_moe,
     make_random_qwen35,
@@ -116,6 +122,15 @@ FORMATS: dict[str, list[tuple[str, str, str, list[str]]]] = {
             ["quantization='int4'", "quantization_group_size=128"],
         ),
         ("llama.cpp Q4_0", "llama.cpp", "Q4_0", []),
+    ],
+    # gpt-oss as OpenAI ships it, experts in MXFP4: updraft and vLLM on the checkpoint
+    # (vLLM's CPU build computes in bfloat16), updraft and llama.cpp on the GGUF file
+    # llama.cpp's own converter writes from it (experts kept in MXFP4, the rest F32).
+    "mxfp4": [
+        ("updraft", "updraft", "float32", []),
+        ("updraft GGUF", "updraft", "gguf:MXFP4", []),
+        ("llama.cpp MXFP4", "llama.cpp", "MXFP4", []),
+        ("vllm bf16", "vllm", "float32", ["dtype='bfloat16'"]),
     ],
     # The same GGUF files for both engines, each quantized by llama.cpp's own quantizer;
     # updraft with float32 activations (its default) and with int8 ones, as llama.cpp.
@@ -231,6 +246,8 @@ def prepare_model(name: str, work: Path) -> tuple[Path, int]:
         return make_random_qwen3(work / "qwen3-500m", scale=2), 32000
     if name == "qwen3.5":
         return make_random_qwen35(work / "qwen3.5-100m"), 32000
+    if name == "gpt-oss":
+        return make_random_gpt_oss(work / "gpt-oss-mxfp4"), 32000
     return make_random_qwen3(work / "qwen3-100m"), 32000
 
 
@@ -241,7 +258,11 @@ def prepare_gguf(model: Path, work: Path, file_type: str = "F32") -> Path:
     if out.is_file():
         return out
     python = str(PYTHONS["llama.cpp"])
-    if file_type == "F32" and is_hybrid(model):
+    if file_type == "MXFP4":  # converted from the checkpoint's own MXFP4 experts
+        from tests.llama_cpp_tree import convert
+
+        convert(model, out, "f32")
+    elif file_type == "F32" and is_hybrid(model):
         from tests.llama_cpp_tree import convert
 
         # the checkpoint carries no MTP head, which the converter would otherwise expect
@@ -273,7 +294,7 @@ def summary(values: list[float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--model", choices=["demo", "100m", "500m", "moe", "qwen3.5"], default="100m"
+        "--model", choices=["demo", "100m", "500m", "moe", "qwen3.5", "gpt-oss"], default="100m"
     )
     parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "peers")
     parser.add_argument("--engines", default="updraft,vllm,llama.cpp,transformers")

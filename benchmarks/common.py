@@ -127,6 +127,38 @@ def make_random_qwen3_moe(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
+def make_random_gpt_oss(directory: Path, seed: int = 0) -> Path:
+    """A gpt-oss-shaped model with random weights: 32 experts of which 4 are active per
+    token, sliding (128) and full layers alternating, attention sinks, YaRN, its experts
+    in MXFP4 as OpenAI publishes them and the rest in float32 (hidden 768, 12 layers,
+    experts of 768 rows, a 32k vocabulary: about 390 MB, a token reading about 160 MB)."""
+    import transformers
+
+    from tests.checkpoints import write_mxfp4_experts
+
+    if (directory / "config.json").is_file():
+        return directory
+    config = transformers.GptOssConfig(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        sliding_window=128,
+        max_position_embeddings=4096,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    transformers.GptOssForCausalLM(config).save_pretrained(directory)
+    return write_mxfp4_experts(directory)
+
+
 def stream_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     """Bytes per second of reading a large float32 tensor (a sum over it), best of a few."""
     data = torch.ones(int(gib * 2**30) // 4)
@@ -188,7 +220,7 @@ def updraft_weight_bytes(model: Path, engine: dict) -> int:
     """Bytes an updraft decode step reads: every packed linear's codes, scales and zeros,
     and the active share of the packed experts' (``engine``: LLM settings)."""
     from updraft import LLM
-    from updraft.models.moe import PackedExperts
+    from updraft.models.moe import RoutedExperts
     from updraft.models.packed_linear import PackedLinear
 
     llm = LLM(model, num_kv_blocks=16, enforce_eager=True, **engine)
@@ -199,8 +231,8 @@ def updraft_weight_bytes(model: Path, engine: dict) -> int:
             total += sum(
                 t.nbytes for t in (module.codes, module.scales, module.zeros) if t is not None
             )
-        elif isinstance(module, PackedExperts):
-            experts = sum(t.nbytes for t in module.buffers())
+        elif isinstance(module, RoutedExperts):  # packed, in GGUF or MXFP4 blocks
+            experts = sum(t.nbytes for t in (*module.buffers(), *module.parameters()))
             total += experts * active_expert_fraction(model)
     llm.engine.close()
     return int(total)

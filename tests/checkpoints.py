@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -130,6 +131,31 @@ QWEN35_EXPERTS = dict(
     shared_expert_intermediate_size=48,
 )
 
+# gpt-oss: a sliding layer (window shorter than most prompts), then a full one; 4 experts
+# of 32 rows, 2 per token, float; YaRN (not truncated) over an original context of 32
+# positions, which the prompts and decodes run past; a SwiGLU clamp low enough to bite.
+GPT_OSS = dict(
+    **{**TINY, "intermediate_size": 32},
+    num_key_value_heads=2,
+    head_dim=16,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=WINDOW,
+    layer_types=["sliding_attention", "full_attention"],
+    attention_bias=True,
+    swiglu_limit=2.0,
+    tie_word_embeddings=False,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 16.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 32,
+    },
+)
+
 # EAGLE-1 heads: one Llama layer; the target's width and vocabulary come from its config.
 EAGLE_HEAD = dict(
     intermediate_size=96,
@@ -210,6 +236,16 @@ def _hybrid_params(model: nn.Module) -> None:
             param.normal_(0, 0.3)
         elif name.endswith("mlp.gate.weight"):
             param.normal_(0, 1.0)
+
+
+def _gpt_oss_params(model: nn.Module) -> None:
+    """gpt-oss's expert biases start at 0 and its sinks and router near it: drawn, a bias,
+    a sink or a routing mixed up shows."""
+    for name, param in model.named_parameters():
+        if name.endswith(("sinks", "router.weight", "router.bias")):
+            param.normal_(0, 1.0)
+        elif name.endswith("proj_bias"):
+            param.normal_(0, 0.5)
 
 
 @dataclass(frozen=True)
@@ -383,6 +419,7 @@ FAMILIES: dict[str, Family] = {
         },
         _hybrid_params,
     ),
+    "gpt-oss": Family("GptOssConfig", "GptOssForCausalLM", GPT_OSS, _gpt_oss_params),
     # the text tower above with a tiny vision tower: updraft serves the text tower
     "gemma3-multimodal": Family(
         "Gemma3Config",
@@ -486,7 +523,10 @@ def build_checkpoint(
     **changes: Any,
 ) -> Path:
     """Save a random ``kind`` model (see ``tiny_model``) in ``directory`` as transformers
-    does."""
+    does (a kind of ``MXFP4_KINDS``: its float kind, its experts then quantized)."""
+    if kind in MXFP4_KINDS:
+        build_checkpoint(MXFP4_KINDS[kind], directory, seed=seed, dtype=dtype, **changes)
+        return write_mxfp4_experts(directory)
     tiny_model(kind, seed=seed, dtype=dtype, sharpen=sharpen, **changes).save_pretrained(directory)
     return directory
 
@@ -603,3 +643,48 @@ def _mtp_block_of_v32() -> dict[str, torch.Tensor]:
         tensors[f"{name}.weight"] = 1 + 0.2 * torch.randn(hidden)
     tensors["eh_proj.weight"] = 0.2 * torch.randn(hidden, 2 * hidden)
     return tensors
+
+
+# -- gpt-oss's experts as OpenAI publishes them: MXFP4 blocks ----------------------------
+
+# A kind whose experts are written in MXFP4, and the float kind it is drawn as.
+MXFP4_KINDS = {"gpt-oss-mxfp4": "gpt-oss"}
+# What stays unquantized in a published gpt-oss checkpoint (its quantization_config).
+MXFP4_KEPT = [
+    "model.layers.*.self_attn",
+    "model.layers.*.mlp.router",
+    "model.embed_tokens",
+    "lm_head",
+]
+
+
+def mxfp4_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [..., K] quantized by llama.cpp's MXFP4 quantizer (the gguf package's),
+    laid out as transformers' checkpoints hold it: blocks [..., K / 32, 16] with codes
+    2j and 2j + 1 in byte j's low and high nibbles (ggml puts j and j + 16 there), and
+    scales [..., K / 32]."""
+    from gguf import GGMLQuantizationType, quants
+
+    *outer, k = weight.shape
+    flat = weight.reshape(-1, k).float().numpy()
+    ggml = quants.quantize(flat, GGMLQuantizationType.MXFP4).reshape(*outer, k // 32, 17)
+    scales, packed = ggml[..., 0], ggml[..., 1:]
+    codes = np.concatenate([packed & 0xF, packed >> 4], axis=-1)  # [..., 32] in order
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return torch.from_numpy(np.ascontiguousarray(blocks)), torch.from_numpy(scales.copy())
+
+
+def write_mxfp4_experts(directory: Path) -> Path:
+    """The checkpoint in ``directory`` with its experts' weights (transformers' [E, in,
+    out]) replaced by MXFP4 ``_blocks`` and ``_scales`` over their rows of outputs, and
+    the ``quantization_config`` that says so."""
+    path = directory / "model.safetensors"
+    tensors = load_file(path)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = mxfp4_blocks(tensors.pop(name).transpose(1, 2))
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    save_file(tensors, path, metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": MXFP4_KEPT}
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return directory

@@ -79,10 +79,12 @@ def test_a_family_is_named_only_in_its_parser_its_model_file_and_the_registry():
         "model_config/gemma3.py",
         "model_config/deepseek.py",
         "model_config/qwen35.py",
+        "model_config/gpt_oss.py",
         "models/llama.py",
         "models/gemma.py",
         "models/deepseek.py",
         "models/qwen35.py",
+        "models/gpt_oss.py",
     }
     naming = {
         path.relative_to(PACKAGE).as_posix(): sorted(found)

@@ -14,17 +14,32 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
+import transformers
 from gguf import GGMLQuantizationType, quants
-from safetensors.torch import save_file
-from transformers import GptOssConfig
+from safetensors.torch import load_file, save_file
+from transformers import GptOssConfig, Mxfp4Config
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
+from tests.checkpoints import build_checkpoint
+from tests.helpers import greedy, token_ids
+from tests.probes import logits_of, probed, records
+from tests.test_reference_models import PROMPTS
 from updraft.kernels.gguf_ops import BLOCK_TYPES, gguf_dequantize, gguf_linear
-from updraft.models.mxfp4_experts import ggml_blocks, mxfp4_bytes, read_mxfp4_experts
+from updraft.model_config import ModelConfig
+from updraft.models.loader import load_model
+from updraft.models.mxfp4_experts import (
+    Mxfp4Experts,
+    ggml_blocks,
+    mxfp4_bytes,
+    read_mxfp4_experts,
+)
 
 MXFP4 = BLOCK_TYPES["MXFP4"]
 PREFIX = "model.layers.0.mlp.experts"
@@ -166,3 +181,80 @@ def test_a_block_tensor_of_the_wrong_shape_is_refused_by_name(checkpoint, tmp_pa
         ValueError, match=rf"{name} has shape \[4, 64, 2, 16\], not \[4, 64, 3, 16\]"
     ):
         read(tmp_path / "bad.safetensors")
+
+
+# -- a gpt-oss checkpoint with MXFP4 experts ----------------------------------------------
+
+ENGINE = dict(block_size=4, num_kv_blocks=96)
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(tmp_path_factory):
+    """The tiny gpt-oss with MXFP4 experts, and what transformers computes on it,
+    dequantizing the experts as it loads: each prompt's greedy tokens and the logits
+    they were drawn from."""
+    directory = build_checkpoint("gpt-oss-mxfp4", tmp_path_factory.mktemp("gpt-oss-mxfp4"))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True)
+    ).eval()
+    expected = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            out = reference.generate(
+                torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+            )[0]
+            logits = reference(out[None, :-1]).logits[0, len(prompt) - 1 :]
+            expected.append((out[len(prompt) :].tolist(), logits))
+    return directory, expected
+
+
+@pytest.mark.parametrize("mode", [{"enforce_eager": True}, {"graph_mode": "full"}])
+def test_logits_and_greedy_tokens_equal_transformers_dequantized_model(gpt_oss_mxfp4, mode):
+    directory, expected = gpt_oss_mxfp4
+    llm = probed(str(directory), **ENGINE, **mode)
+    outputs = llm.generate(PROMPTS, greedy(NEW_TOKENS))
+    steps = llm.engine.stats().steps
+    assert any(step.startswith("graph") for step in steps) != bool(mode.get("enforce_eager"))
+    seen = records(llm)
+    assert token_ids(outputs) == [tokens for tokens, _ in expected]
+    for output, (_, logits) in zip(outputs, expected, strict=True):
+        torch.testing.assert_close(logits_of(seen, output), logits, atol=1e-4, rtol=1e-4)
+
+
+def loaded(directory) -> torch.nn.Module:
+    config = ModelConfig.from_dir(directory)
+    return load_model(config, directory, torch.float32)
+
+
+def test_loaded_experts_stay_in_mxfp4_blocks(gpt_oss_mxfp4):
+    """17 bytes per 32 expert weights, and no float copy of them anywhere."""
+    directory, _ = gpt_oss_mxfp4
+    config = ModelConfig.from_dir(directory)
+    model = loaded(directory)
+    moe = config.moe
+    per_layer = moe.num_experts * 3 * moe.moe_intermediate_size * config.hidden_size
+    assert mxfp4_bytes(model) == config.num_layers * per_layer // 32 * 17
+    experts = [m for m in model.modules() if isinstance(m, Mxfp4Experts)]
+    assert len(experts) == config.num_layers
+    assert all(m.gate_up.dtype == m.down.dtype == torch.uint8 for m in experts)
+    names = [name for name, _ in (*model.named_parameters(), *model.named_buffers())]
+    assert not [name for name in names if name.endswith(("gate_up_proj", "down_proj"))]
+
+
+def test_a_bad_block_tensor_in_a_checkpoint_is_refused_by_name(gpt_oss_mxfp4, tmp_path):
+    directory, _ = gpt_oss_mxfp4
+    shutil.copytree(directory, tmp_path, dirs_exist_ok=True)
+    tensors = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.1.mlp.experts.gate_up_proj_scales"
+    tensors[name] = tensors[name][:, :-1].contiguous()
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"model.safetensors: {name} has shape"):
+        loaded(tmp_path)
+
+
+def test_mxfp4_of_an_architecture_without_mxfp4_experts_is_refused_by_name(gpt_oss_mxfp4):
+    raw = json.loads((gpt_oss_mxfp4[0] / "config.json").read_text())
+    llama = {**raw, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    with pytest.raises(ValueError, match="mxfp4 checkpoint of LlamaForCausalLM"):
+        ModelConfig.from_dict(llama)

@@ -38,16 +38,19 @@ def attention(
     layer: str,
     selector: ScoredSelector | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The reader's queries [T, H, D] attended over the step's contexts (each query's
-    last ``window`` positions, for a sliding-window layer) -> [T, H * Dv].
+    last ``window`` positions, for a sliding-window layer; each head's sink logit,
+    ``sinks`` [H], in its softmax's denominator) -> [T, H * Dv].
     The loop is a task (its group shapes change every step) unless the metadata is a
     bucket's (a FULL graph holds it); under decode context parallelism it runs with the
-    group's query heads over this rank's positions, between two all-gathers."""
+    group's query heads over this rank's positions, between two all-gathers, and the
+    sinks join the merge of this rank's heads."""
     shard = metadata.context.decode
     kwargs = {"reader": reader, "metadata": metadata, "selector": selector, "window": window}
     if shard is None:
-        return attention_op(attend, kwargs, layer, metadata)
+        return attention_op(attend, {**kwargs, "sinks": sinks}, layer, metadata)
     tokens, heads, width = reader.query.shape
     queries = torch.ops.updraft.all_gather_last(reader.query.flatten(1), shard.group, shard.size)
     kwargs["reader"] = reader._replace(query=queries.view(tokens, shard.size * heads, width))
@@ -55,7 +58,8 @@ def attention(
         kwargs["selector"] = ShardedSelection(selector, shard)
     out = attention_op(attend, kwargs, layer, metadata)
     gathered = torch.ops.updraft.all_gather_last(out, shard.group, shard.size)
-    return merge_own_heads(gathered, shard, heads, reader.value_dim).to(reader.query.dtype)
+    merged = merge_own_heads(gathered, shard, heads, reader.value_dim, sinks)
+    return merged.to(reader.query.dtype)
 
 
 def step_rows(metadata: AttentionMetadata, *parts: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -113,13 +117,19 @@ class ShardedSelection(NamedTuple):
         return Selection.within(mine, self.selector.topk)
 
 
-def merge_own_heads(shards: torch.Tensor, rank: GroupRank, heads: int, dim: int) -> torch.Tensor:
+def merge_own_heads(
+    shards: torch.Tensor,
+    rank: GroupRank,
+    heads: int,
+    dim: int,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Every rank's shard attention, gathered along the last dim
     [T, C * (C * heads * dim + C * heads)] -> this rank's ``heads`` merged over the
-    shards, [T, heads * dim]."""
+    shards (with their sinks, ``sinks`` [heads]), [T, heads * dim]."""
     size, tokens = rank.size, shards.shape[0]
     width = size * heads * dim
     parts = shards.view(tokens, size, width + size * heads)
     outs = parts[..., :width].reshape(tokens, size, size, heads, dim)[:, :, rank.rank]
     lse = parts[..., width:].reshape(tokens, size, size, heads)[:, :, rank.rank]
-    return merge_attention_shards(outs.transpose(0, 1), lse.transpose(0, 1)).flatten(1)
+    return merge_attention_shards(outs.transpose(0, 1), lse.transpose(0, 1), sinks).flatten(1)

@@ -73,11 +73,14 @@ def paged_attention(
     scale: float,
     layer: str,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [T, H, D], key/value [T, Hkv, D] -> [T, H * D]: the step's keys and values
     written (every prefill-context rank's, or this rank's positions only, as the
     metadata's context split says), then the attention loop over the cache (over each
-    query's last ``window`` positions, for a sliding-window layer)."""
+    query's last ``window`` positions, for a sliding-window layer; with each head's
+    sink logit, ``sinks`` [H], where the layer has them)."""
     slots, key, value = step_rows(metadata, key, value)
     write_kv(kv_cache, key, value, slots)
-    return attention(PagedKV(query, kv_cache, scale), metadata, layer, window=window)
+    reader = PagedKV(query, kv_cache, scale)
+    return attention(reader, metadata, layer, window=window, sinks=sinks)

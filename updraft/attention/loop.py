@@ -21,6 +21,11 @@ graph bucket, which belong to no group, get output 0 here, once.
 Under decode context parallelism (``metadata.context.decode``) the same loop attends
 over this rank's shard of every context, and returns each head's log-sum-exp beside its
 output for ``context_parallel.py`` to merge the shards by.
+
+A layer with attention sinks (gpt-oss: one learned logit per query head that joins each
+softmax's denominator and adds no value) has them applied once, after every group, from
+the log-sum-exp each path returns (``merge.with_sinks``); under decode context
+parallelism after the shards' merge instead, which knows the whole context's.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from updraft.attention.in_place import IN_PLACE_MAX_QUERY, reads_cache_in_place
+from updraft.attention.merge import with_sinks
 from updraft.attention.metadata import AttentionGroup, AttentionMetadata
 from updraft.graph.tasks import register_task
 
@@ -122,15 +128,18 @@ def attend(
     metadata: AttentionMetadata,
     selector: Selector | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The reader's queries [T, H, D] over each group's context (its last ``window``
-    positions, for a sliding-window layer) -> [T, H * Dv]; under decode context
-    parallelism [T, H * Dv + H] in float32: the attention over this rank's shard of each
-    context, then each head's log-sum-exp (-inf, or the kernel's -1e30, where the shard
-    holds none of a token's context)."""
+    positions, for a sliding-window layer) -> [T, H * Dv], each head's softmax with its
+    sink's logit (``sinks`` [H]) in the denominator where a layer has them; under
+    decode context parallelism [T, H * Dv + H] in float32: the attention over this
+    rank's shard of each context, then each head's log-sum-exp (-inf, or the kernel's
+    -1e30, where the shard holds none of a token's context), sinks left to the merge."""
     if window is not None and selector is not None:
         raise ValueError("a sliding window and a sparse selection do not combine")
-    with_lse = metadata.context.decode is not None
+    sharded = metadata.context.decode is not None
+    with_lse = sharded or sinks is not None
     in_place = reads_cache_in_place(reader.query)
     outputs, lses = [], []
     for index, shape in enumerate(metadata.shapes):
@@ -161,6 +170,8 @@ def attend(
     if not with_lse:
         return out.flatten(1)
     lse = lses[0] if len(lses) == 1 else torch.cat(lses)
+    if not sharded:
+        return with_sinks(out, lse, sinks).to(reader.query.dtype).flatten(1)
     return torch.cat([out.float().flatten(1), lse], dim=1)
 
 

@@ -84,6 +84,8 @@ class ModelConfig:
     double_wide_mlp: bool = False
     per_layer_input_size: int = 0
     per_layer_vocab_size: int = 0
+    # gpt-oss: a learned logit per query head in each attention softmax's denominator.
+    attention_sinks: bool = False
     # Linears quantized to 4 bits before they reached here (AWQ, GPTQ, compressed-tensors).
     quantized: QuantizedCheckpoint | None = None
 

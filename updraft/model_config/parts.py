@@ -73,6 +73,9 @@ class MoEConfig:
     shared_intermediate_size: int | None = None
     shared_expert_gate: bool = False
     activation: str = "silu"  # the experts' gate: silu | gelu_pytorch_tanh (Gemma 4)
+    # gpt-oss's experts: the clamped SwiGLU's sigmoid gain and clamp (None: plain SiLU).
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
 
     @property
     def shared_size(self) -> int:

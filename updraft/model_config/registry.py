@@ -20,6 +20,7 @@ from updraft.model_config import (
     gemma3,
     gemma4,
     gemma4_gguf,
+    gpt_oss,
     llama,
     qwen35,
     qwen35_gguf,
@@ -35,6 +36,7 @@ GEMMA3 = "updraft.models.gemma:Gemma3ForCausalLM"
 GEMMA4 = "updraft.models.gemma4:Gemma4ForCausalLM"
 DEEPSEEK = "updraft.models.deepseek:DeepseekForCausalLM"
 QWEN35 = "updraft.models.qwen35:Qwen35ForCausalLM"
+GPT_OSS = "updraft.models.gpt_oss:GptOssForCausalLM"
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,8 @@ ARCHITECTURES: dict[str, Architecture] = {
         _hybrid("Qwen3NextForCausalLM", "qwen3next"),
         Architecture("Qwen3_5ForConditionalGeneration", qwen35.parse, QWEN35),
         Architecture("Qwen3_5MoeForConditionalGeneration", qwen35.parse, QWEN35),
+        # Attention sinks, alternating windows, YaRN, biased clamped-SwiGLU experts.
+        Architecture("GptOssForCausalLM", gpt_oss.parse, GPT_OSS, mxfp4_experts=True),
     )
 }
 

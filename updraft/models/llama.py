@@ -40,6 +40,7 @@ class Attention(nn.Module):
             self.k_norm = norm(config, config.head_dim)
         else:
             self.q_norm = self.k_norm = None
+        self.sinks: nn.Parameter | None = None  # gpt-oss's: one logit per query head
 
     def forward(
         self,
@@ -65,7 +66,7 @@ class Attention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, num_qk_heads:]
         attention = paged_attention(
-            q, k, v, kv_cache, metadata, self.scale, self.layer, self.window
+            q, k, v, kv_cache, metadata, self.scale, self.layer, self.window, self.sinks
         )
         if gate is not None:
             attention = attention * torch.sigmoid(gate)

@@ -30,6 +30,7 @@ from updraft.models.registry import model_class
 from updraft.models.tensor_parallel import Shards, pieces, shard_model, splits_tensors
 from updraft.models.weight_targets import (
     FUSED,
+    LaidOut,
     MadeParameters,
     Slice,
     building,
@@ -442,7 +443,11 @@ def _fill(
     if index == -1:
         return
     param = params[name]
-    whole = part_of(param, modules[name.rpartition(".")[0]], name, index)
+    module_name, _, own_name = name.rpartition(".")
+    laid_out = getattr(modules[module_name], "from_checkpoint", None)
+    if laid_out is not None:  # a module that keeps its tensors unlike the checkpoint
+        source = LaidOut(laid_out(own_name, source[:]))
+    whole = part_of(param, modules[module_name], name, index)
     shape = tuple(source.get_shape())
     first = offset or 0
     if offset is not None:

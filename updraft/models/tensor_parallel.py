@@ -1,5 +1,5 @@
-"""Tensor parallelism for the Llama family, DeepSeek and the hybrid Qwen3.5 family: one
-rank's shard of a model.
+"""Tensor parallelism for the Llama family, DeepSeek, gpt-oss and the hybrid Qwen3.5
+family: one rank's shard of a model.
 
 ``shard_model`` splits a model built on the meta device (models/loader.py) and says, for
 each parameter, what the rank keeps of the checkpoint tensors that fill it (``Kept``), so
@@ -28,6 +28,8 @@ of the weights it holds. The split, before the linears are packed:
   a, the per-value-head decay and its bias; Qwen3-Next's projections, interleaved per
   key head, keep one range. The gated norm (per head) is whole; out_proj is
   row-parallel, one all-reduce.
+* gpt-oss: attention as Llama's, each rank with its heads' sinks; its experts are
+  whole on every rank (each computes the same mixture), with no all-reduce.
 
 The residual stream is whole on every rank, so everything else (norms, RoPE, sampling,
 hidden states for a proposer) is as in one process. Collectives are the ops of
@@ -46,6 +48,7 @@ from updraft.model_config import ModelConfig
 from updraft.model_config.parts import LinearAttentionConfig
 from updraft.models.deepseek import LatentAttention
 from updraft.models.gated_delta_net import GatedDeltaNet
+from updraft.models.gpt_oss import GptOssMoE
 from updraft.models.layers import MLP, CausalLM, DecoderLayer, FusedLinear
 from updraft.models.llama import Attention
 from updraft.models.moe import SparseMoE
@@ -317,6 +320,9 @@ def _shard_attention(attention: Attention, place: RankPlace, kept: Shards) -> No
     attention.o_proj = _row_parallel(attention.o_proj, o_columns, rank, kept)
     attention.num_heads = heads.stop - heads.start
     attention.num_kv_heads = kv_heads.stop - kv_heads.start
+    if attention.sinks is not None:  # gpt-oss's: one per query head
+        old = attention.sinks
+        attention.sinks = _keep(kept, old, old.detach()[heads].contiguous(), 0, heads)
 
 
 def _shard_mlp(mlp: MLP, rank: GroupRank, kept: Shards, reduce: bool = True) -> None:
@@ -472,6 +478,8 @@ def shard_layer(layer: DecoderLayer, place: RankPlace) -> Shards:
         _shard_attention(layer.self_attn, place, kept)
     if isinstance(layer.mlp, SparseMoE):
         layer.mlp = _shard_moe(layer.mlp, place.tensor, kept)
+    elif isinstance(layer.mlp, GptOssMoE):
+        pass  # whole on every rank: each computes the same mixture, no all-reduce
     else:
         _shard_mlp(layer.mlp, place.tensor, kept)
     return kept

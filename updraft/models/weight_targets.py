@@ -48,7 +48,13 @@ EXPERT_PARTS = {
 # Mixtral's checkpoints hold a layer's experts and router in block_sparse_moe; the model
 # names its mixture mlp, as Qwen3-MoE's checkpoints do. Qwen2-MoE's one shared expert is
 # the model's shared_experts, as DeepSeek's are.
-RENAMED_MODULES = ((".block_sparse_moe.", ".mlp."), (".mlp.shared_expert.", ".mlp.shared_experts."))
+# gpt-oss's expert biases are named as its experts' parameters (``models/gpt_oss.py``).
+RENAMED_MODULES = (
+    (".block_sparse_moe.", ".mlp."),
+    (".mlp.shared_expert.", ".mlp.shared_experts."),
+    (".experts.gate_up_proj_bias", ".experts.gate_up_bias"),
+    (".experts.down_proj_bias", ".experts.down_bias"),
+)
 # A multimodal checkpoint's text tower (Gemma 3: transformers 5's names, then the older
 # ones) is served as the text model; its vision tower and projector are not read.
 TEXT_TOWER_PREFIXES = (
@@ -79,6 +85,21 @@ def building(dtype: torch.dtype, device: torch.device | str) -> Iterator[None]:
 
 
 Slice = int | tuple[int, int]  # a fused slice; or (expert, part) of stacked experts
+
+
+class LaidOut:
+    """A checkpoint tensor already read and put in the layout of the parameter it fills
+    (by its module's ``from_checkpoint(name, tensor)``), sliced as a safetensors slice
+    is."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index: slice | tuple[slice, ...]) -> torch.Tensor:
+        return self.tensor[index]
 
 
 def is_split(module: nn.Module | None) -> bool:
