@@ -52,6 +52,9 @@ FILES = {
     "gemma4-q8_0": ("gemma4", GEMMA4, "q8_0"),
     "gemma4-moe-f32": ("gemma4-moe", GEMMA4, "f32"),
     "gemma4-moe-q8_0": ("gemma4-moe", GEMMA4, "q8_0"),
+    "gpt-oss-f32": ("gpt-oss", GPT_OSS, "f32"),
+    "gpt-oss-bf16": ("gpt-oss", GPT_OSS, "bf16"),
+    "gpt-oss-mxfp4": ("gpt-oss-mxfp4", GPT_OSS, "f32"),
 }
 # Gemma 4's router scales, which the converter names itself (gguf-py's map has them not).
 RENAMED_BY_THE_CONVERTER = {
@@ -162,7 +165,7 @@ def file_models(files):
     return of
 
 
-@pytest.mark.parametrize("name", ["gemma4-f32", "gemma4-moe-f32"])
+@pytest.mark.parametrize("name", ["gemma4-f32", "gemma4-moe-f32", "gpt-oss-f32"])
 def test_an_f32_file_holds_the_checkpoint(files, file_models, name):
     checkpoint, _ = files[name]
     theirs = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
@@ -198,7 +201,7 @@ def test_the_config_is_the_checkpoint_s(files):
     left_out = {"dtype", "torch_dtype", "bos_token_id", "eos_token_id", "pad_token_id"}
     left_out |= {"transformers_version", "quantization_config", "architectures", "_name_or_path"}
     left_out |= {"initializer_range"}  # training's
-    for name in ("gemma4-f32", "gemma4-moe-f32"):
+    for name in ("gemma4-f32", "gemma4-moe-f32", "gpt-oss-f32", "gpt-oss-mxfp4"):
         checkpoint, path = files[name]
         theirs = transformers.AutoConfig.from_pretrained(checkpoint)
         made = json.loads((Path(local_checkpoint(str(path))) / "config.json").read_text())
@@ -250,6 +253,11 @@ def shortened(name: str):
             "lacks gemma4.attention.key_length_swa",
         ),
         ("gemma4-moe-f32", {}, without("blk.0.ffn_down_exps.weight"), "no ffn_down_exps"),
+        ("gpt-oss-f32", {}, without("blk.1.attn_sinks.weight"), "layer 1 lacks blk.1.attn_sinks"),
+        ("gpt-oss-f32", {}, without("blk.0.ffn_up_exps.bias"), "lacks blk.0.ffn_up_exps.bias"),
+        ("gpt-oss-f32", {}, shortened("blk.0.ffn_gate_exps.bias"), "ffn_gate_exps.bias has shape"),
+        ("gpt-oss-f32", {"rope.scaling.type": "linear"}, None, "RoPE scaling 'linear'"),
+        ("gpt-oss-f32", {"expert_count": None}, None, "lacks gpt-oss.expert_count"),
     ],
 )
 def test_what_cannot_be_read_is_refused_by_name(files, tmp_path, name, changed, tensors, message):

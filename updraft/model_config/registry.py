@@ -21,6 +21,7 @@ from updraft.model_config import (
     gemma4,
     gemma4_gguf,
     gpt_oss,
+    gpt_oss_gguf,
     llama,
     qwen35,
     qwen35_gguf,
@@ -174,7 +175,15 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("Qwen3_5ForConditionalGeneration", qwen35.parse, QWEN35),
         Architecture("Qwen3_5MoeForConditionalGeneration", qwen35.parse, QWEN35),
         # Attention sinks, alternating windows, YaRN, biased clamped-SwiGLU experts.
-        Architecture("GptOssForCausalLM", gpt_oss.parse, GPT_OSS, mxfp4_experts=True),
+        Architecture(
+            "GptOssForCausalLM",
+            gpt_oss.parse,
+            GPT_OSS,
+            gguf_name="gpt-oss",
+            from_gguf=gpt_oss_gguf.from_gguf,
+            gguf_tensor_names=gpt_oss_gguf.GGUF_TENSORS,
+            mxfp4_experts=True,
+        ),
     )
 }
 

@@ -6,7 +6,8 @@ ordinary tensors, which ``gguf_loader`` places by their transformers names). Eve
 family whose experts live at ``model.layers.N.mlp`` (Qwen3-MoE, Qwen2-MoE, Mixtral,
 DeepSeek: router ``gate``, routed ``experts``, ``shared_experts``) reads them alike, and
 so does Gemma 4, whose experts live at ``model.layers.N.experts`` beside its dense MLP.
-A layer's experts become, by the types the file keeps them in:
+gpt-oss's experts (with a bias per projection) are placed by ``gguf_gpt_oss``. A
+layer's experts become, by the types the file keeps them in:
 
 * float (F32, F16, BF16): the model's stacked ``Experts`` parameters, packed like a
   safetensors checkpoint's (``PackedExperts`` in the file's float format);
@@ -36,9 +37,11 @@ from torch import nn
 
 import updraft.kernels.gguf_grouped  # noqa: F401  (defines updraft::gguf_grouped_mlp)
 from updraft.kernels.gguf_ops import BLOCK_TYPES, BLOCKS
+from updraft.models.gguf_gpt_oss import gpt_oss_experts
 from updraft.models.gguf_panels import PANEL_FORMATS, stacked_block_panels
 from updraft.models.gguf_shards import RankShare
 from updraft.models.gguf_tensors import FLOAT_DTYPES, block_rows, float_tensor
+from updraft.models.gpt_oss import GptOssExperts
 from updraft.models.moe import Experts, PackedExperts, RoutedExperts, expert_offsets
 from updraft.weights import WeightFormat
 
@@ -144,9 +147,13 @@ class ExpertTensors:
         if module is None:
             raise ValueError(f"{self.file_name}: GGUF tensor {name} fits no experts of the model")
         proj = match["proj"]
-        if match["part"] == "bias":
+        if isinstance(self.modules[module], GptOssExperts):
+            if self.share.ranks > 1:
+                raise ValueError(f"{self.file_name}: gpt-oss's GGUF experts are read on one rank")
+        elif match["part"] == "bias":
             raise ValueError(f"{self.file_name}: {name}: these experts have no biases")
-        data = self.share.experts(name, kind, data, module, proj)
+        else:
+            data = self.share.experts(name, kind, data, module, proj)
         key = proj if match["part"] == "weight" else f"{proj}.bias"
         self.layers.setdefault(module, {})[key] = Stacked(kind, data)
         return True
@@ -155,7 +162,7 @@ class ExpertTensors:
         """The name of layer ``layer``'s routed experts in the model, if it has any."""
         for pattern in (EXPERTS_MODULE, *OTHER_EXPERTS_MODULES):
             module = pattern.format(layer=layer)
-            if isinstance(self.modules.get(module), Experts):
+            if isinstance(self.modules.get(module), Experts | GptOssExperts):
                 return module
         return None
 
@@ -163,7 +170,12 @@ class ExpertTensors:
         for module_name, parts in self.layers.items():
             parent, _, child = module_name.rpartition(".")
             experts = self.modules[module_name]
-            setattr(self.modules[parent], child, self._routed(experts, parts, module_name))
+            if isinstance(experts, GptOssExperts):
+                held = {key: (part.kind, part.data) for key, part in parts.items()}
+                routed = gpt_oss_experts(self.file_name, experts, held, module_name)
+            else:
+                routed = self._routed(experts, parts, module_name)
+            setattr(self.modules[parent], child, routed)
 
     def _routed(self, experts: Experts, parts: dict[str, Stacked], where: str) -> nn.Module:
         """The routed experts of one layer, in the form its tensors' types allow."""
