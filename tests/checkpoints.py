@@ -444,7 +444,8 @@ FAMILIES: dict[str, Family] = {
         "Gemma4Config",
         "Gemma4ForConditionalGeneration",
         {
-            "text_config": GEMMA4_TEXT,
+            # the multimodal forward masks its media tokens with the pad token
+            "text_config": {**GEMMA4_TEXT, "pad_token_id": 0},
             "vision_config": dict(
                 hidden_size=16,
                 intermediate_size=32,

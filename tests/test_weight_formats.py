@@ -24,6 +24,7 @@ from updraft.kernels import ops
 from updraft.kernels.build import kernel_builds
 from updraft.kernels.panels import Panels, pack, pack_stacked, quantize, unpack
 from updraft.model_config import ModelConfig
+from updraft.models.layers import ACTIVATIONS
 from updraft.models.loader import load_model
 from updraft.models.moe import PackedExperts
 from updraft.models.packed_linear import PackedLinear
@@ -370,3 +371,35 @@ def test_quantization_groups_a_tensor_parallel_split_would_cut_are_refused(tmp_p
     checkpoint = build_checkpoint("llama", tmp_path / "llama")  # o_proj: 64 columns
     with pytest.raises(ValueError, match=r"groups of 128 columns would straddle .* o_proj \(32"):
         LLM(checkpoint, quantization="int4", tensor_parallel_size=2, num_kv_blocks=16)
+
+
+@pytest.mark.parametrize("march", ["native", "haswell", "x86-64"])
+def test_grouped_experts_take_the_gates_activation_in_every_build(march):
+    """GELU-tanh gates (Gemma 4's experts) as torch computes them, in the native, AVX2
+    and plain-C builds; SiLU stays the default."""
+    if march == "haswell" and not {"avx2", "fma", "f16c", "bmi2"} <= cpu_flags():
+        pytest.skip("this CPU cannot run AVX2 code")
+    torch.manual_seed(2)
+    experts, hidden, inter = 3, 32, 24
+    fmt = FORMATS["float32"]
+    gate_up_panels = pack_stacked(torch.randn(experts, 2 * inter, hidden) * 0.3, fmt)
+    down_panels = pack_stacked(torch.randn(experts, hidden, inter) * 0.3, fmt)
+    counts = torch.tensor([2, 0, 5])
+    x = torch.randn(int(counts.sum()), hidden)
+    weights = [
+        getattr(panels, name)
+        for panels in (gate_up_panels, down_panels)
+        for name in ("codes", "scales", "zeros")
+    ]
+    groups = (gate_up_panels.code, gate_up_panels.group, down_panels.group, inter)
+    offsets = F.pad(counts.cumsum(0), (1, 0))
+    for index, name in enumerate(ops.EXPERT_ACTIVATIONS):
+        got = ops.grouped_mlp(x, offsets, *weights, *groups, index, march=march)
+        expected, first = [], 0
+        for expert, count in enumerate(counts.tolist()):
+            rows = x[first : first + count].double()
+            gate, up = F.linear(rows, one_expert(gate_up_panels, expert)).chunk(2, dim=-1)
+            gated = ACTIVATIONS[name](gate) * up
+            expected.append(F.linear(gated, one_expert(down_panels, expert)))
+            first += count
+        torch.testing.assert_close(got, torch.cat(expected).float(), atol=1e-5, rtol=1e-5)

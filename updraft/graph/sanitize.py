@@ -55,7 +55,10 @@ def checked_replay(
     differences in ``report`` and return the replay's output. ``live(i, tensor)``
     selects the part of state tensor i that must agree (a cache's spare slot takes
     padded writes that eager never makes)."""
-    copies = [tensor.clone() for tensor in state]
+    # One copy per tensor, so that entries that are one tensor (a KV-shared layer's
+    # cache is its source layer's) stay one in the copy.
+    cloned: dict[int, torch.Tensor] = {}
+    copies = [cloned.setdefault(id(tensor), tensor.clone()) for tensor in state]
     replayed = replay()
     expected = eager(copies)
     output_diff = _max_diff(replayed, expected)

@@ -208,11 +208,13 @@ def grouped_mlp(
     down_group: int,
     inter: int,
     activation: int = 0,
+    march: str = "native",
 ) -> torch.Tensor:
     """Rows of x [R, H] grouped by expert (rows [offsets[e], offsets[e+1]) to expert e)
     through each expert's gated MLP, whose gate_up [2I, H] and down [H, I] weights are in
     panels of format ``fmt``, stacked over experts -> [R, H]. ``activation``: the gate's,
-    an index of ``EXPERT_ACTIVATIONS``."""
+    an index of ``EXPERT_ACTIVATIONS``. ``march``: the build to run (tests of the
+    narrower ones)."""
     op = "grouped_mlp"
     check(x.dtype == torch.float32 and x.device.type == "cpu", op, "float32 x on the CPU")
     experts, hidden = gate_up.shape[0], x.shape[1]
@@ -231,7 +233,7 @@ def grouped_mlp(
     gate_up_out = torch.empty(rows, 2 * inter, dtype=torch.float32)
     h = torch.empty(rows, inter, dtype=torch.float32)
     out = torch.zeros_like(x)
-    _linear_library().grouped_mlp(
+    _linear_library(march).grouped_mlp(
         x.data_ptr(),
         offsets.contiguous().data_ptr(),
         fmt,

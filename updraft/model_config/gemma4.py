@@ -97,9 +97,10 @@ def _text_config(raw: dict[str, Any], architecture: str) -> dict[str, Any]:
         given = raw.get("text_config")
         if not isinstance(given, dict):
             raise ValueError(f"config.json: {MULTIMODAL} lacks its text_config")
-        top = {"torch_dtype": raw.get("torch_dtype") or raw.get("dtype")}
-        top["tie_word_embeddings"] = raw.get("tie_word_embeddings", True)
-        given = {**top, **given}
+        # transformers ties the LM head by the outer config's word.
+        dtype = given.get("torch_dtype") or raw.get("torch_dtype") or raw.get("dtype")
+        tied = raw.get("tie_word_embeddings", True)
+        given = {**given, "torch_dtype": dtype, "tie_word_embeddings": tied}
     text = {**GEMMA4_TEXT_DEFAULTS, **{k: v for k, v in given.items() if v is not None}}
     activation = text.get("hidden_activation") or text.get("hidden_act")
     if activation != "gelu_pytorch_tanh":

@@ -122,7 +122,10 @@ def target_of(
     parent, _, projection = module_path.rpartition(".")
     for fused, index in FUSED_SLICES.get(projection, ()):
         name = f"{parent}.{fused}.{kind}"
-        if name in params:
+        # A fused projection without this slice (Gemma 4's q and k only, where values
+        # are keys) has no place for the tensor.
+        sizes = getattr(modules.get(f"{parent}.{fused}"), "split_sizes", None)
+        if name in params and (sizes is None or index < len(sizes)):
             return name, index
     if checkpoint_name in params:
         module = modules.get(checkpoint_name.rpartition(".")[0])
