@@ -267,7 +267,7 @@ def shortened(name: str):
             "gemma4-f32",
             {"attention.key_length_swa": None},
             None,
-            "lacks gemma4.attention.key_length_swa",
+            "lacks attention.key_length_swa",
         ),
         ("gemma4-moe-f32", {}, without("blk.0.ffn_down_exps.weight"), "no ffn_down_exps"),
         ("gpt-oss-f32", {}, without("blk.1.attn_sinks.weight"), "layer 1 lacks blk.1.attn_sinks"),
@@ -275,7 +275,7 @@ def shortened(name: str):
         ("gpt-oss-f32", {}, shortened("blk.0.ffn_gate_exps.bias"), "ffn_gate_exps.bias has shape"),
         ("gpt-oss-f32", {}, in_q8_0("blk.0.ffn_gate_exps.weight"), r"are \['F32', 'Q8_0'\]"),
         ("gpt-oss-f32", {"rope.scaling.type": "linear"}, None, "RoPE scaling 'linear'"),
-        ("gpt-oss-f32", {"expert_count": None}, None, "lacks gpt-oss.expert_count"),
+        ("gpt-oss-f32", {"expert_count": None}, None, "lacks expert_count"),
     ],
 )
 def test_what_cannot_be_read_is_refused_by_name(files, tmp_path, name, changed, tensors, message):

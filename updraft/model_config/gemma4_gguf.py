@@ -62,7 +62,7 @@ def from_gguf(file_name: str, architecture: str, get: Any, tensors: Tensors) -> 
     """The config.json of a Gemma 4 file: ``get(key, default)`` reads its ``gemma4.``
     metadata. A missing or inconsistent size, or a layer without one of its tensors, is
     refused naming it."""
-    need = needing(file_name, get, "gemma4")
+    need = needing(file_name, get)
     hidden, layers, heads = (
         need("embedding_length"),
         need("block_count"),
@@ -125,18 +125,16 @@ def float32_decimal(value: float) -> float:
     return float(value)
 
 
-def needing(file_name: str, get: Any, arch: str) -> Any:
-    """``need(key)``: the positive number ``<arch>.<key>`` of the file's metadata, or
-    an error naming the key."""
+def needing(file_name: str, get: Any) -> Any:
+    """``need(key)``: the positive number ``key`` of the file's metadata (read by
+    ``get``), or an error naming the key."""
 
     def need(key: str) -> int:
         value = get(key)
         if value is None:
-            raise ValueError(
-                f"{file_name}: the GGUF metadata lacks {arch}.{key}, which the model needs"
-            )
+            raise ValueError(f"{file_name}: the GGUF metadata lacks {key}, which the model needs")
         if isinstance(value, list) or int(value) < 1:
-            raise ValueError(f"{file_name}: {arch}.{key} must be a positive number, got {value}")
+            raise ValueError(f"{file_name}: {key} must be a positive number, got {value}")
         return int(value)
 
     return need
@@ -148,7 +146,7 @@ def _layer_types(file_name: str, pattern: Any, layers: int) -> list[str]:
     if not isinstance(pattern, list) or len(pattern) != layers:
         got = "none" if pattern is None else f"{pattern!r}"
         raise ValueError(
-            f"{file_name}: gemma4.attention.sliding_window_pattern must flag each of the "
+            f"{file_name}: attention.sliding_window_pattern must flag each of the "
             f"{layers} layers, got {got}"
         )
     kinds = [LAYER_TYPES[0] if flag else LAYER_TYPES[1] for flag in pattern]
@@ -165,7 +163,7 @@ def _kv_heads(file_name: str, get: Any, layer_types: list[str], heads: int) -> t
         counts = [counts] * len(layer_types)
     if len(counts) != len(layer_types):
         raise ValueError(
-            f"{file_name}: gemma4.attention.head_count_kv lists {len(counts)} layers, the "
+            f"{file_name}: attention.head_count_kv lists {len(counts)} layers, the "
             f"file has {len(layer_types)}"
         )
     by_kind: dict[str, set[int]] = {}
@@ -174,7 +172,7 @@ def _kv_heads(file_name: str, get: Any, layer_types: list[str], heads: int) -> t
     for kind, found in by_kind.items():
         if len(found) != 1 or min(found) < 1 or heads % min(found):
             raise ValueError(
-                f"{file_name}: gemma4.attention.head_count_kv gives the {kind} layers "
+                f"{file_name}: attention.head_count_kv gives the {kind} layers "
                 f"{sorted(found)} key/value heads; one count dividing the {heads} heads is read"
             )
     sliding = by_kind.get(LAYER_TYPES[0], by_kind[LAYER_TYPES[1]])
@@ -186,7 +184,7 @@ def _mlp_width(file_name: str, get: Any, layers: int, shared: int) -> tuple[int,
     converter lists one width per layer only then)."""
     widths = get("feed_forward_length")
     if widths is None:
-        raise ValueError(f"{file_name}: the GGUF metadata lacks gemma4.feed_forward_length")
+        raise ValueError(f"{file_name}: the GGUF metadata lacks feed_forward_length")
     if not isinstance(widths, list):
         return int(widths), False
     base = int(widths[0])
@@ -194,7 +192,7 @@ def _mlp_width(file_name: str, get: Any, layers: int, shared: int) -> tuple[int,
     double = [base if layer < first_shared else 2 * base for layer in range(layers)]
     if [int(width) for width in widths] != double:
         raise ValueError(
-            f"{file_name}: gemma4.feed_forward_length lists {widths}; per-layer widths are "
+            f"{file_name}: feed_forward_length lists {widths}; per-layer widths are "
             f"read only as {base} then twice that in the {shared} KV-shared layers"
         )
     return base, True
@@ -235,7 +233,7 @@ def _rope(
     sliding_rot = int(get("rope.dimension_count_swa", head_dim))
     if not 0 < sliding_rot <= head_dim or sliding_rot % 2:
         raise ValueError(
-            f"{file_name}: gemma4.rope.dimension_count_swa {sliding_rot} does not fit the "
+            f"{file_name}: rope.dimension_count_swa {sliding_rot} does not fit the "
             f"sliding layers' heads of {head_dim}"
         )
     sliding = {"rope_type": "default", "rope_theta": float(get("rope.freq_base_swa", 10_000.0))}
@@ -285,12 +283,12 @@ def _per_layer_inputs(file_name: str, get: Any, tensors: Tensors, layers: int) -
         if table is not None:
             raise ValueError(
                 f"{file_name}: per_layer_token_embd.weight in a file whose "
-                "gemma4.embedding_length_per_layer_input is 0"
+                "embedding_length_per_layer_input is 0"
             )
         return {"hidden_size_per_layer_input": 0}
     if table is None:
         raise ValueError(
-            f"{file_name}: gemma4.embedding_length_per_layer_input is {width} but the file "
+            f"{file_name}: embedding_length_per_layer_input is {width} but the file "
             "has no per_layer_token_embd.weight"
         )
     if len(table[1]) != 2 or table[1][1] != layers * width:

@@ -49,7 +49,7 @@ def from_gguf(file_name: str, architecture: str, get: Any, tensors: Tensors) -> 
     metadata. A missing or inconsistent size, or a layer without one of its tensors,
     is refused naming it."""
 
-    need = needing(file_name, get, "gpt-oss")
+    need = needing(file_name, get)
     hidden, layers, heads = (
         need("embedding_length"),
         need("block_count"),
@@ -64,7 +64,7 @@ def from_gguf(file_name: str, architecture: str, get: Any, tensors: Tensors) -> 
         raise ValueError(f"{file_name}: the file has no token_embd.weight")
     experts = read_experts(file_name, get, tensors, layers)
     if experts is None:
-        raise ValueError(f"{file_name}: the GGUF metadata lacks gpt-oss.expert_count")
+        raise ValueError(f"{file_name}: the GGUF metadata lacks expert_count")
     if experts.dense_layers:
         raise ValueError(
             f"{file_name}: layers {list(experts.dense_layers)} have no router (ffn_gate_inp)"
@@ -109,7 +109,7 @@ def _clamp(file_name: str, get: Any, layers: int) -> float:
     limits = limits if isinstance(limits, list) else [limits] * layers
     if len(limits) != layers or len(set(limits)) != 1 or not limits[0] > 0:
         raise ValueError(
-            f"{file_name}: gpt-oss.swiglu_clamp_exp is {limits}; one positive clamp for "
+            f"{file_name}: swiglu_clamp_exp is {limits}; one positive clamp for "
             f"all {layers} layers is read"
         )
     return float32_decimal(limits[0])
