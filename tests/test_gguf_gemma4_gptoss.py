@@ -84,6 +84,14 @@ def files(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
         jobs.append((checkpoints[kind], path, outtype))
         made[name] = (checkpoints[kind], path)
     convert_many(jobs)
+    # Experts in blocks of another type (Q5_0: no panels) run through the block
+    # kernels, with Gemma 4's GELU gate.
+    checkpoint, path = made["gemma4-moe-f32"]
+    experts = in_blocks(
+        GGMLQuantizationType.Q5_0, "ffn_gate_up_exps.weight", "ffn_down_exps.weight"
+    )
+    made["gemma4-moe-q5_0-experts"] = (checkpoint, root / "gemma4-moe-q5_0-experts.gguf")
+    rewritten(path, made["gemma4-moe-q5_0-experts"][1], {}, experts)
     return made
 
 
@@ -175,7 +183,8 @@ def test_an_f32_file_holds_the_checkpoint(files, file_models, name):
 
 # Every file eagerly; the per-layer table in blocks and the MXFP4 experts from
 # captured graphs too.
-RUNS = [(name, True) for name in sorted(FILES)] + [("gemma4-q8_0", False), ("gpt-oss-mxfp4", False)]
+RUNS = [(name, True) for name in sorted(FILES)] + [("gemma4-moe-q5_0-experts", True)]
+RUNS += [("gemma4-q8_0", False), ("gpt-oss-mxfp4", False)]
 
 
 @pytest.mark.parametrize(("name", "eager"), RUNS)
@@ -233,14 +242,14 @@ def test_the_per_layer_table_stays_in_the_file_s_map_in_its_type(files):
         llm.engine.close()
 
 
-def in_q8_0(name: str):
-    """The float tensor ``name`` quantized to Q8_0 blocks by gguf-py."""
-    q8_0 = GGMLQuantizationType.Q8_0
+def in_blocks(kind: GGMLQuantizationType, *names: str):
+    """Each float tensor whose name holds one of ``names`` quantized to ``kind`` blocks
+    by gguf-py."""
 
     def change(tensor):
-        if tensor.name != name:
+        if not any(name in tensor.name for name in names):
             return None
-        return [(name, quants.quantize(np.array(tensor.data), q8_0), q8_0)]
+        return [(tensor.name, quants.quantize(np.array(tensor.data), kind), kind)]
 
     return change
 
@@ -273,7 +282,12 @@ def shortened(name: str):
         ("gpt-oss-f32", {}, without("blk.1.attn_sinks.weight"), "layer 1 lacks blk.1.attn_sinks"),
         ("gpt-oss-f32", {}, without("blk.0.ffn_up_exps.bias"), "lacks blk.0.ffn_up_exps.bias"),
         ("gpt-oss-f32", {}, shortened("blk.0.ffn_gate_exps.bias"), "ffn_gate_exps.bias has shape"),
-        ("gpt-oss-f32", {}, in_q8_0("blk.0.ffn_gate_exps.weight"), r"are \['F32', 'Q8_0'\]"),
+        (
+            "gpt-oss-f32",
+            {},
+            in_blocks(GGMLQuantizationType.Q8_0, "blk.0.ffn_gate_exps.weight"),
+            r"are \['F32', 'Q8_0'\]",
+        ),
         ("gpt-oss-f32", {"rope.scaling.type": "linear"}, None, "RoPE scaling 'linear'"),
         ("gpt-oss-f32", {"expert_count": None}, None, "lacks expert_count"),
     ],

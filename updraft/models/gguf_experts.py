@@ -37,6 +37,7 @@ from torch import nn
 
 import updraft.kernels.gguf_grouped  # noqa: F401  (defines updraft::gguf_grouped_mlp)
 from updraft.kernels.gguf_ops import BLOCK_TYPES, BLOCKS
+from updraft.kernels.ops import EXPERT_ACTIVATIONS
 from updraft.models.gguf_gpt_oss import gpt_oss_experts
 from updraft.models.gguf_panels import PANEL_FORMATS, stacked_block_panels
 from updraft.models.gguf_shards import RankShare
@@ -89,7 +90,7 @@ class Stacked:
 class BlockExperts(RoutedExperts):
     """Routed experts whose stacked weights stay in the file's blocks: gate and up (one
     fused tensor [E, 2I, row_bytes], or two [E, I, row_bytes], each of its own type)
-    and down [E, H, row_bytes]."""
+    and down [E, H, row_bytes]; the gate SiLU or (Gemma 4's) GELU-tanh."""
 
     def __init__(
         self,
@@ -98,9 +99,11 @@ class BlockExperts(RoutedExperts):
         down: torch.Tensor,
         down_type: int,
         inter: int,
+        activation: int = 0,
     ) -> None:
         super().__init__()
         self.num_experts = down.shape[0]
+        self.activation = activation  # the gate's, as ``EXPERT_ACTIVATIONS`` indexes it
         self.gate_up_types = gate_up_types
         self.down_type = down_type
         self.inter = inter
@@ -120,6 +123,7 @@ class BlockExperts(RoutedExperts):
             self.down,
             self.down_type,
             self.inter,
+            activation=self.activation,
         )
 
     def extra_repr(self) -> str:
@@ -213,14 +217,9 @@ class ExpertTensors:
             down_panels = stacked_block_panels([[d] for d in down_blocks], fmt, inter)
             fmt = WeightFormat(fmt, 32)
             return PackedExperts(gate_up_panels, down_panels, fmt, experts.activation)
-        if experts.activation != "silu":  # the block kernels' experts gate with SiLU
-            raise ValueError(
-                f"{self.file_name}: {where}'s experts gate with {experts.activation} and "
-                f"are in {sorted(kinds)} blocks; such experts are read in float, all Q8_0 "
-                "or all Q4_0"
-            )
         types = [BLOCK_TYPES[part.kind] for part in gate_up]
-        return BlockExperts(blocks, types, down_blocks, BLOCK_TYPES[down.kind], inter)
+        gate = EXPERT_ACTIVATIONS.index(experts.activation)
+        return BlockExperts(blocks, types, down_blocks, BLOCK_TYPES[down.kind], inter, gate)
 
     def _check(self, where: str, what: str, got: tuple, want: tuple) -> None:
         if tuple(got) != tuple(want):
