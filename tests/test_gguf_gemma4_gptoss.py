@@ -3,21 +3,24 @@ transformers gives on the weights they hold.
 
 The tiny checkpoints ("gemma4": KV-shared layers, per-layer inputs, a double-wide MLP,
 full layers whose values are their keys with their own head size and KV heads,
-proportional RoPE; "gemma4-moe": experts beside each dense MLP; "gpt-oss": sinks,
-biases, float experts; "gpt-oss-mxfp4": its experts as HF's MXFP4 blocks) are
-converted to f32, f16, bf16, q8_0 and (gpt-oss-mxfp4) MXFP4-expert files in one
-converter process. The reference is transformers' model of the checkpoint's config
-with every parameter set to the values the file holds: read with gguf-py's reader,
-widened by gguf-py's own dequantizers (Q8_0, MXFP4, the float types) and placed by
-gguf-py's own name map (llama.cpp's), with the converter's documented change to
-gpt-oss's experts undone (gate/up columns split, the float ones transposed). Every
-parameter must be filled. An f32 file holds the checkpoint exactly; every file, read
-by updraft, gives the reference's greedy tokens and logits. Gemma 4's per-layer table
-stays in the file's map, in its type.
+proportional RoPE; "gemma4-moe": experts beside each dense MLP, here with a tied LM
+head; "gpt-oss": sinks, biases, float experts; "gpt-oss-mxfp4": its experts as HF's
+MXFP4 blocks) are converted to f32, f16, bf16, q8_0 and (gpt-oss-mxfp4) MXFP4-expert
+files in one converter process; one more file has the mixture's experts quantized to
+Q5_0 by gguf-py, so that they run through the block kernels with Gemma 4's GELU gate.
+The reference is transformers' model of the checkpoint's config with every parameter
+set to the values the file holds: read with gguf-py's reader, widened by gguf-py's own
+dequantizers and placed by gguf-py's own name map (llama.cpp's), with the converter's
+own renames (Gemma 4's router scales) and its documented change to gpt-oss's experts
+undone (gate/up columns split, the float ones transposed). Every parameter must be
+filled. An f32 file holds the checkpoint exactly; every file, read by updraft, gives the
+reference's greedy tokens and logits (eagerly; the per-layer table in blocks and the
+MXFP4 experts from captured graphs too). Gemma 4's per-layer table stays in the file's
+map, in its type.
 
 The config.json made from a file's metadata gives transformers' config of the
-checkpoint; a file missing a tensor, or with a size or key that disagrees, is refused
-naming it.
+checkpoint; a file missing a tensor, or with a size or key that disagrees, or gpt-oss
+experts in a type other than float or MXFP4, is refused naming it.
 """
 
 from __future__ import annotations
@@ -44,14 +47,16 @@ NEW_TOKENS = 8
 GPT_OSS = {"swiglu_limit": 7.0}
 # Per-layer inputs of 16 a layer: the table's rows (6 layers) are whole Q8_0 blocks.
 GEMMA4 = {"hidden_size_per_layer_input": 16}
+# The mixture with its LM head tied to the embedding, as published Gemma 4 files are.
+GEMMA4_MOE = {**GEMMA4, "tie_word_embeddings": True}
 # name -> (tiny checkpoint, its changes, the converter's outtype)
 FILES = {
     "gemma4-f32": ("gemma4", GEMMA4, "f32"),
     "gemma4-f16": ("gemma4", GEMMA4, "f16"),
     "gemma4-bf16": ("gemma4", GEMMA4, "bf16"),
     "gemma4-q8_0": ("gemma4", GEMMA4, "q8_0"),
-    "gemma4-moe-f32": ("gemma4-moe", GEMMA4, "f32"),
-    "gemma4-moe-q8_0": ("gemma4-moe", GEMMA4, "q8_0"),
+    "gemma4-moe-f32": ("gemma4-moe", GEMMA4_MOE, "f32"),
+    "gemma4-moe-q8_0": ("gemma4-moe", GEMMA4_MOE, "q8_0"),
     "gpt-oss-f32": ("gpt-oss", GPT_OSS, "f32"),
     "gpt-oss-mxfp4": ("gpt-oss-mxfp4", GPT_OSS, "f32"),
 }
