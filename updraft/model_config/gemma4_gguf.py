@@ -52,8 +52,6 @@ GGUF_TENSORS = (
     (r"blk\.(\d+)\.ffn_gate_inp\.scale", r"model.layers.\1.router.scale"),
     (r"blk\.(\d+)\.ffn_down_exps\.scale", r"model.layers.\1.router.per_expert_scale"),
 )
-# Where a layer's stacked experts live in transformers' Gemma 4 (beside its dense MLP).
-EXPERTS_MODULE = "model.layers.{layer}.experts"
 # The value llama.cpp's converter gives an unturned frequency's divisor.
 UNTURNED = 1e30
 
