@@ -302,3 +302,19 @@ def test_what_cannot_be_read_is_refused_by_name(files, tmp_path, name, changed, 
     bad = rewritten(path, tmp_path / "bad.gguf", changed, tensors or (lambda tensor: None))
     with pytest.raises(ValueError, match=f"bad.gguf: .*{message}"):
         LLM(str(bad), enforce_eager=True)
+
+
+def test_gpt_oss_s_experts_are_read_on_one_rank(files):
+    """Split over tensor-parallel ranks, a gpt-oss file's experts are refused by name:
+    their biases have no rank share (the safetensors path keeps them whole)."""
+    from updraft.checkpoints.local import local_checkpoint
+    from updraft.model_config import ModelConfig
+    from updraft.models.gguf_experts import ExpertTensors
+    from updraft.models.gpt_oss import GptOssExperts
+
+    config = ModelConfig.from_dir(local_checkpoint(str(files["gpt-oss-f32"][1])))
+    modules = {"model.layers.0.mlp.experts": GptOssExperts(config.moe)}
+    split = type("TwoRanks", (), {"ranks": 2})()
+    experts = ExpertTensors(modules, "x.gguf", split)
+    with pytest.raises(ValueError, match=r"x\.gguf: gpt-oss's GGUF experts are read on one rank"):
+        experts.take("blk.0.ffn_gate_exps.weight", "F32", np.zeros((4, 32, 64), np.float32))
