@@ -1,6 +1,7 @@
 """``updraft::gguf_grouped_mlp``: a mixture-of-experts layer's routed experts over
 weights in GGUF blocks, as ``updraft::grouped_mlp`` is over panels. Rows come sorted by
-expert; each chosen expert's MLP (SiLU-gated, or gpt-oss's clamped SwiGLU with biases)
+expert; each chosen expert's MLP (SiLU- or GELU-tanh-gated, as ``grouped_mlp``'s
+``EXPERT_ACTIVATIONS`` index them, or gpt-oss's clamped SwiGLU with biases)
 runs over its rows through the block kernels
 (``kernels/gguf_ops.py``: a pass of ``gguf_linear`` per 8 rows for a few rows, a chunk
 of weight rows widened and multiplied for many), reading only that expert's blocks, in
@@ -23,6 +24,7 @@ from updraft.kernels.gguf_ops import (
     gguf_widened_linear,
 )
 from updraft.kernels.launch import check, define_op
+from updraft.kernels.ops import EXPERT_ACTIVATIONS
 
 
 def _block_linear(
@@ -51,9 +53,14 @@ def clamped_swiglu(
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-def _activation(gate: torch.Tensor, up: torch.Tensor, swiglu: list[float] | None) -> torch.Tensor:
-    """SiLU(gate) * up, or with ``swiglu`` = [alpha, limit] the clamped SwiGLU."""
+def _activation(
+    gate: torch.Tensor, up: torch.Tensor, swiglu: list[float] | None, activation: int
+) -> torch.Tensor:
+    """act(gate) * up (SiLU or GELU-tanh, by ``EXPERT_ACTIVATIONS`` index), or with
+    ``swiglu`` = [alpha, limit] the clamped SwiGLU."""
     if swiglu is None:
+        if EXPERT_ACTIVATIONS[activation] == "gelu_pytorch_tanh":
+            return F.gelu(gate, approximate="tanh") * up
         return F.silu(gate) * up
     alpha, limit = swiglu
     return clamped_swiglu(gate, up, alpha, limit)
@@ -70,14 +77,56 @@ def gguf_grouped_mlp(
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
     swiglu: list[float] | None = None,
+    activation: int = 0,
 ) -> torch.Tensor:
     """Rows of x [R, H] grouped by expert (rows [offsets[e], offsets[e+1]) to expert e)
     through each expert's MLP -> [R, H]. ``gate_up``: the stacked gate and up
     projections in blocks, either one tensor [E, 2I, row_bytes] (gate rows, then up
     rows) or two [E, I, row_bytes], each of its own type in ``gate_up_types``; ``down``
     [E, H, row_bytes] of ``down_type``. Optional float32 biases [E, 2I] (gate, then up)
-    and [E, H]; the activation SiLU(gate) * up, or with ``swiglu`` = [alpha, limit]
-    gpt-oss's clamped SwiGLU."""
+    and [E, H]; the activation act(gate) * up, act ``EXPERT_ACTIVATIONS[activation]``,
+    or with ``swiglu`` = [alpha, limit] gpt-oss's clamped SwiGLU."""
+    _check(x, offsets, gate_up, gate_up_types, down, inter, gate_up_bias, down_bias)
+    check(swiglu is None or len(swiglu) == 2, "gguf_grouped_mlp", "swiglu [alpha, limit]")
+    check(0 <= activation < len(EXPERT_ACTIVATIONS), "gguf_grouped_mlp", "an activation index")
+    experts, hidden = down.shape[0], x.shape[1]
+    rows_per_part = 2 * inter // len(gate_up)
+    out = torch.zeros_like(x)
+    bounds = offsets.tolist()
+    for expert in range(experts):
+        start, end = bounds[expert], bounds[expert + 1]
+        if start == end:
+            continue
+        rows = x[start:end]
+        biases = [None] * len(gate_up)
+        if gate_up_bias is not None:
+            biases = list(gate_up_bias[expert].split(rows_per_part))
+        parts = [
+            _block_linear(rows, part[expert], code, hidden, bias)
+            for part, code, bias in zip(gate_up, gate_up_types, biases, strict=True)
+        ]
+        gate, up = torch.cat(parts, dim=1).split(inter, dim=1)
+        out[start:end] = _block_linear(
+            _activation(gate, up, swiglu, activation),
+            down[expert],
+            down_type,
+            inter,
+            None if down_bias is None else down_bias[expert],
+        )
+    return out
+
+
+def _check(
+    x: torch.Tensor,
+    offsets: torch.Tensor,
+    gate_up: list[torch.Tensor],
+    gate_up_types: list[int],
+    down: torch.Tensor,
+    inter: int,
+    gate_up_bias: torch.Tensor | None,
+    down_bias: torch.Tensor | None,
+) -> None:
+    """gguf_grouped_mlp's tensors, each checked against the shape it must have."""
     op = "gguf_grouped_mlp"
     check(x.dtype == torch.float32 and x.dim() == 2, op, "float32 x [rows, hidden]")
     experts, hidden = down.shape[0], x.shape[1]
@@ -97,36 +146,12 @@ def gguf_grouped_mlp(
             op,
             f"float32 biases [{experts}, {rows}]",
         )
-    check(swiglu is None or len(swiglu) == 2, op, "swiglu [alpha, limit]")
-    out = torch.zeros_like(x)
-    bounds = offsets.tolist()
-    for expert in range(experts):
-        start, end = bounds[expert], bounds[expert + 1]
-        if start == end:
-            continue
-        rows = x[start:end]
-        biases = [None] * len(gate_up)
-        if gate_up_bias is not None:
-            biases = list(gate_up_bias[expert].split(rows_per_part))
-        parts = [
-            _block_linear(rows, part[expert], code, hidden, bias)
-            for part, code, bias in zip(gate_up, gate_up_types, biases, strict=True)
-        ]
-        gate, up = torch.cat(parts, dim=1).split(inter, dim=1)
-        out[start:end] = _block_linear(
-            _activation(gate, up, swiglu),
-            down[expert],
-            down_type,
-            inter,
-            None if down_bias is None else down_bias[expert],
-        )
-    return out
 
 
 define_op(
     "gguf_grouped_mlp(Tensor x, Tensor offsets, Tensor[] gate_up, int[] gate_up_types, "
     "Tensor down, int down_type, int inter, Tensor? gate_up_bias=None, "
-    "Tensor? down_bias=None, float[]? swiglu=None) -> Tensor",
+    "Tensor? down_bias=None, float[]? swiglu=None, int activation=0) -> Tensor",
     gguf_grouped_mlp,
     lambda x, *rest: torch.empty_like(x),
 )

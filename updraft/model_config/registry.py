@@ -20,7 +20,9 @@ from updraft.model_config import (
     gemma3,
     gemma4,
     gemma4_assistant,
+    gemma4_gguf,
     gpt_oss,
+    gpt_oss_gguf,
     llama,
     qwen35,
     qwen35_gguf,
@@ -149,7 +151,14 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("Gemma3ForConditionalGeneration", gemma3.parse, GEMMA3, prequantized=True),
         # Per-layer head shapes, KV-shared layers and per-layer inputs; the multimodal
         # checkpoints' text tower.
-        Architecture("Gemma4ForCausalLM", gemma4.parse, GEMMA4),
+        Architecture(
+            "Gemma4ForCausalLM",
+            gemma4.parse,
+            GEMMA4,
+            gguf_name="gemma4",
+            from_gguf=gemma4_gguf.from_gguf,
+            gguf_tensor_names=gemma4_gguf.GGUF_TENSORS,
+        ),
         Architecture("Gemma4ForConditionalGeneration", gemma4.parse, GEMMA4),
         Architecture("DeepseekV2ForCausalLM", deepseek.parse, DEEPSEEK),
         # V2's GGUF files say deepseek2 too: the parser tells the two apart by their router.
@@ -171,7 +180,15 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("Qwen3_5ForConditionalGeneration", qwen35.parse, QWEN35),
         Architecture("Qwen3_5MoeForConditionalGeneration", qwen35.parse, QWEN35),
         # Attention sinks, alternating windows, YaRN, biased clamped-SwiGLU experts.
-        Architecture("GptOssForCausalLM", gpt_oss.parse, GPT_OSS, mxfp4_experts=True),
+        Architecture(
+            "GptOssForCausalLM",
+            gpt_oss.parse,
+            GPT_OSS,
+            gguf_name="gpt-oss",
+            from_gguf=gpt_oss_gguf.from_gguf,
+            gguf_tensor_names=gpt_oss_gguf.GGUF_TENSORS,
+            mxfp4_experts=True,
+        ),
         # Gemma 4's assistant drafter: it reads the Gemma 4 target's hidden states and K/V.
         Architecture(
             "Gemma4AssistantForCausalLM",

@@ -4,7 +4,9 @@ llama.cpp stores each layer's routed experts as one tensor per projection, [expe
 rows, columns] (``STACKED``), beside the router and any shared experts (``NAMES``:
 ordinary tensors, which ``gguf_loader`` places by their transformers names). Every
 family whose experts live at ``model.layers.N.mlp`` (Qwen3-MoE, Qwen2-MoE, Mixtral,
-DeepSeek: router ``gate``, routed ``experts``, ``shared_experts``) reads them alike. A
+DeepSeek: router ``gate``, routed ``experts``, ``shared_experts``) reads them alike, and
+so does Gemma 4, whose experts live at ``model.layers.N.experts`` beside its dense MLP.
+gpt-oss's experts (with a bias per projection) are placed by ``gguf_gpt_oss``. A
 layer's experts become, by the types the file keeps them in:
 
 * float (F32, F16, BF16): the model's stacked ``Experts`` parameters, packed like a
@@ -35,15 +37,23 @@ from torch import nn
 
 import updraft.kernels.gguf_grouped  # noqa: F401  (defines updraft::gguf_grouped_mlp)
 from updraft.kernels.gguf_ops import BLOCK_TYPES, BLOCKS
+from updraft.kernels.ops import EXPERT_ACTIVATIONS
+from updraft.models.gguf_gpt_oss import gpt_oss_experts
 from updraft.models.gguf_panels import PANEL_FORMATS, stacked_block_panels
 from updraft.models.gguf_shards import RankShare
 from updraft.models.gguf_tensors import FLOAT_DTYPES, block_rows, float_tensor
+from updraft.models.gpt_oss import GptOssExperts
 from updraft.models.moe import Experts, PackedExperts, RoutedExperts, expert_offsets
 from updraft.weights import WeightFormat
 
-# A layer's stacked routed experts: which projection each tensor holds.
-STACKED = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate|up|gate_up|down)_exps\.weight")
+# A layer's stacked routed experts: which projection each tensor holds (gpt-oss's have
+# a bias beside each).
+STACKED = re.compile(
+    r"blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate|up|gate_up|down)_exps\.(?P<part>weight|bias)"
+)
 EXPERTS_MODULE = "model.layers.{layer}.mlp.experts"
+# Where else a layer's experts may live: beside its dense MLP (Gemma 4's).
+OTHER_EXPERTS_MODULES = ("model.layers.{layer}.experts",)
 # The tensors around them, as transformers' checkpoints of these families name them.
 NAMES = (
     (r"blk\.(\d+)\.ffn_gate_inp\.weight", r"model.layers.\1.mlp.gate.weight"),
@@ -63,7 +73,7 @@ def down_target(name: str) -> tuple[str, int] | None:
     """The parameter (and its part) that a stacked ``ffn_down_exps`` tensor ``name``
     fills, whose inputs a tensor-parallel rank splits; None for any other tensor."""
     match = STACKED.fullmatch(name)
-    if match is None or match["proj"] != "down":
+    if match is None or match["proj"] != "down" or match["part"] != "weight":
         return None
     return f"{EXPERTS_MODULE.format(layer=match['layer'])}.down_proj", 0
 
@@ -80,7 +90,7 @@ class Stacked:
 class BlockExperts(RoutedExperts):
     """Routed experts whose stacked weights stay in the file's blocks: gate and up (one
     fused tensor [E, 2I, row_bytes], or two [E, I, row_bytes], each of its own type)
-    and down [E, H, row_bytes]."""
+    and down [E, H, row_bytes]; the gate SiLU or (Gemma 4's) GELU-tanh."""
 
     def __init__(
         self,
@@ -89,9 +99,11 @@ class BlockExperts(RoutedExperts):
         down: torch.Tensor,
         down_type: int,
         inter: int,
+        activation: int = 0,
     ) -> None:
         super().__init__()
         self.num_experts = down.shape[0]
+        self.activation = activation  # the gate's, as ``EXPERT_ACTIVATIONS`` indexes it
         self.gate_up_types = gate_up_types
         self.down_type = down_type
         self.inter = inter
@@ -111,6 +123,7 @@ class BlockExperts(RoutedExperts):
             self.down,
             self.down_type,
             self.inter,
+            activation=self.activation,
         )
 
     def extra_repr(self) -> str:
@@ -134,19 +147,39 @@ class ExpertTensors:
         match = STACKED.fullmatch(name)
         if match is None:
             return False
-        module = EXPERTS_MODULE.format(layer=match["layer"])
-        if not isinstance(self.modules.get(module), Experts):
+        module = self._module(match["layer"])
+        if module is None:
             raise ValueError(f"{self.file_name}: GGUF tensor {name} fits no experts of the model")
         proj = match["proj"]
-        data = self.share.experts(name, kind, data, module, proj)
-        self.layers.setdefault(module, {})[proj] = Stacked(kind, data)
+        if isinstance(self.modules[module], GptOssExperts):
+            if self.share.ranks > 1:
+                raise ValueError(f"{self.file_name}: gpt-oss's GGUF experts are read on one rank")
+        elif match["part"] == "bias":
+            raise ValueError(f"{self.file_name}: {name}: these experts have no biases")
+        else:
+            data = self.share.experts(name, kind, data, module, proj)
+        key = proj if match["part"] == "weight" else f"{proj}.bias"
+        self.layers.setdefault(module, {})[key] = Stacked(kind, data)
         return True
+
+    def _module(self, layer: str) -> str | None:
+        """The name of layer ``layer``'s routed experts in the model, if it has any."""
+        for pattern in (EXPERTS_MODULE, *OTHER_EXPERTS_MODULES):
+            module = pattern.format(layer=layer)
+            if isinstance(self.modules.get(module), Experts | GptOssExperts):
+                return module
+        return None
 
     def place(self) -> None:
         for module_name, parts in self.layers.items():
             parent, _, child = module_name.rpartition(".")
             experts = self.modules[module_name]
-            setattr(self.modules[parent], child, self._routed(experts, parts, module_name))
+            if isinstance(experts, GptOssExperts):
+                held = {key: (part.kind, part.data) for key, part in parts.items()}
+                routed = gpt_oss_experts(self.file_name, experts, held, module_name)
+            else:
+                routed = self._routed(experts, parts, module_name)
+            setattr(self.modules[parent], child, routed)
 
     def _routed(self, experts: Experts, parts: dict[str, Stacked], where: str) -> nn.Module:
         """The routed experts of one layer, in the form its tensors' types allow."""
@@ -182,9 +215,11 @@ class ExpertTensors:
             per_expert = [[part[e] for part in blocks] for e in range(num_experts)]
             gate_up_panels = stacked_block_panels(per_expert, fmt, hidden)
             down_panels = stacked_block_panels([[d] for d in down_blocks], fmt, inter)
-            return PackedExperts(gate_up_panels, down_panels, WeightFormat(fmt, 32))
+            fmt = WeightFormat(fmt, 32)
+            return PackedExperts(gate_up_panels, down_panels, fmt, experts.activation)
         types = [BLOCK_TYPES[part.kind] for part in gate_up]
-        return BlockExperts(blocks, types, down_blocks, BLOCK_TYPES[down.kind], inter)
+        gate = EXPERT_ACTIVATIONS.index(experts.activation)
+        return BlockExperts(blocks, types, down_blocks, BLOCK_TYPES[down.kind], inter, gate)
 
     def _check(self, where: str, what: str, got: tuple, want: tuple) -> None:
         if tuple(got) != tuple(want):

@@ -62,6 +62,7 @@ from updraft.models.gguf_linear_attention import LinearAttentionTensors
 from updraft.models.gguf_mla import LatentKV
 from updraft.models.gguf_panels import PANEL_FORMATS, block_panels
 from updraft.models.gguf_shards import RankShare, block_columns, embedding_over, kept_part
+from updraft.models.gguf_tables import GGUFTables
 from updraft.models.gguf_tensors import FLOAT_DTYPES, block_rows, float_tensor
 from updraft.models.packed_linear import PackedLinear
 from updraft.models.packing import pack_model
@@ -274,16 +275,9 @@ def load_gguf_model(
     row = ARCHITECTURES[config.architecture]
     gathered = Gathered(row.gguf_norm_shift)
     experts = ExpertTensors(modules, parts[0].name, share)
+    tables = GGUFTables(model, parts[0].name)  # mapped, not loaded: read by row
     latent = LatentKV()
-    linear = None
-    if config.linear_attention is not None:
-        # the file's own converter tiled the value heads or not (a qwen3next file is
-        # read as another row's architecture)
-        arch = read_gguf(parts[0]).fields.get("general.architecture")
-        tiled = for_gguf(arch, parts[0].name).gguf_tiled_value_heads
-        # a rank's share of ssm_out's columns is cut from the file: those it widens
-        keep = share.ranks == 1
-        linear = LinearAttentionTensors(config.num_layers, config.linear_attention, tiled, keep)
+    linear = _linear_attention(config, parts[0], share)
     for path in parts:
         stream = latent.tensors(read_gguf(path).tensors, path.name)
         if linear is not None:  # the converter's changes to Gated DeltaNet layers undone
@@ -294,15 +288,18 @@ def load_gguf_model(
             if experts.take(tensor.name, tensor.tensor_type.name, tensor.data):
                 continue  # a layer's stacked experts (the rank's share), placed below
             name = hf_name(tensor.name, row.gguf_tensor_names)
+            kind = tensor.tensor_type.name
+            if tables.take(tensor.name, name, kind, tensor.data):
+                continue
             target = None if name is None else target_of(name, params, modules)
             if target is None:
                 raise ValueError(f"{path.name}: GGUF tensor {tensor.name} fits no parameter")
-            kind = tensor.tensor_type.name
             data = share(tensor.name, kind, tensor.data, *target)
             if row.gguf_permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
                 data = unpermute(np.asarray(data), data.shape[0] // config.head_dim)
             gathered.add(f"{path.name}: {tensor.name}", name, kind, data, *target)
     latent.finish(parts[0].name)
+    tables.finish()
     floats, blocks = share.renamed(gathered.floats), share.renamed(gathered.blocks)
     _place_blocks(model, blocks, floats, config, int8_activations)
     if linear is not None:
@@ -314,6 +311,21 @@ def load_gguf_model(
         raise ValueError(f"{parts[0].name}: no GGUF tensor for {left[:8]}")
     pack_model(model, gathered.float_format(), torch.float32)
     return model.to(device).eval().requires_grad_(False)
+
+
+def _linear_attention(
+    config: ModelConfig, first: Path, share: RankShare
+) -> LinearAttentionTensors | None:
+    """What undoes the converter's changes to the Gated DeltaNet layers, if any."""
+    if config.linear_attention is None:
+        return None
+    # the file's own converter tiled the value heads or not (a qwen3next file is read as
+    # another row's architecture)
+    arch = read_gguf(first).fields.get("general.architecture")
+    tiled = for_gguf(arch, first.name).gguf_tiled_value_heads
+    # a rank's share of ssm_out's columns is cut from the file: those it widens
+    keep = share.ranks == 1
+    return LinearAttentionTensors(config.num_layers, config.linear_attention, tiled, keep)
 
 
 class Gathered:
