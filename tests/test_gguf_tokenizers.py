@@ -14,6 +14,8 @@ Beyond those cases, generated text is compared with transformers' own GGUF token
 (``AutoTokenizer.from_pretrained(..., gguf_file=...)``) on the vocabularies whose
 pre-tokenizer it rebuilds as llama.cpp does. Tekken (Mistral Nemo's), which has no
 llama.cpp vocabulary, splits text as Mistral's own tokenizer file's pattern does.
+OpenAI's o200k ("gpt-4o", gpt-oss's), which has none either, gives the ids tiktoken
+gives with its own o200k pattern on a small vocabulary.
 """
 
 from __future__ import annotations
@@ -169,6 +171,126 @@ def test_tekken_splits_text_as_mistral_s_own_tokenizer_file_says():
     same_pieces()
 
 
+# -- OpenAI's o200k ("gpt-4o", gpt-oss's), against tiktoken --------------------------------
+
+# Strings where o200k's split differs from others': contractions after any case, words
+# cut where lower case turns upper, digits in threes, marks inside words, "/" after
+# punctuation and newlines, Unicode blanks.
+O200K_CASES = [
+    "I'LL go", "We'Re here", "they'VE", "HelloWorld XMLHttpRequest", "1234567",
+    "日本語のテキスト", "naïve café e\u0301", "ÉCOLE", "a\n\n\n  b", "   ", "/\n/", "!!!??",
+    "🙂👩‍💻", "path/to/file\n", "x\u0085y\u00a0z\u2028", "\x1c\x1d\x1e\x1f a",
+]  # fmt: skip
+HARMONY_TOKENS = [
+    "<|startoftext|>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>",
+    "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def o200k(tmp_path_factory):
+    """A small byte-level BPE vocabulary with harmony's control tokens after it, as
+    tiktoken's Encoding with its own o200k pattern (``o200k_base``'s, read without its
+    vocabulary download) and as GGUF metadata naming the "gpt-4o" pre-tokenizer. The
+    vocabulary is trained with that pattern on the strings above, so that their pieces
+    are tokens whole and a split made otherwise gives other ids; tiktoken reads it from
+    GPT-2's files, checking that its ranks follow the merges."""
+    tiktoken = pytest.importorskip("tiktoken", reason="tiktoken (a dev dependency) is missing")
+    from unittest import mock
+
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    from tiktoken_ext import openai_public
+    from tokenizers import Regex, models, pre_tokenizers, trainers
+
+    with mock.patch.object(openai_public, "load_tiktoken_bpe", return_value={}):
+        pattern = openai_public.o200k_base()["pat_str"]
+    trained = Tokenizer(models.BPE())
+    trained.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=1000, initial_alphabet=alphabet, show_progress=False)
+    trained.train_from_iterator(O200K_CASES + FRAGMENTS, trainer)
+    model = json.loads(trained.to_str())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    merges = [" ".join(merge) for merge in model["merges"]]
+    folder = tmp_path_factory.mktemp("o200k")
+    (folder / "vocab.bpe").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    (folder / "encoder.json").write_text(json.dumps(model["vocab"]))
+    with mock.patch.dict("os.environ", {"TIKTOKEN_CACHE_DIR": ""}):  # no cache left behind
+        ranks = data_gym_to_mergeable_bpe_ranks(
+            str(folder / "vocab.bpe"), str(folder / "encoder.json"), clobber_one_byte_tokens=True
+        )
+    specials = {text: len(tokens) + i for i, text in enumerate(HARMONY_TOKENS)}
+    encoding = tiktoken.Encoding("o200k-small", pat_str=pattern, mergeable_ranks=ranks,
+                                 special_tokens=specials)  # fmt: skip
+    fields = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "gpt-4o",
+        TOKENS: tokens + HARMONY_TOKENS,
+        MERGES: merges,
+        "tokenizer.ggml.token_type": [1] * len(tokens) + [3] * len(HARMONY_TOKENS),
+        "tokenizer.ggml.bos_token_id": specials["<|startoftext|>"],
+        "tokenizer.ggml.eos_token_id": specials["<|return|>"],
+    }
+    return encoding, fields
+
+
+def test_gpt_4o_files_get_tiktoken_s_o200k_ids(o200k):
+    encoding, fields = o200k
+    ours = build(fields)
+    ours.encode_special_tokens = True  # as tiktoken's encode_ordinary: control tokens as text
+    for text in O200K_CASES:
+        want = encoding.encode_ordinary(text)
+        assert ours.encode(text, add_special_tokens=False).ids == want, repr(text)
+        assert ours.decode(want) == text
+    # the strings tell o200k's split from its nearest kin's
+    for kin in ("gpt-2", "llama-bpe", "tekken"):
+        other = build({**fields, "tokenizer.ggml.pre": kin})
+        assert any(
+            other.encode(text, add_special_tokens=False).ids != encoding.encode_ordinary(text)
+            for text in O200K_CASES
+        ), kin
+
+    cases = st.lists(st.sampled_from(FRAGMENTS + O200K_CASES), min_size=1, max_size=12)
+
+    @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.one_of(cases.map("".join), st.text(max_size=40)))
+    def same_ids(text):
+        assert ours.encode(text, add_special_tokens=False).ids == encoding.encode_ordinary(text)
+
+    same_ids()
+
+
+def test_a_gpt_oss_file_chats_in_harmony_and_stops_where_llama_cpp_does(o200k, demo_file, tmp_path):
+    """A file with gpt-oss's tokenizer fields and chat template: its prompt text gets
+    tiktoken's ids with harmony's tokens whole and no BOS, and generation stops at
+    ``<|return|>`` and ``<|call|>``, not at the ``<|end|>`` that ends every message."""
+    from updraft.chat_template import ChatTemplate
+    from updraft.serve.parsers.harmony import is_harmony
+    from updraft.tokenizer import Tokenizer as UpdraftTokenizer
+
+    encoding, fields = o200k
+    template = (llama_cpp_tree() / "models/templates/openai-gpt-oss-120b.jinja").read_text()
+    changes = {**fields, "tokenizer.chat_template": template}
+    directory = Path(
+        gguf.checkpoint_dir(str(with_metadata(demo_file, tmp_path / "oss.gguf", changes)))
+    )
+    chat = ChatTemplate.from_dir(directory)
+    assert is_harmony(chat.source)
+    prompt = chat.render([{"role": "user", "content": "I'LL count: 1234567"}])
+    ids = UpdraftTokenizer.from_dir(directory).backend.encode(prompt).ids
+    assert ids == encoding.encode(prompt, allowed_special="all")
+    assert encoding.encode_single_token("<|start|>") == ids[0]
+
+    stops = json.loads((directory / "generation_config.json").read_text())["eos_token_id"]
+    names = {encoding.decode_single_token_bytes(index).decode() for index in stops}
+    assert names == {"<|return|>", "<|call|>", "<|endoftext|>"}
+
+
 # -- pre-tokenizers refused by name --------------------------------------------------------
 
 
@@ -263,7 +385,7 @@ def test_a_file_whose_tokenizer_is_not_rebuilt_says_why_when_loaded(demo_file, t
 
 def with_metadata(path: Path, out: Path, changes: dict) -> Path:
     """``path`` written again by gguf-py's writer, with metadata keys set: integers as
-    uint32, strings as strings."""
+    uint32, strings as strings, lists as arrays of int32 or strings; None drops a key."""
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
     reader = GGUFReader(str(path))
@@ -274,8 +396,12 @@ def with_metadata(path: Path, out: Path, changes: dict) -> Path:
         sub_type = field.types[-1] if len(field.types) > 1 else None
         writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
     for key, value in changes.items():
-        kind = GGUFValueType.STRING if isinstance(value, str) else GGUFValueType.UINT32
-        writer.add_key_value(key, value, kind)
+        if isinstance(value, list):
+            sub_type = GGUFValueType.STRING if isinstance(value[0], str) else GGUFValueType.INT32
+            writer.add_key_value(key, value, GGUFValueType.ARRAY, sub_type=sub_type)
+        elif value is not None:
+            kind = GGUFValueType.STRING if isinstance(value, str) else GGUFValueType.UINT32
+            writer.add_key_value(key, value, kind)
     for tensor in reader.tensors:
         writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
     writer.write_header_to_file()

@@ -54,6 +54,18 @@ TEKKEN = (
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# OpenAI's o200k (GPT-4o's and gpt-oss's), as tiktoken writes it: Tekken's two
+# case-aware words, each taking a contraction after it, digits in threes, and a "/" kept
+# after punctuation. llama.cpp's rewrite of it, like Tekken's, cuts otherwise where a
+# capital is not ASCII or a combining mark follows a letter.
+_SUFFIX = _CONTRACTIONS + "?"
+O200K = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    + _SUFFIX
+    + r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    + _SUFFIX
+    + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _GPT2_WORDS = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 # StarCoder's, also SmolLM's and Refact's: every digit alone, then GPT-2's words.
 STARCODER = (r"\p{N}", _GPT2_WORDS)
@@ -114,6 +126,8 @@ SPLITTINGS: dict[str, Splitting] = {
     "megrez": Splitting((QWEN2,)),
     "qwen35": Splitting((QWEN35,)),
     "tekken": Splitting((TEKKEN,), ignore_merges=True),
+    "gpt-4o": Splitting((O200K,)),
+    "llama4": Splitting((O200K,)),
     "deepseek-llm": Splitting(DEEPSEEK_LLM),
     "deepseek-coder": Splitting(DEEPSEEK_CODER),
     "deepseek-v3": Splitting(DEEPSEEK_V3),
