@@ -225,8 +225,9 @@ def o200k(tmp_path_factory):
             str(folder / "vocab.bpe"), str(folder / "encoder.json"), clobber_one_byte_tokens=True
         )
     specials = {text: len(tokens) + i for i, text in enumerate(HARMONY_TOKENS)}
-    encoding = tiktoken.Encoding("o200k-small", pat_str=pattern, mergeable_ranks=ranks,
-                                 special_tokens=specials)  # fmt: skip
+    encoding = tiktoken.Encoding(
+        "o200k-small", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials
+    )
     fields = {
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "gpt-4o",
@@ -287,6 +288,7 @@ def test_a_gpt_oss_file_chats_in_harmony_and_stops_where_llama_cpp_does(o200k, d
     assert encoding.encode_single_token("<|start|>") == ids[0]
 
     stops = json.loads((directory / "generation_config.json").read_text())["eos_token_id"]
+    assert stops[0] == fields["tokenizer.ggml.eos_token_id"]
     names = {encoding.decode_single_token_bytes(index).decode() for index in stops}
     assert names == {"<|return|>", "<|call|>", "<|endoftext|>"}
 
