@@ -90,7 +90,11 @@ class RoutedExperts(nn.Module):
         token_of_row = order // k
         rows = self._grouped(x.index_select(0, token_of_row), chosen, order)
         rows = rows * weights.flatten().index_select(0, order)[:, None].to(rows.dtype)
-        return torch.zeros_like(x).index_add(0, token_of_row, rows)
+        # Back in (token, expert) order and summed over each token's k rows: the same
+        # sum in the same order at every run. An index_add compiles to atomic adds whose
+        # order, and so whose rounding, changes from run to run.
+        pairs = rows.index_select(0, torch.argsort(order))
+        return pairs.view(-1, k, x.shape[1]).sum(dim=1)
 
     def _grouped(
         self, rows: torch.Tensor, chosen: torch.Tensor, order: torch.Tensor
