@@ -163,6 +163,9 @@ def contenders(fmt: str, engines: list[str], model: Path, work: Path) -> list[Co
         if engine == "vllm" and kind != "bfloat16" and is_hybrid(model):
             print(f"skipping {label}: vLLM's CPU Gated DeltaNet runs in bfloat16 only")
             continue
+        if engine == "vllm" and fmt == "mxfp4" and "amx_tile" not in cpu_flags():
+            print(f"skipping {label}: vLLM's CPU MXFP4 experts need AMX, which this CPU lacks")
+            continue
         if engine == "llama.cpp":
             checkpoint = prepare_gguf(model, work, kind)
         elif kind.startswith("gguf:"):  # updraft on llama.cpp's own file
@@ -173,6 +176,13 @@ def contenders(fmt: str, engines: list[str], model: Path, work: Path) -> list[Co
             checkpoint = stored_in(model, getattr(torch, kind), work)
         out.append(Contender(label, engine, checkpoint, options))
     return out
+
+
+def cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
 
 
 def decode_bytes(contender: Contender) -> int:
