@@ -354,8 +354,9 @@ static inline __m512 floats16(__m128i bytes) {
 }
 
 /* Q2_K, Q3_K, Q5_K, IQ4_NL, IQ4_XS and MXFP4 (their layouts at widen_block_more). */
-static void block_fma_more(int type, const uint8_t *b, const float *x, int64_t k,
-                           int64_t base, int64_t m, __m512 *acc) {
+static inline __attribute__((always_inline)) void block_fma_more(
+    int type, const uint8_t *b, const float *x, int64_t k, int64_t base, int64_t m,
+    __m512 *acc) {
     const __m512i three = _mm512_set1_epi32(3);
     switch (type) {
     case 10: { /* Q2_K: d * (scale & 15) * q - dmin * (scale >> 4) per sub-block of 16 */
@@ -455,8 +456,9 @@ static void block_fma_more(int type, const uint8_t *b, const float *x, int64_t k
     }
 }
 
-static void block_fma(int type, const uint8_t *b, const float *x, int64_t k, int64_t base,
-                      int64_t m, __m512 *acc) {
+static inline __attribute__((always_inline)) void block_fma(
+    int type, const uint8_t *b, const float *x, int64_t k, int64_t base, int64_t m,
+    __m512 *acc) {
     const __m512i low4 = _mm512_set1_epi32(0xF);
     switch (type) {
     case 2:
@@ -838,7 +840,24 @@ void gguf_linear(int type, const float *x, int64_t m, int64_t k, const uint8_t *
         const uint8_t *row = w + o * row_bytes;
 #if defined(__AVX512F__)
         __m512 acc[MAX_ROWS];
-        for (int64_t r = 0; r < m; r++) acc[r] = _mm512_setzero_ps();
+        for (int r = 0; r < MAX_ROWS; r++) acc[r] = _mm512_setzero_ps();
+        if (m == 1) { /* four accumulators in turn: no block waits on the last's sums; a
+                         constant type per loop, so the block's switch folds away */
+#define ONE_ROW(TYPE)                                                                        \
+    case TYPE:                                                                               \
+        for (int64_t blk = 0; blk < blocks; blk++)                                           \
+            block_fma(TYPE, row + blk * bytes, x, k, blk * values, 1, acc + (blk & 3));      \
+        break;
+            switch (type) {
+                ONE_ROW(2) ONE_ROW(3) ONE_ROW(6) ONE_ROW(7) ONE_ROW(8) ONE_ROW(10) ONE_ROW(11)
+                ONE_ROW(12) ONE_ROW(13) ONE_ROW(14) ONE_ROW(20) ONE_ROW(23) ONE_ROW(39)
+            }
+#undef ONE_ROW
+            const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]),
+                                             _mm512_add_ps(acc[2], acc[3]));
+            y[o] = _mm512_reduce_add_ps(sum) + (bias ? bias[o] : 0.0f);
+            continue;
+        }
         for (int64_t blk = 0; blk < blocks; blk++)
             block_fma(type, row + blk * bytes, x, k, blk * values, m, acc);
         for (int64_t r = 0; r < m; r++)
