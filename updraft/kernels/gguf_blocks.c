@@ -18,6 +18,7 @@
    twice their E2M1 values (integers, -12..12) and its scale for half of 2^(e - 127),
    so each product is an integer times a power of two: exact, in any order. */
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
@@ -904,5 +905,66 @@ void gguf_linear(int type, const float *x, int64_t m, int64_t k, const uint8_t *
             y[r * n + o] = total;
         }
 #endif
+    }
+}
+
+/* An expert's gate activation, as EXPERT_ACTIVATIONS (kernels/ops.py) numbers them:
+   SiLU, GELU-tanh, or gpt-oss's clamped SwiGLU (gate clamped above at ``limit``, up into
+   [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)). */
+static float gated(int activation, float gate, float up, float alpha, float limit) {
+    if (activation == 0) return gate / (1.0f + expf(-gate)) * up;
+    if (activation == 1) {
+        const float inner = 0.7978845608028654f * (gate + 0.044715f * gate * gate * gate);
+        return 0.5f * gate * (1.0f + tanhf(inner)) * up;
+    }
+    gate = gate > limit ? limit : gate;
+    up = up > limit ? limit : (up < -limit ? -limit : up);
+    return (up + 1.0f) * (gate / (1.0f + expf(-alpha * gate)));
+}
+
+/* The routed experts of rows sorted by expert (rows [offsets[e], offsets[e + 1]) to
+   expert e) whose experts hold at most ``most_rows`` rows each: per expert, gate and up
+   (one fused part of 2I rows, or two of I, each of its own type) over its rows, the
+   gate's activation, then down into those rows of ``out`` [R, H]. Experts with more rows
+   are left for the caller (a widened GEMM serves them better). Biases may be NULL.
+   ``scratch``: MAX_ROWS * 3I floats. One call for the layer, so a decode step does not
+   pay a call's overhead per expert. */
+void gguf_grouped_rows(const float *x, int64_t hidden, int64_t inter, const int64_t *offsets,
+                       int64_t experts, int64_t most_rows, int parts, const uint8_t *gate_up0,
+                       int type0, const uint8_t *gate_up1, int type1, const float *gate_up_bias,
+                       const uint8_t *down, int down_type, const float *down_bias,
+                       int activation, float alpha, float limit, float *scratch, float *out,
+                       int threads) {
+    const int64_t part_rows = 2 * inter / parts;
+    const int64_t up_bytes = hidden / gguf_block_values(type0) * gguf_block_bytes(type0);
+    const int64_t up_bytes1 =
+        parts == 2 ? hidden / gguf_block_values(type1) * gguf_block_bytes(type1) : 0;
+    const int64_t down_bytes = inter / gguf_block_values(down_type) * gguf_block_bytes(down_type);
+    float *both = scratch, *h = scratch + MAX_ROWS * 2 * inter;
+    for (int64_t e = 0; e < experts; e++) {
+        const int64_t first = offsets[e], count = offsets[e + 1] - first;
+        if (count == 0 || count > most_rows) continue;
+        const float *bias = gate_up_bias ? gate_up_bias + e * 2 * inter : NULL;
+        for (int64_t start = first; start < first + count; start += MAX_ROWS) {
+            const int64_t m = first + count - start < MAX_ROWS ? first + count - start : MAX_ROWS;
+            const float *rows = x + start * hidden;
+            /* gate then up, [m, 2I] (fused) or [m, I] and [m, I] (two parts) */
+            gguf_linear(type0, rows, m, hidden, gate_up0 + e * part_rows * up_bytes, part_rows,
+                        up_bytes, bias, both, threads);
+            if (parts == 2)
+                gguf_linear(type1, rows, m, hidden, gate_up1 + e * part_rows * up_bytes1,
+                            part_rows, up_bytes1, bias ? bias + inter : NULL,
+                            both + m * inter, threads);
+            for (int64_t r = 0; r < m; r++)
+                for (int64_t i = 0; i < inter; i++) {
+                    const float g = parts == 2 ? both[r * inter + i] : both[r * 2 * inter + i];
+                    const float u = parts == 2 ? both[(m + r) * inter + i]
+                                               : both[r * 2 * inter + inter + i];
+                    h[r * inter + i] = gated(activation, g, u, alpha, limit);
+                }
+            gguf_linear(down_type, h, m, inter, down + e * hidden * down_bytes, hidden,
+                        down_bytes, down_bias ? down_bias + e * hidden : NULL,
+                        out + start * hidden, threads);
+        }
     }
 }

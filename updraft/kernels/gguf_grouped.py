@@ -2,9 +2,9 @@
 weights in GGUF blocks, as ``updraft::grouped_mlp`` is over panels. Rows come sorted by
 expert; each chosen expert's MLP (SiLU- or GELU-tanh-gated, as ``grouped_mlp``'s
 ``EXPERT_ACTIVATIONS`` index them, or gpt-oss's clamped SwiGLU with biases)
-runs over its rows through the block kernels
-(``kernels/gguf_ops.py``: a pass of ``gguf_linear`` per 8 rows for a few rows, a chunk
-of weight rows widened and multiplied for many), reading only that expert's blocks, in
+runs over its rows through the block kernels (``kernels/gguf_ops.py``): experts with a
+few rows all in one C call that passes ``gguf_linear`` over each 8 of them, the others
+each a chunk of weight rows widened and multiplied, reading only that expert's blocks, in
 the file's bytes: nothing is widened beyond a chunk, and an idle expert is not read.
 
 One op for the whole layer, so a captured graph holds it as one node whose shapes are
@@ -19,28 +19,24 @@ import torch.nn.functional as F
 
 from updraft.kernels.gguf_ops import (
     BLOCK_PASSES_UP_TO,
-    GGUF_MAX_ROWS,
-    gguf_linear,
+    gguf_grouped_rows,
     gguf_widened_linear,
 )
 from updraft.kernels.launch import check, define_op
 from updraft.kernels.ops import EXPERT_ACTIVATIONS
 
 
-def _block_linear(
+def _widened_linear(
     x: torch.Tensor,
     blocks: torch.Tensor,
     block_type: int,
     k: int,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M, k] @ the weight in ``blocks`` [N, row_bytes] transposed (+ bias) -> [M, N]."""
-    if x.shape[0] > BLOCK_PASSES_UP_TO:
-        out = gguf_widened_linear(x, blocks, block_type, k, blocks.shape[0], False)
-        return out if bias is None else out + bias
-    return torch.cat(
-        [gguf_linear(rows, blocks, bias, block_type, k) for rows in x.split(GGUF_MAX_ROWS)]
-    )
+    """x [M, k] @ the weight in ``blocks`` [N, row_bytes] transposed (+ bias) -> [M, N],
+    the weight widened a chunk of rows at a time."""
+    out = gguf_widened_linear(x, blocks, block_type, k, blocks.shape[0], False)
+    return out if bias is None else out + bias
 
 
 def clamped_swiglu(
@@ -91,22 +87,40 @@ def gguf_grouped_mlp(
     check(0 <= activation < len(EXPERT_ACTIVATIONS), "gguf_grouped_mlp", "an activation index")
     experts, hidden = down.shape[0], x.shape[1]
     rows_per_part = 2 * inter // len(gate_up)
+    x, offsets = x.contiguous(), offsets.contiguous()
     out = torch.zeros_like(x)
+    # Experts with a few rows (every expert of a decode step) in one C call; the rest, a
+    # prefill's, here, each a widened GEMM.
+    index = len(EXPERT_ACTIVATIONS) - 1 if swiglu is not None else activation
+    alpha, limit = swiglu or (0.0, 0.0)
+    biases = (gate_up_bias, down_bias)
+    gguf_grouped_rows(
+        x,
+        offsets,
+        gate_up,
+        gate_up_types,
+        down,
+        down_type,
+        inter,
+        biases,
+        (index, alpha, limit),
+        out,
+    )
     bounds = offsets.tolist()
     for expert in range(experts):
         start, end = bounds[expert], bounds[expert + 1]
-        if start == end:
+        if end - start <= BLOCK_PASSES_UP_TO:
             continue
         rows = x[start:end]
         biases = [None] * len(gate_up)
         if gate_up_bias is not None:
             biases = list(gate_up_bias[expert].split(rows_per_part))
         parts = [
-            _block_linear(rows, part[expert], code, hidden, bias)
+            _widened_linear(rows, part[expert], code, hidden, bias)
             for part, code, bias in zip(gate_up, gate_up_types, biases, strict=True)
         ]
         gate, up = torch.cat(parts, dim=1).split(inter, dim=1)
-        out[start:end] = _block_linear(
+        out[start:end] = _widened_linear(
             _activation(gate, up, swiglu, activation),
             down[expert],
             down_type,

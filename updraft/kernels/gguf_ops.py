@@ -69,7 +69,77 @@ def _library(march: str = "native") -> ctypes.CDLL:
     ]
     lib.gguf_linear.restype = None
     lib.gguf_linear.argtypes = _LINEAR_ARGUMENTS
+    lib.gguf_grouped_rows.restype = None
+    lib.gguf_grouped_rows.argtypes = [
+        POINTER,  # x
+        INT,  # hidden
+        INT,  # inter
+        POINTER,  # offsets
+        INT,  # experts
+        INT,  # most rows
+        ctypes.c_int,  # parts
+        POINTER,  # gate_up[0]
+        ctypes.c_int,
+        POINTER,  # gate_up[1]
+        ctypes.c_int,
+        POINTER,  # gate_up bias
+        POINTER,  # down
+        ctypes.c_int,
+        POINTER,  # down bias
+        ctypes.c_int,  # activation
+        ctypes.c_float,  # alpha
+        ctypes.c_float,  # limit
+        POINTER,  # scratch
+        POINTER,  # out
+        ctypes.c_int,  # threads
+    ]
     return lib
+
+
+def gguf_grouped_rows(
+    x: torch.Tensor,
+    offsets: torch.Tensor,
+    gate_up: list[torch.Tensor],
+    gate_up_types: list[int],
+    down: torch.Tensor,
+    down_type: int,
+    inter: int,
+    biases: tuple[torch.Tensor | None, torch.Tensor | None],
+    activation: tuple[int, float, float],
+    out: torch.Tensor,
+) -> None:
+    """The experts of ``gguf_grouped_mlp`` that hold at most ``BLOCK_PASSES_UP_TO`` rows,
+    in one call of the C kernel (per expert: gate and up, the activation, down, into
+    their rows of ``out``). The caller has checked the tensors; ``activation``: its
+    ``EXPERT_ACTIVATIONS`` index, alpha and limit (gpt-oss's; unused otherwise)."""
+    gate_up = [part.contiguous() for part in gate_up]
+    second = gate_up[1] if len(gate_up) == 2 else gate_up[0]
+    gate_up_bias, down_bias = (None if b is None else b.contiguous() for b in biases)
+    scratch = torch.empty(GGUF_MAX_ROWS * 3 * inter)
+    index, alpha, limit = activation
+    _library().gguf_grouped_rows(
+        x.data_ptr(),
+        x.shape[1],
+        inter,
+        offsets.data_ptr(),
+        down.shape[0],
+        BLOCK_PASSES_UP_TO,
+        len(gate_up),
+        gate_up[0].data_ptr(),
+        gate_up_types[0],
+        second.data_ptr(),
+        gate_up_types[-1],
+        None if gate_up_bias is None else gate_up_bias.data_ptr(),
+        down.contiguous().data_ptr(),
+        down_type,
+        None if down_bias is None else down_bias.data_ptr(),
+        index,
+        alpha,
+        limit,
+        scratch.data_ptr(),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
 
 
 @cache
