@@ -749,3 +749,19 @@ def write_mxfp4_experts(directory: Path) -> Path:
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": MXFP4_KEPT}
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     return directory
+
+
+def built_once(tmp_path_factory: Any) -> Callable[[str], tuple[nn.Module, Path]]:
+    """``get(kind)``: the reference model of ``kind`` and its checkpoint directory,
+    built on first use and kept (a module-scoped fixture's body)."""
+    built: dict[str, tuple[nn.Module, Path]] = {}
+
+    def get(kind: str) -> tuple[nn.Module, Path]:
+        if kind not in built:
+            directory = tmp_path_factory.mktemp(kind)
+            model = tiny_model(kind)
+            model.save_pretrained(directory)
+            built[kind] = model, directory
+        return built[kind]
+
+    return get

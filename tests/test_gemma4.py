@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.checkpoints import FAMILIES, build_checkpoint, tiny_config, tiny_model
+from tests.checkpoints import FAMILIES, build_checkpoint, built_once, tiny_config
 from tests.helpers import greedy, token_ids
 from tests.probes import logits_of, probed, records
 from updraft import LLM
@@ -48,17 +48,7 @@ KINDS = ("gemma4", "gemma4-moe", "gemma4-multimodal")
 def checkpoint(tmp_path_factory):
     """``checkpoint(kind)``: the reference model of ``kind`` and its checkpoint
     directory, built once per module on first use."""
-    built: dict[str, tuple[torch.nn.Module, object]] = {}
-
-    def get(kind: str) -> tuple[torch.nn.Module, object]:
-        if kind not in built:
-            directory = tmp_path_factory.mktemp(kind)
-            model = tiny_model(kind)
-            model.save_pretrained(directory)
-            built[kind] = model, directory
-        return built[kind]
-
-    return get
+    return built_once(tmp_path_factory)
 
 
 def reference(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests import checkpoints
-from tests.checkpoints import tiny_config, tiny_model
+from tests.checkpoints import built_once, tiny_config
 from tests.helpers import greedy
 from tests.probes import logits_of, probed, records
 from updraft.attention.cache_layout import cache_layout
@@ -110,17 +110,7 @@ def sequences(count: int, length: int, seed: int) -> list[list[int]]:
 def checkpoint(tmp_path_factory):
     """``checkpoint(kind)``: the reference model of ``kind`` and its checkpoint
     directory, built once per module on first use."""
-    built: dict[str, tuple[torch.nn.Module, object]] = {}
-
-    def get(kind: str) -> tuple[torch.nn.Module, object]:
-        if kind not in built:
-            directory = tmp_path_factory.mktemp(kind)
-            model = tiny_model(kind)
-            model.save_pretrained(directory)
-            built[kind] = model, directory
-        return built[kind]
-
-    return get
+    return built_once(tmp_path_factory)
 
 
 # Each step: (request, tokens) per request, continuing where its last step ended. A

@@ -32,6 +32,7 @@ from updraft.attention.context_parallel import attention
 from updraft.attention.gqa import PagedKV, paged_attention
 from updraft.attention.metadata import AttentionMetadata
 from updraft.model_config import ModelConfig
+from updraft.models.gemma import Gemma3ForCausalLM
 from updraft.models.layers import ACTIVATIONS, MLP, CausalLM, FusedLinear
 from updraft.models.mapped_table import MappedEmbedding, rounded
 from updraft.models.moe import Experts
@@ -254,19 +255,10 @@ class Gemma4ForCausalLM(CausalLM):
         looked_up = model.embed_tokens_per_layer(input_ids, embedded.dtype).view(shape)
         return (projected + looked_up) * 2.0**-0.5
 
-    def layer_rotaries(
-        self, rows: torch.Tensor, dtype: torch.dtype
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The sliding layers' RoPE, the full layers' (proportional, over their heads)."""
-        full = self.rotary.lookup(rows, dtype)
-        local = self.local_rotary.lookup(rows, dtype)
-        windows = (self.config.window(index) for index in range(len(self.model.layers)))
-        return [full if window is None else local for window in windows]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
-        cap = self.config.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+    # The sliding layers' RoPE and the full layers' (proportional, over their own heads),
+    # and the logits capped by a tanh, as Gemma 3's.
+    layer_rotaries = Gemma3ForCausalLM.layer_rotaries
+    compute_logits = Gemma3ForCausalLM.compute_logits
 
     def unused_tensor(self, name: str) -> bool:
         """Whether checkpoint tensor ``name`` (as the text model calls it) is one this
