@@ -6,7 +6,10 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import torch
+
 from updraft import RequestOutput, SamplingParams
+from updraft.step.inputs import ForwardInputs
 
 
 def greedy(max_tokens: int = 16, **params: Any) -> SamplingParams:
@@ -40,3 +43,27 @@ def generate_logits(model: Any, prompt: list[int], new_tokens: int) -> tuple[lis
             return_dict_in_generate=True,
         )
     return out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits)
+
+
+def own_block_inputs(
+    queries: list[tuple[int, int, list[int]]], block: int, blocks_per_request: int
+) -> ForwardInputs:
+    """One step's inputs for ``queries`` (request, first position, tokens), request r on
+    blocks of its own: [r * blocks_per_request, (r + 1) * blocks_per_request)."""
+    ids, positions, slots, seq_lens, starts = [], [], [], [], [0]
+    for request, start, tokens in queries:
+        ids += tokens
+        span = range(start, start + len(tokens))
+        positions += span
+        slots += [request * blocks_per_request * block + p for p in span]
+        seq_lens.append(start + len(tokens))
+        starts.append(starts[-1] + len(tokens))
+    first = [request * blocks_per_request for request, _, _ in queries]
+    return ForwardInputs(
+        input_ids=torch.tensor(ids),
+        positions=torch.tensor(positions),
+        slot_mapping=torch.tensor(slots),
+        block_table=torch.tensor([list(range(f, f + blocks_per_request)) for f in first]),
+        seq_lens=torch.tensor(seq_lens),
+        query_start_loc=torch.tensor(starts),
+    )

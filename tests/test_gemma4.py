@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.checkpoints import FAMILIES, build_checkpoint, built_once, tiny_config
-from tests.helpers import greedy, token_ids
+from tests.helpers import greedy, own_block_inputs, token_ids
 from tests.probes import logits_of, probed, records
 from updraft import LLM
 from updraft.attention.cache_groups import (
@@ -36,7 +36,6 @@ from updraft.config import ParallelSizes
 from updraft.model_config import ModelConfig
 from updraft.models.loader import load_model
 from updraft.models.tensor_parallel import check_parallel
-from updraft.step.inputs import ForwardInputs
 
 BLOCK = 8
 BLOCKS_PER_REQUEST = 12
@@ -72,25 +71,7 @@ class Paged:
     def step(self, queries: list[tuple[int, int, list[int]]]) -> list[torch.Tensor]:
         """One forward over ``queries`` (request, first position, tokens): each query's
         logits [len(tokens), vocab]."""
-        ids, positions, slots, seq_lens, starts = [], [], [], [], [0]
-        for request, start, tokens in queries:
-            ids += tokens
-            span = range(start, start + len(tokens))
-            positions += span
-            slots += [request * BLOCKS_PER_REQUEST * BLOCK + p for p in span]
-            seq_lens.append(start + len(tokens))
-            starts.append(starts[-1] + len(tokens))
-        table = [
-            list(range(r * BLOCKS_PER_REQUEST, (r + 1) * BLOCKS_PER_REQUEST)) for r, _, _ in queries
-        ]
-        inputs = ForwardInputs(
-            input_ids=torch.tensor(ids),
-            positions=torch.tensor(positions),
-            slot_mapping=torch.tensor(slots),
-            block_table=torch.tensor(table),
-            seq_lens=torch.tensor(seq_lens),
-            query_start_loc=torch.tensor(starts),
-        )
+        inputs = own_block_inputs(queries, BLOCK, BLOCKS_PER_REQUEST)
         metadata = AttentionMetadata.from_step(inputs, BLOCK, "cpu")
         hidden = self.model(inputs.input_ids, inputs.positions, self.caches, metadata)
         logits = self.model.compute_logits(hidden)

@@ -22,14 +22,13 @@ from safetensors.torch import load_file, save_file
 
 from tests import checkpoints
 from tests.checkpoints import built_once, tiny_config
-from tests.helpers import greedy
+from tests.helpers import greedy, own_block_inputs
 from tests.probes import logits_of, probed, records
 from updraft.attention.cache_layout import cache_layout
 from updraft.attention.metadata import AttentionMetadata
 from updraft.model_config import ModelConfig
 from updraft.models import delta_rule
 from updraft.models.loader import load_model
-from updraft.step.inputs import ForwardInputs
 
 BLOCK = 16
 BLOCKS_PER_REQUEST = 16  # 256 positions
@@ -67,26 +66,7 @@ class Hybrid:
     def step(self, queries: list[tuple[int, int, list[int]]]) -> list[torch.Tensor]:
         """One forward over ``queries`` (request, first position, tokens): each query's
         logits [len(tokens), vocab]."""
-        ids, positions, slots, seq_lens, starts = [], [], [], [], [0]
-        for request, start, tokens in queries:
-            ids += tokens
-            span = range(start, start + len(tokens))
-            positions += span
-            first_slot = request * BLOCKS_PER_REQUEST * BLOCK
-            slots += [first_slot + p for p in span]
-            seq_lens.append(start + len(tokens))
-            starts.append(starts[-1] + len(tokens))
-        table = [
-            list(range(r * BLOCKS_PER_REQUEST, (r + 1) * BLOCKS_PER_REQUEST)) for r, _, _ in queries
-        ]
-        inputs = ForwardInputs(
-            input_ids=torch.tensor(ids),
-            positions=torch.tensor(positions),
-            slot_mapping=torch.tensor(slots),
-            block_table=torch.tensor(table),
-            seq_lens=torch.tensor(seq_lens),
-            query_start_loc=torch.tensor(starts),
-        )
+        inputs = own_block_inputs(queries, BLOCK, BLOCKS_PER_REQUEST)
         metadata = AttentionMetadata.from_step(inputs, BLOCK, "cpu")
         state_slots = torch.tensor([request for request, _, _ in queries])
         hidden = self.model(
