@@ -18,7 +18,7 @@ from torch import nn
 from updraft.attention.latent import LatentDims, latent_attention
 from updraft.attention.metadata import AttentionMetadata
 from updraft.model_config import MLAConfig, ModelConfig, RopeConfig
-from updraft.models.layers import MLP, CausalLM, DecoderLayer, FusedLinear, RMSNorm
+from updraft.models.layers import MLP, CausalLM, DecoderLayer, FusedLinear, Matrix, RMSNorm
 from updraft.models.moe import SparseMoE
 from updraft.models.rope import apply_rotary
 
@@ -42,15 +42,6 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
     rotate-half layout (x0, x2, ...; x1, x3, ...). Queries and keys are permuted alike,
     so their dot products are unchanged, and the cache holds the rotate-half layout."""
     return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
-
-
-class Matrix(nn.Module):
-    """A projection read as a weight matrix rather than called as a layer (the absorbed
-    attention splits it per head): not an ``nn.Linear``, so it is never repacked."""
-
-    def __init__(self, out_features: int, in_features: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(out_features, in_features))
 
 
 class Indexer(nn.Module):

@@ -33,7 +33,7 @@ from updraft.attention.gqa import PagedKV, paged_attention
 from updraft.attention.metadata import AttentionMetadata
 from updraft.model_config import ModelConfig
 from updraft.models.gemma import Gemma3ForCausalLM
-from updraft.models.layers import ACTIVATIONS, MLP, CausalLM, FusedLinear
+from updraft.models.layers import ACTIVATIONS, MLP, CausalLM, FusedLinear, Matrix
 from updraft.models.mapped_table import MappedEmbedding, rounded
 from updraft.models.moe import Experts
 from updraft.models.rope import RotaryEmbedding, apply_rotary
@@ -120,7 +120,9 @@ class Gemma4Router(nn.Module):
         moe, hidden = config.moe, config.hidden_size
         self.top_k = moe.num_experts_per_tok
         self.norm = Gemma4Norm(hidden, config.rms_norm_eps, scaled=False)
-        self.proj = RouterProjection(moe.num_experts, hidden)
+        # applied as it is: a panel's other summation order could change which experts
+        # win a near-tie
+        self.proj = Matrix(moe.num_experts, hidden)
         self.scale = nn.Parameter(torch.ones(hidden))
         self.per_expert_scale = nn.Parameter(torch.ones(moe.num_experts))
         self.root = hidden**-0.5
@@ -134,15 +136,6 @@ class Gemma4Router(nn.Module):
         return weights * self.per_expert_scale.index_select(0, experts.flatten()).view_as(
             weights
         ), experts
-
-
-class RouterProjection(nn.Module):
-    """The router's [experts, hidden] matrix, applied as it is (not packed: a panel's
-    other summation order could change which experts win a near-tie)."""
-
-    def __init__(self, experts: int, hidden: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(experts, hidden))
 
 
 class Gemma4DecoderLayer(nn.Module):

@@ -33,7 +33,7 @@ from updraft.attention.context_parallel import attention
 from updraft.attention.gqa import PagedKV
 from updraft.attention.metadata import AttentionMetadata
 from updraft.model_config.gemma4_assistant import AssistantConfig, assistant_config
-from updraft.models.layers import MLP, RMSNorm
+from updraft.models.layers import MLP, Matrix, RMSNorm
 from updraft.models.loader import building, checkpoint_names, fill, weight_files
 from updraft.models.rope import RotaryEmbedding, apply_rotary
 from updraft.weights import WeightFormat, torch_dtype
@@ -127,15 +127,6 @@ class MaskedEmbedder(nn.Module):
         return logits.scatter_(-1, tokens, scores)
 
 
-class HeadRows(nn.Module):
-    """An LM head's rows as one table, read whole or row by row (the masked head):
-    never packed into panels."""
-
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
-
-
 class AssistantWeights(nn.Module):
     """The drafter's own tensors, under the checkpoint's names."""
 
@@ -150,8 +141,9 @@ class AssistantWeights(nn.Module):
             AssistantLayer(config, i) for i in range(config.num_layers)
         )
         self.model.norm = RMSNorm(size, config.rms_norm_eps)
-        self.model.embed_tokens = HeadRows(config.vocab_size, size)  # the tied LM head
-        self.lm_head = None if config.tie_word_embeddings else HeadRows(config.vocab_size, size)
+        # LM head rows read whole or row by row (the masked head), never packed
+        self.model.embed_tokens = Matrix(config.vocab_size, size)  # the tied LM head
+        self.lm_head = None if config.tie_word_embeddings else Matrix(config.vocab_size, size)
         self.masked_embedding = MaskedEmbedder(config) if config.use_ordered_embeddings else None
         if self.masked_embedding is not None:  # on the CPU, when built on the meta device
             device = torch.get_default_device()

@@ -1,6 +1,6 @@
 """DeepSeek's latent attention in a GGUF file: each layer's ``kv_b_proj`` (the latent's
 up-projection to every head's key and value rows), which the model reads as one float
-matrix (``models/deepseek.py``'s ``Matrix``), split per head by the absorbed attention.
+matrix (``models/layers.py``'s ``Matrix``), split per head by the absorbed attention.
 
 llama.cpp's converter writes it in two halves, laid out for its own absorbed attention:
 ``attn_k_b``, each head's key rows transposed ([heads, kv_lora_rank, qk_nope_head_dim]

@@ -41,6 +41,17 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+class Matrix(nn.Module):
+    """A weight matrix read as it is rather than called as a layer (DeepSeek's absorbed
+    attention splits one per head; a router's or an LM head's rows that must keep their
+    summation order or be read row by row): not an ``nn.Linear``, so it is never
+    repacked into panels."""
+
+    def __init__(self, out_features: int, in_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(out_features, in_features))
+
+
 class FusedLinear(nn.Linear):
     """One matmul for several checkpoint projections stacked on the output dim."""
 
