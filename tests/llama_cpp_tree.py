@@ -232,3 +232,30 @@ def convert_many(jobs: list[tuple[Path, Path, str]]) -> None:
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{done.stderr[-4000:]}")
+
+
+def convert_checkpoints(
+    files: dict[str, tuple[str, dict, str]], root: Path
+) -> dict[str, tuple[Path, Path]]:
+    """name -> (checkpoint, GGUF file) for ``files`` (name -> tiny checkpoint kind, its
+    changes, the converter's outtype): each checkpoint built once, every file converted
+    in one process."""
+    from tests.checkpoints import build_checkpoint
+
+    checkpoints: dict[str, Path] = {}
+    jobs, made = [], {}
+    for name, (kind, changes, outtype) in files.items():
+        key = f"{kind} {json.dumps(changes, sort_keys=True)}"
+        if key not in checkpoints:
+            checkpoint = build_checkpoint(kind, root / f"{kind}-{len(checkpoints)}", **changes)
+            # Gemma's converter cuts the embedding to the tokenizer's size; these
+            # checkpoints' vocabulary is llama.cpp's built-in one cut to theirs.
+            vocab = {str(i): i for i in range(256)}
+            tokenizer = {"model": {"vocab": vocab}, "added_tokens": []}
+            (checkpoint / "tokenizer.json").write_text(json.dumps(tokenizer))
+            checkpoints[key] = checkpoint
+        path = root / f"{name}.gguf"
+        jobs.append((checkpoints[key], path, outtype))
+        made[name] = (checkpoints[key], path)
+    convert_many(jobs)
+    return made

@@ -17,7 +17,6 @@ Each runs eager and from captured graphs, with ``--activations float32``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,9 +26,8 @@ import torch
 import transformers
 from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, get_tensor_name_map, quants
 
-from tests.checkpoints import build_checkpoint
 from tests.helpers import generate_logits, greedy
-from tests.llama_cpp_tree import convert_many, llama_cpp_tree
+from tests.llama_cpp_tree import convert_checkpoints, llama_cpp_tree
 from tests.probes import logits_of, probed, records
 
 # Inside the original LongRoPE context of 32 positions and decoding past it, and past it
@@ -65,23 +63,7 @@ def files(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """name -> (checkpoint, GGUF file), every file converted in one process."""
     llama_cpp_tree()
     root = tmp_path_factory.mktemp("gguf-families")
-    checkpoints: dict[str, Path] = {}
-    jobs, made = [], {}
-    for name, (kind, changes, outtype) in FILES.items():
-        key = (kind, json.dumps(changes, sort_keys=True))
-        if key not in checkpoints:
-            checkpoint = build_checkpoint(kind, root / kind, **changes)
-            # Gemma's converter cuts the embedding to the tokenizer's size; these
-            # checkpoints' vocabulary is llama.cpp's built-in one cut to theirs.
-            vocab = {str(i): i for i in range(256)}
-            tokenizer = {"model": {"vocab": vocab}, "added_tokens": []}
-            (checkpoint / "tokenizer.json").write_text(json.dumps(tokenizer))
-            checkpoints[key] = checkpoint
-        path = root / f"{name}.gguf"
-        jobs.append((checkpoints[key], path, outtype))
-        made[name] = (checkpoints[key], path)
-    convert_many(jobs)
-    return made
+    return convert_checkpoints(FILES, root)
 
 
 @pytest.fixture(scope="module")

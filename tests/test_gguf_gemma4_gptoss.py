@@ -34,9 +34,8 @@ import torch
 import transformers
 from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, get_tensor_name_map, quants
 
-from tests.checkpoints import build_checkpoint
 from tests.helpers import greedy
-from tests.llama_cpp_tree import convert_many, llama_cpp_tree
+from tests.llama_cpp_tree import convert_checkpoints, llama_cpp_tree
 from tests.probes import logits_of, probed, records
 from tests.test_gguf_deepseek import rewritten
 from updraft import LLM
@@ -74,21 +73,7 @@ def files(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """name -> (checkpoint, GGUF file), every file converted in one process."""
     llama_cpp_tree()
     root = tmp_path_factory.mktemp("gguf-gemma4-gptoss")
-    checkpoints: dict[str, Path] = {}
-    jobs, made = [], {}
-    for name, (kind, changes, outtype) in FILES.items():
-        if kind not in checkpoints:
-            checkpoint = build_checkpoint(kind, root / kind, **changes)
-            # Gemma's converter cuts the embedding to the tokenizer's size; these
-            # checkpoints' vocabulary is llama.cpp's built-in one cut to theirs.
-            vocab = {str(i): i for i in range(256)}
-            tokenizer = {"model": {"vocab": vocab}, "added_tokens": []}
-            (checkpoint / "tokenizer.json").write_text(json.dumps(tokenizer))
-            checkpoints[kind] = checkpoint
-        path = root / f"{name}.gguf"
-        jobs.append((checkpoints[kind], path, outtype))
-        made[name] = (checkpoints[kind], path)
-    convert_many(jobs)
+    made = convert_checkpoints(FILES, root)
     # Experts in blocks of another type (Q5_0: no panels) run through the block
     # kernels, with Gemma 4's GELU gate.
     checkpoint, path = made["gemma4-moe-f32"]
