@@ -67,3 +67,20 @@ def own_block_inputs(
         seq_lens=torch.tensor(seq_lens),
         query_start_loc=torch.tensor(starts),
     )
+
+
+def recorded_proposals(patch: Any, proposer: type) -> list[tuple[list[int], list[int]]]:
+    """Every proposal ``proposer`` makes while ``patch`` (a monkeypatch context) lasts:
+    (the tokens it was made from, its drafts), in order."""
+    proposals = []
+    propose = proposer.propose
+
+    def spy(self, inputs, output, drafting):
+        drafts = propose(self, inputs, output, drafting)
+        for request, _ in drafting:
+            if request.request_id in drafts:
+                proposals.append((list(request.token_ids), drafts[request.request_id].token_ids))
+        return drafts
+
+    patch.setattr(proposer, "propose", spy)
+    return proposals

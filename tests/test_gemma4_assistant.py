@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tests.checkpoints import GEMMA3_TEXT, build_checkpoint, gemma4_assistant, tiny_model
-from tests.helpers import greedy, token_ids
+from tests.helpers import greedy, recorded_proposals, token_ids
 from tests.mutations import (
     assistant_reads_one_on,
     assistant_state_from_the_row_before,
@@ -172,18 +172,8 @@ class Run(NamedTuple):
 
 def speculative_run(pair: Pair, monkeypatch, **args: Any) -> Run:
     """The greedy prompts with the assistant drafting 3 tokens, every proposal recorded."""
-    proposals = []
-    propose = AssistantProposer.propose
-
-    def spy(self, inputs, output, drafting):
-        drafts = propose(self, inputs, output, drafting)
-        for request, _ in drafting:
-            if request.request_id in drafts:
-                proposals.append((list(request.token_ids), drafts[request.request_id].token_ids))
-        return drafts
-
     with monkeypatch.context() as patch:
-        patch.setattr(AssistantProposer, "propose", spy)
+        proposals = recorded_proposals(patch, AssistantProposer)
         llm = LLM(
             str(pair.target),
             speculative_model=str(pair.assistant),

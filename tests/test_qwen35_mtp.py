@@ -26,7 +26,7 @@ from transformers.modeling_layers import MtpLayer
 
 from tests.checkpoints import saved_model
 from tests.heads import prefill_then_decode
-from tests.helpers import generate_logits, greedy, token_ids
+from tests.helpers import generate_logits, greedy, recorded_proposals, token_ids
 from tests.mutations import forget_refresh
 from updraft import LLM
 from updraft.attention.cache_groups import CacheSizes, allocate_caches, cache_groups
@@ -208,18 +208,8 @@ class Run(NamedTuple):
 def mtp_run(directory, batch, monkeypatch, k: int, eager: bool) -> Run:
     """Greedy decoding of ``batch`` with the MTP head drafting ``k`` tokens, recording
     every proposal."""
-    proposals = []
-    propose = HeadProposer.propose
-
-    def spy(self, inputs, output, drafting):
-        drafts = propose(self, inputs, output, drafting)
-        for request, _ in drafting:
-            if request.request_id in drafts:
-                proposals.append((list(request.token_ids), drafts[request.request_id].token_ids))
-        return drafts
-
     with monkeypatch.context() as patch:
-        patch.setattr(HeadProposer, "propose", spy)
+        proposals = recorded_proposals(patch, HeadProposer)
         llm = LLM(
             str(directory),
             **SMALL_STEPS,
