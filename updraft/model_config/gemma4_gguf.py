@@ -344,12 +344,24 @@ def _check_tensors(file_name: str, tensors: Tensors, config: dict[str, Any]) -> 
             ]
             if stray:
                 raise ValueError(f"{file_name}: KV-shared layer {layer} holds {', '.join(stray)}")
-        for name, shape in shapes.items():
-            found = tensors.get(f"blk.{layer}.{name}")
-            if found is None:
-                raise ValueError(f"{file_name}: layer {layer} lacks blk.{layer}.{name}")
-            if tuple(found[1]) != shape:
-                raise ValueError(
-                    f"{file_name}: blk.{layer}.{name} has shape {list(found[1])} (rows first), "
-                    f"not {list(shape)} as the file's {kind} sizes give"
-                )
+        check_layer_shapes(file_name, tensors, layer, shapes, f"{kind} sizes")
+
+
+def check_layer_shapes(
+    file_name: str,
+    tensors: Tensors,
+    layer: int,
+    shapes: dict[str, tuple[int, ...]],
+    sizes: str = "sizes",
+) -> None:
+    """Layer ``layer`` holds each of ``shapes`` (``blk.{layer}.`` names, rows first) in
+    that shape, which the file's ``sizes`` give; else a ValueError naming it."""
+    for name, shape in shapes.items():
+        found = tensors.get(f"blk.{layer}.{name}")
+        if found is None:
+            raise ValueError(f"{file_name}: layer {layer} lacks blk.{layer}.{name}")
+        if tuple(found[1]) != shape:
+            raise ValueError(
+                f"{file_name}: blk.{layer}.{name} has shape {list(found[1])} (rows first), "
+                f"not {list(shape)} as the file's {sizes} give"
+            )

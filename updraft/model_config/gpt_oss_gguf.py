@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from updraft.model_config.fields import LAYER_TYPES
-from updraft.model_config.gemma4_gguf import float32_decimal, needing
+from updraft.model_config.gemma4_gguf import check_layer_shapes, float32_decimal, needing
 from updraft.model_config.gguf_experts import read_experts
 
 Tensors = dict[str, tuple[str, tuple[int, ...]]]  # name -> (type, shape, rows first)
@@ -155,12 +155,4 @@ def _check_tensors(file_name: str, tensors: Tensors, config: dict[str, Any]) -> 
         shapes["ffn_gate_exps.bias"] = (experts, width)
         shapes["ffn_up_exps.bias"] = (experts, width)
         shapes["ffn_down_exps.bias"] = (experts, hidden)
-        for name, shape in shapes.items():
-            found = tensors.get(f"blk.{layer}.{name}")
-            if found is None:
-                raise ValueError(f"{file_name}: layer {layer} lacks blk.{layer}.{name}")
-            if tuple(found[1]) != shape:
-                raise ValueError(
-                    f"{file_name}: blk.{layer}.{name} has shape {list(found[1])} (rows first), "
-                    f"not {list(shape)} as the file's sizes give"
-                )
+        check_layer_shapes(file_name, tensors, layer, shapes)
