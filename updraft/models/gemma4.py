@@ -87,11 +87,7 @@ class Gemma4Attention(nn.Module):
     ) -> torch.Tensor:
         tokens, heads = hidden.shape[0], self.num_heads
         if self.shares_kv:  # the source layer wrote this step's KV already
-            query = self.q_norm(self.q_proj(hidden).view(tokens, heads, self.head_dim))
-            query = apply_rotary(query, *rotary)
-            reader = PagedKV(query, kv_cache, 1.0)
-            attended = attention(reader, metadata, self.layer, window=self.window)
-            return self.o_proj(attended)
+            return queries_over_cache(self, hidden, rotary, kv_cache, metadata)
         qkv = self.qkv_proj(hidden).view(tokens, -1, self.head_dim)
         keys = qkv[:, heads : heads + self.num_kv_heads]
         values = keys if self.keys_are_values else qkv[:, heads + self.num_kv_heads :]
@@ -108,6 +104,23 @@ class Gemma4Attention(nn.Module):
             self.window,
         )
         return self.o_proj(attended)
+
+
+def queries_over_cache(
+    layer: nn.Module,
+    hidden: torch.Tensor,
+    rotary: tuple[torch.Tensor, torch.Tensor],
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+) -> torch.Tensor:
+    """The attention of a layer that has queries only (a KV-shared layer, the assistant
+    drafter's) over K/V another layer wrote: its q_proj, q_norm and RoPE, then o_proj.
+    ``layer`` holds those, ``num_heads``, its task key ``layer`` and its ``window``.
+    Gemma 4 scales the scores by its q and k norms alone."""
+    query = layer.q_norm(layer.q_proj(hidden).view(hidden.shape[0], layer.num_heads, -1))
+    query = apply_rotary(query, *rotary)
+    reader = PagedKV(query, kv_cache, 1.0)
+    return layer.o_proj(attention(reader, metadata, layer.layer, window=layer.window))
 
 
 class Gemma4Router(nn.Module):

@@ -29,13 +29,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from updraft.attention.context_parallel import attention
-from updraft.attention.gqa import PagedKV
 from updraft.attention.metadata import AttentionMetadata
 from updraft.model_config.gemma4_assistant import AssistantConfig, assistant_config
+from updraft.models.gemma4 import queries_over_cache
 from updraft.models.layers import MLP, Matrix, RMSNorm
 from updraft.models.loader import building, checkpoint_names, fill, weight_files
-from updraft.models.rope import RotaryEmbedding, apply_rotary
+from updraft.models.rope import RotaryEmbedding
 from updraft.weights import WeightFormat, torch_dtype
 
 # The checkpoint's tensors that are no parameter: read on their own, and checked.
@@ -65,12 +64,7 @@ class AssistantAttention(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        query = self.q_norm(self.q_proj(hidden).view(hidden.shape[0], self.num_heads, -1))
-        query = apply_rotary(query, *rotary)
-        # Gemma 4 scales by its q and k norms alone.
-        return self.o_proj(
-            attention(PagedKV(query, kv_cache, 1.0), metadata, self.layer, window=self.window)
-        )
+        return queries_over_cache(self, hidden, rotary, kv_cache, metadata)
 
 
 class AssistantLayer(nn.Module):
