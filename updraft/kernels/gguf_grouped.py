@@ -91,7 +91,7 @@ def gguf_grouped_mlp(
     out = torch.zeros_like(x)
     # Experts with a few rows (every expert of a decode step) in one C call; the rest, a
     # prefill's, here, each a widened GEMM.
-    index = len(EXPERT_ACTIVATIONS) - 1 if swiglu is not None else activation
+    index = EXPERT_ACTIVATIONS.index("clamped_swiglu") if swiglu is not None else activation
     alpha, limit = swiglu or (0.0, 0.0)
     biases = (gate_up_bias, down_bias)
     gguf_grouped_rows(
