@@ -955,13 +955,12 @@ void gguf_grouped_rows(const float *x, int64_t hidden, int64_t inter, const int6
                 gguf_linear(type1, rows, m, hidden, gate_up1 + e * part_rows * up_bytes1,
                             part_rows, up_bytes1, bias ? bias + inter : NULL,
                             both + m * inter, threads);
-            for (int64_t r = 0; r < m; r++)
-                for (int64_t i = 0; i < inter; i++) {
-                    const float g = parts == 2 ? both[r * inter + i] : both[r * 2 * inter + i];
-                    const float u = parts == 2 ? both[(m + r) * inter + i]
-                                               : both[r * 2 * inter + inter + i];
-                    h[r * inter + i] = gated(activation, g, u, alpha, limit);
-                }
+            for (int64_t r = 0; r < m; r++) {
+                const float *gate = parts == 2 ? both + r * inter : both + r * 2 * inter;
+                const float *up = parts == 2 ? both + (m + r) * inter : gate + inter;
+                for (int64_t i = 0; i < inter; i++)
+                    h[r * inter + i] = gated(activation, gate[i], up[i], alpha, limit);
+            }
             gguf_linear(down_type, h, m, inter, down + e * hidden * down_bytes, hidden,
                         down_bytes, down_bias ? down_bias + e * hidden : NULL,
                         out + start * hidden, threads);
