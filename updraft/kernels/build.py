@@ -1,9 +1,10 @@
 """Compile a kernel's C source with the machine's compiler, once, and load it.
 
-Each kernel is one C file beside this one, with no dependency but the C library and
-OpenMP; it builds in about a second, into a per-user temporary folder, keyed by the
-source, the flags and the CPU, so an edit or another kind of CPU builds afresh. Built with the
-machine's own vector instructions (-march=native).
+Each kernel is one C file beside this one (and the headers it includes from this
+folder), with no dependency but the C library and OpenMP; it builds in about a second,
+into a per-user temporary folder, keyed by the sources, the flags and the CPU, so an
+edit or another kind of CPU builds afresh. Built with the machine's own vector
+instructions (-march=native).
 
 torch is imported before a kernel loads, so the kernel's ``libgomp.so.1`` resolves to
 the OpenMP runtime torch already loaded (same soname): one thread pool for both.
@@ -60,7 +61,9 @@ def load(name: str, march: str = "native") -> ctypes.CDLL:
     compiler = _compiler()
     compile_flags = [f"-march={march}" if f == "-march=native" else f for f in COMPILE]
     flags = " ".join([compiler, *compile_flags, *LINK, *LIBRARIES, _cpu()])
-    key = hashlib.sha256(source.read_bytes() + flags.encode())
+    # the headers beside the sources are part of every kernel that includes them
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    key = hashlib.sha256(source.read_bytes() + headers + flags.encode())
     folder = Path(tempfile.gettempdir()) / f"updraft-kernels-{os.getuid()}"
     library = folder / f"{name}-{key.hexdigest()[:16]}.so"
     if not library.is_file():

@@ -22,11 +22,8 @@
    (``gguf_ungroup`` gives back the file's bytes exactly). A last group short of eight
    rows is filled with zero blocks.
 
-   Group-blocks (eight rows' block b; words are 4 bytes, at 32 t + 4 r for row r):
-     Q4_0 (2)   144 B: d[8] | 4 words of nibbles
-     Q8_0 (8)   272 B: d[8] | 8 words of codes
-     Q4_K (12) 1184 B: d[8] | dmin[8] | scale[8 sub-blocks][8] | min[8][8] | 32 words
-     Q6_K (14) 1680 B: d[8] | scale[16 sub-blocks][8] (int8) | 32 words of ql | 16 of qh
+   Each block type is a header of its own (int8_types.h lists them): its group-block
+   layout, the move between a file block and a group-block, and its kernel.
 
    The result is the float32 product of the dequantized weight and x as rounded
    (``gguf_round_x`` gives that x), up to float32 rounding of each block's scaled sum;
@@ -35,8 +32,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <immintrin.h>
-#if !defined(__AVX2__) || !defined(__F16C__) || !defined(__FMA__)
+
+#include "int8_simd.h"
+#if !INT8_SIMD
 #error "gguf_int8.c needs AVX2, F16C and FMA"
 #endif
 
@@ -44,29 +42,35 @@
 #define X_BLOCK 32   /* values of x that share a scale */
 #define MAX_X_ROWS 8 /* rows of x in one call */
 
-int gguf_int8_type(int type) { return type == 2 || type == 8 || type == 12 || type == 14; }
+/* x as the kernels take it: rows of codes and, per block, what the types need of them */
+typedef struct {
+    const int8_t *codes;      /* [rows][k] */
+    const float *scales;      /* [rows][k / 32] */
+    const int32_t *offsets16; /* [rows][k / 16], Q6_K's (int8_q6_k.h) */
+    const int32_t *sums32;    /* [rows][k / 32]: sums of the codes */
+    const int32_t *sums16;    /* [rows][k / 16]: sums of the codes */
+    int64_t k;
+} rounded_x;
 
-static int64_t block_values(int type) { return type == 12 || type == 14 ? 256 : 32; }
+#include "int8_types.h"
 
+#define IS_TYPE(code, name, values, bytes, group) case code: return 1;
+int gguf_int8_type(int type) {
+    switch (type) { INT8_TYPE_LIST(IS_TYPE) default: return 0; }
+}
+#define VALUES(code, name, values, bytes, group) case code: return values;
+static int64_t block_values(int type) {
+    switch (type) { INT8_TYPE_LIST(VALUES) default: return 0; }
+}
+#define BYTES(code, name, values, bytes, group) case code: return bytes;
 static int64_t block_bytes(int type) {
-    switch (type) {
-    case 2: return 18;
-    case 8: return 34;
-    case 12: return 144;
-    default: return 210;
-    }
+    switch (type) { INT8_TYPE_LIST(BYTES) default: return 0; }
 }
-
 /* bytes of eight rows' block in a group */
+#define GROUP_BYTES(code, name, values, bytes, group) case code: return group;
 int64_t gguf_group_block_bytes(int type) {
-    switch (type) {
-    case 2: return 144;
-    case 8: return 272;
-    case 12: return 1184;
-    default: return 1680;
-    }
+    switch (type) { INT8_TYPE_LIST(GROUP_BYTES) default: return 0; }
 }
-
 
 /* -- x ---------------------------------------------------------------------------------- */
 
@@ -83,7 +87,7 @@ static inline float max8(__m256 v) {
    one value at a time gives them: x / scale, rounded half to even, a zero block left
    zero. */
 void gguf_round_x(const float *x, int64_t k, int8_t *codes, float *scales,
-                  int32_t *offsets16, int32_t *sums32) {
+                  int32_t *offsets16, int32_t *sums32, int32_t *sums16) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i limit = _mm256_set1_epi32(127);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -120,93 +124,48 @@ void gguf_round_x(const float *x, int64_t k, int8_t *codes, float *scales,
             __m256i s = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
             s = _mm256_hadd_epi32(s, s);
             s = _mm256_hadd_epi32(s, s);
-            sums32[c / 32] = _mm256_cvtsi256_si32(s) + _mm256_extract_epi32(s, 4);
+            sums16[c / 16] = _mm256_cvtsi256_si32(s);
+            sums16[c / 16 + 1] = _mm256_extract_epi32(s, 4);
+            sums32[c / 32] = sums16[c / 16] + sums16[c / 16 + 1];
         }
     }
 }
 
+/* m rows of x rounded, in one allocation (``buffer``, for ``free``) */
+typedef struct {
+    rounded_x x;
+    void *buffer;
+} rounded_rows;
+
+static rounded_rows round_rows(const float *x, int64_t m, int64_t k) {
+    const size_t blocks = (size_t)(m * (k / X_BLOCK));
+    char *buffer = malloc(sizeof(float) * blocks + sizeof(int32_t) * 5 * blocks + (size_t)(m * k));
+    float *scales = (float *)buffer;
+    int32_t *offsets16 = (int32_t *)(scales + blocks), *sums32 = offsets16 + 2 * blocks;
+    int32_t *sums16 = sums32 + blocks;
+    int8_t *codes = (int8_t *)(sums16 + 2 * blocks);
+    for (int64_t r = 0; r < m; r++)
+        gguf_round_x(x + r * k, k, codes + r * k, scales + r * (k / X_BLOCK),
+                     offsets16 + r * (k / 16), sums32 + r * (k / 32), sums16 + r * (k / 16));
+    return (rounded_rows){{codes, scales, offsets16, sums32, sums16, k}, buffer};
+}
+
 /* x [m, k] -> x as rounded [m, k] float32: each row's codes times their block's scale,
-   what the kernel multiplies. A prefill's many rows are multiplied as floats against
-   widened rows; rounded first, they take the values a decode step's would, so that a
-   request's tokens do not depend on whether a long prompt shared its step. */
+   what the kernel multiplies. */
 void gguf_round_rows(const float *x, int64_t m, int64_t k, float *out) {
-    int8_t *codes = malloc((size_t)k);
-    float *scales = malloc(sizeof(float) * (size_t)(k / X_BLOCK));
-    int32_t *offsets16 = malloc(sizeof(int32_t) * (size_t)(k / 16));
-    int32_t *sums32 = malloc(sizeof(int32_t) * (size_t)(k / 32));
-    for (int64_t r = 0; r < m; r++) {
-        gguf_round_x(x + r * k, k, codes, scales, offsets16, sums32);
-        for (int64_t i = 0; i < k; i++) out[r * k + i] = (float)codes[i] * scales[i / X_BLOCK];
-    }
-    free(codes);
-    free(scales);
-    free(offsets16);
-    free(sums32);
+    rounded_rows rounded = round_rows(x, m, k);
+    for (int64_t i = 0; i < m * k; i++)
+        out[i] = (float)rounded.x.codes[i] * rounded.x.scales[i / X_BLOCK];
+    free(rounded.buffer);
 }
 
 /* -- groups ----------------------------------------------------------------------------- */
 
-/* Q4_K's 12 bytes of 6-bit scales and mins <-> a byte each. Sub-blocks 0-3 take the low
-   6 bits of bytes 0-3 (scales) and 4-7 (mins); sub-blocks 4-7 the nibbles of bytes 8-11
-   (scale low, min high) with the top 2 bits of bytes 0-3 (scales) and 4-7 (mins). */
-static void q4_k_decode(const uint8_t *q, uint8_t scale[8], uint8_t min[8]) {
-    for (int j = 0; j < 4; j++) {
-        scale[j] = q[j] & 63;
-        min[j] = q[j + 4] & 63;
-        scale[j + 4] = (q[j + 8] & 15) | ((q[j] >> 6) << 4);
-        min[j + 4] = (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4);
-    }
-}
-
-static void q4_k_encode(const uint8_t scale[8], const uint8_t min[8], uint8_t *q) {
-    for (int j = 0; j < 4; j++) {
-        q[j] = (uint8_t)(scale[j] | ((scale[j + 4] >> 4) << 6));
-        q[j + 4] = (uint8_t)(min[j] | ((min[j + 4] >> 4) << 6));
-        q[j + 8] = (uint8_t)((scale[j + 4] & 15) | ((min[j + 4] & 15) << 4));
-    }
-}
-
-/* Row r's block ``block`` <-> its place in a group-block ``group``; ``to_group`` picks
-   the direction, so the two can never disagree. */
+/* Row r's block ``block`` <-> its place in a group-block ``group`` */
 static void move_block(int type, uint8_t *block, uint8_t *group, int r, int to_group) {
-#define MOVE(block_at, group_at, size)                                                       \
-    (to_group ? memcpy(group + (group_at), block + (block_at), size)                         \
-              : memcpy(block + (block_at), group + (group_at), size))
-    switch (type) {
-    case 2:
-    case 8: {
-        MOVE(0, 2 * r, 2);
-        const int words = type == 2 ? 4 : 8;
-        for (int t = 0; t < words; t++) MOVE(2 + 4 * t, 16 + 32 * t + 4 * r, 4);
-        break;
-    }
-    case 12: {
-        MOVE(0, 2 * r, 2);
-        MOVE(2, 16 + 2 * r, 2);
-        uint8_t scale[8], min[8];
-        if (to_group) {
-            q4_k_decode(block + 4, scale, min);
-            for (int j = 0; j < 8; j++) {
-                group[32 + 8 * j + r] = scale[j];
-                group[96 + 8 * j + r] = min[j];
-            }
-        } else {
-            for (int j = 0; j < 8; j++) {
-                scale[j] = group[32 + 8 * j + r];
-                min[j] = group[96 + 8 * j + r];
-            }
-            q4_k_encode(scale, min, block + 4);
-        }
-        for (int t = 0; t < 32; t++) MOVE(16 + 4 * t, 160 + 32 * t + 4 * r, 4);
-        break;
-    }
-    default: /* Q6_K: ql[128], qh[64], scales[16], d */
-        MOVE(208, 2 * r, 2);
-        for (int s = 0; s < 16; s++) MOVE(192 + s, 16 + 8 * s + r, 1);
-        for (int t = 0; t < 32; t++) MOVE(4 * t, 144 + 32 * t + 4 * r, 4);
-        for (int t = 0; t < 16; t++) MOVE(128 + 4 * t, 1168 + 32 * t + 4 * r, 4);
-        break;
-    }
+#define MOVE(code, name, values, bytes, group_bytes)                                        \
+    case code: move_##name(block, group, r, to_group); break;
+    switch (type) { INT8_TYPE_LIST(MOVE) default: break; }
 #undef MOVE
 }
 
@@ -215,7 +174,7 @@ void gguf_group(int type, const uint8_t *rows, int64_t n, int64_t k, uint8_t *gr
     const int64_t blocks = k / block_values(type), bytes = block_bytes(type);
     const int64_t group_bytes = gguf_group_block_bytes(type), row_bytes = blocks * bytes;
     const int64_t count = (n + GROUP - 1) / GROUP;
-    uint8_t zero[210] = {0};
+    uint8_t zero[256] = {0}; /* the largest file block */
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < count; g++)
         for (int64_t b = 0; b < blocks; b++) {
@@ -249,223 +208,21 @@ int gguf_ungroup(int type, const uint8_t *groups, int64_t n, int64_t k, const in
 
 /* -- products --------------------------------------------------------------------------- */
 
-typedef struct {
-    const int8_t *codes;   /* [rows][k] */
-    const float *scales;   /* [rows][k / 32] */
-    const int32_t *offsets16; /* [rows][k / 16], Q6_K's */
-    const int32_t *sums32; /* [rows][k / 32] */
-    int64_t k;
-} rounded_x;
-
-static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
-
-/* A thread reads its groups as one stream, which the hardware prefetcher follows too
-   closely to keep the memory busy: each group-block asks for the lines of the one a
-   few KB on into the L2. On the whole-model pass of a 100M Q4_0, Q4_K_M or Q8_0 file
-   that took a fifth off (3 KB, the best of 1.5 to 12 KB ahead, about level beyond). */
-#define AHEAD 3072
-static inline __attribute__((always_inline)) void fetch_ahead(const uint8_t *p, int64_t bytes) {
-    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch((const char *)(p + AHEAD + i), _MM_HINT_T1);
-}
-
-/* four bytes, in every lane */
-static inline __m256i broadcast4(const int8_t *p) {
-    int32_t word;
-    memcpy(&word, p, 4);
-    return _mm256_set1_epi32(word);
-}
-
-static inline __m256 halves(const uint8_t *p) {
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-}
-
-/* eight bytes (one per row), each as both int16 halves of its row's lane: multiplied
-   in by vpmaddwd, a sub-block's pair sums come out scaled and summed */
-static inline __m256i scale_pairs(const uint8_t *p, int is_signed) {
-    const __m128i bytes = _mm_loadl_epi64((const __m128i *)p);
-    const __m128i twice = _mm_unpacklo_epi8(bytes, bytes);
-    return is_signed ? _mm256_cvtepi8_epi16(twice) : _mm256_cvtepu8_epi16(twice);
-}
-
-static inline __m256i pairs_to_int32(__m256i pairs) {
-    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-}
 
 /* A group's eight outputs for each of ``rows`` rows of x, into out[m][8]. Inlined with
    a constant ``rows`` (one, for the batch-1 step that matters most, else the count):
    the loops over x's rows then unroll and their accumulators live in registers. */
 
-static inline __attribute__((always_inline)) void group_q4_0(const uint8_t *group,
-                                                             int64_t blocks,
-                                                             const rounded_x *x, int rows,
-                                                             __m256 *acc) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
-    for (int m = 0; m < rows; m++) acc[m] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *gb = group + 144 * b;
-        fetch_ahead(gb, 144);
-        __m256i low[4], high[4];
-        for (int t = 0; t < 4; t++) {
-            const __m256i raw = load32(gb + 16 + 32 * t);
-            low[t] = _mm256_and_si256(raw, nibble); /* values 4t .. 4t + 3 */
-            high[t] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble); /* + 16 */
-        }
-        const __m256 d = halves(gb);
-        for (int m = 0; m < rows; m++) {
-            const int8_t *v = x->codes + m * x->k + 32 * b;
-            /* eight pair sums of at most 2 * 15 * 127 each fit an int16 */
-            __m256i pairs = _mm256_maddubs_epi16(low[0], broadcast4(v));
-            for (int t = 1; t < 4; t++)
-                pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(low[t], broadcast4(v + 4 * t)));
-            for (int t = 0; t < 4; t++)
-                pairs = _mm256_add_epi16(pairs,
-                                         _mm256_maddubs_epi16(high[t], broadcast4(v + 16 + 4 * t)));
-            /* codes 0..15 stand for -8..7 */
-            const __m256i sum = _mm256_sub_epi32(
-                pairs_to_int32(pairs), _mm256_set1_epi32(8 * x->sums32[m * (x->k / 32) + b]));
-            const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x->scales[m * (x->k / 32) + b]));
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[m]);
-        }
-    }
-}
-
-static inline __attribute__((always_inline)) void group_q8_0(const uint8_t *group,
-                                                             int64_t blocks,
-                                                             const rounded_x *x, int rows,
-                                                             __m256 *acc) {
-    for (int m = 0; m < rows; m++) acc[m] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *gb = group + 272 * b;
-        fetch_ahead(gb, 272);
-        __m256i sum[MAX_X_ROWS];
-        for (int m = 0; m < rows; m++) sum[m] = _mm256_setzero_si256();
-        for (int t = 0; t < 8; t++) {
-            const __m256i w = load32(gb + 16 + 32 * t);
-            const __m256i magnitude = _mm256_sign_epi8(w, w); /* |w|, unsigned */
-            for (int m = 0; m < rows; m++) {
-                /* w's sign moved onto x; a pair sum of at most 2 * 128 * 127 */
-                const __m256i v = _mm256_sign_epi8(broadcast4(x->codes + m * x->k + 32 * b + 4 * t), w);
-                sum[m] = _mm256_add_epi32(sum[m],
-                                          pairs_to_int32(_mm256_maddubs_epi16(magnitude, v)));
-            }
-        }
-        const __m256 d = halves(gb);
-        for (int m = 0; m < rows; m++) {
-            const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x->scales[m * (x->k / 32) + b]));
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m]), scale, acc[m]);
-        }
-    }
-}
-
-/* y = d * scale_j * code - dmin * min_j over sub-blocks j of 32, one x block each: a
-   sub-block's integer sum times its scale is exact, then widened and scaled by x's. */
-static inline __attribute__((always_inline)) void group_q4_k(const uint8_t *group,
-                                                             int64_t blocks,
-                                                             const rounded_x *x, int rows,
-                                                             __m256 *acc) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
-    for (int m = 0; m < rows; m++) acc[m] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *gb = group + 1184 * b;
-        fetch_ahead(gb, 1184);
-        __m256 sum[MAX_X_ROWS], mins[MAX_X_ROWS];
-        for (int m = 0; m < rows; m++) sum[m] = mins[m] = _mm256_setzero_ps();
-        for (int j = 0; j < 8; j++) { /* sub-block j: nibbles j % 2 of the words of 64s j / 2 */
-            __m256i codes[8];
-            for (int t = 0; t < 8; t++) {
-                const __m256i raw = load32(gb + 160 + 32 * (8 * (j / 2) + t));
-                codes[t] = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(raw, 4) : raw, nibble);
-            }
-            const __m256i scale = scale_pairs(gb + 32 + 8 * j, 0);
-            const __m256 min = _mm256_cvtepi32_ps(
-                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(gb + 96 + 8 * j))));
-            for (int m = 0; m < rows; m++) {
-                const int64_t xb = m * (x->k / 32) + 8 * b + j;
-                const int8_t *v = x->codes + 32 * xb;
-                __m256i pairs = _mm256_maddubs_epi16(codes[0], broadcast4(v));
-                for (int t = 1; t < 8; t++) /* at most 8 * 2 * 15 * 127 */
-                    pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(codes[t], broadcast4(v + 4 * t)));
-                const __m256 xd = _mm256_set1_ps(x->scales[xb]);
-                sum[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, scale)), xd, sum[m]);
-                /* the minimums multiply the rounded x's sum over the sub-block */
-                mins[m] = _mm256_fmadd_ps(min, _mm256_set1_ps(x->scales[xb] * (float)x->sums32[xb]), mins[m]);
-            }
-        }
-        const __m256 d = halves(gb), dmin = halves(gb + 16);
-        for (int m = 0; m < rows; m++)
-            acc[m] = _mm256_fnmadd_ps(mins[m], dmin, _mm256_fmadd_ps(sum[m], d, acc[m]));
-    }
-}
-
-/* y = d * scale_s * (code - 32) over sub-blocks s of 16, two to an x block. In each
-   half of 128 values, value 32 q + l (quarter q, l < 32) takes a nibble of ql byte l
-   (q 0, 2) or l + 32 (q 1, 3), low for q < 2, and bits 2q, 2q + 1 of qh byte l. */
-static inline __attribute__((always_inline)) void group_q6_k(const uint8_t *group,
-                                                             int64_t blocks,
-                                                             const rounded_x *x, int rows,
-                                                             __m256 *acc) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F), pair = _mm256_set1_epi8(0x30);
-    for (int m = 0; m < rows; m++) acc[m] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *gb = group + 1680 * b;
-        fetch_ahead(gb, 1680);
-        __m256 sum[MAX_X_ROWS];
-        for (int m = 0; m < rows; m++) sum[m] = _mm256_setzero_ps();
-        for (int half = 0; half < 2; half++)
-            for (int q = 0; q < 4; q++) { /* x block 4 half + q: sub-blocks s, s + 1 */
-                const int s = 8 * half + 2 * q;
-                __m256i exact[MAX_X_ROWS];
-                for (int m = 0; m < rows; m++) exact[m] = _mm256_setzero_si256();
-                for (int part = 0; part < 2; part++) { /* l = 16 part .. 16 part + 15 */
-                    __m256i codes[4];
-                    for (int u = 0; u < 4; u++) {
-                        const int word = 4 * part + u; /* l = 4 word .. 4 word + 3 */
-                        const __m256i ql =
-                            load32(gb + 144 + 32 * (16 * half + word + 8 * (q % 2)));
-                        const __m256i qh = load32(gb + 1168 + 32 * (8 * half + word));
-                        const __m256i low = q < 2 ? ql : _mm256_srli_epi16(ql, 4);
-                        const __m256i high = q == 0   ? _mm256_slli_epi16(qh, 4)
-                                             : q == 1 ? _mm256_slli_epi16(qh, 2)
-                                             : q == 2 ? qh
-                                                      : _mm256_srli_epi16(qh, 2);
-                        codes[u] = _mm256_or_si256(_mm256_and_si256(low, nibble),
-                                                   _mm256_and_si256(high, pair));
-                    }
-                    const __m256i scale = scale_pairs(gb + 16 + 8 * (s + part), 1);
-                    for (int m = 0; m < rows; m++) {
-                        const int64_t at = m * x->k + 256 * b + 128 * half + 32 * q + 16 * part;
-                        const int8_t *v = x->codes + at;
-                        /* four pair sums of up to 2 * 63 * 127 each wrap an int16, but
-                           with 32 * x's taken off (codes 0..63 stand for -32..31) what is
-                           left, at most 4 * 2 * 32 * 127, fits: the wrapping cancels */
-                        __m256i pairs = _mm256_maddubs_epi16(codes[0], broadcast4(v));
-                        for (int u = 1; u < 4; u++)
-                            pairs = _mm256_add_epi16(pairs,
-                                                     _mm256_maddubs_epi16(codes[u], broadcast4(v + 4 * u)));
-                        pairs = _mm256_sub_epi16(pairs, _mm256_set1_epi32(x->offsets16[at / 16]));
-                        exact[m] = _mm256_add_epi32(exact[m], _mm256_madd_epi16(pairs, scale));
-                    }
-                }
-                for (int m = 0; m < rows; m++) {
-                    const __m256 xd = _mm256_set1_ps(x->scales[m * (x->k / 32) + 8 * b + 4 * half + q]);
-                    sum[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact[m]), xd, sum[m]);
-                }
-            }
-        const __m256 d = halves(gb);
-        for (int m = 0; m < rows; m++) acc[m] = _mm256_fmadd_ps(sum[m], d, acc[m]);
-    }
-}
-
 static void group_rows(int type, const uint8_t *group, int64_t blocks, const rounded_x *x,
                        int rows, __m256 *acc) {
-#define FOR_ROWS(kernel)                                                                      \
-    (rows == 1 ? kernel(group, blocks, x, 1, acc) : kernel(group, blocks, x, rows, acc))
-    switch (type) {
-    case 2: FOR_ROWS(group_q4_0); break;
-    case 8: FOR_ROWS(group_q8_0); break;
-    case 12: FOR_ROWS(group_q4_k); break;
-    default: FOR_ROWS(group_q6_k); break;
-    }
+#define FOR_ROWS(code, name, values, bytes, group_bytes)                                    \
+    case code:                                                                              \
+        if (rows == 1)                                                                      \
+            group_##name(group, blocks, x, 1, acc);                                         \
+        else                                                                                \
+            group_##name(group, blocks, x, rows, acc);                                      \
+        break;
+    switch (type) { INT8_TYPE_LIST(FOR_ROWS) default: break; }
 #undef FOR_ROWS
 }
 
@@ -475,14 +232,8 @@ static void group_rows(int type, const uint8_t *group, int64_t blocks, const rou
 void gguf_linear_int8(int type, const float *x, int64_t m, int64_t k, const uint8_t *groups,
                       int64_t n, int64_t group_bytes, const float *bias, float *y,
                       int threads) {
-    int8_t *codes = malloc((size_t)(m * k));
-    float *scales = malloc(sizeof(float) * (size_t)(m * k / X_BLOCK));
-    int32_t *offsets16 = malloc(sizeof(int32_t) * (size_t)(m * k / 16));
-    int32_t *sums32 = malloc(sizeof(int32_t) * (size_t)(m * k / 32));
-    for (int64_t r = 0; r < m; r++)
-        gguf_round_x(x + r * k, k, codes + r * k, scales + r * (k / X_BLOCK),
-                     offsets16 + r * (k / 16), sums32 + r * (k / 32));
-    const rounded_x rounded = {codes, scales, offsets16, sums32, k};
+    rounded_rows rows = round_rows(x, m, k);
+    const rounded_x rounded = rows.x;
     const int64_t blocks = k / block_values(type);
     const int64_t count = (n + GROUP - 1) / GROUP;
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -497,8 +248,5 @@ void gguf_linear_int8(int type, const float *x, int64_t m, int64_t k, const uint
                 y[r * n + GROUP * g + i] = out[i] + (bias ? bias[GROUP * g + i] : 0.0f);
         }
     }
-    free(codes);
-    free(scales);
-    free(offsets16);
-    free(sums32);
+    free(rows.buffer);
 }

@@ -149,7 +149,7 @@ def _int8_library() -> ctypes.CDLL:
         getattr(lib, name).restype = None
     lib.gguf_ungroup.restype = ctypes.c_int
     lib.gguf_linear_int8.argtypes = _LINEAR_ARGUMENTS
-    lib.gguf_round_x.argtypes = [POINTER, INT, POINTER, POINTER, POINTER, POINTER]
+    lib.gguf_round_x.argtypes = [POINTER, INT, POINTER, POINTER, POINTER, POINTER, POINTER]
     lib.gguf_round_rows.argtypes = [POINTER, INT, INT, POINTER]
     lib.gguf_group.argtypes = [ctypes.c_int, POINTER, INT, INT, POINTER]
     lib.gguf_ungroup.argtypes = [ctypes.c_int, POINTER, INT, INT, POINTER, INT, POINTER]
@@ -291,6 +291,7 @@ def gguf_round_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = torch.empty(k // INT8_X_BLOCK)
     offsets16 = torch.empty(k // 16, dtype=torch.int32)
     sums32 = torch.empty(k // 32, dtype=torch.int32)
+    sums16 = torch.empty(k // 16, dtype=torch.int32)
     _int8_library().gguf_round_x(
         x.data_ptr(),
         k,
@@ -298,6 +299,7 @@ def gguf_round_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scales.data_ptr(),
         offsets16.data_ptr(),
         sums32.data_ptr(),
+        sums16.data_ptr(),
     )
     return codes, scales
 

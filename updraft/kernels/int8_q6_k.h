@@ -1,0 +1,72 @@
+/* Q6_K (ggml type 14): 256 values in 16 sub-blocks of 16, 6-bit codes (ql nibbles, qh
+   pairs), int8 scales, d. Group-block, 1680 B: d[8] | scale[16 sub-blocks][8] (int8) |
+   32 words of ql | 16 of qh */
+
+/* the file's block: ql[128], qh[64], scales[16], d */
+static void move_q6_k(uint8_t *block, uint8_t *group, int r, int to_group) {
+    move_bytes(block, 208, group, 2 * r, 2, to_group);
+    for (int s = 0; s < 16; s++) move_bytes(block, 192 + s, group, 16 + 8 * s + r, 1, to_group);
+    for (int t = 0; t < 32; t++) move_bytes(block, 4 * t, group, 144 + 32 * t + 4 * r, 4, to_group);
+    for (int t = 0; t < 16; t++) move_bytes(block, 128 + 4 * t, group, 1168 + 32 * t + 4 * r, 4, to_group);
+}
+
+#if INT8_SIMD
+/* y = d * scale_s * (code - 32) over sub-blocks s of 16, two to an x block. In each
+   half of 128 values, value 32 q + l (quarter q, l < 32) takes a nibble of ql byte l
+   (q 0, 2) or l + 32 (q 1, 3), low for q < 2, and bits 2q, 2q + 1 of qh byte l. */
+static inline __attribute__((always_inline)) void group_q6_k(const uint8_t *group,
+                                                             int64_t blocks,
+                                                             const rounded_x *x, int rows,
+                                                             __m256 *acc) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F), pair = _mm256_set1_epi8(0x30);
+    for (int m = 0; m < rows; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *gb = group + 1680 * b;
+        fetch_ahead(gb, 1680);
+        __m256 sum[MAX_X_ROWS];
+        for (int m = 0; m < rows; m++) sum[m] = _mm256_setzero_ps();
+        for (int half = 0; half < 2; half++)
+            for (int q = 0; q < 4; q++) { /* x block 4 half + q: sub-blocks s, s + 1 */
+                const int s = 8 * half + 2 * q;
+                __m256i exact[MAX_X_ROWS];
+                for (int m = 0; m < rows; m++) exact[m] = _mm256_setzero_si256();
+                for (int part = 0; part < 2; part++) { /* l = 16 part .. 16 part + 15 */
+                    __m256i codes[4];
+                    for (int u = 0; u < 4; u++) {
+                        const int word = 4 * part + u; /* l = 4 word .. 4 word + 3 */
+                        const __m256i ql =
+                            load32(gb + 144 + 32 * (16 * half + word + 8 * (q % 2)));
+                        const __m256i qh = load32(gb + 1168 + 32 * (8 * half + word));
+                        const __m256i low = q < 2 ? ql : _mm256_srli_epi16(ql, 4);
+                        const __m256i high = q == 0   ? _mm256_slli_epi16(qh, 4)
+                                             : q == 1 ? _mm256_slli_epi16(qh, 2)
+                                             : q == 2 ? qh
+                                                      : _mm256_srli_epi16(qh, 2);
+                        codes[u] = _mm256_or_si256(_mm256_and_si256(low, nibble),
+                                                   _mm256_and_si256(high, pair));
+                    }
+                    const __m256i scale = scale_pairs(gb + 16 + 8 * (s + part), 1);
+                    for (int m = 0; m < rows; m++) {
+                        const int64_t at = m * x->k + 256 * b + 128 * half + 32 * q + 16 * part;
+                        const int8_t *v = x->codes + at;
+                        /* four pair sums of up to 2 * 63 * 127 each wrap an int16, but
+                           with 32 * x's taken off (codes 0..63 stand for -32..31) what is
+                           left, at most 4 * 2 * 32 * 127, fits: the wrapping cancels */
+                        __m256i pairs = _mm256_maddubs_epi16(codes[0], broadcast4(v));
+                        for (int u = 1; u < 4; u++)
+                            pairs = _mm256_add_epi16(pairs,
+                                                     _mm256_maddubs_epi16(codes[u], broadcast4(v + 4 * u)));
+                        pairs = _mm256_sub_epi16(pairs, _mm256_set1_epi32(x->offsets16[at / 16]));
+                        exact[m] = _mm256_add_epi32(exact[m], _mm256_madd_epi16(pairs, scale));
+                    }
+                }
+                for (int m = 0; m < rows; m++) {
+                    const __m256 xd = _mm256_set1_ps(x->scales[m * (x->k / 32) + 8 * b + 4 * half + q]);
+                    sum[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact[m]), xd, sum[m]);
+                }
+            }
+        const __m256 d = halves(gb);
+        for (int m = 0; m < rows; m++) acc[m] = _mm256_fmadd_ps(sum[m], d, acc[m]);
+    }
+}
+#endif
