@@ -58,18 +58,37 @@ static inline __attribute__((always_inline)) void nibble_words(const uint8_t *wo
     }
 }
 
-/* eight rows' unsigned codes (as nibble_words gives them) times a block of x's 32
-   signed ones at v: lane r, row r's integer sum. Two chains of sums, so that one row
-   of x does not wait on each product's latency. Any code up to 127 keeps the pair
-   sums of dot_u8s8's fallback in an int16. */
+/* Whether dot_u8s8 is vpdpbusd (int8_simd.h), whose sums of four products never
+   saturate; otherwise it is vpmaddubsw, whose pair sums are int16. */
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define BLOCK32_VNNI 1
+#else
+#define BLOCK32_VNNI 0
+#endif
+
+/* eight rows' unsigned codes of at most 31 (as nibble_words gives them) times a block
+   of x's 32 signed ones at v: lane r, row r's integer sum. With VNNI, two chains of
+   sums, so that one row of x does not wait on each product's latency; without, the
+   pair sums of four words are added as int16 (at most 4 * 2 * 31 * 127) and widened
+   once, as Q4_0's are. */
 static inline __attribute__((always_inline)) __m256i dot_words(const __m256i codes[8],
                                                                const int8_t *v) {
+#if BLOCK32_VNNI
     __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
     for (int w = 0; w < 8; w += 2) {
         even = dot_u8s8(even, codes[w], broadcast4(v + 4 * w));
         odd = dot_u8s8(odd, codes[w + 1], broadcast4(v + 4 * w + 4));
     }
     return _mm256_add_epi32(even, odd);
+#else
+    __m256i halves16[2];
+    for (int h = 0; h < 2; h++) {
+        halves16[h] = _mm256_maddubs_epi16(codes[4 * h], broadcast4(v + 16 * h));
+        for (int w = 4 * h + 1; w < 4 * h + 4; w++)
+            halves16[h] = _mm256_add_epi16(halves16[h], _mm256_maddubs_epi16(codes[w], broadcast4(v + 4 * w)));
+    }
+    return _mm256_add_epi32(pairs_to_int32(halves16[0]), pairs_to_int32(halves16[1]));
+#endif
 }
 #endif
 

@@ -20,36 +20,49 @@ static void unpack_iq4_nl(const uint8_t *group, int r, int8_t *codes, float *sca
 }
 
 #if INT8_SIMD
-/* The nibbles looked up (vpshufb) as signed values. A product of two signed bytes
-   takes the weight's magnitude as the unsigned side and its sign moved onto x: pair
-   sums of at most 2 * 127 * 127 fit vpmaddubsw's int16. */
+/* The nibbles are looked up (vpshufb) as signed values. With VNNI they are looked up
+   128 higher, as unsigned bytes, and 128 times x's sum is taken off (a fifth off a
+   one-row product, against the sign trick). vpmaddubsw's int16 pair sums would
+   saturate on those (2 * 241 * 127), so without VNNI the product of two signed bytes
+   takes the weight's magnitude as the unsigned side and its sign moved onto x (pair
+   sums of at most 2 * 127 * 127). */
+#define IQ4_NL_OFFSET (BLOCK32_VNNI ? 128 : 0)
+
 static inline __attribute__((always_inline)) void group_iq4_nl(const uint8_t *group,
                                                                int64_t blocks,
                                                                const rounded_x *x, int rows,
                                                                __m256 *acc) {
-    const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)IQ4_NL_VALUES));
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_add_epi8(
+        _mm_load_si128((const __m128i *)IQ4_NL_VALUES), _mm_set1_epi8((char)IQ4_NL_OFFSET)));
     for (int m = 0; m < rows; m++) acc[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *gb = group + 144 * b;
         fetch_ahead(gb, 144);
-        __m256i values[8], magnitude[8];
+        __m256i values[8];
         nibble_words(gb + 16, values);
-        for (int w = 0; w < 8; w++) {
-            values[w] = _mm256_shuffle_epi8(table, values[w]);
-            magnitude[w] = _mm256_sign_epi8(values[w], values[w]);
-        }
+        for (int w = 0; w < 8; w++) values[w] = _mm256_shuffle_epi8(table, values[w]);
+#if !BLOCK32_VNNI
+        __m256i magnitude[8];
+        for (int w = 0; w < 8; w++) magnitude[w] = _mm256_sign_epi8(values[w], values[w]);
+#endif
         const __m256 d = halves(gb);
         for (int m = 0; m < rows; m++) {
             const int64_t xb = m * (x->k / 32) + b;
             const int8_t *v = x->codes + 32 * xb;
+#if BLOCK32_VNNI
+            const __m256i sum = _mm256_sub_epi32(dot_words(values, v),
+                                                 _mm256_set1_epi32(IQ4_NL_OFFSET * x->sums32[xb]));
+#else
             __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
             for (int w = 0; w < 8; w += 2) {
                 even = dot_u8s8(even, magnitude[w], _mm256_sign_epi8(broadcast4(v + 4 * w), values[w]));
                 odd = dot_u8s8(odd, magnitude[w + 1],
                                _mm256_sign_epi8(broadcast4(v + 4 * w + 4), values[w + 1]));
             }
+            const __m256i sum = _mm256_add_epi32(even, odd);
+#endif
             const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x->scales[xb]));
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(even, odd)), scale, acc[m]);
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[m]);
         }
     }
 }
