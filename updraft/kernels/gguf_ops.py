@@ -32,6 +32,7 @@ BLOCK_PASSES_UP_TO = 64
 # The block types ``gguf_int8.c`` multiplies by x rounded to int8 in blocks of
 # INT8_X_BLOCK, up to INT8_MAX_ROWS rows of it, over weight rows regrouped eight at a time.
 INT8_TYPES = {BLOCK_TYPES[name] for name in ("Q4_0", "Q8_0", "Q4_K", "Q6_K")}
+INT8_TYPES |= {BLOCK_TYPES[name] for name in ("Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4")}
 INT8_X_BLOCK = 32
 INT8_MAX_ROWS = 8
 GROUP_ROWS = 8
@@ -143,8 +144,9 @@ def gguf_grouped_rows(
 
 
 @cache
-def _int8_library() -> ctypes.CDLL:
-    lib = load("gguf_int8")
+def _int8_library(march: str = "native") -> ctypes.CDLL:
+    """``gguf_int8.c`` built for ``march`` (``haswell``: AVX2 without VNNI)."""
+    lib = load("gguf_int8", march)
     for name in ("gguf_linear_int8", "gguf_round_x", "gguf_round_rows", "gguf_group"):
         getattr(lib, name).restype = None
     lib.gguf_ungroup.restype = ctypes.c_int
@@ -380,11 +382,12 @@ def gguf_linear_int8(
     block_type: int,
     k: int,
     n: int,
+    march: str = "native",
 ) -> torch.Tensor:
     """x [M, k] float32 (M <= INT8_MAX_ROWS), each row rounded to int8 as
     ``gguf_round_x`` rounds it, @ the ``n``-row weight in ``groups`` transposed (+ bias)
     -> [M, n]; ``block_type`` one of ``INT8_TYPES``."""
-    return gguf_linear_int8_launch(x, groups, bias, block_type, k, n)()[0]
+    return gguf_linear_int8_launch(x, groups, bias, block_type, k, n, march)()[0]
 
 
 def gguf_linear_int8_launch(
@@ -394,11 +397,12 @@ def gguf_linear_int8_launch(
     block_type: int,
     k: int,
     n: int,
+    march: str = "native",
     out: tuple[torch.Tensor, ...] | None = None,
 ) -> Launch:
     """``gguf_linear_int8``'s checked call, into ``out`` (else a new tensor)."""
     group_bytes = _check_groups(groups, block_type, k, n)
-    kernel = _int8_library().gguf_linear_int8
+    kernel = _int8_library(march).gguf_linear_int8
     return _linear_launch(
         "gguf_linear_int8",
         kernel,
@@ -456,7 +460,7 @@ define_op(
 define_op(
     "gguf_linear_int8(Tensor x, Tensor groups, Tensor? bias, int block_type, int k, int n) "
     "-> Tensor",
-    gguf_linear_int8,
+    lambda x, groups, bias, block_type, k, n: gguf_linear_int8(x, groups, bias, block_type, k, n),
     lambda x, groups, bias, block_type, k, n: x.new_empty(x.shape[0], n),
 )
 define_op(

@@ -5,9 +5,19 @@
 #include "int8_q8_0.h"
 #include "int8_q4_k.h"
 #include "int8_q6_k.h"
+#include "int8_q4_1.h"
+#include "int8_q5_0.h"
+#include "int8_q5_1.h"
+#include "int8_iq4_nl.h"
+#include "int8_mxfp4.h"
 
 #define INT8_TYPE_LIST(X)                                                                 \
     X(2, q4_0, 32, 18, 144)                                                               \
     X(8, q8_0, 32, 34, 272)                                                               \
     X(12, q4_k, 256, 144, 1184)                                                           \
-    X(14, q6_k, 256, 210, 1680)
+    X(14, q6_k, 256, 210, 1680)                                                           \
+    X(3, q4_1, 32, 20, 160)                                                               \
+    X(6, q5_0, 32, 22, 176)                                                               \
+    X(7, q5_1, 32, 24, 192)                                                               \
+    X(20, iq4_nl, 32, 18, 144)                                                            \
+    X(39, mxfp4, 32, 17, 136)

@@ -1,0 +1,95 @@
+/* What the 32-value block types with 4-bit codes share (Q4_1, Q5_0, Q5_1, IQ4_NL,
+   MXFP4): an fp16 field read without F16C, and their nibbles' place in a group-block,
+   four words (word t: bytes 4t..4t+3 of each row's 16, row r's at 4r), so that value
+   i < 16 is the low nibble of byte i and value 16 + i its high nibble. */
+#ifndef UPDRAFT_INT8_BLOCK32_H
+#define UPDRAFT_INT8_BLOCK32_H
+
+#include "int8_simd.h"
+
+/* an fp16 field at p, exactly, on any CPU (the portable kernel reads scales this way) */
+static inline float half_field(const uint8_t *p) {
+    const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#if INT8_SIMD
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F;
+    const uint32_t mantissa = h & 0x3FF;
+    if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24, a normal float */
+        const float magnitude = (float)mantissa * 0x1p-24f;
+        return sign ? -magnitude : magnitude;
+    }
+    const uint32_t bits =
+        sign | (exponent == 0x1F ? 0x7F800000 | (mantissa << 13)
+                                 : ((exponent + 112) << 23) | (mantissa << 13));
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+#endif
+}
+
+/* the 16 nibble bytes at ``block_at`` of row r's block <-> the group-block's words at
+   ``group_at`` */
+static inline void move_nibbles(uint8_t *block, int block_at, uint8_t *group, int group_at,
+                                int r, int to_group) {
+    for (int t = 0; t < 4; t++)
+        move_bytes(block, block_at + 4 * t, group, group_at + 32 * t + 4 * r, 4, to_group);
+}
+
+/* row r's 32 nibbles, in value order, from the words at ``words`` */
+static inline void unpack_nibbles(const uint8_t *words, int r, uint8_t codes[32]) {
+    for (int i = 0; i < 16; i++) {
+        const uint8_t byte = words[32 * (i / 4) + 4 * r + i % 4];
+        codes[i] = byte & 0x0F;
+        codes[16 + i] = byte >> 4;
+    }
+}
+
+#if INT8_SIMD
+/* the words at ``words`` as eight registers of codes: register w holds values 4w..4w+3
+   of each row (lane r row r's) */
+static inline __attribute__((always_inline)) void nibble_words(const uint8_t *words,
+                                                               __m256i codes[8]) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    for (int t = 0; t < 4; t++) {
+        const __m256i raw = load32(words + 32 * t);
+        codes[t] = _mm256_and_si256(raw, nibble);
+        codes[4 + t] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+    }
+}
+
+/* Whether dot_u8s8 is vpdpbusd (int8_simd.h), whose sums of four products never
+   saturate; otherwise it is vpmaddubsw, whose pair sums are int16. */
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define BLOCK32_VNNI 1
+#else
+#define BLOCK32_VNNI 0
+#endif
+
+/* eight rows' unsigned codes of at most 31 (as nibble_words gives them) times a block
+   of x's 32 signed ones at v: lane r, row r's integer sum. With VNNI, two chains of
+   sums, so that one row of x does not wait on each product's latency; without, the
+   pair sums of four words are added as int16 (at most 4 * 2 * 31 * 127) and widened
+   once, as Q4_0's are. */
+static inline __attribute__((always_inline)) __m256i dot_words(const __m256i codes[8],
+                                                               const int8_t *v) {
+#if BLOCK32_VNNI
+    __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
+    for (int w = 0; w < 8; w += 2) {
+        even = dot_u8s8(even, codes[w], broadcast4(v + 4 * w));
+        odd = dot_u8s8(odd, codes[w + 1], broadcast4(v + 4 * w + 4));
+    }
+    return _mm256_add_epi32(even, odd);
+#else
+    __m256i halves16[2];
+    for (int h = 0; h < 2; h++) {
+        halves16[h] = _mm256_maddubs_epi16(codes[4 * h], broadcast4(v + 16 * h));
+        for (int w = 4 * h + 1; w < 4 * h + 4; w++)
+            halves16[h] = _mm256_add_epi16(halves16[h], _mm256_maddubs_epi16(codes[w], broadcast4(v + 4 * w)));
+    }
+    return _mm256_add_epi32(pairs_to_int32(halves16[0]), pairs_to_int32(halves16[1]));
+#endif
+}
+#endif
+
+#endif
