@@ -9,7 +9,7 @@ static void move_q4_0(uint8_t *block, uint8_t *group, int r, int to_group) {
 /* byte l of the nibbles holds value l (low) and l + 16 (high) */
 static void unpack_q4_0(const uint8_t *group, int r, int8_t *codes, float *scale, float *min) {
     for (int l = 0; l < 16; l++) {
-        const uint8_t byte = group[16 + 32 * (l / 4) + 4 * r + l % 4];
+        const uint8_t byte = word_byte(group, 16, r, l);
         codes[l] = (int8_t)((byte & 15) - 8);
         codes[l + 16] = (int8_t)((byte >> 4) - 8);
     }

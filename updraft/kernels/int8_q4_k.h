@@ -44,11 +44,12 @@ static void move_q4_k(uint8_t *block, uint8_t *group, int r, int to_group) {
 
 /* value 64 c + 32 h + l (l < 32) is nibble h of byte 32 c + l, in sub-block 2 c + h */
 static void unpack_q4_k(const uint8_t *group, int r, int8_t *codes, float *scale, float *min) {
-    for (int i = 0; i < 256; i++) {
-        const int byte = 32 * (i / 64) + i % 32;
-        const uint8_t q = group[160 + 32 * (byte / 4) + 4 * r + byte % 4];
-        codes[i] = (int8_t)((i / 32) % 2 ? q >> 4 : q & 15);
-    }
+    for (int c = 0; c < 4; c++)
+        for (int l = 0; l < 32; l++) {
+            const uint8_t q = word_byte(group, 160, r, 32 * c + l);
+            codes[64 * c + l] = (int8_t)(q & 15);
+            codes[64 * c + 32 + l] = (int8_t)(q >> 4);
+        }
     const float d = half_value(group + 2 * r), dmin = half_value(group + 16 + 2 * r);
     for (int s = 0; s < 16; s++) { /* d, dmin times 6 bits: float32 holds them exactly */
         scale[s] = d * (float)group[32 + 8 * (s / 2) + r];

@@ -14,14 +14,17 @@ static void move_q6_k(uint8_t *block, uint8_t *group, int r, int to_group) {
    byte 64 h + l (q 0, 2) or + 32 (q 1, 3), low for q < 2, and bits 2q, 2q + 1 of qh byte
    32 h + l; sub-block i / 16 has scale byte i / 16. */
 static void unpack_q6_k(const uint8_t *group, int r, int8_t *codes, float *scale, float *min) {
-    for (int i = 0; i < 256; i++) {
-        const int half = i / 128, q = (i % 128) / 32, l = i % 32;
-        const int low_at = 64 * half + l + 32 * (q % 2), high_at = 32 * half + l;
-        const uint8_t low = group[144 + 32 * (low_at / 4) + 4 * r + low_at % 4];
-        const uint8_t high = group[1168 + 32 * (high_at / 4) + 4 * r + high_at % 4];
-        const int code = (q < 2 ? low & 15 : low >> 4) | (((high >> (2 * q)) & 3) << 4);
-        codes[i] = (int8_t)(code - 32);
-    }
+    for (int half = 0; half < 2; half++)
+        for (int l = 0; l < 32; l++) {
+            const uint8_t first = word_byte(group, 144, r, 64 * half + l);
+            const uint8_t second = word_byte(group, 144, r, 64 * half + 32 + l);
+            const uint8_t high = word_byte(group, 1168, r, 32 * half + l);
+            int8_t *out = codes + 128 * half + l;
+            out[0] = (int8_t)(((first & 15) | ((high & 3) << 4)) - 32);
+            out[32] = (int8_t)(((second & 15) | (((high >> 2) & 3) << 4)) - 32);
+            out[64] = (int8_t)(((first >> 4) | (((high >> 4) & 3) << 4)) - 32);
+            out[96] = (int8_t)(((second >> 4) | ((high >> 6) << 4)) - 32);
+        }
     const float d = half_value(group + 2 * r);
     for (int s = 0; s < 16; s++) { /* d times an int8: float32 holds it exactly */
         scale[s] = d * (float)(int8_t)group[16 + 8 * s + r];

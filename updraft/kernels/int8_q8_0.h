@@ -7,7 +7,7 @@ static void move_q8_0(uint8_t *block, uint8_t *group, int r, int to_group) {
 }
 
 static void unpack_q8_0(const uint8_t *group, int r, int8_t *codes, float *scale, float *min) {
-    for (int l = 0; l < 32; l++) codes[l] = (int8_t)group[16 + 32 * (l / 4) + 4 * r + l % 4];
+    for (int l = 0; l < 32; l++) codes[l] = (int8_t)word_byte(group, 16, r, l);
     scale[0] = scale[1] = half_value(group + 2 * r);
     min[0] = min[1] = 0.0f;
 }

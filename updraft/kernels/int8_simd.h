@@ -19,6 +19,12 @@ static inline void move_bytes(uint8_t *block, int block_at, uint8_t *group, int6
         memcpy(block + block_at, group + group_at, (size_t)size);
 }
 
+/* byte j of row r's codes in a group-block whose codes start at ``at``, interleaved four
+   bytes at a time (a 32-byte word holds bytes 4t..4t+3 of each of the eight rows) */
+static inline uint8_t word_byte(const uint8_t *group, int at, int r, int j) {
+    return group[at + 32 * (j / 4) + 4 * r + j % 4];
+}
+
 /* the fp16 at p, exactly, in plain C (the portable unpack_ functions' scales) */
 static inline float half_value(const uint8_t *p) {
     const uint32_t h = (uint32_t)(p[0] | (p[1] << 8)), sign = (h & 0x8000) << 16;
