@@ -112,6 +112,7 @@ def test_a_row_unpacked_is_the_gguf_package_s_values(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("march", MARCHES)
+@pytest.mark.usefixtures("all_cores")
 def test_every_build_multiplies_the_rounded_x_by_the_dequantized_weight(kind, march):
     """1 to 64 rows of x (in decode passes of up to 8), K of two 256-value blocks, N not a
     multiple of 8. The reference: x as rounded @ llama.cpp's dequantized weight, in
