@@ -7,26 +7,6 @@
 
 #include "int8_simd.h"
 
-/* an fp16 field at p, exactly, on any CPU (the portable kernel reads scales this way) */
-static inline float half_field(const uint8_t *p) {
-    const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
-#if INT8_SIMD
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F;
-    const uint32_t mantissa = h & 0x3FF;
-    if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24, a normal float */
-        const float magnitude = (float)mantissa * 0x1p-24f;
-        return sign ? -magnitude : magnitude;
-    }
-    const uint32_t bits =
-        sign | (exponent == 0x1F ? 0x7F800000 | (mantissa << 13)
-                                 : ((exponent + 112) << 23) | (mantissa << 13));
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-#endif
-}
 
 /* the 16 nibble bytes at ``block_at`` of row r's block <-> the group-block's words at
    ``group_at`` */
@@ -58,22 +38,15 @@ static inline __attribute__((always_inline)) void nibble_words(const uint8_t *wo
     }
 }
 
-/* Whether dot_u8s8 is vpdpbusd (int8_simd.h), whose sums of four products never
-   saturate; otherwise it is vpmaddubsw, whose pair sums are int16. */
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-#define BLOCK32_VNNI 1
-#else
-#define BLOCK32_VNNI 0
-#endif
 
 /* eight rows' unsigned codes of at most 31 (as nibble_words gives them) times a block
    of x's 32 signed ones at v: lane r, row r's integer sum. With VNNI, two chains of
    sums, so that one row of x does not wait on each product's latency; without, the
    pair sums of four words are added as int16 (at most 4 * 2 * 31 * 127) and widened
    once, as Q4_0's are. */
-static inline __attribute__((always_inline)) __m256i dot_words(const __m256i codes[8],
+static inline __attribute__((always_inline)) __m256i dot_block32(const __m256i codes[8],
                                                                const int8_t *v) {
-#if BLOCK32_VNNI
+#if INT8_VNNI
     __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
     for (int w = 0; w < 8; w += 2) {
         even = dot_u8s8(even, codes[w], broadcast4(v + 4 * w));

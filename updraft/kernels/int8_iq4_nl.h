@@ -15,7 +15,7 @@ static void unpack_iq4_nl(const uint8_t *group, int r, int8_t *codes, float *sca
     uint8_t nibbles[32];
     unpack_nibbles(group + 16, r, nibbles);
     for (int i = 0; i < 32; i++) codes[i] = IQ4_NL_VALUES[nibbles[i]];
-    scale[0] = scale[1] = half_field(group + 2 * r);
+    scale[0] = scale[1] = half_value(group + 2 * r);
     min[0] = min[1] = 0.0f;
 }
 
@@ -26,7 +26,7 @@ static void unpack_iq4_nl(const uint8_t *group, int r, int8_t *codes, float *sca
    saturate on those (2 * 241 * 127), so without VNNI the product of two signed bytes
    takes the weight's magnitude as the unsigned side and its sign moved onto x (pair
    sums of at most 2 * 127 * 127). */
-#define IQ4_NL_OFFSET (BLOCK32_VNNI ? 128 : 0)
+#define IQ4_NL_OFFSET (INT8_VNNI ? 128 : 0)
 
 static inline __attribute__((always_inline)) void group_iq4_nl(const uint8_t *group,
                                                                int64_t blocks,
@@ -41,7 +41,7 @@ static inline __attribute__((always_inline)) void group_iq4_nl(const uint8_t *gr
         __m256i values[8];
         nibble_words(gb + 16, values);
         for (int w = 0; w < 8; w++) values[w] = _mm256_shuffle_epi8(table, values[w]);
-#if !BLOCK32_VNNI
+#if !INT8_VNNI
         __m256i magnitude[8];
         for (int w = 0; w < 8; w++) magnitude[w] = _mm256_sign_epi8(values[w], values[w]);
 #endif
@@ -49,8 +49,8 @@ static inline __attribute__((always_inline)) void group_iq4_nl(const uint8_t *gr
         for (int m = 0; m < rows; m++) {
             const int64_t xb = m * (x->k / 32) + b;
             const int8_t *v = x->codes + 32 * xb;
-#if BLOCK32_VNNI
-            const __m256i sum = _mm256_sub_epi32(dot_words(values, v),
+#if INT8_VNNI
+            const __m256i sum = _mm256_sub_epi32(dot_block32(values, v),
                                                  _mm256_set1_epi32(IQ4_NL_OFFSET * x->sums32[xb]));
 #else
             __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();

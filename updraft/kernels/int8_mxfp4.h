@@ -56,7 +56,7 @@ static inline __attribute__((always_inline)) void group_mxfp4(const uint8_t *gro
         const __m256 e = e8m0_halves(gb);
         for (int m = 0; m < rows; m++) {
             const int64_t xb = m * (x->k / 32) + b;
-            const __m256i sum = _mm256_sub_epi32(dot_words(codes, x->codes + 32 * xb),
+            const __m256i sum = _mm256_sub_epi32(dot_block32(codes, x->codes + 32 * xb),
                                                  _mm256_set1_epi32(12 * x->sums32[xb]));
             const __m256 scale = _mm256_mul_ps(e, _mm256_set1_ps(x->scales[xb]));
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[m]);

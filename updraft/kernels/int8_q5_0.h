@@ -37,7 +37,7 @@ static void unpack_q5_0(const uint8_t *group, int r, int8_t *codes, float *scale
     uint8_t five[32];
     unpack_five_bits(group + 16, group + 48, r, five);
     for (int i = 0; i < 32; i++) codes[i] = (int8_t)(five[i] - 16);
-    scale[0] = scale[1] = half_field(group + 2 * r);
+    scale[0] = scale[1] = half_value(group + 2 * r);
     min[0] = min[1] = 0.0f;
 }
 
@@ -70,7 +70,7 @@ static inline __attribute__((always_inline)) void group_q5_0(const uint8_t *grou
         for (int m = 0; m < rows; m++) {
             const int64_t xb = m * (x->k / 32) + b;
             /* codes 0..31 stand for -16..15 */
-            const __m256i sum = _mm256_sub_epi32(dot_words(codes, x->codes + 32 * xb),
+            const __m256i sum = _mm256_sub_epi32(dot_block32(codes, x->codes + 32 * xb),
                                                  _mm256_set1_epi32(16 * x->sums32[xb]));
             const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x->scales[xb]));
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[m]);

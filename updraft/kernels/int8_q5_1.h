@@ -14,8 +14,8 @@ static void unpack_q5_1(const uint8_t *group, int r, int8_t *codes, float *scale
     uint8_t five[32];
     unpack_five_bits(group + 32, group + 64, r, five);
     for (int i = 0; i < 32; i++) codes[i] = (int8_t)five[i];
-    scale[0] = scale[1] = half_field(group + 2 * r);
-    min[0] = min[1] = half_field(group + 16 + 2 * r);
+    scale[0] = scale[1] = half_value(group + 2 * r);
+    min[0] = min[1] = half_value(group + 16 + 2 * r);
 }
 
 #if INT8_SIMD
@@ -33,7 +33,7 @@ static inline __attribute__((always_inline)) void group_q5_1(const uint8_t *grou
         const __m256 d = halves(gb), min = halves(gb + 16);
         for (int m = 0; m < rows; m++) {
             const int64_t xb = m * (x->k / 32) + b;
-            const __m256i sum = dot_words(codes, x->codes + 32 * xb);
+            const __m256i sum = dot_block32(codes, x->codes + 32 * xb);
             const float xd = x->scales[xb];
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(xd)), acc[m]);
             acc[m] = _mm256_fmadd_ps(min, _mm256_set1_ps(xd * (float)x->sums32[xb]), acc[m]);
