@@ -10,11 +10,17 @@ mixes them; neighbouring slices of one type are joined) and a quantized embeddin
 copy of its weight. A layer's stacked experts are placed by ``gguf_experts``.
 
 With ``int8_activations`` (``--activations int8``), the linears in the block types
-``kernels/gguf_int8.c`` multiplies as bytes (Q4_0, Q8_0, Q4_K, Q6_K) keep their rows
+``kernels/gguf_int8.c`` multiplies as bytes (``INT8_TYPES``) keep their rows
 regrouped eight at a time, the same bytes in another order, and round x to int8, as
 llama.cpp does: a step of up to 64 rows multiplies the codes as bytes, a prefill's
 longer x, rounded alike, multiplies rows widened from the groups as floats. A tied
 embedding looks its rows up in the LM head's groups.
+
+Under int8 activations a linear in a block type without an integer kernel is refused,
+by its tensor's name (``_with_int8_kernels``), rather than left to take float x; which
+activations a checkpoint takes by default is ``models/activations.py``'s to say. A
+tensor in blocks of another shape than the weight it fills is refused, by its name,
+before a kernel could read past its rows.
 
 Q8_0 and Q4_0 blocks are one scale and 32 codes each, exactly the int8 and int4 panels'
 groups of 32 (``kernels/panels.py``), whose kernel streams them at the memory's speed
@@ -72,6 +78,7 @@ from updraft.models.tensor_parallel import VocabParallelHead, shard_model
 from updraft.models.weight_targets import (
     FUSED,
     MadeParameters,
+    Slice,
     building,
     is_split,
     part_of,
@@ -317,7 +324,9 @@ def load_gguf_model(
     return model.to(device).eval().requires_grad_(False)
 
 
-def _check_block_shape(where: str, kind: str, data: np.ndarray, share: RankShare, param, index):
+def _check_block_shape(
+    where: str, kind: str, data: np.ndarray, share: RankShare, param: str, index: Slice
+) -> None:
     """Refuse a tensor in blocks that is not the matrix of the part of ``param`` it fills
     (rows, and values per row), with both shapes: a kernel told the parameter's sizes
     would read past its rows."""
