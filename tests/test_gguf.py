@@ -123,6 +123,9 @@ def plain(kind: str, directory, **shape):
 
 
 def run(model, **args):
+    """Each prompt's greedy tokens and logits (with the exact ``--activations float32``
+    unless ``args`` ask otherwise: the references are float checkpoints)."""
+    args = {"activations": "float32", **args}
     llm = probed(str(model), block_size=4, num_kv_blocks=64, **args)
     outputs = llm.generate(PROMPTS, greedy(8))
     seen = records(llm)

@@ -4,7 +4,9 @@ its header claims is allocated.
 
 A good file (a tiny Llama with a byte-level vocabulary, written by gguf-py's writer)
 is corrupted one field at a time, at the offsets gguf-py's own reader finds for it; read
-whole, it gives what gguf-py's reader gives.
+whole, it gives what gguf-py's reader gives. Its matrices in Q8_0 blocks, a block
+tensor cut short, with rows that are not whole blocks, or of another shape than the
+weight it fills is refused by the tensor's name before a kernel could read past it.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from __future__ import annotations
 import struct
 import tracemalloc
 
+import numpy as np
 import pytest
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader, quants
 
 from benchmarks.peers import make_gguf
 from tests.checkpoints import build_checkpoint
@@ -91,8 +94,62 @@ CASES = {
 }
 
 
-def test_the_good_file_loads(good):
+def _as_q8_0(name: str, array: np.ndarray):
+    if array.ndim != 2:
+        return array.astype(np.float32), None
+    return quants.quantize(array, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0
+
+
+@pytest.fixture(scope="module")
+def good_q8_0(good):
+    """The good file's checkpoint with its matrices in Q8_0 blocks."""
+    make_gguf.main(good.parent / "hf", good.parent / "q8_0.gguf", _as_q8_0)
+    return good.parent / "q8_0.gguf"
+
+
+def test_the_good_file_loads(good, good_q8_0):
     LLM(str(good), num_kv_blocks=8, enforce_eager=True)
+    LLM(str(good_q8_0), num_kv_blocks=8, enforce_eager=True)
+
+
+BLOCKS = "blk.0.attn_q.weight"  # the Q8_0 tensor the block cases break
+
+
+def corrupt_blocks(path, kind: str) -> tuple[bytes, str]:
+    """The Q8_0 file broken in one block tensor, and what the line must say of it."""
+    data = path.read_bytes()
+    reader = GGUFReader(str(path))
+    tensor = next(t for t in reader.tensors if t.name == BLOCKS)
+    dims = tensor.field.offset + 8 + len(BLOCKS.encode()) + 4  # its first dimension
+    width, rows = (int(d) for d in tensor.shape)
+    name = BLOCKS.replace(".", r"\.")
+    if kind == "row width":  # not a whole number of blocks of 32
+        said = rf"tensor '{name}': rows of {width + 16} values are not whole Q8_0 blocks of 32"
+        return _patched(data, dims, "<Q", width + 16), said
+    if kind == "row count":  # its bytes past the end of the file
+        return _patched(data, dims + 8, "<Q", HUGE), rf"tensor '{name}''s data .* runs past the end"
+    if kind == "truncated":  # the file cut inside its blocks (later tensors' data follows)
+        last = max(reader.tensors, key=lambda t: t.data_offset)
+        cut = int(tensor.data_offset) + int(tensor.n_bytes) // 2
+        assert last.data_offset > tensor.data_offset
+        return data[:cut], rf"tensor '{name}''s data .* runs past the end of the file"
+    shape = {"rows": (rows // 2, width), "values": (rows, width // 2)}[kind]
+    patched = _patched(data, dims + 8, "<Q", shape[0])
+    patched = _patched(patched, dims, "<Q", shape[1])
+    said = rf"{name}: a Q8_0 tensor of shape \({shape[0]}, {shape[1]}\) \(rows, values per row\)"
+    said += rf" cannot fill \S+, which takes \({rows}, {width}\)"
+    return patched, said
+
+
+@pytest.mark.parametrize("kind", ["row width", "row count", "truncated", "rows", "values"])
+def test_a_broken_block_tensor_is_refused_by_its_name(good_q8_0, tmp_path, kind):
+    bad = tmp_path / "bad.gguf"
+    data, said = corrupt_blocks(good_q8_0, kind)
+    bad.write_bytes(data)
+    with pytest.raises(ValueError, match=said) as refused:
+        LLM(str(bad), num_kv_blocks=8, enforce_eager=True)
+    line = str(refused.value)
+    assert "\n" not in line and bad.name in line, line
 
 
 @pytest.mark.parametrize("kind", sorted(CASES))

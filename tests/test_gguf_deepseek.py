@@ -178,7 +178,7 @@ def rewritten(path, out, changed, tensors=lambda tensor: None):
 
 
 def run(path, **engine):
-    llm = probed(str(path), block_size=4, num_kv_blocks=64, **engine)
+    llm = probed(str(path), block_size=4, num_kv_blocks=64, activations="float32", **engine)
     outputs = llm.generate(PROMPTS, greedy(8))
     steps = set(llm.engine.stats().steps)
     seen = records(llm)

@@ -182,7 +182,9 @@ def test_a_converted_file_gives_transformers_tokens_and_logits(files, file_model
     """updraft's greedy tokens are the reference's (each its argmax after the ones
     before), its logits within ``TOLERANCE`` of the reference's."""
     _, path = files[name]
-    llm = probed(str(path), block_size=4, num_kv_blocks=64, enforce_eager=eager)
+    llm = probed(
+        str(path), block_size=4, num_kv_blocks=64, enforce_eager=eager, activations="float32"
+    )
     outputs = llm.generate(PROMPTS, greedy(NEW_TOKENS))
     assert ("graph" in llm.engine.stats().steps) != eager
     seen = records(llm)

@@ -188,25 +188,6 @@ def test_a_prefill_takes_x_as_a_decode_step_does(kind):
     assert torch.equal(rounded[7], _rounded(x[7]).float())
 
 
-def test_a_type_without_an_int8_kernel_keeps_its_blocks_and_takes_x_unrounded():
-    """Under int8 activations a part in a type ``gguf_int8.c`` does not multiply (Q5_K
-    here) stays in the file's blocks and computes the float path's product, beside a
-    Q4_K part that is regrouped and rounds x."""
-    k = 256
-    rng = np.random.default_rng(5)
-    q4 = gguf_loader.Part(torch.from_numpy(random_blocks("Q4_K", 16, k, rng)), BLOCK_TYPES["Q4_K"])
-    q5 = gguf_loader.Part(torch.from_numpy(random_blocks("Q5_K", 24, k, rng)), BLOCK_TYPES["Q5_K"])
-    assert BLOCK_TYPES["Q5_K"] not in INT8_TYPES
-    linear = gguf_loader.GGUFLinear(k, [q4, q5], None, True)
-    assert linear.grouped == [True, False]
-    assert torch.equal(linear.part1, q5.weight)
-    floats = gguf_loader.GGUFLinear(k, [q5], None)
-    generator = torch.Generator().manual_seed(5)
-    for rows in (1, 100):  # a decode step's kernel, a prefill's widened rows
-        x = torch.randn(rows, k, generator=generator)
-        assert torch.equal(linear(x)[:, 16:], floats(x))
-
-
 def _rounded(x: torch.Tensor) -> torch.Tensor:
     """x as the kernel rounds it, in float64."""
     codes, scales = gguf_round_x(x)
@@ -226,17 +207,18 @@ def one_at_a_time(model, **args) -> tuple[list[list[int]], list[torch.Tensor], L
 
 @pytest.mark.parametrize("mix", ["Q8_0", "Q4_K_M"])
 def test_int8_activations_move_the_logits_by_about_the_rounding(tmp_path, mix):
-    """With ``activations="int8"`` every linear that takes one row (a decode step's, and
-    the LM head's at the end of a prefill) rounds x: the logits move by about the
-    rounding, a percent of their scale, no more."""
+    """With int8 activations (a quantized file's default) every linear that takes one
+    row (a decode step's, and the LM head's at the end of a prefill) rounds x: the
+    logits move by about the rounding, a percent of their scale, no more, from those of
+    ``activations="float32"``."""
     shape = {"hidden_size": 256, "intermediate_size": 512}
     checkpoint = plain("qwen3", tmp_path / "hf", **shape)
     path = tmp_path / "model.gguf"
     make_gguf.main(checkpoint, path, convert_to(MIXES[mix], np.random.default_rng(1), {}))
-    exact = one_at_a_time(path)
-    rounded = one_at_a_time(path, activations="int8")
+    exact = one_at_a_time(path, activations="float32")
+    rounded = one_at_a_time(path)
     modules = list(rounded[2].engine._runner.model.modules())  # noqa: SLF001
-    assert all(m.int8 for m in modules if isinstance(m, gguf_loader.GGUFLinear))
+    assert all(all(m.grouped) for m in modules if isinstance(m, gguf_loader.GGUFLinear))
     assert not [m for m in modules if isinstance(m, PackedLinear) and m.format.quantized]
     pairs = zip(rounded[0], exact[0], rounded[1], exact[1], strict=True)
     for tokens, theirs_tokens, ours, theirs in pairs:
@@ -247,9 +229,3 @@ def test_int8_activations_move_the_logits_by_about_the_rounding(tmp_path, mix):
         scale = theirs.abs().max()
         difference = (ours[steps] - theirs[steps]).abs().max()
         assert 1e-3 * scale < difference <= 0.03 * scale, (difference, scale)
-
-
-def test_int8_activations_are_refused_for_a_safetensors_checkpoint(tmp_path):
-    checkpoint = plain("qwen3", tmp_path / "hf")
-    with pytest.raises(ValueError, match="activations int8 is for a GGUF file"):
-        LLM(str(checkpoint), activations="int8")

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from updraft.checkpoints.local import local_checkpoint
 from updraft.demo import DEMO_EAGLE_DIR, DEMO_MODEL_DIR
 from updraft.weights import (
+    ACTIVATIONS,
     DTYPES,
     INT4_GROUP_SIZES,
     QUANTIZATIONS,
@@ -101,13 +102,14 @@ class EngineConfig:
         choices=INT4_GROUP_SIZES,
     )
     activations: str = setting(
-        "float32",
-        "how a GGUF file's quantized linears take a decode step's activations: float32 "
-        "(exact: float32 x times the weights' own values) or int8 (x rounded to int8 "
-        "per 32 values, as llama.cpp computes, against Q4_0, Q8_0, Q4_K "
-        "and Q6_K rows regrouped eight at a time; on a CPU with AVX2, 1.5-2.5x faster "
-        "batch-1 decoding, at about a percent of error on each product)",
-        choices=["float32", "int8"],
+        "auto",
+        "how quantized linears take their activations: int8 (x rounded to int8 per 32 "
+        "values and multiplied by the weights' codes as bytes, as llama.cpp computes, for "
+        "every weight type with an integer kernel; about a percent of error on each "
+        "product), float32 (exact: float32 x times the weights' own values), or auto: "
+        "int8 for a quantized checkpoint all of whose weight types have integer kernels "
+        "(a GGUF file's blocks), float32 for a float one",
+        choices=ACTIVATIONS,
     )
     adaptive_threads: bool = setting(
         True,

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 
 DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZATIONS = ("int8", "int4")
+# How quantized linears take their activations (``models/activations.py``).
+ACTIVATIONS = ("auto", "int8", "float32")
 INT4_GROUP_SIZES = (32, 128)
 HALF_DTYPES = ("float16", "bfloat16")
 

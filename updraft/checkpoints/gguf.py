@@ -34,7 +34,7 @@ BLOCK_TYPES += ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")  # blocks of 2
 SPLIT = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf")
 LINK = "gguf.json"
 # Bumped when what is written into a cached directory changes.
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,16 @@ def linked_files(model_dir: Path) -> list[Path] | None:
     if not link.is_file():
         return None
     return [Path(p) for p in json.loads(link.read_text())["files"]]
+
+
+def linked_block_types(model_dir: Path) -> list[str] | None:
+    """The block types (``BLOCK_TYPES``' names) of the tensors of the GGUF file a
+    checkpoint directory stands for (none for a float file), or None for an ordinary
+    directory."""
+    link = Path(model_dir) / LINK
+    if not link.is_file():
+        return None
+    return json.loads(link.read_text())["block_types"]
 
 
 # Small tensors that are part of a model's config rather than its weights: llama.cpp's
@@ -158,7 +168,11 @@ def describe(parts: list[Path]) -> dict[str, Any]:
         if f"tokenizer.ggml.{token}_token_id" in fields:
             config[f"{token}_token_id"] = int(fields[f"tokenizer.ggml.{token}_token_id"])
     files: dict[str, Any] = {
-        LINK: {"files": [str(part) for part in parts], "architecture": arch},
+        LINK: {
+            "files": [str(part) for part in parts],
+            "architecture": arch,
+            "block_types": sorted({kind for kind, _ in tensors.values()} & {*BLOCK_TYPES}),
+        },
         "config.json": config,
     }
     from updraft.checkpoints.gguf_vocab import rebuild, tokenizer_config

@@ -146,8 +146,11 @@ def _tensor_info(cursor: _Cursor, index: int, block_sizes: dict[int, tuple[int, 
     offset = cursor.unpack("<Q", f"{field}'s data offset")
     values, block_bytes = block_sizes[type_code]
     if dims and dims[0] % values:
+        from gguf.constants import GGMLQuantizationType
+
+        kind = GGMLQuantizationType(type_code).name
         raise cursor.fail(
-            f"{field}: rows of {dims[0]} values are not whole blocks of {values} (type {type_code})"
+            f"{field}: rows of {dims[0]} values are not whole {kind} blocks of {values}"
         )
     elements = 1
     for dim in dims:

@@ -22,8 +22,8 @@ Split over tensor-parallel ranks, a rank takes its share of every expert's rows 
 the file's map as it reads each stacked tensor (``gguf_shards.expert_share``), and its
 experts take one of the forms above over those rows alone.
 
-With ``--activations int8``, experts in blocks still take float x: the integer kernels
-read linears only.
+Under int8 activations (a quantized file's default), experts in blocks still take float
+x: the integer kernels read linears only.
 """
 
 from __future__ import annotations

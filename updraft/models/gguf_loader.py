@@ -10,11 +10,17 @@ mixes them; neighbouring slices of one type are joined) and a quantized embeddin
 copy of its weight. A layer's stacked experts are placed by ``gguf_experts``.
 
 With ``int8_activations`` (``--activations int8``), the linears in the block types
-``kernels/gguf_int8.c`` multiplies as bytes (Q4_0, Q8_0, Q4_K, Q6_K) keep their rows
+``kernels/gguf_int8.c`` multiplies as bytes (``INT8_TYPES``) keep their rows
 regrouped eight at a time, the same bytes in another order, and round x to int8, as
 llama.cpp does: a step of up to 64 rows multiplies the codes as bytes, a prefill's
 longer x, rounded alike, multiplies rows widened from the groups as floats. A tied
 embedding looks its rows up in the LM head's groups.
+
+Under int8 activations a linear in a block type without an integer kernel is refused,
+by its tensor's name (``_with_int8_kernels``), rather than left to take float x; which
+activations a checkpoint takes by default is ``models/activations.py``'s to say. A
+tensor in blocks of another shape than the weight it fills is refused, by its name,
+before a kernel could read past its rows.
 
 Q8_0 and Q4_0 blocks are one scale and 32 codes each, exactly the int8 and int4 panels'
 groups of 32 (``kernels/panels.py``), whose kernel streams them at the memory's speed
@@ -48,6 +54,7 @@ from updraft.config import ParallelSizes
 from updraft.kernels.gguf_ops import (
     BLOCK_PASSES_UP_TO,
     BLOCK_TYPES,
+    BLOCKS,
     GGUF_MAX_ROWS,
     INT8_MAX_ROWS,
     INT8_TYPES,
@@ -71,6 +78,7 @@ from updraft.models.tensor_parallel import VocabParallelHead, shard_model
 from updraft.models.weight_targets import (
     FUSED,
     MadeParameters,
+    Slice,
     building,
     is_split,
     part_of,
@@ -134,11 +142,12 @@ def unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
 
 class Part:
     """One checkpoint tensor of a linear: in blocks of ggml type ``code`` (uint8 rows),
-    or a float32 weight (``code`` None)."""
+    or a float32 weight (``code`` None); ``where``: the file and tensor it came from."""
 
-    def __init__(self, weight: torch.Tensor, code: int | None) -> None:
+    def __init__(self, weight: torch.Tensor, code: int | None, where: str = "") -> None:
         self.weight = weight
         self.code = code
+        self.where = where
 
 
 class GGUFLinear(nn.Module):
@@ -294,6 +303,8 @@ def load_gguf_model(
             target = None if name is None else target_of(name, params, modules)
             if target is None:
                 raise ValueError(f"{path.name}: GGUF tensor {tensor.name} fits no parameter")
+            if kind not in FLOAT_DTYPES:
+                _check_block_shape(f"{path.name}: {tensor.name}", kind, tensor.data, share, *target)
             data = share(tensor.name, kind, tensor.data, *target)
             if row.gguf_permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
                 data = unpermute(np.asarray(data), data.shape[0] // config.head_dim)
@@ -311,6 +322,24 @@ def load_gguf_model(
         raise ValueError(f"{parts[0].name}: no GGUF tensor for {left[:8]}")
     pack_model(model, gathered.float_format(), torch.float32)
     return model.to(device).eval().requires_grad_(False)
+
+
+def _check_block_shape(
+    where: str, kind: str, data: np.ndarray, share: RankShare, param: str, index: Slice
+) -> None:
+    """Refuse a tensor in blocks that is not the matrix of the part of ``param`` it fills
+    (rows, and values per row), with both shapes: a kernel told the parameter's sizes
+    would read past its rows."""
+    values, block_bytes = BLOCKS[BLOCK_TYPES[kind]]
+    module = share.modules[param.rpartition(".")[0]]
+    whole = share.params[param]
+    want = tuple((whole if index == FUSED else part_of(whole, module, param, index)).shape)
+    got = (*data.shape[:-1], data.shape[-1] // block_bytes * values)
+    if got != want:
+        raise ValueError(
+            f"{where}: a {kind} tensor of shape {got} (rows, values per row) cannot fill "
+            f"{param}, which takes {want}"
+        )
 
 
 def _linear_attention(
@@ -349,7 +378,7 @@ class Gathered:
                 self.float_kinds[kind] += 1
         elif where.endswith("token_embd.weight") or param.endswith(".weight"):
             rows = block_rows(data)
-            self.blocks.setdefault(param, {})[index] = Part(rows, BLOCK_TYPES[kind])
+            self.blocks.setdefault(param, {})[index] = Part(rows, BLOCK_TYPES[kind], where)
         else:
             raise ValueError(f"{where}: a quantized tensor of this kind is not supported")
 
@@ -367,7 +396,7 @@ def _place_blocks(model, blocks, floats, config: ModelConfig, int8: bool) -> Non
         part = embedding[0]
         dim = config.hidden_size
         if config.tie_word_embeddings:  # the embedding reads the LM head's blocks
-            head = GGUFLinear(dim, [part], None, int8)
+            head = GGUFLinear(dim, _with_int8_kernels([part], int8), None, int8)
             if isinstance(model.lm_head, VocabParallelHead):
                 model.lm_head.linear = head
             else:
@@ -406,11 +435,27 @@ def _linear(
     """A ``PackedLinear`` over panels where every part is Q8_0, or every part Q4_0 (and x
     stays float32); else a ``GGUFLinear`` over the blocks."""
     kinds = {part.code for part in parts}
+    parts = _with_int8_kernels(parts, int8)
     if int8 or len(kinds) != 1 or next(iter(kinds)) not in PANEL_FORMATS:
         return GGUFLinear(in_features, parts, bias, int8)
     fmt = PANEL_FORMATS[next(iter(kinds))]
     panels = block_panels([part.weight for part in parts], fmt, in_features)
     return PackedLinear.over(panels, bias, WeightFormat(fmt, 32))
+
+
+def _with_int8_kernels(parts: list[Part], int8: bool) -> list[Part]:
+    """``parts``, each in a block type ``gguf_int8.c`` multiplies where x is rounded to
+    int8: a part in another is refused by name, not left to take float x unnoticed."""
+    for part in parts:
+        if int8 and part.code is not None and part.code not in INT8_TYPES:
+            kind = next(name for name, code in BLOCK_TYPES.items() if code == part.code)
+            covered = [name for name, code in BLOCK_TYPES.items() if code in INT8_TYPES]
+            raise ValueError(
+                f"{part.where} is in {kind}, which has no integer kernel for --activations "
+                f"int8 (the types with one: {', '.join(covered) or 'none'}); --activations "
+                "float32 reads it exactly"
+            )
+    return parts
 
 
 def _fill_floats(model: nn.Module, floats: dict[str, dict[int, torch.Tensor]]) -> None:

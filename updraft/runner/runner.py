@@ -36,6 +36,7 @@ from updraft.config import EngineConfig
 from updraft.graph.sanitize import SanitizeReport, checked_replay, default_tolerance
 from updraft.kernels.build import kernel_builds
 from updraft.model_config import ModelConfig
+from updraft.models.activations import int8_activations
 from updraft.models.loader import load_model
 from updraft.models.tensor_parallel import local_config
 from updraft.parallel.topology import GroupRank, ParallelSizes, RankPlace, rank_device
@@ -497,9 +498,7 @@ def load_runner(
 ) -> Runner:
     """A runner over the checkpoint ``config.model`` (this rank's shard, with ``place``;
     ``send``: rank 0's announcer of its forwards to the other ranks)."""
-    device = torch.device(
-        config.device if place is None else rank_device(config.device, place.rank)
-    )
+    device = torch.device(rank_device(config.device, place.rank) if place else config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(
             f"device {config.device!r} was asked for, but this PyTorch ({torch.__version__}) "
@@ -520,7 +519,7 @@ def load_runner(
         max_positions=max_model_len,
         weights=config.weight_format(model_config),
         place=place,
-        int8_activations=config.activations == "int8",
+        int8_activations=int8_activations(config, model_config, draft=name != "target"),
     )
     return Runner(
         model,
