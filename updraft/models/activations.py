@@ -14,7 +14,7 @@ from pathlib import Path
 
 from updraft.checkpoints.gguf import linked_block_types, linked_files
 from updraft.config import EngineConfig
-from updraft.kernels.gguf_ops import BLOCK_TYPES, INT8_TYPES, int8_kernel_builds
+from updraft.kernels.gguf_ops import BLOCK_TYPES, INT8_TYPES, int8_kernel_builds, int8_simd_builds
 from updraft.model_config import ModelConfig
 from updraft.weights import ACTIVATIONS
 
@@ -65,6 +65,11 @@ def int8_activations(config: EngineConfig, model_config: ModelConfig, draft: boo
     if not int8_kernel_builds():
         if setting == "int8":
             raise ValueError("--activations int8: the integer kernels do not build on this CPU")
+        return False
+    if setting == "auto" and not int8_simd_builds():
+        # without AVX2 only the portable C kernel builds: exact, but some thirty times
+        # slower than the float32 path it would replace
+        log.info("%s: no AVX2 here, so float32 activations (--activations int8 forces)", where)
         return False
     if blocks is None and missing:
         if setting == "int8":
