@@ -54,8 +54,10 @@ def test_groups_hold_the_file_s_bytes_and_give_back_any_row(kind, rows):
     blocks = torch.from_numpy(random_blocks(kind, rows, k, np.random.default_rng(rows)))
     groups = gguf_group(blocks, BLOCK_TYPES[kind], k)
     assert groups.shape[0] == -(-rows // 8)
-    # the same bytes in another order (Q4_K's six-bit scales decoded to a byte each)
-    extra = {"Q4_K": 1184 / 1152}.get(kind, 1.0)
+    # the same bytes in another order (the K-quants' and IQ4_XS's packed six-bit scales
+    # decoded to a byte each)
+    extra = {"Q4_K": 1184 / 1152, "Q3_K": 912 / 880, "Q5_K": 1440 / 1408, "IQ4_XS": 1104 / 1088}
+    extra = extra.get(kind, 1.0)
     assert groups.numel() == pytest.approx(-(-rows // 8) * 8 * blocks.shape[1] * extra)
     every = torch.arange(rows)
     assert torch.equal(gguf_ungroup(groups, BLOCK_TYPES[kind], k, rows, every), blocks)
@@ -108,19 +110,23 @@ def test_a_prefill_takes_x_as_a_decode_step_does(kind):
     assert torch.equal(rounded[7], _rounded(x[7]).float())
 
 
+WITHOUT_INT8 = sorted(name for name, code in BLOCK_TYPES.items() if code not in INT8_TYPES)
+
+
+@pytest.mark.skipif(not WITHOUT_INT8, reason="every GGUF block type read has an int8 kernel")
 def test_a_type_without_an_int8_kernel_keeps_its_blocks_and_takes_x_unrounded():
-    """Under int8 activations a part in a type ``gguf_int8.c`` does not multiply (Q5_K
-    here) stays in the file's blocks and computes the float path's product, beside a
-    Q4_K part that is regrouped and rounds x."""
+    """Under int8 activations a part in a type ``gguf_int8.c`` does not multiply stays
+    in the file's blocks and computes the float path's product, beside a Q4_K part that
+    is regrouped and rounds x."""
     k = 256
     rng = np.random.default_rng(5)
+    kind = WITHOUT_INT8[0]
     q4 = gguf_loader.Part(torch.from_numpy(random_blocks("Q4_K", 16, k, rng)), BLOCK_TYPES["Q4_K"])
-    q5 = gguf_loader.Part(torch.from_numpy(random_blocks("Q5_K", 24, k, rng)), BLOCK_TYPES["Q5_K"])
-    assert BLOCK_TYPES["Q5_K"] not in INT8_TYPES
-    linear = gguf_loader.GGUFLinear(k, [q4, q5], None, True)
+    other = gguf_loader.Part(torch.from_numpy(random_blocks(kind, 24, k, rng)), BLOCK_TYPES[kind])
+    linear = gguf_loader.GGUFLinear(k, [q4, other], None, True)
     assert linear.grouped == [True, False]
-    assert torch.equal(linear.part1, q5.weight)
-    floats = gguf_loader.GGUFLinear(k, [q5], None)
+    assert torch.equal(linear.part1, other.weight)
+    floats = gguf_loader.GGUFLinear(k, [other], None)
     generator = torch.Generator().manual_seed(5)
     for rows in (1, 100):  # a decode step's kernel, a prefill's widened rows
         x = torch.randn(rows, k, generator=generator)

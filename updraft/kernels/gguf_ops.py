@@ -32,6 +32,7 @@ BLOCK_PASSES_UP_TO = 64
 # The block types ``gguf_int8.c`` multiplies by x rounded to int8 in blocks of
 # INT8_X_BLOCK, up to INT8_MAX_ROWS rows of it, over weight rows regrouped eight at a time.
 INT8_TYPES = {BLOCK_TYPES[name] for name in ("Q4_0", "Q8_0", "Q4_K", "Q6_K")}
+INT8_TYPES |= {BLOCK_TYPES[name] for name in ("Q2_K", "Q3_K", "Q5_K", "IQ4_XS")}
 INT8_X_BLOCK = 32
 INT8_MAX_ROWS = 8
 GROUP_ROWS = 8

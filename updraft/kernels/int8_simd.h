@@ -16,6 +16,29 @@ static inline void move_bytes(uint8_t *block, int block_at, uint8_t *group, int6
         memcpy(block + block_at, group + group_at, (size_t)size);
 }
 
+/* the fp16 at p, exactly, without F16C (the portable unpacking's) */
+static inline float half_at(const uint8_t *p) {
+    const uint32_t h = (uint32_t)(p[0] | (p[1] << 8)), sign = (h & 0x8000) << 16;
+    uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF, bits;
+    if (exponent == 0x1F) {
+        bits = sign | 0x7F800000 | (mantissa << 13);
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        bits = sign;
+    } else { /* a subnormal half is a normal float */
+        exponent = 113;
+        while (!(mantissa & 0x400)) {
+            mantissa <<= 1;
+            exponent--;
+        }
+        bits = sign | (exponent << 23) | ((mantissa & 0x3FF) << 13);
+    }
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #define INT8_SIMD 1
 #include <immintrin.h>

@@ -5,9 +5,17 @@
 #include "int8_q8_0.h"
 #include "int8_q4_k.h"
 #include "int8_q6_k.h"
+#include "int8_q2_k.h"
+#include "int8_q3_k.h"
+#include "int8_q5_k.h" /* after int8_q4_k.h: its scale packing */
+#include "int8_iq4_xs.h"
 
 #define INT8_TYPE_LIST(X)                                                                 \
     X(2, q4_0, 32, 18, 144)                                                               \
     X(8, q8_0, 32, 34, 272)                                                               \
     X(12, q4_k, 256, 144, 1184)                                                           \
-    X(14, q6_k, 256, 210, 1680)
+    X(14, q6_k, 256, 210, 1680)                                                           \
+    X(10, q2_k, 256, 84, 672)                                                             \
+    X(11, q3_k, 256, 110, 912)                                                            \
+    X(13, q5_k, 256, 176, 1440)                                                           \
+    X(23, iq4_xs, 256, 136, 1104)

@@ -1,0 +1,139 @@
+"""The int8-activation kernels of Q2_K, Q3_K, Q5_K and IQ4_XS (``kernels/int8_q2_k.h``
+...): their groups give back the file's bytes exactly (packed sub-block scales decoded to
+a byte each at load, and packed again), and x rounded to int8 times the groups equals
+the float64 product of the rounded x and the gguf package's dequantization, in the
+AVX-512 VNNI build and the AVX2 one (whose byte products saturate an int16 pair sum), on
+random blocks and on blocks of the largest codes against x of the largest codes. The
+gguf package cannot quantize these types, so the blocks are random bytes with finite
+half scales."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from tests.test_gguf import SCALE_BYTES, random_blocks
+from updraft.kernels.build import load
+from updraft.kernels.gguf_ops import (
+    BLOCK_TYPES,
+    INT8_TYPES,
+    gguf_group,
+    gguf_round_x,
+    gguf_ungroup,
+    int8_kernel_builds,
+)
+
+pytestmark = pytest.mark.skipif(not int8_kernel_builds(), reason="the int8 kernel needs AVX2")
+KINDS = ("Q2_K", "Q3_K", "Q5_K", "IQ4_XS")
+# bytes of eight rows' block in a group: the file's, with Q3_K's, Q5_K's and IQ4_XS's
+# packed six-bit sub-block scales a byte each
+GROUP_BLOCK_BYTES = {
+    "Q2_K": 8 * 84,
+    "Q3_K": 8 * 110 + 32,
+    "Q5_K": 8 * 176 + 32,
+    "IQ4_XS": 8 * 136 + 16,
+}
+K = 512
+N = 37  # a last group of five rows
+
+
+def test_the_types_are_multiplied_in_int8():
+    assert {BLOCK_TYPES[kind] for kind in KINDS} <= INT8_TYPES
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_groups_give_back_the_file_s_bytes(kind):
+    blocks = torch.from_numpy(random_blocks(kind, N, K, np.random.default_rng(0)))
+    groups = gguf_group(blocks, BLOCK_TYPES[kind], K)
+    assert groups.shape == (-(-N // 8), K // 256 * GROUP_BLOCK_BYTES[kind])
+    assert torch.equal(gguf_ungroup(groups, BLOCK_TYPES[kind], K, N, torch.arange(N)), blocks)
+    picked = torch.tensor([N - 1, 3, 0])
+    assert torch.equal(gguf_ungroup(groups, BLOCK_TYPES[kind], K, N, picked), blocks[picked])
+
+
+def _extreme_blocks(kind: str, rng: np.random.Generator) -> np.ndarray:
+    """Blocks whose bytes, but for the half scales, are all 0x00 or all 0xFF: every
+    code and sub-block scale at one end of its range (Q3_K's codes -4 or 3, IQ4_XS's
+    -127 or 113, the others 0 or their largest)."""
+    blocks = random_blocks(kind, N, K, rng).reshape(N, K // 256, -1)
+    start, count = SCALE_BYTES[kind]
+    halves = blocks[..., start : start + 2 * count].copy()
+    blocks[:] = rng.choice(np.array([0, 255], dtype=np.uint8), size=(N, K // 256, 1))
+    blocks[..., start : start + 2 * count] = halves
+    return blocks.reshape(N, -1)
+
+
+def _extreme_x(rows: int, rng: np.random.Generator) -> torch.Tensor:
+    """x whose codes are all +-127, a sign per block of 32"""
+    signs = rng.choice(np.array([-1.0, 1.0], dtype=np.float32), size=(rows, K // 32, 1))
+    return torch.from_numpy(np.broadcast_to(signs, (rows, K // 32, 32)).reshape(rows, K).copy())
+
+
+def _rounded(x: torch.Tensor) -> torch.Tensor:
+    """Each row of x as the kernel rounds it, in float64."""
+    rows = []
+    for row in x:
+        codes, scales = gguf_round_x(row)
+        rows.append((codes.view(-1, 32).double() * scales[:, None].double()).view(-1))
+    return torch.stack(rows)
+
+
+def _linear(march: str, kind: str, x: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """``gguf_linear_int8`` of the ``march`` build, called directly."""
+    lib = load("gguf_int8", march)
+    kernel = lib.gguf_linear_int8
+    kernel.restype = None
+    size = ctypes.c_int64
+    pointer = ctypes.c_void_p
+    kernel.argtypes = [
+        ctypes.c_int,
+        pointer,
+        size,
+        size,
+        pointer,
+        size,
+        size,
+        pointer,
+        pointer,
+        ctypes.c_int,
+    ]
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], N)
+    kernel(
+        BLOCK_TYPES[kind],
+        x.data_ptr(),
+        x.shape[0],
+        K,
+        groups.data_ptr(),
+        N,
+        groups.shape[1],
+        None,
+        y.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return y
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("march", ["native", "haswell"])
+def test_int8_x_times_groups_is_the_rounded_x_times_the_dequantized_weight(kind, march):
+    rng = np.random.default_rng(1)
+    generator = torch.Generator().manual_seed(1)
+    for blocks, extreme in (
+        (random_blocks(kind, N, K, rng), False),
+        (_extreme_blocks(kind, rng), True),
+    ):
+        weight = torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType[kind])).double()
+        groups = gguf_group(torch.from_numpy(blocks), BLOCK_TYPES[kind], K)
+        for rows in (1, 3, 8):
+            x = _extreme_x(rows, rng) if extreme else torch.randn(rows, K, generator=generator) * 3
+            rounded = _rounded(x)
+            got = _linear(march, kind, x, groups).double()
+            expected = rounded @ weight.T
+            # float32's rounding of each block's scaled sums, on the scale of the terms
+            bound = 1e-5 * (rounded.abs() @ weight.abs().T) + 1e-6
+            assert ((got - expected).abs() <= bound).all(), (rows, extreme)
