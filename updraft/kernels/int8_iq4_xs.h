@@ -47,14 +47,8 @@ static void unpack_iq4_xs(const uint8_t *group, int r, int8_t *codes, float *sca
 #if INT8_SIMD
 /* Where vpdpbusd multiplies (its sums never saturate), the indices look up the values
    plus 128, unsigned, and x's sum times 128 is taken off; else the values are looked up
-   signed, a weight's sign moved onto x and its magnitude multiplied as unsigned. */
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-#define IQ4_XS_OFFSET 128
-#else
-#define IQ4_XS_OFFSET 0
-#endif
-
-/* Per sub-block of 32, one x block: the exact integer sum times the scale, widened and
+   signed, a weight's sign moved onto x and its magnitude multiplied as unsigned. Per
+   sub-block of 32, one x block: the exact integer sum times the scale, widened and
    scaled by x's. */
 static inline __attribute__((always_inline)) void group_iq4_xs(const uint8_t *group,
                                                                int64_t blocks,
@@ -63,7 +57,7 @@ static inline __attribute__((always_inline)) void group_iq4_xs(const uint8_t *gr
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     const __m256i table = _mm256_add_epi8(
         _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)iq4_xs_values)),
-        _mm256_set1_epi8((char)IQ4_XS_OFFSET));
+        _mm256_set1_epi8(INT8_VNNI ? (char)128 : 0));
     for (int m = 0; m < rows; m++) acc[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *gb = group + 1104 * b;
@@ -71,28 +65,41 @@ static inline __attribute__((always_inline)) void group_iq4_xs(const uint8_t *gr
         __m256 sum[MAX_X_ROWS];
         for (int m = 0; m < rows; m++) sum[m] = _mm256_setzero_ps();
         for (int j = 0; j < 8; j++) {
-            __m256i weights[8], magnitudes[8]; /* x's values 4t .. 4t + 3 of the block */
+            __m256i weights[8]; /* x's values 4t .. 4t + 3 of the block */
             for (int t = 0; t < 4; t++) {
                 const __m256i raw = load32(gb + 80 + 32 * (4 * j + t));
                 weights[t] = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, nibble));
-                weights[t + 4] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble));
+                const __m256i high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+                weights[t + 4] = _mm256_shuffle_epi8(table, high);
             }
-            for (int t = 0; t < 8; t++)
-                magnitudes[t] = IQ4_XS_OFFSET ? weights[t] : _mm256_sign_epi8(weights[t], weights[t]);
+#if INT8_VNNI
             const __m256i scale = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(gb + 16 + 8 * j)));
             for (int m = 0; m < rows; m++) {
                 const int64_t xb = m * (x->k / 32) + 8 * b + j;
                 const int8_t *v = x->codes + 32 * xb;
-                __m256i dot[2] = {_mm256_set1_epi32(-IQ4_XS_OFFSET * x->sums32[xb]), _mm256_setzero_si256()};
-                for (int t = 0; t < 8; t++) { /* without the offset, pair sums of at most 2 * 127 * 127 */
-                    const __m256i codes = broadcast4(v + 4 * t);
-                    dot[t % 2] = dot_u8s8(dot[t % 2], magnitudes[t],
-                                          IQ4_XS_OFFSET ? codes : _mm256_sign_epi8(codes, weights[t]));
-                }
+                __m256i dot[2] = {_mm256_set1_epi32(-128 * x->sums32[xb]), _mm256_setzero_si256()};
+                for (int t = 0; t < 8; t++)
+                    dot[t % 2] = dot_u8s8(dot[t % 2], weights[t], broadcast4(v + 4 * t));
                 /* at most 32 * 127 * 127 * 32, under 2^24: exact as a float */
                 const __m256i exact = _mm256_mullo_epi32(_mm256_add_epi32(dot[0], dot[1]), scale);
                 sum[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_set1_ps(x->scales[xb]), sum[m]);
             }
+#else
+            __m256i magnitudes[8];
+            for (int t = 0; t < 8; t++) magnitudes[t] = _mm256_sign_epi8(weights[t], weights[t]);
+            const __m256i scale = scale_pairs(gb + 16 + 8 * j, 1);
+            for (int m = 0; m < rows; m++) {
+                const int64_t xb = m * (x->k / 32) + 8 * b + j;
+                const int8_t *v = x->codes + 32 * xb;
+                __m256i exact = _mm256_setzero_si256();
+                for (int t = 0; t < 8; t++) { /* pair sums of at most 2 * 127 * 127 */
+                    const __m256i signed_x = _mm256_sign_epi8(broadcast4(v + 4 * t), weights[t]);
+                    exact = _mm256_add_epi32(
+                        exact, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes[t], signed_x), scale));
+                }
+                sum[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_set1_ps(x->scales[xb]), sum[m]);
+            }
+#endif
         }
         const __m256 d = halves(gb);
         for (int m = 0; m < rows; m++) acc[m] = _mm256_fmadd_ps(sum[m], d, acc[m]);

@@ -42,6 +42,8 @@ static inline __attribute__((always_inline)) void group_q2_k(const uint8_t *grou
         for (int half = 0; half < 2; half++) {
             __m256i raw[8];
             for (int t = 0; t < 8; t++) raw[t] = load32(gb + 160 + 32 * (8 * half + t));
+            /* unrolled: a shift by a constant, not by a register */
+            #pragma GCC unroll 8
             for (int j = 0; j < 4; j++) { /* x block 4 half + j: sub-blocks s, s + 1 */
                 const int s = 8 * half + 2 * j;
                 __m256i codes[8];
@@ -50,19 +52,27 @@ static inline __attribute__((always_inline)) void group_q2_k(const uint8_t *grou
                 __m256i scale[2];
                 __m256 min[2];
                 for (int p = 0; p < 2; p++) {
-                    const __m256i packed =
-                        _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(gb + 32 + 8 * (s + p))));
-                    scale[p] = _mm256_and_si256(packed, low);
-                    min[p] = _mm256_cvtepi32_ps(_mm256_srli_epi32(packed, 4));
+                    const uint8_t *packed = gb + 32 + 8 * (s + p);
+                    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)packed));
+                    /* int32 scales for vpmulld, else int16 pairs of them for vpmaddwd */
+                    scale[p] = INT8_VNNI ? _mm256_and_si256(bytes, low)
+                                         : _mm256_and_si256(scale_pairs(packed, 0), _mm256_set1_epi16(15));
+                    min[p] = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
                 }
                 for (int m = 0; m < rows; m++) {
                     const int64_t xb = m * (x->k / 32) + 8 * b + 4 * half + j;
                     const int8_t *v = x->codes + 32 * xb;
+#if INT8_VNNI
                     __m256i dot[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-                    for (int t = 0; t < 8; t++) /* pair sums of at most 2 * 3 * 127 */
+                    for (int t = 0; t < 8; t++)
                         dot[t / 4] = dot_u8s8(dot[t / 4], codes[t], broadcast4(v + 4 * t));
                     const __m256i exact = _mm256_add_epi32(_mm256_mullo_epi32(dot[0], scale[0]),
                                                            _mm256_mullo_epi32(dot[1], scale[1]));
+#else /* a sub-block's pair sums, at most 4 * 2 * 3 * 127 */
+                    const __m256i exact =
+                        _mm256_add_epi32(_mm256_madd_epi16(pair_sums4(codes, v), scale[0]),
+                                         _mm256_madd_epi16(pair_sums4(codes + 4, v + 16), scale[1]));
+#endif
                     const float xd = x->scales[xb];
                     sum[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_set1_ps(xd), sum[m]);
                     const int32_t *sums = x->sums16 + 2 * xb;

@@ -69,7 +69,10 @@ static inline __attribute__((always_inline)) void group_q3_k(const uint8_t *grou
         for (int t = 0; t < 8; t++) hmask[t] = load32(gb + 144 + 32 * t);
         __m256 sum[MAX_X_ROWS];
         for (int m = 0; m < rows; m++) sum[m] = _mm256_setzero_ps();
-        for (int half = 0; half < 2; half++)
+        #pragma GCC unroll 2 /* (the shifts depend on half too) */
+        for (int half = 0; half < 2; half++) {
+            /* unrolled: a shift by a constant, not by a register */
+            #pragma GCC unroll 8
             for (int j = 0; j < 4; j++) { /* x block 4 half + j: sub-blocks s, s + 1 */
                 const int s = 8 * half + 2 * j, bit = 4 * half + j;
                 __m256i codes[8];
@@ -80,22 +83,37 @@ static inline __attribute__((always_inline)) void group_q3_k(const uint8_t *grou
                     codes[t] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qs, 2 * j), two_bits),
                                                _mm256_and_si256(high, third));
                 }
-                __m256i scale[2];
+                __m256i scale[2]; /* int32 for vpmulld, else int16 pairs for vpmaddwd */
                 for (int p = 0; p < 2; p++)
-                    scale[p] = _mm256_cvtepi8_epi32(
-                        _mm_loadl_epi64((const __m128i *)(gb + 16 + 8 * (s + p))));
+                    scale[p] = INT8_VNNI ? _mm256_cvtepi8_epi32(
+                                               _mm_loadl_epi64((const __m128i *)(gb + 16 + 8 * (s + p))))
+                                         : scale_pairs(gb + 16 + 8 * (s + p), 1);
                 for (int m = 0; m < rows; m++) {
                     const int64_t xb = m * (x->k / 32) + 8 * b + 4 * half + j;
                     const int8_t *v = x->codes + 32 * xb;
+#if INT8_VNNI
                     const int32_t *sums = x->sums16 + 2 * xb;
                     __m256i dot[2] = {_mm256_set1_epi32(-4 * sums[0]), _mm256_set1_epi32(-4 * sums[1])};
-                    for (int t = 0; t < 8; t++) /* pair sums of at most 2 * 7 * 127 */
+                    for (int t = 0; t < 8; t++)
                         dot[t / 4] = dot_u8s8(dot[t / 4], codes[t], broadcast4(v + 4 * t));
                     const __m256i exact = _mm256_add_epi32(_mm256_mullo_epi32(dot[0], scale[0]),
                                                            _mm256_mullo_epi32(dot[1], scale[1]));
-                    sum[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_set1_ps(x->scales[xb]), sum[m]);
+#else
+                    /* a sub-block's pair sums, at most 4 * 2 * 7 * 127, less four times
+                       x's matching pairs (Q6_K's offsets, 32 times them, shifted) */
+                    __m256i exact = _mm256_setzero_si256();
+                    for (int p = 0; p < 2; p++) {
+                        const __m256i four =
+                            _mm256_srai_epi16(_mm256_set1_epi32(x->offsets16[2 * xb + p]), 3);
+                        const __m256i pairs = _mm256_sub_epi16(pair_sums4(codes + 4 * p, v + 16 * p), four);
+                        exact = _mm256_add_epi32(exact, _mm256_madd_epi16(pairs, scale[p]));
+                    }
+#endif
+                    const __m256 xd = _mm256_set1_ps(x->scales[xb]);
+                    sum[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), xd, sum[m]);
                 }
             }
+        }
         const __m256 d = halves(gb);
         for (int m = 0; m < rows; m++) acc[m] = _mm256_fmadd_ps(sum[m], d, acc[m]);
     }

@@ -57,25 +57,36 @@ static inline __attribute__((always_inline)) void group_q5_k(const uint8_t *grou
         for (int t = 0; t < 8; t++) qh[t] = load32(gb + 160 + 32 * t);
         __m256 sum[MAX_X_ROWS], mins[MAX_X_ROWS];
         for (int m = 0; m < rows; m++) sum[m] = mins[m] = _mm256_setzero_ps();
+        /* unrolled: a shift by a constant, not by a register */
+        #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) {
             __m256i codes[8];
             for (int t = 0; t < 8; t++) {
                 const __m256i raw = load32(gb + 416 + 32 * (8 * (j / 2) + t));
                 const __m256i low = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(raw, 4) : raw, nibble);
-                const __m256i high = j <= 4 ? _mm256_slli_epi16(qh[t], 4 - j) : _mm256_srli_epi16(qh[t], j - 4);
+                const __m256i high =
+                    j <= 4 ? _mm256_slli_epi16(qh[t], 4 - j) : _mm256_srli_epi16(qh[t], j - 4);
                 codes[t] = _mm256_or_si256(low, _mm256_and_si256(high, fifth));
             }
-            const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(gb + 32 + 8 * j)));
+            /* int32 scales for vpmulld, else int16 pairs of them for vpmaddwd */
+            const __m128i eight = _mm_loadl_epi64((const __m128i *)(gb + 32 + 8 * j));
+            const __m256i scale = INT8_VNNI ? _mm256_cvtepu8_epi32(eight) : scale_pairs(gb + 32 + 8 * j, 0);
             const __m256 min = _mm256_cvtepi32_ps(
                 _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(gb + 96 + 8 * j))));
             for (int m = 0; m < rows; m++) {
                 const int64_t xb = m * (x->k / 32) + 8 * b + j;
                 const int8_t *v = x->codes + 32 * xb;
+#if INT8_VNNI
                 __m256i dot[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-                for (int t = 0; t < 8; t++) /* pair sums of at most 2 * 31 * 127 */
+                for (int t = 0; t < 8; t++)
                     dot[t % 2] = dot_u8s8(dot[t % 2], codes[t], broadcast4(v + 4 * t));
+                const __m256i exact = _mm256_mullo_epi32(_mm256_add_epi32(dot[0], dot[1]), scale);
+#else /* each half's pair sums, at most 4 * 2 * 31 * 127 */
+                const __m256i exact =
+                    _mm256_add_epi32(_mm256_madd_epi16(pair_sums4(codes, v), scale),
+                                     _mm256_madd_epi16(pair_sums4(codes + 4, v + 16), scale));
+#endif
                 /* at most 32 * 31 * 127 * 63, under 2^24: exact as a float */
-                const __m256i exact = _mm256_mullo_epi32(_mm256_add_epi32(dot[0], dot[1]), bytes);
                 const float xd = x->scales[xb];
                 sum[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_set1_ps(xd), sum[m]);
                 mins[m] = _mm256_fmadd_ps(min, _mm256_set1_ps(xd * (float)x->sums32[xb]), mins[m]);

@@ -45,6 +45,13 @@ static inline float half_at(const uint8_t *p) {
 
 static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
+/* whether dot_u8s8 below is vpdpbusd, whose sums never saturate */
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define INT8_VNNI 1
+#else
+#define INT8_VNNI 0
+#endif
+
 /* acc + the sums of four adjacent products of u's unsigned bytes and s's signed ones, per
    32-bit lane (vpdpbusd). Without VNNI: vpmaddubsw, whose pair sums saturate an int16,
    so a caller keeps each pair sum |u| * |s| * 2 under 32768. */
@@ -72,6 +79,15 @@ static inline __m256i broadcast4(const int8_t *p) {
     int32_t word;
     memcpy(&word, p, 4);
     return _mm256_set1_epi32(word);
+}
+
+/* four words of unsigned codes times x's sixteen codes at v, as int16 pair sums (two a
+   lane) summed over the words: a caller keeps each under 32768 */
+static inline __m256i pair_sums4(const __m256i *codes, const int8_t *v) {
+    __m256i pairs = _mm256_maddubs_epi16(codes[0], broadcast4(v));
+    for (int t = 1; t < 4; t++)
+        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(codes[t], broadcast4(v + 4 * t)));
+    return pairs;
 }
 
 static inline __m256 halves(const uint8_t *p) {
