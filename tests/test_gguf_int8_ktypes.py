@@ -3,9 +3,9 @@
 a byte each at load, and packed again), and x rounded to int8 times the groups equals
 the float64 product of the rounded x and the gguf package's dequantization, in the
 AVX-512 VNNI build and the AVX2 one (whose byte products saturate an int16 pair sum), on
-random blocks and on blocks of the largest codes against x of the largest codes. The
-gguf package cannot quantize these types, so the blocks are random bytes with finite
-half scales."""
+random blocks and on blocks of the largest codes against x of the largest codes; a
+model in these types moves its logits by about the rounding. The gguf package cannot
+quantize these types, so the blocks are random bytes with finite half scales."""
 
 from __future__ import annotations
 
@@ -16,7 +16,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from tests.test_gguf import SCALE_BYTES, random_blocks
+from benchmarks.peers import make_gguf
+from tests.helpers import greedy, token_ids
+from tests.probes import logits_of, probed, records
+from tests.test_gguf import MIXES, SCALE_BYTES, convert_to, plain, random_blocks
+from tests.test_reference_models import PROMPTS
 from updraft.kernels.build import load
 from updraft.kernels.gguf_ops import (
     BLOCK_TYPES,
@@ -26,6 +30,7 @@ from updraft.kernels.gguf_ops import (
     gguf_ungroup,
     int8_kernel_builds,
 )
+from updraft.models import gguf_loader
 
 pytestmark = pytest.mark.skipif(not int8_kernel_builds(), reason="the int8 kernel needs AVX2")
 KINDS = ("Q2_K", "Q3_K", "Q5_K", "IQ4_XS")
@@ -137,3 +142,33 @@ def test_int8_x_times_groups_is_the_rounded_x_times_the_dequantized_weight(kind,
             # float32's rounding of each block's scaled sums, on the scale of the terms
             bound = 1e-5 * (rounded.abs() @ weight.abs().T) + 1e-6
             assert ((got - expected).abs() <= bound).all(), (rows, extreme)
+
+
+def _one_at_a_time(model, activations: str) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Each prompt generated alone (decode steps of one row, where x is rounded)."""
+    llm = probed(str(model), block_size=4, num_kv_blocks=64, activations=activations)
+    outputs = [llm.generate([prompt], greedy(8))[0] for prompt in PROMPTS]
+    seen = records(llm)
+    modules = llm.engine._runner.model.modules()  # noqa: SLF001
+    int8 = [m.int8 for m in modules if isinstance(m, gguf_loader.GGUFLinear)]
+    assert int8 and all(int8) == (activations == "int8")
+    return token_ids(outputs), [logits_of(seen, output) for output in outputs]
+
+
+@pytest.mark.parametrize("mix", ["Q3_K_M-Q2_K", "IQ4_XS-IQ4_NL"])
+def test_a_file_in_these_types_moves_the_logits_by_about_the_rounding(tmp_path, mix):
+    """A model whose linears are in Q2_K, Q3_K, Q5_K (and Q6_K), or IQ4_XS: with x
+    rounded to int8 its logits move by about the rounding, a percent of their scale."""
+    checkpoint = plain("qwen3", tmp_path / "hf", hidden_size=256, intermediate_size=512)
+    path = tmp_path / "model.gguf"
+    make_gguf.main(checkpoint, path, convert_to(MIXES[mix], np.random.default_rng(1), {}))
+    exact, rounded = _one_at_a_time(path, "float32"), _one_at_a_time(path, "int8")
+    pairs = zip(rounded[0], exact[0], rounded[1], exact[1], strict=True)
+    for tokens, exact_tokens, ours, theirs in pairs:
+        # each step's logits up to the first token the two draw differently
+        drawn = zip(tokens, exact_tokens, strict=True)
+        split = next((i for i, (a, b) in enumerate(drawn) if a != b), None)
+        steps = slice(0, None if split is None else split + 1)
+        scale = theirs.abs().max()
+        difference = (ours[steps] - theirs[steps]).abs().max()
+        assert 1e-3 * scale < difference <= 0.03 * scale, (difference, scale)
