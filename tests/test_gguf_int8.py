@@ -1,9 +1,11 @@
 """The int8-activation GGUF kernel: x rounded to int8 in blocks of 32, as ggml's Q8_0
 rounds it, times the weight's blocks regrouped eight rows at a time, equals the float64
-product of the rounded x and the dequantized weight up to float32 rounding; the groups
-hold the file's bytes exactly."""
+product of the rounded x and the dequantized weight up to float32 rounding, in every
+build (VNNI, AVX2 alone, portable C); the groups hold the file's bytes exactly."""
 
 from __future__ import annotations
+
+from functools import cache
 
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ from tests.helpers import greedy, token_ids
 from tests.probes import logits_of, probed, records
 from tests.test_gguf import MIXES, convert_to, plain, random_blocks
 from tests.test_reference_models import PROMPTS
+from tests.test_weight_formats import cpu_flags
 from updraft import LLM
 from updraft.kernels.gguf_ops import (
     BLOCK_TYPES,
@@ -23,17 +26,117 @@ from updraft.kernels.gguf_ops import (
     gguf_dequantize,
     gguf_dequantize_groups,
     gguf_group,
+    gguf_int8_unpack,
     gguf_linear_int8,
     gguf_round_rows,
     gguf_round_x,
     gguf_ungroup,
     int8_kernel_builds,
+    int8_simd_level,
 )
 from updraft.models import gguf_loader
 from updraft.models.packed_linear import PackedLinear
 
-pytestmark = pytest.mark.skipif(not int8_kernel_builds(), reason="the int8 kernel needs AVX2")
+pytestmark = pytest.mark.skipif(not int8_kernel_builds(), reason="no C compiler on PATH")
 KINDS = sorted(name for name, code in BLOCK_TYPES.items() if code in INT8_TYPES)
+# The kernel's builds: this CPU's own (VNNI here), AVX2 without VNNI, and no SIMD at all
+# (the portable C path, over each type's unpack_).
+MARCHES = ("native", "haswell", "x86-64")
+K, N = 512, 37  # a last group of five rows
+
+
+def _skip_unless_runs(march: str) -> None:
+    if march == "haswell" and not {"avx2", "fma", "f16c"} <= cpu_flags():
+        pytest.skip("this CPU cannot run AVX2 code")
+
+
+@cache
+def _weight(kind: str) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    """N rows of K values in ``kind``'s blocks (random, valid), their groups, and their
+    values as llama.cpp's gguf-py dequantizes them (float64)."""
+    blocks = random_blocks(kind, N, K, np.random.default_rng(7))
+    groups = gguf_group(torch.from_numpy(blocks), BLOCK_TYPES[kind], K)
+    weight = quants.dequantize(blocks, GGMLQuantizationType[kind])
+    return blocks, groups, torch.from_numpy(weight).double()
+
+
+def test_the_native_build_multiplies_bytes_with_the_cpu_s_widest_instructions():
+    flags = cpu_flags()
+    vnni = {"avx512_vnni", "avx512vl"} <= flags or "avx_vnni" in flags
+    simd = {"avx2", "fma", "f16c"} <= flags
+    assert int8_simd_level("native") == (2 if vnni and simd else 1 if simd else 0)
+    assert int8_simd_level("x86-64") == 0
+    if simd:
+        assert int8_simd_level("haswell") == 1
+
+
+@pytest.mark.parametrize("march", MARCHES)
+def test_every_build_rounds_x_to_the_same_codes(march):
+    """ggml's rounding (its SIMD form): scale max |x| / 127, codes x * (127 / max |x|) in
+    float32, rounded half to even, clamped to +-127; a zero block stays zero."""
+    _skip_unless_runs(march)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(1024, generator=generator) * torch.logspace(-6, 6, 1024)
+    x[64:96] = 0.0
+    x[96:128] = torch.arange(-16, 16) + 0.5  # exact halves: factor 127 / 127
+    x[127] = 127.0
+    codes, scales = gguf_round_x(x, march=march)
+    blocks = x.numpy().reshape(-1, 32)
+    top = np.abs(blocks).max(1)
+    factor = np.where(top > 0, np.float32(127) / np.where(top > 0, top, 1), 0).astype(np.float32)
+    want = np.clip(np.rint(blocks * factor[:, None]), -127, 127)
+    assert np.array_equal(codes.numpy().reshape(-1, 32), want)
+    assert codes[96:100].tolist() == [-16, -14, -14, -12]  # -15.5, -14.5, -13.5, -12.5
+    assert (codes[64:96] == 0).all() and scales[2] == 0
+    torch.testing.assert_close(scales, torch.from_numpy(top / 127), rtol=1.2e-7, atol=0)
+    native_codes, native_scales = gguf_round_x(x)
+    assert torch.equal(codes, native_codes) and torch.equal(scales, native_scales)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_row_unpacked_is_the_gguf_package_s_values(kind):
+    """Each type's ``unpack_`` (what the portable kernel multiplies): value i =
+    scale[i / 16] * codes[i] + min[i / 16], which float32 rounds to gguf-py's value."""
+    _, groups, weight = _weight(kind)
+    values = BLOCKS[BLOCK_TYPES[kind]][0]
+    blocks = K // values
+    for row in (0, 13, N - 1):
+        for b in range(blocks):
+            codes, scale, low = gguf_int8_unpack(
+                groups, BLOCK_TYPES[kind], row // 8 * blocks + b, row % 8
+            )
+            exact = codes.double() * scale.double().repeat_interleave(16)
+            exact += low.double().repeat_interleave(16)
+            assert torch.equal(exact.float(), weight[row, b * values : (b + 1) * values].float())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("march", MARCHES)
+@pytest.mark.usefixtures("all_cores")
+def test_every_build_multiplies_the_rounded_x_by_the_dequantized_weight(kind, march):
+    """1 to 64 rows of x (in decode passes of up to 8), K of two 256-value blocks, N not a
+    multiple of 8. The reference: x as rounded @ llama.cpp's dequantized weight, in
+    float64. The kernel's integer sums are exact; each sum of 16 or 32 products is
+    scaled in float32 (at most three roundings) and the K / 16 scaled sums added (one
+    rounding each), so the error is within (K / 16 + 3) float32 ulps of the sum of the
+    products' magnitudes; twice that for a minimum's part taken off after (Q4_K)."""
+    _skip_unless_runs(march)
+    _, groups, weight = _weight(kind)
+    code = BLOCK_TYPES[kind]
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(1))
+    generator = torch.Generator().manual_seed(2)
+    for rows, scale in ((1, 1.0), (3, 1e-3), (8, 50.0), (17, 1.0), (64, 3.0)):
+        x = torch.randn(rows, K, generator=generator) * scale
+        got = torch.cat(
+            [gguf_linear_int8(part, groups, bias, code, K, N, march=march) for part in x.split(8)]
+        )
+        rounded = gguf_round_rows(x, march=march).double()
+        expected = rounded @ weight.T + bias.double()
+        ulps = 2 * (K // 16 + 3) * 2.0**-24
+        bound = ulps * (rounded.abs() @ weight.abs().T + bias.double().abs())
+        assert ((got.double() - expected).abs() <= bound).all(), (rows, scale)
+    # and x was rounded: not the float32 product
+    assert not torch.allclose(got.double(), x.double() @ weight.T + bias.double(), atol=0)
 
 
 def test_x_is_rounded_as_q8_0_rounds_it():
@@ -67,29 +170,6 @@ def test_groups_hold_the_file_s_bytes_and_give_back_any_row(kind, rows):
     assert torch.equal(widened, gguf_dequantize(blocks[picked].contiguous(), BLOCK_TYPES[kind], k))
     with pytest.raises(IndexError, match="a row outside"):
         gguf_ungroup(groups, BLOCK_TYPES[kind], k, rows, torch.tensor([rows]))
-
-
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.usefixtures("all_cores")
-def test_int8_x_times_groups_equals_the_rounded_x_times_the_dequantized_weight(kind):
-    values = BLOCKS[BLOCK_TYPES[kind]][0]
-    k = 3 * max(values, 256)
-    n = 37  # a last group of five rows
-    blocks = random_blocks(kind, n, k, np.random.default_rng(1))
-    weight = torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType[kind])).double()
-    groups = gguf_group(torch.from_numpy(blocks), BLOCK_TYPES[kind], k)
-    bias = torch.randn(n)
-    generator = torch.Generator().manual_seed(2)
-    for rows in (1, 3, 8):
-        for scale in (1.0, 1e-3, 50.0):
-            x = torch.randn(rows, k, generator=generator) * scale
-            got = gguf_linear_int8(x, groups, bias, BLOCK_TYPES[kind], k, n)
-            rounded = torch.stack([_rounded(row) for row in x])
-            expected = rounded @ weight.T + bias.double()
-            bound = 1e-5 * (rounded.abs() @ weight.abs().T + bias.double().abs()) + 1e-6
-            assert ((got.double() - expected).abs() <= bound).all(), (rows, scale)
-            # and it is not the float32 product: x was rounded
-            assert not torch.allclose(got.double(), x.double() @ weight.T + bias.double(), atol=0)
 
 
 @pytest.mark.parametrize("kind", KINDS)

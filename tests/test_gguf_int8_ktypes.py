@@ -1,15 +1,14 @@
 """The int8-activation kernels of Q2_K, Q3_K, Q5_K and IQ4_XS (``kernels/int8_q2_k.h``
-...): their groups give back the file's bytes exactly (packed sub-block scales decoded to
-a byte each at load, and packed again), and x rounded to int8 times the groups equals
+...): their groups give back the file's bytes exactly (packed sub-block scales decoded
+to a byte each at load, and packed again), and x rounded to int8 times the groups equals
 the float64 product of the rounded x and the gguf package's dequantization, in the
-AVX-512 VNNI build and the AVX2 one (whose byte products saturate an int16 pair sum), on
-random blocks and on blocks of the largest codes against x of the largest codes; a
-model in these types moves its logits by about the rounding. The gguf package cannot
-quantize these types, so the blocks are random bytes with finite half scales."""
+AVX-512 VNNI build, the AVX2 one (whose byte products saturate an int16 pair sum) and
+the portable one (over each type's unpack_), on random blocks and on blocks of the
+largest codes against x of the largest codes; a model in these types moves its logits by
+about the rounding. The gguf package cannot quantize these types, so the blocks are
+random bytes with finite half scales."""
 
 from __future__ import annotations
-
-import ctypes
 
 import numpy as np
 import pytest
@@ -21,11 +20,12 @@ from tests.helpers import greedy, token_ids
 from tests.probes import logits_of, probed, records
 from tests.test_gguf import MIXES, SCALE_BYTES, convert_to, plain, random_blocks
 from tests.test_reference_models import PROMPTS
-from updraft.kernels.build import load
+from tests.test_weight_formats import cpu_flags
 from updraft.kernels.gguf_ops import (
     BLOCK_TYPES,
     INT8_TYPES,
     gguf_group,
+    gguf_linear_int8,
     gguf_round_x,
     gguf_ungroup,
     int8_kernel_builds,
@@ -87,45 +87,15 @@ def _rounded(x: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def _linear(march: str, kind: str, x: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    """``gguf_linear_int8`` of the ``march`` build, called directly."""
-    lib = load("gguf_int8", march)
-    kernel = lib.gguf_linear_int8
-    kernel.restype = None
-    size = ctypes.c_int64
-    pointer = ctypes.c_void_p
-    kernel.argtypes = [
-        ctypes.c_int,
-        pointer,
-        size,
-        size,
-        pointer,
-        size,
-        size,
-        pointer,
-        pointer,
-        ctypes.c_int,
-    ]
-    x = x.contiguous()
-    y = torch.empty(x.shape[0], N)
-    kernel(
-        BLOCK_TYPES[kind],
-        x.data_ptr(),
-        x.shape[0],
-        K,
-        groups.data_ptr(),
-        N,
-        groups.shape[1],
-        None,
-        y.data_ptr(),
-        torch.get_num_threads(),
-    )
-    return y
+def _skip_unless_runs(march: str) -> None:
+    if march == "haswell" and not {"avx2", "fma", "f16c"} <= cpu_flags():
+        pytest.skip("this CPU cannot run AVX2 code")
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("march", ["native", "haswell"])
+@pytest.mark.parametrize("march", ["native", "haswell", "x86-64"])
 def test_int8_x_times_groups_is_the_rounded_x_times_the_dequantized_weight(kind, march):
+    _skip_unless_runs(march)
     rng = np.random.default_rng(1)
     generator = torch.Generator().manual_seed(1)
     for blocks, extreme in (
@@ -137,7 +107,7 @@ def test_int8_x_times_groups_is_the_rounded_x_times_the_dequantized_weight(kind,
         for rows in (1, 3, 8):
             x = _extreme_x(rows, rng) if extreme else torch.randn(rows, K, generator=generator) * 3
             rounded = _rounded(x)
-            got = _linear(march, kind, x, groups).double()
+            got = gguf_linear_int8(x, groups, None, BLOCK_TYPES[kind], K, N, march=march).double()
             expected = rounded @ weight.T
             # float32's rounding of each block's scaled sums, on the scale of the terms
             bound = 1e-5 * (rounded.abs() @ weight.abs().T) + 1e-6

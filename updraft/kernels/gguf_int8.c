@@ -6,10 +6,13 @@
    on a CPU with AVX2 but not AVX-512 that is compute-bound at a third to a half of the
    memory's speed for 4- and 6-bit blocks. Rounded to int8 in blocks of 32 (a scale
    each, max |x| / 127, as ggml's Q8_0), x's codes multiply the weight's as bytes, 32 at
-   a time (vpmaddubsw), into exact integer sums, widened to float once per x block.
-   (ggml rounds x for the K-quants in blocks of 256, its Q8_K, so that a whole block's
-   sum stays an integer; here the K-quants' float work a block grows by a few
-   instructions, and their error is that of 32-value blocks.)
+   a time, into exact integer sums, widened to float once per x block. The byte products
+   are the build's (int8_simd.h): vpdpbusd where the CPU has VNNI (AVX512-VNNI or
+   AVX-VNNI), four products added into an int32 in one instruction; with AVX2 alone,
+   vpmaddubsw's pair sums added as int16 and widened once per sub-block. (ggml rounds x
+   for the K-quants in blocks of 256, its Q8_K, so that a whole block's sum stays an
+   integer; here the K-quants' float work a block grows by a few instructions, and their
+   error is that of 32-value blocks.)
 
    Groups. Read in the file's layout, eight rows side by side are eight streams, and a
    register of one row's products must be summed across its lanes before it can be
@@ -23,20 +26,24 @@
    rows is filled with zero blocks.
 
    Each block type is a header of its own (int8_types.h lists them): its group-block
-   layout, the move between a file block and a group-block, and its kernel.
+   layout, the move between a file block and a group-block, its kernel, and its unpack_,
+   row r of a group-block as integer codes and a float32 scale and minimum per 16 values.
 
    The result is the float32 product of the dequantized weight and x as rounded
    (``gguf_round_x`` gives that x), up to float32 rounding of each block's scaled sum;
-   the integer sums are exact. Needs AVX2. */
+   the integer sums are exact. Without AVX2, F16C and FMA (a build for plain x86-64, or
+   another CPU) the same product comes from portable C: x rounded to the same codes, and
+   one kernel for every type over its unpack_, integer sums per 16 values scaled in
+   float. It is some thirty times slower than the SIMD kernels (3 ms against 0.1 for a
+   1024 x 4096 Q4_K weight and one row of x, one thread); ``gguf_int8_simd`` says which
+   a build has. */
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "int8_simd.h"
-#if !INT8_SIMD
-#error "gguf_int8.c needs AVX2, F16C and FMA"
-#endif
 
 #define GROUP 8      /* weight rows in a group */
 #define X_BLOCK 32   /* values of x that share a scale */
@@ -72,62 +79,103 @@ int64_t gguf_group_block_bytes(int type) {
     switch (type) { INT8_TYPE_LIST(GROUP_BYTES) default: return 0; }
 }
 
+/* 2: this build multiplies bytes with VNNI, 1: with AVX2, 0: in portable C */
+int gguf_int8_simd(void) { return INT8_SIMD ? 1 + INT8_VNNI : 0; }
+
+/* row r of a group-block of ``type``: codes [values], scale and min [values / 16], each
+   value scale[i / 16] * codes[i] + min[i / 16] exactly (the portable kernel's view, and
+   the tests', through gguf_int8_unpack) */
+static void unpack_block(int type, const uint8_t *group, int r, int8_t *codes, float *scale,
+                         float *min) {
+#define UNPACK(code, name, values, bytes, group_bytes)                                      \
+    case code: unpack_##name(group, r, codes, scale, min); break;
+    switch (type) { INT8_TYPE_LIST(UNPACK) default: break; }
+#undef UNPACK
+}
+void gguf_int8_unpack(int type, const uint8_t *group, int r, int8_t *codes, float *scale,
+                      float *min) {
+    unpack_block(type, group, r, codes, scale, min);
+}
+
 /* -- x ---------------------------------------------------------------------------------- */
 
+/* A block of 32 codes' sums: per 16 and per 32, and Q6_K's offsets16 for the AVX2
+   kernel: 32 times the sums of codes 4i, 4i + 1 and of codes 4i + 2, 4i + 3 over a 16's
+   four fours, as the two int16 halves of an int32 (the halves of a lane of vpmaddubsw's
+   pair sums; at most 32 * 8 * 127 each). */
+static void sum_block(const int8_t *codes, int32_t *offsets16, int32_t *sums32,
+                      int32_t *sums16) {
+    for (int h = 0; h < 2; h++) {
+        int32_t first = 0, second = 0;
+        for (int i = 16 * h; i < 16 * h + 16; i += 4) {
+            first += codes[i] + codes[i + 1];
+            second += codes[i + 2] + codes[i + 3];
+        }
+        sums16[h] = first + second;
+        offsets16[h] = (int32_t)((uint32_t)(uint16_t)(32 * first) | ((uint32_t)(uint16_t)(32 * second) << 16));
+    }
+    sums32[0] = sums16[0] + sums16[1];
+}
+
+/* ggml's rounding of x to Q8_0 (its SIMD form): scale max |x| / 127, each code x times
+   127 / max |x|, rounded half to even and clamped to +-127; a zero block stays zero. A
+   multiplication, not a division by the scale: a vector division the compiler may turn
+   into an approximate reciprocal (-ffast-math), which would give another code near a
+   half. The portable loop below computes the same products, so every build's codes are
+   the same. */
+static inline float code_factor(float largest) { return largest > 0.0f ? 127.0f / largest : 0.0f; }
+
+#if INT8_SIMD
 static inline float max8(__m256 v) {
     v = _mm256_max_ps(v, _mm256_permute2f128_ps(v, v, 1));
     v = _mm256_max_ps(v, _mm256_shuffle_ps(v, v, _MM_SHUFFLE(1, 0, 3, 2)));
     return _mm256_cvtss_f32(_mm256_max_ps(v, _mm256_shuffle_ps(v, v, _MM_SHUFFLE(2, 3, 0, 1))));
 }
 
-/* x [k] -> codes [k] int8, scales [k / 32], the codes' sums in thirty-twos [k / 32]
-   (Q4_0's offset codes, Q4_K's minimums), and for each sixteen codes Q6_K's offset:
-   32 times the sums of codes 0, 1 and of codes 2, 3 of its four fours, as two int16
-   (the two halves of a lane of a product's pair sums). k % 32 == 0. The codes are as
-   one value at a time gives them: x / scale, rounded half to even, a zero block left
-   zero. */
-void gguf_round_x(const float *x, int64_t k, int8_t *codes, float *scales,
-                  int32_t *offsets16, int32_t *sums32, int32_t *sums16) {
+/* 32 values of x -> their codes; returns max |x| */
+static float round_block(const float *x, int8_t *codes) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i limit = _mm256_set1_epi32(127);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    __m256 largest = _mm256_setzero_ps();
+    for (int i = 0; i < X_BLOCK; i += 8)
+        largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    const float top = max8(largest);
+    const __m256 factor = _mm256_set1_ps(code_factor(top));
+    __m256i q[4];
+    for (int i = 0; i < 4; i++) {
+        const __m256 ratio = _mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), factor);
+        const __m256i rounded = _mm256_cvtps_epi32(
+            _mm256_round_ps(ratio, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        q[i] = _mm256_max_epi32(_mm256_min_epi32(rounded, limit), _mm256_set1_epi32(-127));
+    }
+    /* int32 -> int8 packs within 128-bit lanes: put the eight 4-byte runs in order */
+    const __m256i bytes = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
+    _mm256_storeu_si256((__m256i *)codes, bytes);
+    return top;
+}
+#else
+static float round_block(const float *x, int8_t *codes) {
+    float top = 0.0f;
+    for (int i = 0; i < X_BLOCK; i++) top = fabsf(x[i]) > top ? fabsf(x[i]) : top;
+    const float factor = code_factor(top);
+    for (int i = 0; i < X_BLOCK; i++) {
+        const long rounded = lrintf(x[i] * factor); /* half to even, as vroundps */
+        codes[i] = (int8_t)(rounded > 127 ? 127 : rounded < -127 ? -127 : rounded);
+    }
+    return top;
+}
+#endif
+
+/* x [k] -> codes [k] int8, scales [k / 32], and the codes' sums (sum_block) in
+   thirty-twos [k / 32] (Q4_0's offset codes, Q4_K's minimums), sixteens [k / 16] and
+   Q6_K's offsets16 [k / 16]. k % 32 == 0. */
+void gguf_round_x(const float *x, int64_t k, int8_t *codes, float *scales,
+                  int32_t *offsets16, int32_t *sums32, int32_t *sums16) {
     for (int64_t c = 0; c < k; c += X_BLOCK) {
-        __m256 largest = _mm256_setzero_ps();
-        for (int64_t i = c; i < c + X_BLOCK; i += 8)
-            largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
-        const float d = max8(largest) / 127.0f;
-        scales[c / X_BLOCK] = d;
-        {
-            __m256i q[4];
-            for (int i = 0; i < 4; i++) {
-                const __m256 part = _mm256_loadu_ps(x + c + 8 * i);
-                const __m256 ratio =
-                    d > 0.0f ? _mm256_div_ps(part, _mm256_set1_ps(d)) : _mm256_setzero_ps();
-                const __m256i rounded = _mm256_cvtps_epi32(
-                    _mm256_round_ps(ratio, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-                q[i] = _mm256_max_epi32(_mm256_min_epi32(rounded, limit), _mm256_set1_epi32(-127));
-            }
-            /* int32 -> int8 packs within 128-bit lanes: put the eight 4-byte runs in order */
-            const __m256i bytes = _mm256_permutevar8x32_epi32(
-                _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
-                order);
-            _mm256_storeu_si256((__m256i *)(codes + c), bytes);
-            /* pair sums, as int16; a 32-bit lane's two are codes 4i, 4i + 1 and 4i + 2,
-               4i + 3; summed over four lanes, lane 0 is the first sixteen's, lane 4 the
-               second's */
-            const __m256i pairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes);
-            __m256i halves16 = _mm256_add_epi16(pairs, _mm256_srli_si256(pairs, 8));
-            halves16 = _mm256_add_epi16(halves16, _mm256_srli_si256(halves16, 4));
-            halves16 = _mm256_slli_epi16(halves16, 5); /* at most 32 * 8 * 127 */
-            offsets16[c / 16] = _mm256_cvtsi256_si32(halves16);
-            offsets16[c / 16 + 1] = _mm256_extract_epi32(halves16, 4);
-            __m256i s = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-            s = _mm256_hadd_epi32(s, s);
-            s = _mm256_hadd_epi32(s, s);
-            sums16[c / 16] = _mm256_cvtsi256_si32(s);
-            sums16[c / 16 + 1] = _mm256_extract_epi32(s, 4);
-            sums32[c / 32] = sums16[c / 16] + sums16[c / 16 + 1];
-        }
+        scales[c / X_BLOCK] = round_block(x + c, codes + c) / 127.0f;
+        sum_block(codes + c, offsets16 + c / 16, sums32 + c / 32, sums16 + c / 16);
     }
 }
 
@@ -208,13 +256,14 @@ int gguf_ungroup(int type, const uint8_t *groups, int64_t n, int64_t k, const in
 
 /* -- products --------------------------------------------------------------------------- */
 
-
-/* A group's eight outputs for each of ``rows`` rows of x, into out[m][8]. Inlined with
-   a constant ``rows`` (one, for the batch-1 step that matters most, else the count):
-   the loops over x's rows then unroll and their accumulators live in registers. */
-
+#if INT8_SIMD
+/* A group's eight outputs for each of ``rows`` rows of x, into acc[m] (lane r: row r).
+   Inlined with a constant ``rows`` (one, for the batch-1 step that matters most, else the
+   count): the loops over x's rows then unroll and their accumulators live in
+   registers. */
 static void group_rows(int type, const uint8_t *group, int64_t blocks, const rounded_x *x,
-                       int rows, __m256 *acc) {
+                       int rows, float out[][GROUP]) {
+    __m256 acc[MAX_X_ROWS];
 #define FOR_ROWS(code, name, values, bytes, group_bytes)                                    \
     case code:                                                                              \
         if (rows == 1)                                                                      \
@@ -222,9 +271,50 @@ static void group_rows(int type, const uint8_t *group, int64_t blocks, const rou
         else                                                                                \
             group_##name(group, blocks, x, rows, acc);                                      \
         break;
-    switch (type) { INT8_TYPE_LIST(FOR_ROWS) default: break; }
+    switch (type) { INT8_TYPE_LIST(FOR_ROWS) default: return; }
 #undef FOR_ROWS
+    for (int m = 0; m < rows; m++) _mm256_storeu_ps(out[m], acc[m]);
 }
+#else
+/* sixteen codes' products, summed: widened to int16 first, so that SSE2's pmaddwd
+   takes them (inlined, gcc 12 left the loop scalar: a fifth of the speed) */
+static __attribute__((noinline)) int32_t dot16(const int16_t *a, const int16_t *b) {
+    int32_t sum = 0;
+    for (int i = 0; i < 16; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* Portable: each of the eight rows unpacked (its type's unpack_), then for each row of x
+   an integer sum per 16 values, times the row's scale and x's; the minimums times x's
+   sum per 16. */
+static void group_rows(int type, const uint8_t *group, int64_t blocks, const rounded_x *x,
+                       int rows, float out[][GROUP]) {
+    const int64_t values = block_values(type), group_bytes = gguf_group_block_bytes(type);
+    int16_t xs[MAX_X_ROWS][256], ws[256]; /* the largest block */
+    int8_t codes[256];
+    float scale[16], min[16];
+    for (int m = 0; m < rows; m++)
+        for (int r = 0; r < GROUP; r++) out[m][r] = 0.0f;
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int m = 0; m < rows; m++)
+            for (int64_t i = 0; i < values; i++) xs[m][i] = x->codes[m * x->k + b * values + i];
+        for (int r = 0; r < GROUP; r++) {
+            unpack_block(type, group + b * group_bytes, r, codes, scale, min);
+            for (int64_t i = 0; i < values; i++) ws[i] = codes[i];
+            for (int m = 0; m < rows; m++) {
+                const int64_t first = (m * x->k + b * values) / 16; /* x's sixteens */
+                float sum = 0.0f;
+                for (int s = 0; s < values / 16; s++) {
+                    const float xd = x->scales[(first + s) / 2];
+                    const float dot = (float)dot16(ws + 16 * s, xs[m] + 16 * s);
+                    sum += (dot * scale[s] + (float)x->sums16[first + s] * min[s]) * xd;
+                }
+                out[m][r] += sum;
+            }
+        }
+    }
+}
+#endif
 
 /* y [m, n] = round(x) [m, k] @ W^T (+ bias), W's n rows in ``groups`` of type ``type``
    (one of gguf_int8_type's), ``group_bytes`` apart; m <= 8 (the arguments are
@@ -238,15 +328,12 @@ void gguf_linear_int8(int type, const float *x, int64_t m, int64_t k, const uint
     const int64_t count = (n + GROUP - 1) / GROUP;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t g = 0; g < count; g++) {
-        __m256 acc[MAX_X_ROWS];
-        group_rows(type, groups + g * group_bytes, blocks, &rounded, (int)m, acc);
+        float out[MAX_X_ROWS][GROUP];
+        group_rows(type, groups + g * group_bytes, blocks, &rounded, (int)m, out);
         const int64_t valid = n - GROUP * g < GROUP ? n - GROUP * g : GROUP;
-        for (int64_t r = 0; r < m; r++) {
-            float out[GROUP];
-            _mm256_storeu_ps(out, acc[r]);
+        for (int64_t r = 0; r < m; r++)
             for (int64_t i = 0; i < valid; i++)
-                y[r * n + GROUP * g + i] = out[i] + (bias ? bias[GROUP * g + i] : 0.0f);
-        }
+                y[r * n + GROUP * g + i] = out[r][i] + (bias ? bias[GROUP * g + i] : 0.0f);
     }
     free(rows.buffer);
 }

@@ -144,8 +144,10 @@ def gguf_grouped_rows(
 
 
 @cache
-def _int8_library() -> ctypes.CDLL:
-    lib = load("gguf_int8")
+def _int8_library(march: str = "native") -> ctypes.CDLL:
+    """``gguf_int8.c`` built for ``march`` (``haswell``: AVX2 without VNNI; ``x86-64``:
+    the portable C path)."""
+    lib = load("gguf_int8", march)
     for name in ("gguf_linear_int8", "gguf_round_x", "gguf_round_rows", "gguf_group"):
         getattr(lib, name).restype = None
     lib.gguf_ungroup.restype = ctypes.c_int
@@ -156,17 +158,64 @@ def _int8_library() -> ctypes.CDLL:
     lib.gguf_ungroup.argtypes = [ctypes.c_int, POINTER, INT, INT, POINTER, INT, POINTER]
     lib.gguf_group_block_bytes.restype = INT
     lib.gguf_group_block_bytes.argtypes = [ctypes.c_int]
+    lib.gguf_int8_simd.restype = ctypes.c_int
+    lib.gguf_int8_simd.argtypes = []
+    lib.gguf_int8_unpack.restype = None
+    lib.gguf_int8_unpack.argtypes = [ctypes.c_int, POINTER, ctypes.c_int, POINTER, POINTER, POINTER]
     return lib
 
 
 @cache
 def int8_kernel_builds() -> bool:
-    """Whether ``gguf_int8.c`` builds here (it needs AVX2)."""
+    """Whether ``gguf_int8.c`` builds here (it does wherever a C compiler is: without
+    AVX2 its portable path; ``int8_simd_builds`` says whether it is the fast one)."""
     try:
         _int8_library()
     except RuntimeError:
         return False
     return True
+
+
+def int8_simd_level(march: str = "native") -> int:
+    """How ``gguf_int8.c`` built for ``march`` multiplies bytes: 2 with VNNI (vpdpbusd),
+    1 with AVX2 alone, 0 in portable C (several times slower)."""
+    return _int8_library(march).gguf_int8_simd()
+
+
+@cache
+def int8_simd_builds() -> bool:
+    """Whether this machine's ``gguf_int8.c`` has SIMD kernels (AVX2, F16C and FMA):
+    where it has not, int8 activations are computed, exactly, by a slow portable path."""
+    return int8_kernel_builds() and int8_simd_level() > 0
+
+
+def gguf_int8_unpack(
+    groups: torch.Tensor, block_type: int, block: int, r: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row ``r`` of group-block ``block`` (counted over the whole of ``groups``) as the
+    portable kernel reads it: (codes [B] int8, scale [B / 16], min [B / 16]), value i =
+    scale[i // 16] * codes[i] + min[i // 16] exactly."""
+    if block_type not in INT8_TYPES or not 0 <= r < GROUP_ROWS:
+        raise TypeError(f"updraft::gguf_int8_unpack takes types {sorted(INT8_TYPES)}, rows 0..7")
+    values = BLOCKS[block_type][0]
+    size = _int8_library().gguf_group_block_bytes(block_type)
+    if (
+        groups.dtype != torch.uint8
+        or not groups.is_contiguous()
+        or groups.numel() < (block + 1) * size
+    ):
+        raise TypeError(f"updraft::gguf_int8_unpack: no group-block {block} in these groups")
+    codes = torch.empty(values, dtype=torch.int8)
+    scale, low = torch.empty(values // 16), torch.empty(values // 16)
+    _int8_library().gguf_int8_unpack(
+        block_type,
+        groups.data_ptr() + block * size,
+        r,
+        codes.data_ptr(),
+        scale.data_ptr(),
+        low.data_ptr(),
+    )
+    return codes, scale, low
 
 
 def gguf_kernel_builds() -> bool:
@@ -283,9 +332,9 @@ def _linear_launch(
     )
 
 
-def gguf_round_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gguf_round_x(x: torch.Tensor, march: str = "native") -> tuple[torch.Tensor, torch.Tensor]:
     """x [k] float32 as ``gguf_linear_int8`` rounds it: (codes [k] int8, scales [k / 32]),
-    x ~ codes * scale per block of 32."""
+    x ~ codes * scale per block of 32 (the same in every build)."""
     k = x.shape[0]
     x = x.contiguous()
     codes = torch.empty(k, dtype=torch.int8)
@@ -293,7 +342,7 @@ def gguf_round_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     offsets16 = torch.empty(k // 16, dtype=torch.int32)
     sums32 = torch.empty(k // 32, dtype=torch.int32)
     sums16 = torch.empty(k // 16, dtype=torch.int32)
-    _int8_library().gguf_round_x(
+    _int8_library(march).gguf_round_x(
         x.data_ptr(),
         k,
         codes.data_ptr(),
@@ -305,7 +354,7 @@ def gguf_round_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scales
 
 
-def gguf_round_rows(x: torch.Tensor) -> torch.Tensor:
+def gguf_round_rows(x: torch.Tensor, march: str = "native") -> torch.Tensor:
     """x [M, k] float32 -> each row as ``gguf_linear_int8`` rounds it, in float32
     (codes times their block's scale)."""
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] % INT8_X_BLOCK:
@@ -314,7 +363,7 @@ def gguf_round_rows(x: torch.Tensor) -> torch.Tensor:
         )
     x = x.contiguous()
     out = torch.empty_like(x)
-    _int8_library().gguf_round_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    _int8_library(march).gguf_round_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
     return out
 
 
@@ -381,11 +430,12 @@ def gguf_linear_int8(
     block_type: int,
     k: int,
     n: int,
+    march: str = "native",
 ) -> torch.Tensor:
     """x [M, k] float32 (M <= INT8_MAX_ROWS), each row rounded to int8 as
     ``gguf_round_x`` rounds it, @ the ``n``-row weight in ``groups`` transposed (+ bias)
-    -> [M, n]; ``block_type`` one of ``INT8_TYPES``."""
-    return gguf_linear_int8_launch(x, groups, bias, block_type, k, n)()[0]
+    -> [M, n]; ``block_type`` one of ``INT8_TYPES``; ``march`` the kernel's build."""
+    return gguf_linear_int8_launch(x, groups, bias, block_type, k, n, march=march)()[0]
 
 
 def gguf_linear_int8_launch(
@@ -396,10 +446,11 @@ def gguf_linear_int8_launch(
     k: int,
     n: int,
     out: tuple[torch.Tensor, ...] | None = None,
+    march: str = "native",
 ) -> Launch:
     """``gguf_linear_int8``'s checked call, into ``out`` (else a new tensor)."""
     group_bytes = _check_groups(groups, block_type, k, n)
-    kernel = _int8_library().gguf_linear_int8
+    kernel = _int8_library(march).gguf_linear_int8
     return _linear_launch(
         "gguf_linear_int8",
         kernel,

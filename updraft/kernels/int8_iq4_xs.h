@@ -33,7 +33,7 @@ static void move_iq4_xs(uint8_t *block, uint8_t *group, int r, int to_group) {
 }
 
 static void unpack_iq4_xs(const uint8_t *group, int r, int8_t *codes, float *scale, float *min) {
-    const float d = half_at(group + 2 * r);
+    const float d = half_value(group + 2 * r);
     for (int s = 0; s < 16; s++) {
         scale[s] = d * (float)(int8_t)group[16 + 8 * (s / 2) + r];
         min[s] = 0.0f;

@@ -13,7 +13,7 @@ static void move_q2_k(uint8_t *block, uint8_t *group, int r, int to_group) {
 }
 
 static void unpack_q2_k(const uint8_t *group, int r, int8_t *codes, float *scale, float *min) {
-    const float d = half_at(group + 2 * r), dmin = half_at(group + 16 + 2 * r);
+    const float d = half_value(group + 2 * r), dmin = half_value(group + 16 + 2 * r);
     for (int s = 0; s < 16; s++) {
         const uint8_t packed = group[32 + 8 * s + r];
         scale[s] = d * (float)(packed & 15);
@@ -32,7 +32,7 @@ static inline __attribute__((always_inline)) void group_q2_k(const uint8_t *grou
                                                              int64_t blocks,
                                                              const rounded_x *x, int rows,
                                                              __m256 *acc) {
-    const __m256i two_bits = _mm256_set1_epi8(3), low = _mm256_set1_epi32(15);
+    const __m256i two_bits = _mm256_set1_epi8(3);
     for (int m = 0; m < rows; m++) acc[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *gb = group + 672 * b;
@@ -49,30 +49,20 @@ static inline __attribute__((always_inline)) void group_q2_k(const uint8_t *grou
                 __m256i codes[8];
                 for (int t = 0; t < 8; t++)
                     codes[t] = _mm256_and_si256(_mm256_srli_epi16(raw[t], 2 * j), two_bits);
-                __m256i scale[2];
+                __m256i scale[2]; /* sub_scales' form, the low nibbles only */
                 __m256 min[2];
                 for (int p = 0; p < 2; p++) {
                     const uint8_t *packed = gb + 32 + 8 * (s + p);
+                    scale[p] = _mm256_and_si256(sub_scales(packed), _mm256_set1_epi16(15));
                     const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)packed));
-                    /* int32 scales for vpmulld, else int16 pairs of them for vpmaddwd */
-                    scale[p] = INT8_VNNI ? _mm256_and_si256(bytes, low)
-                                         : _mm256_and_si256(scale_pairs(packed, 0), _mm256_set1_epi16(15));
                     min[p] = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
                 }
                 for (int m = 0; m < rows; m++) {
                     const int64_t xb = m * (x->k / 32) + 8 * b + 4 * half + j;
                     const int8_t *v = x->codes + 32 * xb;
-#if INT8_VNNI
-                    __m256i dot[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-                    for (int t = 0; t < 8; t++)
-                        dot[t / 4] = dot_u8s8(dot[t / 4], codes[t], broadcast4(v + 4 * t));
-                    const __m256i exact = _mm256_add_epi32(_mm256_mullo_epi32(dot[0], scale[0]),
-                                                           _mm256_mullo_epi32(dot[1], scale[1]));
-#else /* a sub-block's pair sums, at most 4 * 2 * 3 * 127 */
-                    const __m256i exact =
-                        _mm256_add_epi32(_mm256_madd_epi16(pair_sums4(codes, v), scale[0]),
-                                         _mm256_madd_epi16(pair_sums4(codes + 4, v + 16), scale[1]));
-#endif
+                    /* a sub-block's pair sums at most 4 * 2 * 3 * 127 */
+                    const __m256i exact = _mm256_add_epi32(dot_words_scaled(codes, v, 4, scale[0]),
+                                                           dot_words_scaled(codes + 4, v + 16, 4, scale[1]));
                     const float xd = x->scales[xb];
                     sum[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_set1_ps(xd), sum[m]);
                     const int32_t *sums = x->sums16 + 2 * xb;

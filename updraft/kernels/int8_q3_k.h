@@ -39,7 +39,7 @@ static void move_q3_k(uint8_t *block, uint8_t *group, int r, int to_group) {
 }
 
 static void unpack_q3_k(const uint8_t *group, int r, int8_t *codes, float *scale, float *min) {
-    const float d = half_at(group + 2 * r);
+    const float d = half_value(group + 2 * r);
     for (int s = 0; s < 16; s++) {
         scale[s] = d * (float)(int8_t)group[16 + 8 * s + r];
         min[s] = 0.0f;
@@ -105,7 +105,7 @@ static inline __attribute__((always_inline)) void group_q3_k(const uint8_t *grou
                     for (int p = 0; p < 2; p++) {
                         const __m256i four =
                             _mm256_srai_epi16(_mm256_set1_epi32(x->offsets16[2 * xb + p]), 3);
-                        const __m256i pairs = _mm256_sub_epi16(pair_sums4(codes + 4 * p, v + 16 * p), four);
+                        const __m256i pairs = _mm256_sub_epi16(pair_sums(codes + 4 * p, v + 16 * p, 4), four);
                         exact = _mm256_add_epi32(exact, _mm256_madd_epi16(pairs, scale[p]));
                     }
 #endif

@@ -42,6 +42,21 @@ static void move_q4_k(uint8_t *block, uint8_t *group, int r, int to_group) {
     for (int t = 0; t < 32; t++) move_bytes(block, 16 + 4 * t, group, 160 + 32 * t + 4 * r, 4, to_group);
 }
 
+/* value 64 c + 32 h + l (l < 32) is nibble h of byte 32 c + l, in sub-block 2 c + h */
+static void unpack_q4_k(const uint8_t *group, int r, int8_t *codes, float *scale, float *min) {
+    for (int c = 0; c < 4; c++)
+        for (int l = 0; l < 32; l++) {
+            const uint8_t q = word_byte(group, 160, r, 32 * c + l);
+            codes[64 * c + l] = (int8_t)(q & 15);
+            codes[64 * c + 32 + l] = (int8_t)(q >> 4);
+        }
+    const float d = half_value(group + 2 * r), dmin = half_value(group + 16 + 2 * r);
+    for (int s = 0; s < 16; s++) { /* d, dmin times 6 bits: float32 holds them exactly */
+        scale[s] = d * (float)group[32 + 8 * (s / 2) + r];
+        min[s] = -dmin * (float)group[96 + 8 * (s / 2) + r];
+    }
+}
+
 #if INT8_SIMD
 /* y = d * scale_j * code - dmin * min_j over sub-blocks j of 32, one x block each: a
    sub-block's integer sum times its scale is exact, then widened and scaled by x's. */
@@ -62,17 +77,15 @@ static inline __attribute__((always_inline)) void group_q4_k(const uint8_t *grou
                 const __m256i raw = load32(gb + 160 + 32 * (8 * (j / 2) + t));
                 codes[t] = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(raw, 4) : raw, nibble);
             }
-            const __m256i scale = scale_pairs(gb + 32 + 8 * j, 0);
+            const __m256i scale = sub_scales(gb + 32 + 8 * j);
             const __m256 min = _mm256_cvtepi32_ps(
                 _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(gb + 96 + 8 * j))));
             for (int m = 0; m < rows; m++) {
                 const int64_t xb = m * (x->k / 32) + 8 * b + j;
-                const int8_t *v = x->codes + 32 * xb;
-                __m256i pairs = _mm256_maddubs_epi16(codes[0], broadcast4(v));
-                for (int t = 1; t < 8; t++) /* at most 8 * 2 * 15 * 127 */
-                    pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(codes[t], broadcast4(v + 4 * t)));
+                /* without VNNI, pair sums of at most 8 * 2 * 15 * 127 */
+                const __m256i exact = dot_words_scaled(codes, x->codes + 32 * xb, 8, scale);
                 const __m256 xd = _mm256_set1_ps(x->scales[xb]);
-                sum[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, scale)), xd, sum[m]);
+                sum[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), xd, sum[m]);
                 /* the minimums multiply the rounded x's sum over the sub-block */
                 mins[m] = _mm256_fmadd_ps(min, _mm256_set1_ps(x->scales[xb] * (float)x->sums32[xb]), mins[m]);
             }

@@ -28,7 +28,7 @@ static void move_q5_k(uint8_t *block, uint8_t *group, int r, int to_group) {
 }
 
 static void unpack_q5_k(const uint8_t *group, int r, int8_t *codes, float *scale, float *min) {
-    const float d = half_at(group + 2 * r), dmin = half_at(group + 16 + 2 * r);
+    const float d = half_value(group + 2 * r), dmin = half_value(group + 16 + 2 * r);
     for (int s = 0; s < 16; s++) { /* per sixteen: each sub-block's twice */
         scale[s] = d * (float)group[32 + 8 * (s / 2) + r];
         min[s] = -dmin * (float)group[96 + 8 * (s / 2) + r];
@@ -83,8 +83,8 @@ static inline __attribute__((always_inline)) void group_q5_k(const uint8_t *grou
                 const __m256i exact = _mm256_mullo_epi32(_mm256_add_epi32(dot[0], dot[1]), scale);
 #else /* each half's pair sums, at most 4 * 2 * 31 * 127 */
                 const __m256i exact =
-                    _mm256_add_epi32(_mm256_madd_epi16(pair_sums4(codes, v), scale),
-                                     _mm256_madd_epi16(pair_sums4(codes + 4, v + 16), scale));
+                    _mm256_add_epi32(_mm256_madd_epi16(pair_sums(codes, v, 4), scale),
+                                     _mm256_madd_epi16(pair_sums(codes + 4, v + 16, 4), scale));
 #endif
                 /* at most 32 * 31 * 127 * 63, under 2^24: exact as a float */
                 const float xd = x->scales[xb];

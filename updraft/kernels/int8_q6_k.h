@@ -10,10 +10,35 @@ static void move_q6_k(uint8_t *block, uint8_t *group, int r, int to_group) {
     for (int t = 0; t < 16; t++) move_bytes(block, 128 + 4 * t, group, 1168 + 32 * t + 4 * r, 4, to_group);
 }
 
+/* In each half h of 128 values, value 32 q + l (quarter q, l < 32) takes a nibble of ql
+   byte 64 h + l (q 0, 2) or + 32 (q 1, 3), low for q < 2, and bits 2q, 2q + 1 of qh byte
+   32 h + l; sub-block i / 16 has scale byte i / 16. */
+static void unpack_q6_k(const uint8_t *group, int r, int8_t *codes, float *scale, float *min) {
+    for (int half = 0; half < 2; half++)
+        for (int l = 0; l < 32; l++) {
+            const uint8_t first = word_byte(group, 144, r, 64 * half + l);
+            const uint8_t second = word_byte(group, 144, r, 64 * half + 32 + l);
+            const uint8_t high = word_byte(group, 1168, r, 32 * half + l);
+            int8_t *out = codes + 128 * half + l;
+            out[0] = (int8_t)(((first & 15) | ((high & 3) << 4)) - 32);
+            out[32] = (int8_t)(((second & 15) | (((high >> 2) & 3) << 4)) - 32);
+            out[64] = (int8_t)(((first >> 4) | (((high >> 4) & 3) << 4)) - 32);
+            out[96] = (int8_t)(((second >> 4) | ((high >> 6) << 4)) - 32);
+        }
+    const float d = half_value(group + 2 * r);
+    for (int s = 0; s < 16; s++) { /* d times an int8: float32 holds it exactly */
+        scale[s] = d * (float)(int8_t)group[16 + 8 * s + r];
+        min[s] = 0.0f;
+    }
+}
+
 #if INT8_SIMD
 /* y = d * scale_s * (code - 32) over sub-blocks s of 16, two to an x block. In each
    half of 128 values, value 32 q + l (quarter q, l < 32) takes a nibble of ql byte l
-   (q 0, 2) or l + 32 (q 1, 3), low for q < 2, and bits 2q, 2q + 1 of qh byte l. */
+   (q 0, 2) or l + 32 (q 1, 3), low for q < 2, and bits 2q, 2q + 1 of qh byte l.
+   The products stay vpmaddubsw's int16 pair sums with VNNI too: there, vpdpbusd with the
+   offset and scale in int32 (a vpmulld) was no faster at one row of x (building the six-
+   bit codes bounds it) and within a few percent at eight. */
 static inline __attribute__((always_inline)) void group_q6_k(const uint8_t *group,
                                                              int64_t blocks,
                                                              const rounded_x *x, int rows,
@@ -48,15 +73,11 @@ static inline __attribute__((always_inline)) void group_q6_k(const uint8_t *grou
                     const __m256i scale = scale_pairs(gb + 16 + 8 * (s + part), 1);
                     for (int m = 0; m < rows; m++) {
                         const int64_t at = m * x->k + 256 * b + 128 * half + 32 * q + 16 * part;
-                        const int8_t *v = x->codes + at;
                         /* four pair sums of up to 2 * 63 * 127 each wrap an int16, but
                            with 32 * x's taken off (codes 0..63 stand for -32..31) what is
                            left, at most 4 * 2 * 32 * 127, fits: the wrapping cancels */
-                        __m256i pairs = _mm256_maddubs_epi16(codes[0], broadcast4(v));
-                        for (int u = 1; u < 4; u++)
-                            pairs = _mm256_add_epi16(pairs,
-                                                     _mm256_maddubs_epi16(codes[u], broadcast4(v + 4 * u)));
-                        pairs = _mm256_sub_epi16(pairs, _mm256_set1_epi32(x->offsets16[at / 16]));
+                        const __m256i pairs = _mm256_sub_epi16(pair_sums(codes, x->codes + at, 4),
+                                                               _mm256_set1_epi32(x->offsets16[at / 16]));
                         exact[m] = _mm256_add_epi32(exact[m], _mm256_madd_epi16(pairs, scale));
                     }
                 }
