@@ -157,8 +157,10 @@ def test_groups_hold_the_file_s_bytes_and_give_back_any_row(kind, rows):
     blocks = torch.from_numpy(random_blocks(kind, rows, k, np.random.default_rng(rows)))
     groups = gguf_group(blocks, BLOCK_TYPES[kind], k)
     assert groups.shape[0] == -(-rows // 8)
-    # the same bytes in another order (Q4_K's six-bit scales decoded to a byte each)
-    extra = {"Q4_K": 1184 / 1152}.get(kind, 1.0)
+    # the same bytes in another order (the K-quants' and IQ4_XS's packed six-bit scales
+    # decoded to a byte each)
+    extra = {"Q4_K": 1184 / 1152, "Q3_K": 912 / 880, "Q5_K": 1440 / 1408, "IQ4_XS": 1104 / 1088}
+    extra = extra.get(kind, 1.0)
     assert groups.numel() == pytest.approx(-(-rows // 8) * 8 * blocks.shape[1] * extra)
     every = torch.arange(rows)
     assert torch.equal(gguf_ungroup(groups, BLOCK_TYPES[kind], k, rows, every), blocks)

@@ -33,6 +33,7 @@ BLOCK_PASSES_UP_TO = 64
 # INT8_X_BLOCK, up to INT8_MAX_ROWS rows of it, over weight rows regrouped eight at a time.
 INT8_TYPES = {BLOCK_TYPES[name] for name in ("Q4_0", "Q8_0", "Q4_K", "Q6_K")}
 INT8_TYPES |= {BLOCK_TYPES[name] for name in ("Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4")}
+INT8_TYPES |= {BLOCK_TYPES[name] for name in ("Q2_K", "Q3_K", "Q5_K", "IQ4_XS")}
 INT8_X_BLOCK = 32
 INT8_MAX_ROWS = 8
 GROUP_ROWS = 8

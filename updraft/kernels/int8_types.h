@@ -10,6 +10,10 @@
 #include "int8_q5_1.h"
 #include "int8_iq4_nl.h"
 #include "int8_mxfp4.h"
+#include "int8_q2_k.h"
+#include "int8_q3_k.h"
+#include "int8_q5_k.h" /* after int8_q4_k.h: its scale packing */
+#include "int8_iq4_xs.h"
 
 #define INT8_TYPE_LIST(X)                                                                 \
     X(2, q4_0, 32, 18, 144)                                                               \
@@ -20,4 +24,8 @@
     X(6, q5_0, 32, 22, 176)                                                               \
     X(7, q5_1, 32, 24, 192)                                                               \
     X(20, iq4_nl, 32, 18, 144)                                                            \
-    X(39, mxfp4, 32, 17, 136)
+    X(39, mxfp4, 32, 17, 136)                                                             \
+    X(10, q2_k, 256, 84, 672)                                                             \
+    X(11, q3_k, 256, 110, 912)                                                            \
+    X(13, q5_k, 256, 176, 1440)                                                           \
+    X(23, iq4_xs, 256, 136, 1104)
