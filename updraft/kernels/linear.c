@@ -373,9 +373,10 @@ static void widen_panel(int format, const void *w, int64_t k, const groups *q, f
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 /* From this many rows of x, BF16_PRODUCTS multiplies in bfloat16. On a Zen 4 EPYC
-   (benchmarks/RESULTS.md) the products were faster from 4 rows, 1.1-1.3x on weights
-   streamed from memory and 1.7x in cache; for 1 to 3 rows from memory the two tie, both
-   at the memory's speed, so a decode step of up to three requests stays exact. */
+   (benchmarks/RESULTS.md) the products never lost from 4 rows (1.0-1.2x at 4 on weights
+   streamed from memory, 1.1-1.35x at 5-6, 1.7x in cache); for 1 to 3 rows from memory
+   the two tie, both at the memory's speed, so a decode step of up to three rows stays
+   exact. */
 #define BF16_PRODUCT_ROWS 4
 /* Rows of x per tile of bfloat16 products: 12 rows x 2 panels = 24 accumulators, 2
    weight registers, the x pairs broadcast straight from memory: 26 of 32. */

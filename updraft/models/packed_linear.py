@@ -12,7 +12,7 @@ A bfloat16 weight's batches (``ops.bf16_product_rows()`` rows and more), on a CP
 AVX512-BF16, multiply x rounded to bfloat16 by the same panels, summing the products in
 float32, as oneDNN's and vLLM's bfloat16 GEMMs do there: about twice the float32
 multiply-add rate and no widening, for the rounding of x (a relative error of up to
-2^-9 per value). ``BF16_BATCHES = False`` keeps them exact (the transformers-parity
+2^-8 per value). ``BF16_BATCHES = False`` keeps them exact (the transformers-parity
 tests). Decode steps stay exact either way, and elsewhere nothing changes.
 
 On a CPU with AVX-512, a float32 weight keeps a second packing for batches, oneDNN's
