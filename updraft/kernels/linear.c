@@ -57,6 +57,14 @@
    faults. */
 #define PREFETCH_BYTES 2048
 #define MAX_ROWS 6 /* 6 x 2 accumulators + 2 weight vectors + 1 broadcast: 15 of 16 */
+/* Whether more than two rows can take a bfloat16 pair's two steps in one go: AVX-512's 32
+   registers can; with AVX2's 16, gcc's fast-math reassociation of the two multiply-adds
+   spilled accumulators (0.85x at 6 rows), so there the steps go one at a time. */
+#if defined(__AVX512F__)
+#define PAIRS_FIT 1
+#else
+#define PAIRS_FIT 0
+#endif
 typedef float vec8 __attribute__((vector_size(32)));
 typedef float vec16 __attribute__((vector_size(64)));
 /* One step along K of a panel: its 16 weights as float32, in one AVX-512 register, or
@@ -162,45 +170,55 @@ static inline pvec widen_f32(const void *w, int64_t i) {
     return load16((const float *)w + i * PANEL);
 }
 
-/* Steps i and i + 1 (i even) of a bfloat16 panel: one pair, 16 32-bit words whose low
-   halves are step i's weights and high halves step i + 1's. A bfloat16 is the high half
-   of its float32: a shift widens the low halves, a mask the high ones. */
-static inline void widen_bf16_pair(const void *w, int64_t i, pvec *even, pvec *odd) {
+/* Steps i and i + 1 (i even) of a bfloat16 panel are one pair, 16 32-bit words whose
+   low halves are step i's weights and high halves step i + 1's. A bfloat16 is the high
+   half of its float32: a shift widens the low halves, a mask the high ones. */
+static inline pvec widen_bf16_even(const void *w, int64_t i) {
     const uint32_t *p = (const uint32_t *)w + i / 2 * PANEL;
 #if defined(__AVX512F__)
-    const __m512i pair = _mm512_loadu_si512((const void *)p);
-    *even = (pvec)_mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-    *odd = (pvec)_mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32(-65536)));
+    return (pvec)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512((const void *)p), 16));
 #elif defined(__AVX2__)
-    const __m256i a = _mm256_loadu_si256((const __m256i *)p);
-    const __m256i b = _mm256_loadu_si256((const __m256i *)(p + 8));
-    const __m256i high = _mm256_set1_epi32(-65536);
-    *even = joined(_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)),
-                   _mm256_castsi256_ps(_mm256_slli_epi32(b, 16)));
-    *odd = joined(_mm256_castsi256_ps(_mm256_and_si256(a, high)),
-                  _mm256_castsi256_ps(_mm256_and_si256(b, high)));
+    return joined(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)p), 16)),
+                  _mm256_castsi256_ps(
+                      _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(p + 8)), 16)));
 #else
-    float f[2][PANEL];
+    float f[PANEL];
     for (int j = 0; j < PANEL; j++) {
-        const uint32_t low = p[j] << 16, high = p[j] & 0xffff0000u;
-        memcpy(f[0] + j, &low, sizeof low);
-        memcpy(f[1] + j, &high, sizeof high);
+        const uint32_t bits = p[j] << 16;
+        memcpy(f + j, &bits, sizeof bits);
     }
-    *even = load16(f[0]), *odd = load16(f[1]);
+    return load16(f);
+#endif
+}
+
+static inline pvec widen_bf16_odd(const void *w, int64_t i) {
+    const uint32_t *p = (const uint32_t *)w + i / 2 * PANEL;
+#if defined(__AVX512F__)
+    return (pvec)_mm512_castsi512_ps(
+        _mm512_and_si512(_mm512_loadu_si512((const void *)p), _mm512_set1_epi32(-65536)));
+#elif defined(__AVX2__)
+    const __m256i high = _mm256_set1_epi32(-65536);
+    return joined(
+        _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)p), high)),
+        _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p + 8)), high)));
+#else
+    float f[PANEL];
+    for (int j = 0; j < PANEL; j++) {
+        const uint32_t bits = p[j] & 0xffff0000u;
+        memcpy(f + j, &bits, sizeof bits);
+    }
+    return load16(f);
 #endif
 }
 
 static inline pvec widen_bf16(const void *w, int64_t i) {
-    pvec even, odd;
-    widen_bf16_pair(w, i & ~(int64_t)1, &even, &odd);
-    return i & 1 ? odd : even;
+    return i & 1 ? widen_bf16_odd(w, i - 1) : widen_bf16_even(w, i);
 }
 
-/* Steps i and i + 1 of any other format: each widened on its own. */
+/* Steps i and i + 1 of any other format, each widened on its own. */
 #define WIDEN_EACH(WIDEN)                                                                  \
-    static inline void WIDEN##_pair(const void *w, int64_t i, pvec *even, pvec *odd) {     \
-        *even = WIDEN(w, i), *odd = WIDEN(w, i + 1);                                      \
-    }
+    static inline pvec WIDEN##_even(const void *w, int64_t i) { return WIDEN(w, i); }      \
+    static inline pvec WIDEN##_odd(const void *w, int64_t i) { return WIDEN(w, i + 1); }
 
 static inline pvec widen_f16(const void *w, int64_t i) {
     const uint16_t *p = (const uint16_t *)w + i * PANEL;
@@ -270,7 +288,8 @@ static inline pvec group_zero(const groups *q, int64_t g) {
 /* y[r][0..cols) = x[r] . panel + bias for ROWS rows of x (row stride k), y row stride n.
    QUANT: the panel's codes are in groups (scales, zeros); else one group of k plain
    weights. BYTES: of one step along k. PAIRED: steps are read two at a time at every row
-   count (a bfloat16 pair is one load), each row's sum still taken in k's order. */
+   count where the registers allow (a bfloat16 pair is one load); -ffast-math lets gcc
+   add a pair's two products together before adding them to a row's sum. */
 #define DEFINE_PANEL_KERNEL(NAME, WIDEN, QUANT, BYTES, PAIRED, ROWS)                       \
     static void NAME##_##ROWS(const float *restrict x, const void *restrict w, int64_t k,  \
                               const groups *q, const float *bias, float *restrict y,        \
@@ -285,20 +304,23 @@ static inline pvec group_zero(const groups *q, int64_t g) {
                 psplat(0.0f);                                                              \
             if (QUANT) zero = group_zero(q, g);                                            \
             int64_t i = start;                                                             \
-            if (ROWS <= 2 || PAIRED)                                                       \
+            if (ROWS <= 2 || (PAIRED && PAIRS_FIT))                                        \
                 for (; i + 2 <= end; i += 2) {                                             \
                     __builtin_prefetch((const char *)w + i * BYTES + PREFETCH_BYTES);      \
-                    pvec w0, w1;                                                           \
-                    WIDEN##_pair(w, i, &w0, &w1);                                          \
-                    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {               \
+                    if (ROWS <= 2) {                                                       \
                         /* too few chains to hide the multiply-add latency: two sets */    \
-                        if (ROWS <= 2) {                                                   \
+                        const pvec w0 = WIDEN##_even(w, i), w1 = WIDEN##_odd(w, i);        \
+                        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {           \
                             sum[r] = pmuladd(sum[r], x[r * k + i], w0);                    \
                             sum2[r] = pmuladd(sum2[r], x[r * k + i + 1], w1);              \
-                        } else {                                                           \
-                            sum[r] = pmuladd(pmuladd(sum[r], x[r * k + i], w0),            \
-                                             x[r * k + i + 1], w1);                        \
                         }                                                                  \
+                    } else {                                                               \
+                        const pvec w0 = WIDEN##_even(w, i);                                \
+                        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) sum[r] =    \
+                            pmuladd(sum[r], x[r * k + i], w0);                             \
+                        const pvec w1 = WIDEN##_odd(w, i);                                 \
+                        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) sum[r] =    \
+                            pmuladd(sum[r], x[r * k + i + 1], w1);                         \
                     }                                                                      \
                 }                                                                          \
             for (; i < end; i++) {                                                         \
@@ -351,6 +373,16 @@ static void widen_panel(int format, const void *w, int64_t k, const groups *q, f
     const int quantized = format == I8 || format == I4;
     const int64_t bytes = step_bytes(format);
     const int64_t group = quantized ? q->group : k;
+    if (format == BF16 || format == BF16_PRODUCTS) { /* a pair of steps per load */
+        int64_t i = 0;
+        for (; i + 2 <= k; i += 2) {
+            __builtin_prefetch((const char *)w + i * bytes + PREFETCH_BYTES);
+            store16(out + i * PANEL, widen_bf16_even(w, i));
+            store16(out + (i + 1) * PANEL, widen_bf16_odd(w, i));
+        }
+        if (i < k) store16(out + i * PANEL, widen_bf16_even(w, i));
+        return;
+    }
     for (int64_t start = 0, g = 0; start < k; start += group, g++) {
         const pvec zero = group_zero(q, g);
         const pvec scale = quantized ? load16(q->scales + g * PANEL) : psplat(1.0f);
@@ -360,8 +392,6 @@ static void widen_panel(int format, const void *w, int64_t k, const groups *q, f
             pvec step;
             switch (format) {
             case F32: step = widen_f32(w, i); break;
-            case BF16:
-            case BF16_PRODUCTS: step = widen_bf16(w, i); break;
             case F16: step = widen_f16(w, i); break;
             case I8: step = widen_i8(w, i); break;
             default: step = widen_i4(w, i); break;
