@@ -12,16 +12,29 @@ reads one copy of its weights, its own copy is what the cache holds; blocks alte
 across 3 rounds, and each time is the best pass.
 
     .venv/bin/python -m benchmarks.bench_linear
+
+``--bfloat16``: instead, one bfloat16 weight's batches, widened to float32 panel by
+panel against bfloat16 products (x rounded to bfloat16, on a CPU with AVX512-BF16), on
+the same panels, and oneDNN's bfloat16 matmul (``F.linear`` of bfloat16 x and weight,
+which a packed model does not keep) for scale; each time the best of 5 blocks.
+``--cpu-time`` (one thread) times the thread's CPU time rather than the wall clock: on a
+machine others share, time the thread spends descheduled is left out (time spent
+waiting on memory that others share is not).
+
+    .venv/bin/python -m benchmarks.bench_linear --bfloat16 [--threads 1 --cpu-time]
 """
 
 from __future__ import annotations
 
+import argparse
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks.common import markdown_table, stream_bandwidth
+from updraft.kernels import ops
 from updraft.kernels.panels import pack
 from updraft.weights import WeightFormat
 
@@ -55,7 +68,68 @@ def setups(shapes: list[tuple[int, int]]) -> dict:
     }
 
 
+# (out, in) of the bfloat16 weights, and the batch rows they take
+BF16_SHAPES = [(1024, 4096), (4096, 1024)]
+BF16_ROWS = (4, 8, 16, 64, 128, 256)
+
+
+def best_seconds(run, work: float, clock=time.perf_counter) -> float:
+    """The best time of one ``run()`` over 5 blocks of repeats of about ``work`` flops
+    in all (a fraction of a second each), by ``clock``."""
+    repeats = max(1, int(2e9 / work))
+    run()
+    best = float("inf")
+    for _ in range(5):
+        start = clock()
+        for _ in range(repeats):
+            run()
+        best = min(best, (clock() - start) / repeats)
+    return best
+
+
+def bfloat16_batches(clock=time.perf_counter) -> None:
+    start = ops.bf16_product_rows()
+    print(f"bfloat16 products from {start} rows" if start else "no AVX512-BF16: products exact")
+    for n, k in BF16_SHAPES:
+        weight = torch.randn(n, k) / k**0.5
+        panels = pack(weight, WeightFormat("bfloat16")).codes
+        plain = weight.bfloat16()
+        rows = []
+        for count in BF16_ROWS:
+            x = torch.randn(count, k)
+            args = (x, panels, None, None, None)
+            runs = {
+                "widened to float32": partial(ops.panel_linear, *args, ops.BF16, 0, n),
+                "bf16 products": partial(ops.panel_linear, *args, ops.BF16_PRODUCTS, 0, n),
+                "oneDNN bf16 F.linear": partial(F.linear, x.bfloat16(), plain),
+            }
+            flops = 2 * count * n * k
+            with torch.inference_mode():
+                best = {name: best_seconds(run, flops, clock) for name, run in runs.items()}
+            gflops = {name: flops / t / 1e9 for name, t in best.items()}
+            rows.append(
+                [str(count)]
+                + [f"{1e3 * best[name]:.3f} ({gflops[name]:.0f})" for name in runs]
+                + [f"{best['widened to float32'] / best['bf16 products']:.2f}x"]
+            )
+        header = ["rows", *(f"{name} ms (GFLOP/s)" for name in runs), "products vs widened"]
+        print(markdown_table(f"a bfloat16 [{n}, {k}] weight's batches", header, rows))
+        print()
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bfloat16", action="store_true", help="bfloat16 batches instead")
+    parser.add_argument("--threads", type=int, default=None, help="torch's thread count")
+    parser.add_argument("--cpu-time", action="store_true", help="the thread's CPU time")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.cpu_time and torch.get_num_threads() != 1:
+        parser.error("--cpu-time times one thread: add --threads 1")
+    if args.bfloat16:
+        bfloat16_batches(time.thread_time if args.cpu_time else time.perf_counter)
+        return
     bandwidth = stream_bandwidth()
     print(f"stream bandwidth {bandwidth / 1e9:.1f} GB/s")
     for name, shapes in MODELS.items():

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from updraft.kernels import ops
 from updraft.kernels.build import kernel_builds
 from updraft.model_config import ModelConfig
 from updraft.models import packed_linear
@@ -110,3 +111,13 @@ def test_the_cache_size_is_the_largest_level_linux_reports(tmp_path):
     empty = tmp_path / "none"
     empty.mkdir()
     assert packed_linear.last_level_cache_bytes(empty) == packed_linear.DEFAULT_CACHE_BYTES
+
+
+def test_a_bfloat16_linear_runs_batches_in_bfloat16_products_unless_kept_exact(monkeypatch):
+    """Its batches in bfloat16 products (exact where the CPU has none), or with
+    ``BF16_BATCHES`` off, exact everywhere; no other format changes."""
+    linear, bfloat16 = nn.Linear(32, 40), WeightFormat("bfloat16")
+    assert PackedLinear(linear, bfloat16).code == ops.BF16_PRODUCTS
+    assert PackedLinear(linear, WeightFormat("float16")).code == 2
+    monkeypatch.setattr(packed_linear, "BF16_BATCHES", False)
+    assert PackedLinear(linear, bfloat16).code == 1

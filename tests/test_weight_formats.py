@@ -94,6 +94,91 @@ def test_the_kernel_built_for_narrower_instructions_computes_the_same(march):
             torch.testing.assert_close(got, native, atol=1e-5, rtol=1e-5)
 
 
+# N of 3 and 4 panels, the last partial (the products take panels two at a time); K odd
+# (a pair completed by a zero), 1031 over more than two blocks of 256 pairs.
+BF16_SHAPES = [(37, 97), (53, 1031)]
+
+
+def needs_bf16_products() -> int:
+    """The row count from which the native build multiplies in bfloat16; skips where
+    the CPU cannot."""
+    if "avx512_bf16" not in cpu_flags():
+        pytest.skip("this CPU has no avx512_bf16: no bfloat16 products to test")
+    start = ops.bf16_product_rows()
+    assert 1 < start <= 8  # built for them, and a batch-1 decode step stays exact
+    return start
+
+
+@pytest.mark.parametrize("shape", BF16_SHAPES)
+@pytest.mark.usefixtures("all_cores")
+def test_bfloat16_products_multiply_x_rounded_to_bfloat16_from_a_few_rows(shape):
+    """Where the CPU has AVX512-BF16, bfloat16 panels in ``BF16_PRODUCTS`` take x
+    rounded to bfloat16 from ``bf16_product_rows()`` rows: float64's product with the
+    rounded x, up to float32 sums; fewer rows are the exact product."""
+    start = needs_bf16_products()
+    torch.manual_seed(3)
+    n, k = shape
+    panels = pack(torch.randn(n, k), FORMATS["bfloat16"])
+    weight = unpack(panels).double()
+    for rows in sorted({1, 3, start - 1, start, 17, 64}):
+        x, bias = torch.randn(rows, k), torch.randn(n)
+        got = torch.ops.updraft.panel_linear(
+            x, panels.codes, None, None, bias, ops.BF16_PRODUCTS, 0, n
+        ).double()
+        exact = F.linear(x.double(), weight, bias.double())
+        rounded = F.linear(x.bfloat16().double(), weight, bias.double())
+        if rows < start:
+            torch.testing.assert_close(got, exact, atol=2e-4, rtol=1e-5)
+        else:
+            torch.testing.assert_close(got, rounded, atol=5e-4, rtol=1e-5)
+            assert (rounded - exact).abs().max() > 1e-2  # the rounding is what it checks
+
+
+@pytest.mark.parametrize("march", ["haswell", "x86-64"])
+def test_without_avx512_bf16_bfloat16_products_are_the_exact_product(march):
+    """The AVX2 and plain-C builds have no bfloat16 products: ``BF16_PRODUCTS`` panels
+    (in pairs along K) multiply float32 x exactly at every row count."""
+    if march == "haswell" and not {"avx2", "fma", "f16c", "bmi2"} <= cpu_flags():
+        pytest.skip("this CPU cannot run AVX2 code")
+    assert ops.bf16_product_rows(march) == 0
+    torch.manual_seed(4)
+    for n, k in BF16_SHAPES:
+        panels = pack(torch.randn(n, k), FORMATS["bfloat16"])
+        for rows in (1, 3, 17, 64):
+            x, bias = torch.randn(rows, k), torch.randn(n)
+            got = ops.panel_linear(
+                x, panels.codes, None, None, bias, ops.BF16_PRODUCTS, 0, n, march=march
+            )
+            expected = F.linear(x.double(), unpack(panels).double(), bias.double())
+            torch.testing.assert_close(got.double(), expected, atol=2e-4, rtol=1e-5)
+
+
+@pytest.mark.usefixtures("all_cores")
+def test_grouped_experts_in_bfloat16_products_round_the_x_of_experts_with_enough_rows():
+    """Each expert's gate_up and down products take their x rounded to bfloat16 where
+    the expert has ``bf16_product_rows()`` rows or more, and exactly where it has fewer."""
+    start = needs_bf16_products()
+    torch.manual_seed(5)
+    experts, hidden, inter = 3, 97, 40
+    gate_up = pack_stacked(torch.randn(experts, 2 * inter, hidden) * 0.1, FORMATS["bfloat16"])
+    down = pack_stacked(torch.randn(experts, hidden, inter) * 0.1, FORMATS["bfloat16"])
+    counts = torch.tensor([start - 1, 0, start + 5])
+    x = torch.randn(int(counts.sum()), hidden)
+    got = torch.ops.updraft.grouped_mlp(
+        x, F.pad(counts.cumsum(0), (1, 0)), gate_up.codes, None, None, down.codes, None,
+        None, ops.BF16_PRODUCTS, 0, 0, inter,
+    )  # fmt: skip
+    expected, first = [], 0
+    for expert, count in enumerate(counts.tolist()):
+        rounding = (lambda t: t.bfloat16().double()) if count >= start else (lambda t: t)
+        rows = x[first : first + count].double()
+        gate_up_out = F.linear(rounding(rows), one_expert(gate_up, expert)).float()
+        gate, up = gate_up_out.chunk(2, dim=-1)
+        expected.append(F.linear(rounding((F.silu(gate) * up).double()), one_expert(down, expert)))
+        first += count
+    torch.testing.assert_close(got, torch.cat(expected).float(), atol=2e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize("fmt", [f for f in FORMATS.values() if f.quantized], ids=str)
 def test_quantization_is_within_half_a_step_of_every_weight(fmt):
     torch.manual_seed(0)
@@ -204,10 +289,12 @@ def tokens_and_logits(llm: LLM, steps: int = 24):
         ("qwen3.5-moe", "int4"),
     ],
 )
+@pytest.mark.usefixtures("exact_bfloat16")
 def test_the_engine_equals_float32_on_the_weights_each_format_stands_for(kind, fmt, tmp_path):
     """Over a prefill and 24 decode steps, with graphs: half-precision weights kept in 2
-    bytes against the same checkpoint widened to float32 at load; quantized weights
-    against a float32 checkpoint of their dequantized values."""
+    bytes against the same checkpoint widened to float32 at load (bfloat16's batches
+    exact, not in bfloat16 products); quantized weights against a float32 checkpoint of
+    their dequantized values."""
     source = build_checkpoint(kind, tmp_path / "source")
     if fmt in ("bfloat16", "float16"):
         checkpoint = stored_in(source, getattr(torch, fmt), tmp_path)

@@ -26,7 +26,10 @@ from updraft.kernels.launch import (
 )
 
 PANEL = 16  # output rows per panel (``PANEL`` in linear.c)
-INT4 = 4
+BF16, INT4 = 1, 4
+# bfloat16 panels whose batches multiply x rounded to bfloat16 where the CPU has
+# AVX512-BF16 (``BF16_PRODUCTS`` in linear.c; ``bf16_product_rows``)
+BF16_PRODUCTS = 5
 QUANTIZED_FORMATS = (3, INT4)
 # The gate activations ``grouped_mlp`` applies, by index.
 EXPERT_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "clamped_swiglu")
@@ -37,7 +40,16 @@ CODE_DTYPES = {
     2: torch.float16,
     3: torch.int8,
     INT4: torch.uint8,
+    BF16_PRODUCTS: torch.bfloat16,
 }
+
+
+def panel_shape(fmt: int, panels: int, k: int) -> tuple[int, ...]:
+    """The codes of ``panels`` panels of K = ``k`` in format ``fmt``: [P, K, 16]; int4's
+    [P, K, 8] bytes; bfloat16's in pairs of steps, [P, ceil(K / 2), 16, 2]."""
+    if fmt in (BF16, BF16_PRODUCTS):
+        return (panels, -(-k // 2), PANEL, 2)
+    return (panels, k, PANEL // 2 if fmt == INT4 else PANEL)
 
 
 # Cached: ops call these on every step, and the argument types need setting only once.
@@ -45,6 +57,7 @@ CODE_DTYPES = {
 def _linear_library(march: str = "native") -> ctypes.CDLL:
     lib = load("linear", march)
     lib.panel_linear.restype = lib.grouped_mlp.restype = None
+    lib.bf16_product_rows.restype, lib.bf16_product_rows.argtypes = ctypes.c_int, []
     lib.panel_linear.argtypes = (
         [POINTER, POINTER, ctypes.c_int, POINTER, POINTER, INT, POINTER, POINTER]
         + [INT] * 4
@@ -117,6 +130,13 @@ def _check_codes(op: str, codes: torch.Tensor, scales, zeros, fmt: int, group: i
             )
 
 
+def bf16_product_rows(march: str = "native") -> int:
+    """From how many rows of x the ``BF16_PRODUCTS`` format multiplies x rounded to
+    bfloat16, in the kernel built for ``march``; 0 where that build has no AVX512-BF16
+    (there it is the exact bfloat16 format)."""
+    return _linear_library(march).bf16_product_rows()
+
+
 def panel_linear(
     x: torch.Tensor,
     codes: torch.Tensor,
@@ -155,9 +175,8 @@ def panel_linear_launch(
     x = x.contiguous()
     rows, k = x.shape
     panels = -(-out_features // PANEL)
-    width = PANEL // 2 if fmt == INT4 else PANEL
     check(
-        codes.shape == (panels, k, width),
+        codes.shape == panel_shape(fmt, panels, k),
         op,
         f"the panels of a [{out_features}, {k}] weight for x [{rows}, {k}]",
     )
@@ -290,9 +309,8 @@ def _check_expert_panels(
 ) -> None:
     experts, hidden, inter = sizes
     _check_codes(op, codes, scales, zeros, fmt, group)
-    width = PANEL // 2 if fmt == INT4 else PANEL
     check(
-        codes.shape == (experts, -(-n // PANEL), k, width),
+        codes.shape == (experts, *panel_shape(fmt, -(-n // PANEL), k)),
         op,
         f"every expert's panels: gate_up [2I, H] and down [H, I], H={hidden}, I={inter}",
     )

@@ -5,8 +5,10 @@ A weight [N, K] becomes ceil(N / 16) panels, each the transpose of 16 rows ([K][
 past row N), so a thread streams one contiguous run of memory per 16 outputs. The
 formats keep a checkpoint's bytes: float32, bfloat16 and float16 as they are; int8 and
 int4 as codes with one float32 scale (and for int4 optionally one zero point) per output
-row and group of K. Packing a half-precision weight never widens it; quantizing widens
-one block of rows at a time, at load.
+row and group of K. A bfloat16 panel holds its K steps in pairs, [ceil(K / 2)][16][2]
+(a zero completes an odd K), so that a row's weights at k and k + 1 are the one 32-bit
+word a bfloat16 pair dot product takes. Packing a half-precision weight never widens it;
+quantizing widens one block of rows at a time, at load.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ QUANTIZE_ROWS = 1024
 @dataclass(frozen=True)
 class Panels:
     """One weight [out_features, in_features] packed: ``codes`` [P, K, 16] (int4: [P, K,
-    8] bytes), and for quantized formats ``scales`` (and ``zeros``) [P, K / group, 16]
-    float32; stacked experts carry a leading expert dimension on each."""
+    8] bytes; bfloat16: [P, ceil(K / 2), 16, 2]), and for quantized formats ``scales``
+    (and ``zeros``) [P, K / group, 16] float32; stacked experts carry a leading expert
+    dimension on each."""
 
     codes: torch.Tensor
     scales: torch.Tensor | None
@@ -62,6 +65,13 @@ def _to_panels(rows: torch.Tensor) -> torch.Tensor:
     padded = rows.new_zeros(-(-n // PANEL) * PANEL, *rows.shape[1:])
     padded[:n] = rows
     return padded.view(-1, PANEL, *rows.shape[1:]).transpose(1, 2).contiguous()
+
+
+def _in_pairs(panels: torch.Tensor) -> torch.Tensor:
+    """[P, K, 16] -> [P, ceil(K / 2), 16, 2]: steps k and k + 1 of each row side by side."""
+    p, k, _ = panels.shape
+    padded = F.pad(panels, (0, 0, 0, k % 2))
+    return padded.view(p, -1, 2, PANEL).transpose(2, 3).contiguous()
 
 
 def quantize(
@@ -106,6 +116,8 @@ def pack(weight: torch.Tensor, fmt: WeightFormat) -> Panels:
     n, k = weight.shape
     if not fmt.quantized:
         codes = _to_panels(weight.detach().to(STORAGE[fmt.name]))
+        if fmt.name == "bfloat16":
+            codes = _in_pairs(codes)
         return Panels(codes, None, None, fmt.name, 0, n, k)
     codes, scales, zeros = quantize(weight.detach(), fmt)
     return pack_codes(codes, scales, zeros, fmt.name, group_size(fmt, k))
@@ -168,6 +180,8 @@ def unpack(panels: Panels) -> torch.Tensor:
     codes = panels.codes
     if panels.format == "int4":
         codes = torch.cat([codes & 0x0F, codes >> 4], dim=-1)
+    elif panels.format == "bfloat16":
+        codes = codes.transpose(2, 3).reshape(len(codes), -1, PANEL)[:, : panels.in_features]
     rows = codes.transpose(1, 2).reshape(-1, panels.in_features).float()
     if panels.scales is not None:
         zero = INT4_ZERO if panels.format == "int4" else 0

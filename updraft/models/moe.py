@@ -29,6 +29,7 @@ from updraft.kernels.ops import EXPERT_ACTIVATIONS
 from updraft.kernels.panels import Panels, pack_stacked
 from updraft.model_config import MoEConfig
 from updraft.models.layers import ACTIVATIONS, MLP
+from updraft.models.packed_linear import kernel_code
 from updraft.weights import WeightFormat
 
 
@@ -154,7 +155,7 @@ class PackedExperts(RoutedExperts):
         self.activation = EXPERT_ACTIVATIONS.index(activation)
         self.format = fmt
         self.inter = down.in_features
-        self.code, self.groups = gate_up.code, (gate_up.group, down.group)
+        self.code, self.groups = kernel_code(gate_up), (gate_up.group, down.group)
         self.swiglu = swiglu or (0.0, 0.0)  # (alpha, limit): the clamped SwiGLU's only
         for prefix, panels in (("gate_up", gate_up), ("down", down)):
             for name in ("codes", "scales", "zeros"):
