@@ -34,8 +34,9 @@
    nearest, ties to even) and the products are bfloat16 pairs summed in float32 (as
    oneDNN's and vLLM's bfloat16 GEMMs on such CPUs), tiles of up to 12 rows of x times
    two panels accumulating in registers: about twice the float32 multiply-add rate, no
-   widening. The rounding of x is the one error it adds. Built without AVX512-BF16, or
-   for fewer rows, it is BF16.
+   widening. The rounding of x is the one error it adds; fewer rows take BF16's kernel on
+   x rounded alike, so that every row count computes the same products. Built without
+   AVX512-BF16 it is BF16.
 
    A step of 16 weights is one AVX-512 register where the machine has them (built with
    -march=native), else two AVX2 ones, else plain C; the same kernels serve all three.
@@ -465,6 +466,12 @@ static const bf16_tile BF16_TILE_KERNELS[BF16_TILE_ROWS + 1][2] = {
     BF16_TILES(5),  BF16_TILES(6), BF16_TILES(7), BF16_TILES(8),  BF16_TILES(9),
     BF16_TILES(10), BF16_TILES(11), BF16_TILES(12)};
 
+/* x rounded to bfloat16 as vcvtneps2bf16 rounds it (to nearest, ties to even), as a float */
+static inline float bf16_rounded(float x) {
+    return _mm_cvtss_f32(_mm_castsi128_ps(_mm_slli_epi32(
+        _mm_cvtepu16_epi32((__m128i)_mm_cvtneps_pbh(_mm_set_ss(x))), 16)));
+}
+
 /* One row of x (k values) rounded to bfloat16 (to nearest, ties to even) into ``out``'s
    ``pairs`` words, a zero completing an odd K's last pair. */
 static void round_to_bf16_pairs(const float *row, int64_t k, int64_t pairs, uint32_t *out) {
@@ -537,6 +544,17 @@ void panel_linear(const float *x, const void *w, int format, const float *scales
     if (format == BF16_PRODUCTS && m_rows >= BF16_PRODUCT_ROWS &&
         bf16_product_linear(x, w, bias, y, y_stride, m_rows, n_rows, k, threads))
         return;
+    /* Fewer rows take the exact kernel on x rounded as the products round it, so that a
+       row's value does not depend on how many rows shared its step (a request decoded
+       beside three others would otherwise compute with another x than alone). */
+    float *rounded_x = NULL;
+    if (format == BF16_PRODUCTS) {
+        rounded_x = malloc(sizeof(float) * (size_t)(m_rows * k));
+        if (rounded_x) {
+            for (int64_t i = 0; i < m_rows * k; i++) rounded_x[i] = bf16_rounded(x[i]);
+            x = rounded_x;
+        }
+    }
 #endif
     const int64_t panels = (n_rows + PANEL - 1) / PANEL, bytes = panel_bytes(format, k);
     const int64_t groups_per_panel = group > 0 ? (k + group - 1) / group : 0;
@@ -583,6 +601,9 @@ void panel_linear(const float *x, const void *w, int format, const float *scales
         free(buffer);
     }
     free(x_sums);
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    free(rounded_x);
+#endif
 }
 
 static int64_t clamp(int64_t value, int64_t low, int64_t high) {
