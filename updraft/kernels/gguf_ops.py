@@ -17,6 +17,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from updraft.checkpoints import gguf as gguf_file
 from updraft.kernels.build import load
+from updraft.kernels.int8_groups import UPDRAFT_BLOCKS
 from updraft.kernels.launch import INT, POINTER, Launch, define_op, reads_copies, writable_output
 
 # ggml's type numbers of the block types read here, and (values, bytes) per block, as
@@ -33,6 +34,9 @@ BLOCK_PASSES_UP_TO = 64
 # INT8_X_BLOCK, up to INT8_MAX_ROWS rows of it, over weight rows regrouped eight at a time.
 INT8_TYPES = {BLOCK_TYPES[name] for name in ("Q4_0", "Q8_0", "Q4_K", "Q6_K")}
 INT8_X_BLOCK = 32
+# What the int8 kernel regroups and multiplies, by type code: those of ggml's block types
+# and updraft's own int8 and int4 codes in blocks (``kernels/int8_groups.py``).
+GROUPED_BLOCKS = {**{code: BLOCKS[code] for code in INT8_TYPES}, **UPDRAFT_BLOCKS}
 INT8_MAX_ROWS = 8
 GROUP_ROWS = 8
 
@@ -143,8 +147,8 @@ def gguf_grouped_rows(
 
 
 @cache
-def _int8_library() -> ctypes.CDLL:
-    lib = load("gguf_int8")
+def _int8_library(march: str = "native") -> ctypes.CDLL:
+    lib = load("gguf_int8", march)
     for name in ("gguf_linear_int8", "gguf_round_x", "gguf_round_rows", "gguf_group"):
         getattr(lib, name).restype = None
     lib.gguf_ungroup.restype = ctypes.c_int
@@ -176,11 +180,14 @@ def gguf_kernel_builds() -> bool:
     return True
 
 
-def _check(blocks: torch.Tensor, block_type: int, k: int) -> int:
-    """Bytes of one row of ``blocks``; refuses what the kernel cannot read."""
-    if block_type not in BLOCKS:
-        raise TypeError(f"updraft::gguf ops take ggml block types {sorted(BLOCKS)}")
-    values, size = BLOCKS[block_type]
+def _check(
+    blocks: torch.Tensor, block_type: int, k: int, types: dict[int, tuple[int, int]] = BLOCKS
+) -> int:
+    """Bytes of one row of ``blocks``; refuses what the kernel cannot read (``types``:
+    what it reads, by code)."""
+    if block_type not in types:
+        raise TypeError(f"updraft::gguf ops take block types {sorted(types)}")
+    values, size = types[block_type]
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous():
         raise TypeError("updraft::gguf ops take contiguous uint8 blocks [rows, row_bytes]")
     if k % values or blocks.shape[1] != k // values * size:
@@ -319,14 +326,14 @@ def gguf_round_rows(x: torch.Tensor) -> torch.Tensor:
 
 def _group_bytes(block_type: int, k: int) -> int:
     """Bytes of one group of eight rows of ``k`` values in ``block_type``."""
-    return k // BLOCKS[block_type][0] * _int8_library().gguf_group_block_bytes(block_type)
+    return k // GROUPED_BLOCKS[block_type][0] * _int8_library().gguf_group_block_bytes(block_type)
 
 
 def _check_groups(groups: torch.Tensor, block_type: int, k: int, n: int) -> int:
     """Bytes of one group of ``groups`` (``n`` rows of ``k`` values); refuses the rest."""
-    if block_type not in INT8_TYPES:
-        raise TypeError(f"updraft::gguf groups are of ggml block types {sorted(INT8_TYPES)}")
-    values = BLOCKS[block_type][0]
+    if block_type not in GROUPED_BLOCKS:
+        raise TypeError(f"updraft::gguf groups are of block types {sorted(GROUPED_BLOCKS)}")
+    values = GROUPED_BLOCKS[block_type][0]
     if groups.dtype != torch.uint8 or groups.dim() != 2 or not groups.is_contiguous():
         raise TypeError("updraft::gguf ops take contiguous uint8 groups [groups, group_bytes]")
     group_bytes = _group_bytes(block_type, k)
@@ -342,7 +349,7 @@ def _check_groups(groups: torch.Tensor, block_type: int, k: int, n: int) -> int:
 def gguf_group(blocks: torch.Tensor, block_type: int, k: int) -> torch.Tensor:
     """A weight's rows [N, row_bytes] in the file's blocks -> the same codes and scales
     regrouped eight rows at a time [ceil(N / 8), group_bytes] (``gguf_int8.c``)."""
-    _check(blocks, block_type, k)
+    _check(blocks, block_type, k, GROUPED_BLOCKS)
     n = blocks.shape[0]
     groups = torch.empty(-(-n // GROUP_ROWS), _group_bytes(block_type, k), dtype=torch.uint8)
     _int8_library().gguf_group(block_type, blocks.data_ptr(), n, k, groups.data_ptr())
@@ -355,7 +362,7 @@ def gguf_ungroup(
     """Rows ``rows`` (int64) of the ``n``-row weight in ``groups``, in the file's bytes."""
     _check_groups(groups, block_type, k, n)
     rows = rows.to(torch.int64).contiguous()
-    values, size = BLOCKS[block_type]
+    values, size = GROUPED_BLOCKS[block_type]
     out = torch.empty(rows.numel(), k // values * size, dtype=torch.uint8)
     read = _int8_library().gguf_ungroup(
         block_type, groups.data_ptr(), n, k, rows.data_ptr(), rows.numel(), out.data_ptr()
@@ -380,11 +387,12 @@ def gguf_linear_int8(
     block_type: int,
     k: int,
     n: int,
+    march: str = "native",
 ) -> torch.Tensor:
     """x [M, k] float32 (M <= INT8_MAX_ROWS), each row rounded to int8 as
     ``gguf_round_x`` rounds it, @ the ``n``-row weight in ``groups`` transposed (+ bias)
-    -> [M, n]; ``block_type`` one of ``INT8_TYPES``."""
-    return gguf_linear_int8_launch(x, groups, bias, block_type, k, n)()[0]
+    -> [M, n]; ``block_type`` one of ``GROUPED_BLOCKS``."""
+    return gguf_linear_int8_launch(x, groups, bias, block_type, k, n, march=march)()[0]
 
 
 def gguf_linear_int8_launch(
@@ -395,10 +403,11 @@ def gguf_linear_int8_launch(
     k: int,
     n: int,
     out: tuple[torch.Tensor, ...] | None = None,
+    march: str = "native",
 ) -> Launch:
     """``gguf_linear_int8``'s checked call, into ``out`` (else a new tensor)."""
     group_bytes = _check_groups(groups, block_type, k, n)
-    kernel = _int8_library().gguf_linear_int8
+    kernel = _int8_library(march).gguf_linear_int8
     return _linear_launch(
         "gguf_linear_int8",
         kernel,
