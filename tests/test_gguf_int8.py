@@ -169,7 +169,7 @@ def test_int8_activations_move_the_logits_by_about_the_rounding(tmp_path, mix):
         assert 1e-3 * scale < difference <= 0.03 * scale, (difference, scale)
 
 
-def test_int8_activations_are_refused_for_a_safetensors_checkpoint(tmp_path):
+def test_int8_activations_are_refused_for_a_float_safetensors_checkpoint(tmp_path):
     checkpoint = plain("qwen3", tmp_path / "hf")
-    with pytest.raises(ValueError, match="activations int8 is for a GGUF file"):
+    with pytest.raises(ValueError, match="activations int8 is for quantized weights"):
         LLM(str(checkpoint), activations="int8")

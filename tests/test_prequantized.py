@@ -204,9 +204,12 @@ def _quantization_config(method: str, group: int | None, symmetric: bool, v1: bo
     }
 
 
-def make_quantized(root, kind: str, method: str, group: int | None, symmetric: bool, v1=False):
-    """(quantized checkpoint, float32 checkpoint of the weights its codes stand for)."""
-    model = tiny_model(f"{kind}-wide")
+def make_quantized(
+    root, kind: str, method: str, group: int | None, symmetric: bool, v1=False, **changes
+):
+    """(quantized checkpoint, float32 checkpoint of the weights its codes stand for);
+    ``changes`` to the tiny config."""
+    model = tiny_model(f"{kind}-wide", **changes)
     reference, quantized = root / "float", root / method
     state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     packed = {}

@@ -520,7 +520,7 @@ def load_runner(
         max_positions=max_model_len,
         weights=config.weight_format(model_config),
         place=place,
-        int8_activations=config.activations == "int8",
+        int8_activations=config.activations != "float32",
     )
     return Runner(
         model,
