@@ -10,10 +10,12 @@
    thirty-twos: scale[8] (float32) | zero[8] | per thirty-two 4 words of nibbles
    (word t: bytes 4t..4t+3 of each row). */
 
+#ifndef U_VNNI /* whether dot_u8s8 is one instruction (vpdpbusd) */
 #if INT8_SIMD && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
 #define U_VNNI 1
 #else
 #define U_VNNI 0
+#endif
 #endif
 
 static inline void move_u4(uint8_t *block, uint8_t *group, int r, int to_group, int thirty_twos) {
