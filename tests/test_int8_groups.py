@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from tests.checkpoints import build_checkpoint
@@ -16,6 +17,7 @@ from tests.helpers import greedy, token_ids
 from tests.probes import logits_of, probed, records
 from tests.test_prequantized import make_quantized
 from tests.test_reference_models import PROMPTS
+from updraft.config import ParallelSizes
 from updraft.kernels.gguf_ops import (
     gguf_group,
     gguf_linear_int8,
@@ -25,8 +27,11 @@ from updraft.kernels.gguf_ops import (
 )
 from updraft.kernels.int8_groups import UPDRAFT_TYPES, block_type, file_rows, row_values
 from updraft.kernels.panels import pack, unpack
+from updraft.model_config import ModelConfig
 from updraft.models.grouped_linear import GroupedLinear, quantized_grouped
+from updraft.models.loader import load_model
 from updraft.models.packed_linear import PackedLinear, pack_linears
+from updraft.parallel.topology import RankPlace
 from updraft.weights import WeightFormat
 
 pytestmark = pytest.mark.skipif(not int8_kernel_builds(), reason="the int8 kernel needs AVX2")
@@ -199,3 +204,23 @@ def test_an_awq_checkpoint_takes_int8_x(tmp_path):
     quantized, _ = make_quantized(tmp_path, "qwen2", "awq", 32, False, **INIT)
     # each layer's four (fused) linears; the LM head stays float32
     assert_int8_x_moves_logits_by_about_its_rounding(quantized, 4 * 2, enforce_eager=True)
+
+
+def test_a_tensor_parallel_rank_groups_the_shard_it_keeps(wide):
+    """Each rank quantizes and groups the slice of each linear it keeps (a row-parallel
+    o_proj's and down_proj's columns too, 64 and 128 per rank: whole blocks of 32), and
+    rounds its slice of x in the blocks one process rounds, so the ranks' partial
+    products sum to one process's up to float32 rounding (the split itself is
+    tests/test_tensor_parallel.py's)."""
+    fmt = WeightFormat("int4", 32, zero_point=True)
+    place = RankPlace(1, ParallelSizes(tensor=2), "unconnected")
+    config = ModelConfig.from_dir(wide)
+    model = load_model(config, wide, torch.float32, weights=fmt, place=place, int8_activations=True)
+    weights = load_file(wide / "model.safetensors")
+    grouped = {n: m for n, m in model.named_modules() if isinstance(m, GroupedLinear)}
+    for name, columns in (("0.self_attn.o_proj", 64), ("1.mlp.down_proj", 128)):
+        (linear,) = [m for n, m in grouped.items() if f"layers.{name}" in n]
+        assert (linear.in_features, linear.out_features) == (columns, 128)
+        kept = weights[f"model.layers.{name}.weight"][:, columns:]  # rank 1: the second half
+        rows = gguf_ungroup(linear.groups, linear.code, columns, 128, torch.arange(128))
+        assert torch.equal(row_values(rows, linear.code, columns).float(), unpack(pack(kept, fmt)))

@@ -20,9 +20,9 @@ from updraft.checkpoints.gguf import linked_files
 from updraft.kernels.panels import pack_codes
 from updraft.model_config import ModelConfig
 from updraft.models.gguf_loader import load_gguf_model
+from updraft.models.grouped_linear import grouped_or_none
 from updraft.models.mapped_table import MappedEmbedding, mapped_tensor
 from updraft.models.moe import Experts
-from updraft.models.grouped_linear import grouped_or_none
 from updraft.models.mxfp4_experts import fill_mxfp4, mxfp4_slots, slot_tensors
 from updraft.models.packed_linear import PackedLinear
 from updraft.models.packing import packer, storage_dtype
