@@ -98,7 +98,7 @@ def load_model(
     """The model computing in ``dtype``, its weights kept in ``weights`` (default: the
     compute dtype); with ``place``, only the shard that rank holds
     (models/tensor_parallel.py); with ``int8_activations``, a GGUF file's quantized
-    linears round a decode step's x to int8 (``kernels/gguf_int8.c``). It is built on
+    linears round x to int8 (``kernels/gguf_int8.c``). It is built on
     the meta device and filled tensor by tensor, each rank reading only what it keeps,
     each layer packed once its weights are in: at no point does the process hold the
     whole model in the checkpoint's dtype."""
