@@ -117,8 +117,8 @@ def test_blocks_are_of_128_where_every_block_lies_in_a_group_else_of_32():
 )
 def test_a_quantized_linear_is_grouped_once_holding_the_panels_values(fmt):
     """The grouped weight stands for exactly the values the panels of the same format
-    hold, and is the layer's only packing; a prefill's many rows pass the kernel eight
-    at a time, row for row what a decode step computes."""
+    hold, and is the layer's only packing; a prefill's many rows (the integer GEMM)
+    give row for row what a decode step computes."""
     generator = torch.Generator().manual_seed(6)
     linear = nn.Linear(256, 40)
     nn.init.normal_(linear.weight, generator=generator)

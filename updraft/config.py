@@ -102,7 +102,7 @@ class EngineConfig:
     )
     activations: str = setting(
         "float32",
-        "how a GGUF file's quantized linears take a decode step's activations: float32 "
+        "how a GGUF file's quantized linears take their activations: float32 "
         "(exact: float32 x times the weights' own values) or int8 (x rounded to int8 "
         "per 32 values, as llama.cpp computes, against Q4_0, Q8_0, Q4_K "
         "and Q6_K rows regrouped eight at a time; on a CPU with AVX2, 1.5-2.5x faster "

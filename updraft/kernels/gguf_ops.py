@@ -149,10 +149,17 @@ def gguf_grouped_rows(
 @cache
 def _int8_library(march: str = "native") -> ctypes.CDLL:
     lib = load("gguf_int8", march)
-    for name in ("gguf_linear_int8", "gguf_round_x", "gguf_round_rows", "gguf_group"):
+    for name in (
+        "gguf_linear_int8",
+        "gguf_gemm_int8",
+        "gguf_round_x",
+        "gguf_round_rows",
+        "gguf_group",
+    ):
         getattr(lib, name).restype = None
     lib.gguf_ungroup.restype = ctypes.c_int
     lib.gguf_linear_int8.argtypes = _LINEAR_ARGUMENTS
+    lib.gguf_gemm_int8.argtypes = _LINEAR_ARGUMENTS
     lib.gguf_round_x.argtypes = [POINTER, INT, POINTER, POINTER, POINTER, POINTER, POINTER]
     lib.gguf_round_rows.argtypes = [POINTER, INT, INT, POINTER]
     lib.gguf_group.argtypes = [ctypes.c_int, POINTER, INT, INT, POINTER]
@@ -245,7 +252,7 @@ def gguf_linear_launch(
 def _linear_launch(
     op: str,
     kernel: Callable[..., None],
-    max_rows: int,
+    max_rows: int | None,
     x: torch.Tensor,
     weight: torch.Tensor,
     n: int,
@@ -256,10 +263,12 @@ def _linear_launch(
     out: tuple[torch.Tensor, ...] | None,
 ) -> Launch:
     """The call of a linear kernel over a weight's ``n`` rows, in blocks or groups
-    ``stride`` bytes apart (both kernels take the same arguments)."""
+    ``stride`` bytes apart (the kernels take the same arguments), ``max_rows`` rows of x
+    at most (None: any number, each row's output its own, so that a replayed graph may
+    run it over its leading rows alone)."""
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
         raise TypeError(f"updraft::{op} takes float32 x [rows, {k}]")
-    if x.shape[0] > max_rows:
+    if max_rows is not None and x.shape[0] > max_rows:
         raise TypeError(f"updraft::{op} takes at most {max_rows} rows")
     given = (x, bias)
     x = x.contiguous()
@@ -286,6 +295,7 @@ def _linear_launch(
         (y,),
         (x, weight, bias),
         reads_copies(given, (x, bias)),
+        rows_argument=None if max_rows is not None else 2,
     )
 
 
@@ -375,8 +385,8 @@ def gguf_ungroup(
 def gguf_dequantize_groups(
     groups: torch.Tensor, block_type: int, k: int, n: int, rows: torch.Tensor
 ) -> torch.Tensor:
-    """Rows ``rows`` of the weight in ``groups``, widened to float32 [len(rows), k]: an
-    embedding's looked-up rows, a prefill's chunk of weight rows."""
+    """Rows ``rows`` of the weight in ``groups``, widened to float32 [len(rows), k]: a
+    tied embedding's looked-up rows."""
     return gguf_dequantize(gguf_ungroup(groups, block_type, k, n, rows), block_type, k)
 
 
@@ -423,30 +433,56 @@ def gguf_linear_int8_launch(
     )
 
 
+def gguf_gemm_int8(
+    x: torch.Tensor,
+    groups: torch.Tensor,
+    bias: torch.Tensor | None,
+    block_type: int,
+    k: int,
+    n: int,
+    march: str = "native",
+) -> torch.Tensor:
+    """``gguf_linear_int8`` for any number of rows of x (a prefill, a batched step): x
+    rounded once, row by row as ``gguf_round_x`` rounds it, then each group of eight
+    weight rows multiplied by every tile of x's rows while it is in the cache. Row for
+    row the same sums as ``gguf_linear_int8``'s."""
+    return gguf_gemm_int8_launch(x, groups, bias, block_type, k, n, march=march)()[0]
+
+
+def gguf_gemm_int8_launch(
+    x: torch.Tensor,
+    groups: torch.Tensor,
+    bias: torch.Tensor | None,
+    block_type: int,
+    k: int,
+    n: int,
+    out: tuple[torch.Tensor, ...] | None = None,
+    march: str = "native",
+) -> Launch:
+    """``gguf_gemm_int8``'s checked call, into ``out`` (else a new tensor)."""
+    group_bytes = _check_groups(groups, block_type, k, n)
+    kernel = _int8_library(march).gguf_gemm_int8
+    return _linear_launch(
+        "gguf_gemm_int8", kernel, None, x, groups, n, group_bytes, bias, block_type, k, out
+    )
+
+
 # Weight rows widened at once by ``gguf_widened_linear``: a few MB of float32.
 WIDEN_ROWS = 1024
 
 
 def gguf_widened_linear(
-    x: torch.Tensor, weight: torch.Tensor, block_type: int, k: int, n: int, grouped: bool
+    x: torch.Tensor, blocks: torch.Tensor, block_type: int, k: int, n: int
 ) -> torch.Tensor:
-    """x [M, k] float32 @ the ``n``-row weight in blocks (or, ``grouped``, in groups,
-    against x rounded as ``gguf_linear_int8`` rounds it) transposed -> [M, n], for many
-    rows of x (a prefill): a chunk of weight rows at a time is widened to float32 and
-    multiplied with torch. One op, so that a captured graph sees none of the widened
+    """x [M, k] float32 @ the ``n``-row weight in ``blocks`` transposed -> [M, n], for
+    many rows of x (a prefill): a chunk of weight rows at a time is widened to float32
+    and multiplied with torch. One op, so that a captured graph sees none of the widened
     chunks: recorded one by one, every chunk of every linear was alive at once while a
     graph was captured (the whole model in float32: 4.6 GB at load for a 0.5B Q4_K_M
     file, 1.3 GB without the prefill graphs)."""
-    if grouped:  # x as a decode step's int8 kernel takes it
-        x = gguf_round_rows(x)
     chunks = []
     for start in range(0, n, WIDEN_ROWS):
-        end = min(n, start + WIDEN_ROWS)
-        if grouped:
-            rows = torch.arange(start, end)
-            widened = gguf_dequantize_groups(weight, block_type, k, n, rows)
-        else:
-            widened = gguf_dequantize(weight[start:end], block_type, k)
+        widened = gguf_dequantize(blocks[start : start + WIDEN_ROWS], block_type, k)
         chunks.append(torch.mm(x, widened.t()))
         del widened
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
@@ -474,8 +510,12 @@ define_op(
     lambda groups, block_type, k, n, rows: groups.new_empty(rows.numel(), k, dtype=torch.float32),
 )
 define_op(
-    "gguf_widened_linear(Tensor x, Tensor weight, int block_type, int k, int n, bool grouped) "
-    "-> Tensor",
+    "gguf_gemm_int8(Tensor x, Tensor groups, Tensor? bias, int block_type, int k, int n) -> Tensor",
+    lambda x, groups, bias, block_type, k, n: gguf_gemm_int8(x, groups, bias, block_type, k, n),
+    lambda x, groups, bias, block_type, k, n: x.new_empty(x.shape[0], n),
+)
+define_op(
+    "gguf_widened_linear(Tensor x, Tensor blocks, int block_type, int k, int n) -> Tensor",
     gguf_widened_linear,
-    lambda x, weight, block_type, k, n, grouped: x.new_empty(x.shape[0], n),
+    lambda x, blocks, block_type, k, n: x.new_empty(x.shape[0], n),
 )

@@ -43,15 +43,14 @@ class GroupedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        # A pass of the kernel over the groups per INT8_MAX_ROWS rows, for any count: a
-        # prefill's too, until an integer GEMM over many rows takes those.
-        outs = [
-            torch.ops.updraft.gguf_linear_int8(
-                rows, self.groups, self.bias, self.code, self.in_features, self.out_features
-            )
-            for rows in flat.split(INT8_MAX_ROWS)
-        ]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        # a decode step: one pass over the groups; a prefill or a batched step: integer
+        # tiles, each group reused by all of x's rows (row for row the same sums)
+        op = (
+            torch.ops.updraft.gguf_linear_int8
+            if flat.shape[0] <= INT8_MAX_ROWS
+            else torch.ops.updraft.gguf_gemm_int8
+        )
+        out = op(flat, self.groups, self.bias, self.code, self.in_features, self.out_features)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
