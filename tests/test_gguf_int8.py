@@ -174,16 +174,16 @@ def test_groups_hold_the_file_s_bytes_and_give_back_any_row(kind, rows):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_prefill_takes_x_as_a_decode_step_does(kind):
-    """A prefill's many rows are multiplied as floats against widened rows, after x is
-    rounded as the int8 kernel rounds it: row for row, the output is a decode step's up
-    to float32 rounding, so a request's tokens do not depend on whether a long prompt
+    """A prefill's many rows go through integer tiles (``gguf_gemm_int8``), x rounded as
+    the decode kernel rounds it: row for row, the output is a decode step's up to
+    float32 rounding, so a request's tokens do not depend on whether a long prompt
     shared its step (without the rounding, the rows differ by about a percent)."""
     k, n = 512, 70
     blocks = torch.from_numpy(random_blocks(kind, n, k, np.random.default_rng(3)))
     linear = gguf_loader.GGUFLinear(k, [gguf_loader.Part(blocks, BLOCK_TYPES[kind])], None, True)
     assert linear.grouped == [True]
     x = torch.randn(100, k, generator=torch.Generator().manual_seed(4))
-    many = linear(x)  # more rows than a decode step's passes take: widened
+    many = linear(x)  # more rows than a decode step's pass takes: the tiles
     steps = torch.cat([linear(rows) for rows in x.split(8)])  # the int8 kernel
     torch.testing.assert_close(many, steps, rtol=1e-5, atol=1e-5 * steps.abs().max().item())
     rounded = gguf_round_rows(x)

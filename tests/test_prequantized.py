@@ -204,9 +204,12 @@ def _quantization_config(method: str, group: int | None, symmetric: bool, v1: bo
     }
 
 
-def make_quantized(root, kind: str, method: str, group: int | None, symmetric: bool, v1=False):
-    """(quantized checkpoint, float32 checkpoint of the weights its codes stand for)."""
-    model = tiny_model(f"{kind}-wide")
+def make_quantized(
+    root, kind: str, method: str, group: int | None, symmetric: bool, v1=False, **changes
+):
+    """(quantized checkpoint, float32 checkpoint of the weights its codes stand for);
+    ``changes`` to the tiny config."""
+    model = tiny_model(f"{kind}-wide", **changes)
     reference, quantized = root / "float", root / method
     state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     packed = {}
@@ -263,7 +266,7 @@ def test_logits_match_transformers_on_the_weights_the_codes_stand_for(
     tmp_path, kind, method, group, symmetric, v1
 ):
     quantized, reference = make_quantized(tmp_path, kind, method, group, symmetric, v1)
-    llm = probed(quantized, block_size=4, num_kv_blocks=64)
+    llm = probed(quantized, block_size=4, num_kv_blocks=64, activations="float32")
     linears = [m for m in llm.engine._runner.model.modules() if isinstance(m, PackedLinear)]  # noqa: SLF001
     assert sum(m.format.name == "int4" for m in linears) == 4 * SHAPE["num_hidden_layers"]
     outputs = llm.generate(PROMPTS, greedy(8))

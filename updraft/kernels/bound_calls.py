@@ -19,7 +19,11 @@ from typing import Any
 import torch
 
 from updraft.kernels.attention_ops import paged_decode_attention_launch, write_kv_launch
-from updraft.kernels.gguf_ops import gguf_linear_int8_launch, gguf_linear_launch
+from updraft.kernels.gguf_ops import (
+    gguf_gemm_int8_launch,
+    gguf_linear_int8_launch,
+    gguf_linear_launch,
+)
 from updraft.kernels.launch import Launch
 from updraft.kernels.ops import panel_linear_launch
 
@@ -28,6 +32,7 @@ _LAUNCHES: dict[Any, Callable[..., Launch]] = {
     torch.ops.updraft.paged_decode_attention.default: paged_decode_attention_launch,
     torch.ops.updraft.gguf_linear.default: gguf_linear_launch,
     torch.ops.updraft.gguf_linear_int8.default: gguf_linear_int8_launch,
+    torch.ops.updraft.gguf_gemm_int8.default: gguf_gemm_int8_launch,
     torch.ops.updraft.write_kv.default: write_kv_launch,
 }
 

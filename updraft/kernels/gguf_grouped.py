@@ -35,7 +35,7 @@ def _widened_linear(
 ) -> torch.Tensor:
     """x [M, k] @ the weight in ``blocks`` [N, row_bytes] transposed (+ bias) -> [M, N],
     the weight widened a chunk of rows at a time."""
-    out = gguf_widened_linear(x, blocks, block_type, k, blocks.shape[0], False)
+    out = gguf_widened_linear(x, blocks, block_type, k, blocks.shape[0])
     return out if bias is None else out + bias
 
 

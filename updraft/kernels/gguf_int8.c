@@ -185,13 +185,15 @@ typedef struct {
     void *buffer;
 } rounded_rows;
 
-static rounded_rows round_rows(const float *x, int64_t m, int64_t k) {
+/* over ``threads`` threads where there are more rows than a decode step's */
+static rounded_rows round_rows(const float *x, int64_t m, int64_t k, int threads) {
     const size_t blocks = (size_t)(m * (k / X_BLOCK));
     char *buffer = malloc(sizeof(float) * blocks + sizeof(int32_t) * 5 * blocks + (size_t)(m * k));
     float *scales = (float *)buffer;
     int32_t *offsets16 = (int32_t *)(scales + blocks), *sums32 = offsets16 + 2 * blocks;
     int32_t *sums16 = sums32 + blocks;
     int8_t *codes = (int8_t *)(sums16 + 2 * blocks);
+#pragma omp parallel for schedule(static) num_threads(threads) if (m > MAX_X_ROWS)
     for (int64_t r = 0; r < m; r++)
         gguf_round_x(x + r * k, k, codes + r * k, scales + r * (k / X_BLOCK),
                      offsets16 + r * (k / 16), sums32 + r * (k / 32), sums16 + r * (k / 16));
@@ -201,7 +203,7 @@ static rounded_rows round_rows(const float *x, int64_t m, int64_t k) {
 /* x [m, k] -> x as rounded [m, k] float32: each row's codes times their block's scale,
    what the kernel multiplies. */
 void gguf_round_rows(const float *x, int64_t m, int64_t k, float *out) {
-    rounded_rows rounded = round_rows(x, m, k);
+    rounded_rows rounded = round_rows(x, m, k, 1);
     for (int64_t i = 0; i < m * k; i++)
         out[i] = (float)rounded.x.codes[i] * rounded.x.scales[i / X_BLOCK];
     free(rounded.buffer);
@@ -256,14 +258,15 @@ int gguf_ungroup(int type, const uint8_t *groups, int64_t n, int64_t k, const in
 
 /* -- products --------------------------------------------------------------------------- */
 
-#if INT8_SIMD
 /* x's rows from ``first`` on, as a rounded_x of their own */
-static rounded_x rows_from(const rounded_x *x, int first) {
+static rounded_x rows_from(const rounded_x *x, int64_t first) {
     const int64_t k = x->k;
     return (rounded_x){x->codes + first * k, x->scales + first * (k / 32),
                        x->offsets16 + first * (k / 16), x->sums32 + first * (k / 32),
                        x->sums16 + first * (k / 16), k};
 }
+
+#if INT8_SIMD
 
 /* A group's eight outputs for each of ``rows`` rows of x, into out[m] (lane r: row r).
    Each kernel is inlined with a constant row count (4, 2 or 1; other counts are summed
@@ -339,7 +342,7 @@ static void group_rows(int type, const uint8_t *group, int64_t blocks, const rou
 void gguf_linear_int8(int type, const float *x, int64_t m, int64_t k, const uint8_t *groups,
                       int64_t n, int64_t group_bytes, const float *bias, float *y,
                       int threads) {
-    rounded_rows rows = round_rows(x, m, k);
+    rounded_rows rows = round_rows(x, m, k, threads);
     const rounded_x rounded = rows.x;
     const int64_t blocks = k / block_values(type);
     const int64_t count = (n + GROUP - 1) / GROUP;
@@ -351,6 +354,58 @@ void gguf_linear_int8(int type, const float *x, int64_t m, int64_t k, const uint
         for (int64_t r = 0; r < m; r++)
             for (int64_t i = 0; i < valid; i++)
                 y[r * n + GROUP * g + i] = out[r][i] + (bias ? bias[GROUP * g + i] : 0.0f);
+    }
+    free(rows.buffer);
+}
+
+/* -- many rows of x --------------------------------------------------------------------- */
+
+/* Rows of x a group's kernel takes at once, and groups a thread's x tiles pass over in
+   turn before it moves on (see gguf_gemm_int8). On a Zen 4 core, 256 rows of x times
+   1024 x 4096, 768 x 2048 and 2048 x 768 weights, tiles of 8 rows ran as fast as of 4
+   for Q4_0 and Q4_K and 5-10% faster for Q6_K and Q8_0 (with AVX-512's registers and
+   with AVX2's alike); chunks of 2 to 8 groups ran alike, 5-10% faster than of 1. */
+#define TILE_ROWS 8
+#define CHUNK_GROUPS 4
+
+/* One group's outputs for ``rows`` (1..TILE_ROWS) rows of x (+ bias) into y's ``valid``
+   columns from ``y`` on, its rows ``n`` apart. */
+static void group_into(int type, const uint8_t *group, int64_t blocks, const rounded_x *x,
+                       int rows, const float *bias, float *y, int64_t n, int64_t valid) {
+    float out[MAX_X_ROWS][GROUP];
+    group_rows(type, group, blocks, x, rows, out);
+    for (int r = 0; r < rows; r++)
+        for (int64_t i = 0; i < valid; i++) y[r * n + i] = out[r][i] + (bias ? bias[i] : 0.0f);
+}
+
+/* y [m, n] = round(x) [m, k] @ W^T (+ bias) for any number of rows m, with the
+   arguments of gguf_linear_int8 and the same result row for row: x is rounded once (a
+   row per thread), then each thread takes its share of the groups, CHUNK_GROUPS at a
+   time, and passes every tile of TILE_ROWS rows of x over them, so that the chunk's
+   groups are read from memory once and stay in the core's caches while x's tiles
+   stream past. */
+void gguf_gemm_int8(int type, const float *x, int64_t m, int64_t k, const uint8_t *groups,
+                    int64_t n, int64_t group_bytes, const float *bias, float *y, int threads) {
+    rounded_rows rows = round_rows(x, m, k, threads);
+    const rounded_x rounded = rows.x;
+    const int64_t blocks = k / block_values(type);
+    const int64_t count = (n + GROUP - 1) / GROUP;
+    /* smaller chunks where the groups are few, so that every thread has several */
+    int64_t chunk = CHUNK_GROUPS;
+    while (chunk > 1 && count < 4 * chunk * threads) chunk /= 2;
+    const int64_t chunks = (count + chunk - 1) / chunk;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t last = count < (c + 1) * chunk ? count : (c + 1) * chunk;
+        for (int64_t first = 0; first < m; first += TILE_ROWS) {
+            const int tile = (int)(m - first < TILE_ROWS ? m - first : TILE_ROWS);
+            const rounded_x part = rows_from(&rounded, first);
+            for (int64_t g = c * chunk; g < last; g++) {
+                const int64_t valid = n - GROUP * g < GROUP ? n - GROUP * g : GROUP;
+                group_into(type, groups + g * group_bytes, blocks, &part, tile,
+                           bias ? bias + GROUP * g : NULL, y + first * n + GROUP * g, n, valid);
+            }
+        }
     }
     free(rows.buffer);
 }

@@ -17,6 +17,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from updraft.checkpoints import gguf as gguf_file
 from updraft.kernels.build import load
+from updraft.kernels.int8_groups import UPDRAFT_BLOCKS
 from updraft.kernels.launch import INT, POINTER, Launch, define_op, reads_copies, writable_output
 
 # ggml's type numbers of the block types read here, and (values, bytes) per block, as
@@ -35,6 +36,9 @@ INT8_TYPES = {BLOCK_TYPES[name] for name in ("Q4_0", "Q8_0", "Q4_K", "Q6_K")}
 INT8_TYPES |= {BLOCK_TYPES[name] for name in ("Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4")}
 INT8_TYPES |= {BLOCK_TYPES[name] for name in ("Q2_K", "Q3_K", "Q5_K", "IQ4_XS")}
 INT8_X_BLOCK = 32
+# What the int8 kernel regroups and multiplies, by type code: those of ggml's block types
+# and updraft's own int8 and int4 codes in blocks (``kernels/int8_groups.py``).
+GROUPED_BLOCKS = {**{code: BLOCKS[code] for code in INT8_TYPES}, **UPDRAFT_BLOCKS}
 INT8_MAX_ROWS = 8
 GROUP_ROWS = 8
 
@@ -149,10 +153,17 @@ def _int8_library(march: str = "native") -> ctypes.CDLL:
     """``gguf_int8.c`` built for ``march`` (``haswell``: AVX2 without VNNI; ``x86-64``:
     the portable C path)."""
     lib = load("gguf_int8", march)
-    for name in ("gguf_linear_int8", "gguf_round_x", "gguf_round_rows", "gguf_group"):
+    for name in (
+        "gguf_linear_int8",
+        "gguf_gemm_int8",
+        "gguf_round_x",
+        "gguf_round_rows",
+        "gguf_group",
+    ):
         getattr(lib, name).restype = None
     lib.gguf_ungroup.restype = ctypes.c_int
     lib.gguf_linear_int8.argtypes = _LINEAR_ARGUMENTS
+    lib.gguf_gemm_int8.argtypes = _LINEAR_ARGUMENTS
     lib.gguf_round_x.argtypes = [POINTER, INT, POINTER, POINTER, POINTER, POINTER, POINTER]
     lib.gguf_round_rows.argtypes = [POINTER, INT, INT, POINTER]
     lib.gguf_group.argtypes = [ctypes.c_int, POINTER, INT, INT, POINTER]
@@ -227,11 +238,14 @@ def gguf_kernel_builds() -> bool:
     return True
 
 
-def _check(blocks: torch.Tensor, block_type: int, k: int) -> int:
-    """Bytes of one row of ``blocks``; refuses what the kernel cannot read."""
-    if block_type not in BLOCKS:
-        raise TypeError(f"updraft::gguf ops take ggml block types {sorted(BLOCKS)}")
-    values, size = BLOCKS[block_type]
+def _check(
+    blocks: torch.Tensor, block_type: int, k: int, types: dict[int, tuple[int, int]] = BLOCKS
+) -> int:
+    """Bytes of one row of ``blocks``; refuses what the kernel cannot read (``types``:
+    what it reads, by code)."""
+    if block_type not in types:
+        raise TypeError(f"updraft::gguf ops take block types {sorted(types)}")
+    values, size = types[block_type]
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous():
         raise TypeError("updraft::gguf ops take contiguous uint8 blocks [rows, row_bytes]")
     if k % values or blocks.shape[1] != k // values * size:
@@ -289,7 +303,7 @@ def gguf_linear_launch(
 def _linear_launch(
     op: str,
     kernel: Callable[..., None],
-    max_rows: int,
+    max_rows: int | None,
     x: torch.Tensor,
     weight: torch.Tensor,
     n: int,
@@ -300,10 +314,12 @@ def _linear_launch(
     out: tuple[torch.Tensor, ...] | None,
 ) -> Launch:
     """The call of a linear kernel over a weight's ``n`` rows, in blocks or groups
-    ``stride`` bytes apart (both kernels take the same arguments)."""
+    ``stride`` bytes apart (the kernels take the same arguments), ``max_rows`` rows of x
+    at most (None: any number, each row's output its own, so that a replayed graph may
+    run it over its leading rows alone)."""
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
         raise TypeError(f"updraft::{op} takes float32 x [rows, {k}]")
-    if x.shape[0] > max_rows:
+    if max_rows is not None and x.shape[0] > max_rows:
         raise TypeError(f"updraft::{op} takes at most {max_rows} rows")
     given = (x, bias)
     x = x.contiguous()
@@ -330,6 +346,7 @@ def _linear_launch(
         (y,),
         (x, weight, bias),
         reads_copies(given, (x, bias)),
+        rows_argument=None if max_rows is not None else 2,
     )
 
 
@@ -370,14 +387,14 @@ def gguf_round_rows(x: torch.Tensor, march: str = "native") -> torch.Tensor:
 
 def _group_bytes(block_type: int, k: int) -> int:
     """Bytes of one group of eight rows of ``k`` values in ``block_type``."""
-    return k // BLOCKS[block_type][0] * _int8_library().gguf_group_block_bytes(block_type)
+    return k // GROUPED_BLOCKS[block_type][0] * _int8_library().gguf_group_block_bytes(block_type)
 
 
 def _check_groups(groups: torch.Tensor, block_type: int, k: int, n: int) -> int:
     """Bytes of one group of ``groups`` (``n`` rows of ``k`` values); refuses the rest."""
-    if block_type not in INT8_TYPES:
-        raise TypeError(f"updraft::gguf groups are of ggml block types {sorted(INT8_TYPES)}")
-    values = BLOCKS[block_type][0]
+    if block_type not in GROUPED_BLOCKS:
+        raise TypeError(f"updraft::gguf groups are of block types {sorted(GROUPED_BLOCKS)}")
+    values = GROUPED_BLOCKS[block_type][0]
     if groups.dtype != torch.uint8 or groups.dim() != 2 or not groups.is_contiguous():
         raise TypeError("updraft::gguf ops take contiguous uint8 groups [groups, group_bytes]")
     group_bytes = _group_bytes(block_type, k)
@@ -393,7 +410,7 @@ def _check_groups(groups: torch.Tensor, block_type: int, k: int, n: int) -> int:
 def gguf_group(blocks: torch.Tensor, block_type: int, k: int) -> torch.Tensor:
     """A weight's rows [N, row_bytes] in the file's blocks -> the same codes and scales
     regrouped eight rows at a time [ceil(N / 8), group_bytes] (``gguf_int8.c``)."""
-    _check(blocks, block_type, k)
+    _check(blocks, block_type, k, GROUPED_BLOCKS)
     n = blocks.shape[0]
     groups = torch.empty(-(-n // GROUP_ROWS), _group_bytes(block_type, k), dtype=torch.uint8)
     _int8_library().gguf_group(block_type, blocks.data_ptr(), n, k, groups.data_ptr())
@@ -406,7 +423,7 @@ def gguf_ungroup(
     """Rows ``rows`` (int64) of the ``n``-row weight in ``groups``, in the file's bytes."""
     _check_groups(groups, block_type, k, n)
     rows = rows.to(torch.int64).contiguous()
-    values, size = BLOCKS[block_type]
+    values, size = GROUPED_BLOCKS[block_type]
     out = torch.empty(rows.numel(), k // values * size, dtype=torch.uint8)
     read = _int8_library().gguf_ungroup(
         block_type, groups.data_ptr(), n, k, rows.data_ptr(), rows.numel(), out.data_ptr()
@@ -419,8 +436,8 @@ def gguf_ungroup(
 def gguf_dequantize_groups(
     groups: torch.Tensor, block_type: int, k: int, n: int, rows: torch.Tensor
 ) -> torch.Tensor:
-    """Rows ``rows`` of the weight in ``groups``, widened to float32 [len(rows), k]: an
-    embedding's looked-up rows, a prefill's chunk of weight rows."""
+    """Rows ``rows`` of the weight in ``groups``, widened to float32 [len(rows), k]: a
+    tied embedding's looked-up rows."""
     return gguf_dequantize(gguf_ungroup(groups, block_type, k, n, rows), block_type, k)
 
 
@@ -435,7 +452,7 @@ def gguf_linear_int8(
 ) -> torch.Tensor:
     """x [M, k] float32 (M <= INT8_MAX_ROWS), each row rounded to int8 as
     ``gguf_round_x`` rounds it, @ the ``n``-row weight in ``groups`` transposed (+ bias)
-    -> [M, n]; ``block_type`` one of ``INT8_TYPES``; ``march`` the kernel's build."""
+    -> [M, n]; ``block_type`` one of ``GROUPED_BLOCKS``; ``march`` the kernel's build."""
     return gguf_linear_int8_launch(x, groups, bias, block_type, k, n, march=march)()[0]
 
 
@@ -467,30 +484,56 @@ def gguf_linear_int8_launch(
     )
 
 
+def gguf_gemm_int8(
+    x: torch.Tensor,
+    groups: torch.Tensor,
+    bias: torch.Tensor | None,
+    block_type: int,
+    k: int,
+    n: int,
+    march: str = "native",
+) -> torch.Tensor:
+    """``gguf_linear_int8`` for any number of rows of x (a prefill, a batched step): x
+    rounded once, row by row as ``gguf_round_x`` rounds it, then each group of eight
+    weight rows multiplied by every tile of x's rows while it is in the cache. Row for
+    row the same sums as ``gguf_linear_int8``'s."""
+    return gguf_gemm_int8_launch(x, groups, bias, block_type, k, n, march=march)()[0]
+
+
+def gguf_gemm_int8_launch(
+    x: torch.Tensor,
+    groups: torch.Tensor,
+    bias: torch.Tensor | None,
+    block_type: int,
+    k: int,
+    n: int,
+    out: tuple[torch.Tensor, ...] | None = None,
+    march: str = "native",
+) -> Launch:
+    """``gguf_gemm_int8``'s checked call, into ``out`` (else a new tensor)."""
+    group_bytes = _check_groups(groups, block_type, k, n)
+    kernel = _int8_library(march).gguf_gemm_int8
+    return _linear_launch(
+        "gguf_gemm_int8", kernel, None, x, groups, n, group_bytes, bias, block_type, k, out
+    )
+
+
 # Weight rows widened at once by ``gguf_widened_linear``: a few MB of float32.
 WIDEN_ROWS = 1024
 
 
 def gguf_widened_linear(
-    x: torch.Tensor, weight: torch.Tensor, block_type: int, k: int, n: int, grouped: bool
+    x: torch.Tensor, blocks: torch.Tensor, block_type: int, k: int, n: int
 ) -> torch.Tensor:
-    """x [M, k] float32 @ the ``n``-row weight in blocks (or, ``grouped``, in groups,
-    against x rounded as ``gguf_linear_int8`` rounds it) transposed -> [M, n], for many
-    rows of x (a prefill): a chunk of weight rows at a time is widened to float32 and
-    multiplied with torch. One op, so that a captured graph sees none of the widened
+    """x [M, k] float32 @ the ``n``-row weight in ``blocks`` transposed -> [M, n], for
+    many rows of x (a prefill): a chunk of weight rows at a time is widened to float32
+    and multiplied with torch. One op, so that a captured graph sees none of the widened
     chunks: recorded one by one, every chunk of every linear was alive at once while a
     graph was captured (the whole model in float32: 4.6 GB at load for a 0.5B Q4_K_M
     file, 1.3 GB without the prefill graphs)."""
-    if grouped:  # x as a decode step's int8 kernel takes it
-        x = gguf_round_rows(x)
     chunks = []
     for start in range(0, n, WIDEN_ROWS):
-        end = min(n, start + WIDEN_ROWS)
-        if grouped:
-            rows = torch.arange(start, end)
-            widened = gguf_dequantize_groups(weight, block_type, k, n, rows)
-        else:
-            widened = gguf_dequantize(weight[start:end], block_type, k)
+        widened = gguf_dequantize(blocks[start : start + WIDEN_ROWS], block_type, k)
         chunks.append(torch.mm(x, widened.t()))
         del widened
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
@@ -518,8 +561,12 @@ define_op(
     lambda groups, block_type, k, n, rows: groups.new_empty(rows.numel(), k, dtype=torch.float32),
 )
 define_op(
-    "gguf_widened_linear(Tensor x, Tensor weight, int block_type, int k, int n, bool grouped) "
-    "-> Tensor",
+    "gguf_gemm_int8(Tensor x, Tensor groups, Tensor? bias, int block_type, int k, int n) -> Tensor",
+    lambda x, groups, bias, block_type, k, n: gguf_gemm_int8(x, groups, bias, block_type, k, n),
+    lambda x, groups, bias, block_type, k, n: x.new_empty(x.shape[0], n),
+)
+define_op(
+    "gguf_widened_linear(Tensor x, Tensor blocks, int block_type, int k, int n) -> Tensor",
     gguf_widened_linear,
-    lambda x, weight, block_type, k, n, grouped: x.new_empty(x.shape[0], n),
+    lambda x, blocks, block_type, k, n: x.new_empty(x.shape[0], n),
 )

@@ -20,8 +20,8 @@ from updraft.weights import ACTIVATIONS
 
 # The quantized formats other than GGUF's blocks whose linears have integer kernels, by
 # name: updraft's own (``--quantization`` int8, int4) and pre-quantized checkpoints'
-# methods (awq, gptq, compressed-tensors). A format joins when its kernels do.
-INT8_FORMATS: frozenset[str] = frozenset()
+# methods (awq, gptq, compressed-tensors): their grouped layouts (kernels/int8_groups.py).
+INT8_FORMATS: frozenset[str] = frozenset({"int8", "int4", "awq", "gptq", "compressed-tensors"})
 
 log = logging.getLogger(__name__)
 

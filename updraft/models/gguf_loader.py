@@ -12,9 +12,10 @@ copy of its weight. A layer's stacked experts are placed by ``gguf_experts``.
 With ``int8_activations`` (``--activations int8``), the linears in the block types
 ``kernels/gguf_int8.c`` multiplies as bytes (``INT8_TYPES``) keep their rows
 regrouped eight at a time, the same bytes in another order, and round x to int8, as
-llama.cpp does: a step of up to 64 rows multiplies the codes as bytes, a prefill's
-longer x, rounded alike, multiplies rows widened from the groups as floats. A tied
-embedding looks its rows up in the LM head's groups.
+llama.cpp does, and multiply the codes as bytes: a decode step of up to 8 rows in one
+pass over the groups, a prefill or a larger batch in integer tiles that reuse each
+group across all its rows (``gguf_gemm_int8``). A tied embedding looks its rows up in
+the LM head's groups.
 
 Under int8 activations a linear in a block type without an integer kernel is refused,
 by its tensor's name (``_with_int8_kernels``), rather than left to take float x; which
@@ -193,15 +194,10 @@ class GGUFLinear(nn.Module):
         rows = flat.shape[0]
         if self.grouped[index]:
             n = self.rows[index]
-            if rows <= BLOCK_PASSES_UP_TO:  # a decode step: a pass over the groups per 8 rows
-                return _in_passes(
-                    lambda group: torch.ops.updraft.gguf_linear_int8(
-                        group, weight, None, code, k, n
-                    ),
-                    flat,
-                    INT8_MAX_ROWS,
-                )
-            return torch.ops.updraft.gguf_widened_linear(flat, weight, code, k, n, True)
+            if rows <= INT8_MAX_ROWS:  # a decode step: one pass over the groups
+                return torch.ops.updraft.gguf_linear_int8(flat, weight, None, code, k, n)
+            # a prefill or a batched step: integer tiles, each group reused by all of x
+            return torch.ops.updraft.gguf_gemm_int8(flat, weight, None, code, k, n)
         if rows <= BLOCK_PASSES_UP_TO:  # a decode step: a pass over the blocks per 8 rows
             return _in_passes(
                 lambda group: torch.ops.updraft.gguf_linear(group, weight, None, code, k),
@@ -209,7 +205,7 @@ class GGUFLinear(nn.Module):
                 GGUF_MAX_ROWS,
             )
         # A prefill: a chunk of weight rows at a time widened and multiplied, in one op.
-        return torch.ops.updraft.gguf_widened_linear(flat, weight, code, k, weight.shape[0], False)
+        return torch.ops.updraft.gguf_widened_linear(flat, weight, code, k, weight.shape[0])
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
@@ -273,7 +269,7 @@ def load_gguf_model(
     place: RankPlace | None = None,
 ) -> nn.Module:
     """The model ``config`` describes, its weights read from the GGUF ``parts`` (with
-    ``int8_activations``, its quantized linears round a decode step's x to int8; with
+    ``int8_activations``, its quantized linears round x to int8; with
     ``place``, the rank's shard: ``gguf_shards.py``)."""
     if dtype != torch.float32 or torch.device(device).type != "cpu":
         raise ValueError("a GGUF file runs on the CPU in float32")

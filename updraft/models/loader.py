@@ -20,6 +20,7 @@ from updraft.checkpoints.gguf import linked_files
 from updraft.kernels.panels import pack_codes
 from updraft.model_config import ModelConfig
 from updraft.models.gguf_loader import load_gguf_model
+from updraft.models.grouped_linear import grouped_or_none
 from updraft.models.mapped_table import MappedEmbedding, mapped_tensor
 from updraft.models.moe import Experts
 from updraft.models.mxfp4_experts import fill_mxfp4, mxfp4_slots, slot_tensors
@@ -97,8 +98,9 @@ def load_model(
 ) -> nn.Module:
     """The model computing in ``dtype``, its weights kept in ``weights`` (default: the
     compute dtype); with ``place``, only the shard that rank holds
-    (models/tensor_parallel.py); with ``int8_activations``, a GGUF file's quantized
-    linears round a decode step's x to int8 (``kernels/gguf_int8.c``). It is built on
+    (models/tensor_parallel.py); with ``int8_activations``, its quantized linears (a
+    GGUF file's blocks, the int8 and int4 formats, AWQ/GPTQ codes) round x to int8
+    (``kernels/gguf_int8.c``). It is built on
     the meta device and filled tensor by tensor, each rank reading only what it keeps,
     each layer packed once its weights are in: at no point does the process hold the
     whole model in the checkpoint's dtype."""
@@ -107,12 +109,12 @@ def load_model(
         if weights is not None and weights != WeightFormat.of(dtype):
             raise ValueError(f"a GGUF file keeps its own weight types; {weights} was asked")
         return load_gguf_model(config, gguf, dtype, device, max_positions, int8_activations, place)
-    if int8_activations:
-        raise ValueError(
-            f"{model_dir}: --activations int8 is for a GGUF file's quantized blocks, and "
-            "this is not a GGUF file"
-        )
     fmt = weights or WeightFormat.of(dtype)
+    if int8_activations and not fmt.quantized and config.quantized is None:
+        raise ValueError(
+            f"{model_dir}: --activations int8 is for quantized weights (a GGUF file's "
+            f"blocks, --quantization int8 or int4, AWQ/GPTQ codes), and these are {fmt}"
+        )
     with building(storage_dtype(fmt, dtype, config), "meta"):
         model = model_class(config)(config, max_positions=max_positions)
     files = weight_files(Path(model_dir))
@@ -138,9 +140,10 @@ def load_model(
             and not unused(text_name(name))
         ),
         place=place,
+        int8=int8_activations,
     )
     if quantized:
-        fill_slots(model, names, config.quantized, quantized)
+        fill_slots(model, names, config.quantized, quantized, int8_activations)
     if experts:
         fill_mxfp4(model, names, experts)
     if tables:
@@ -234,9 +237,11 @@ def fill_slots(
     names: dict[Path, list[str]],
     scheme: QuantizedCheckpoint,
     slots: dict[str, dict[Slice, str]],
+    int8: bool = False,
 ) -> None:
     """Read each slot's quantized tensors into int4 panels (codes as they are) and put a
-    ``PackedLinear`` over them in its place."""
+    ``PackedLinear`` over them in its place; with ``int8`` (activations), into the int8
+    kernel's groups and a ``GroupedLinear``, where their shape fits one."""
     where = {name: path for path, held in names.items() for name in held}
     modules = dict(model.named_modules())
     for module_name, parts in slots.items():
@@ -260,10 +265,16 @@ def fill_slots(
                 f"{module_name}: {scheme.method} tensors hold {codes.codes.shape[0]} rows, "
                 f"the layer {slot.out_features}"
             )
-        panels = pack_codes(codes.codes, codes.scales, codes.zeros, "int4", codes.group)
         fmt = WeightFormat("int4", codes.group, zero_point=True)
         parent, _, child = module_name.rpartition(".")
-        setattr(modules[parent], child, PackedLinear.over(panels, slot.bias, fmt))
+        linear = None
+        if int8:
+            grouped = (codes.codes, codes.scales, codes.zeros, fmt, codes.group, slot.bias)
+            linear = grouped_or_none(*grouped)
+        if linear is None:
+            panels = pack_codes(codes.codes, codes.scales, codes.zeros, "int4", codes.group)
+            linear = PackedLinear.over(panels, slot.bias, fmt)
+        setattr(modules[parent], child, linear)
 
 
 def _read(where: dict[str, Path], prefix: str, suffixes: tuple[str, ...]) -> dict:
@@ -287,11 +298,13 @@ def fill(
     select: Callable[[str], bool] = lambda name: True,
     place: RankPlace | None = None,
     split: Callable[[nn.Module, RankPlace], Shards] = shard_model,
+    int8: bool = False,
 ) -> nn.Module:
     """``model``, built on the meta device, filled from ``files`` (``load_weights``),
-    packed into ``fmt`` as it fills where it computes in ``dtype`` on the CPU, and ready
-    to run on ``device``; with ``place``, ``split`` keeps the rank's shard of it."""
-    pack = packer(fmt, device, dtype)  # refuses a format that cannot run here, first
+    packed into ``fmt`` as it fills where it computes in ``dtype`` on the CPU (``int8``:
+    for activations rounded to int8), and ready to run on ``device``; with ``place``,
+    ``split`` keeps the rank's shard of it."""
+    pack = packer(fmt, device, dtype, int8)  # refuses a format that cannot run here, first
     shard = (lambda model: split(model, place)) if splits_tensors(place) else None
     load_weights(model, files, select, device, shard, loaded=pack)
     return model.to(device).eval().requires_grad_(False)  # .to: the rotary tables

@@ -36,6 +36,7 @@ from torch import nn
 from updraft.kernels.build import kernel_builds
 from updraft.kernels.ops import BF16_PRODUCTS
 from updraft.kernels.panels import Panels, pack
+from updraft.models.grouped_linear import quantized_grouped
 from updraft.weights import WeightFormat
 
 # The row count oneDNN lays a weight out for. Any count runs on the layout, but one laid
@@ -179,12 +180,17 @@ def few_rows_for(model: nn.Module) -> int:
     return CACHED_FEW_ROWS if sum(weights.values()) <= last_level_cache_bytes() else FEW_ROWS
 
 
-def pack_linears(model: nn.Module, fmt: WeightFormat, few_rows: int | None = None) -> None:
+def pack_linears(
+    model: nn.Module, fmt: WeightFormat, few_rows: int | None = None, int8: bool = False
+) -> None:
     """Replace every loaded ``nn.Linear`` of ``model`` (one still on the meta device
-    waits for its weights) by a ``PackedLinear`` in ``fmt``; a weight tied to an
-    embedding stays for the embedding. ``few_rows``: default ``few_rows_for(model)``."""
+    waits for its weights) by a ``PackedLinear`` in ``fmt``, or with ``int8``
+    (activations) and a quantized ``fmt``, by a ``GroupedLinear`` where its shape fits
+    one; a weight tied to an embedding stays for the embedding. ``few_rows``: default
+    ``few_rows_for(model)``."""
     few_rows = few_rows_for(model) if few_rows is None else few_rows
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and not child.weight.is_meta:
-                setattr(module, name, PackedLinear(child, fmt, few_rows))
+                grouped = quantized_grouped(child, fmt) if int8 and fmt.quantized else None
+                setattr(module, name, grouped or PackedLinear(child, fmt, few_rows))

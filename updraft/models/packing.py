@@ -58,11 +58,17 @@ def _loaded(module: nn.Module) -> bool:
 
 
 def pack_model(
-    model: nn.Module, fmt: WeightFormat, compute: torch.dtype, few_rows: int | None = None
+    model: nn.Module,
+    fmt: WeightFormat,
+    compute: torch.dtype,
+    few_rows: int | None = None,
+    int8: bool = False,
 ) -> None:
     """Pack, in place, the loaded linears and experts of ``model`` into ``fmt`` and give
     every other loaded parameter the compute dtype, an embedding table excepted. Parts
-    still on the meta device are left for a later call, once their weights are in."""
+    still on the meta device are left for a later call, once their weights are in.
+    ``int8``: activations rounded to int8 for the linears of a quantized ``fmt``
+    (``models/grouped_linear.py``; experts keep their panels and float32 x)."""
     for module in list(model.modules()):
         if isinstance(module, WidenedEmbedding):
             continue  # its table stays as it is
@@ -71,7 +77,7 @@ def pack_model(
                 setattr(module, name, PackedExperts.packed(child, fmt))
             elif isinstance(child, EMBEDDINGS) and _loaded(child) and child.weight.dtype != compute:
                 setattr(module, name, WidenedEmbedding(child, compute))
-    pack_linears(model, fmt, few_rows)
+    pack_linears(model, fmt, few_rows, int8)
     tables = {id(m.weight) for m in model.modules() if isinstance(m, EMBEDDINGS)}
     for param in model.parameters():
         if id(param) in tables or param.is_meta or not param.is_floating_point():
@@ -86,23 +92,26 @@ class Packer:
     the layer is packed. How many rows the panel kernel takes is decided once, from the
     whole model."""
 
-    def __init__(self, fmt: WeightFormat, compute: torch.dtype) -> None:
+    def __init__(self, fmt: WeightFormat, compute: torch.dtype, int8: bool = False) -> None:
         self.fmt = fmt
         self.compute = compute
+        self.int8 = int8
         self.few_rows: int | None = None
 
     def __call__(self, model: nn.Module) -> None:
         if self.few_rows is None:
             self.few_rows = few_rows_for(model)
-        pack_model(model, self.fmt, self.compute, self.few_rows)
+        pack_model(model, self.fmt, self.compute, self.few_rows, self.int8)
 
 
-def packer(fmt: WeightFormat, device: torch.device | str, compute: torch.dtype) -> Packer | None:
+def packer(
+    fmt: WeightFormat, device: torch.device | str, compute: torch.dtype, int8: bool = False
+) -> Packer | None:
     """What packs a model computing in ``compute`` on ``device`` with weights in
-    ``fmt`` as it loads; None where its weights run as loaded. A format that cannot run
-    there is refused by name."""
+    ``fmt`` as it loads (``int8``: with activations rounded to int8); None where its
+    weights run as loaded. A format that cannot run there is refused by name."""
     if can_pack(torch.device(device), compute, fmt):
-        return Packer(fmt, compute)
+        return Packer(fmt, compute, int8)
     if fmt != WeightFormat.of(compute):
         raise ValueError(
             f"{fmt} weights run on the CPU with float32 compute, not on {device} in "
