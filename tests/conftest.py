@@ -84,16 +84,6 @@ def all_cores():
     torch.set_num_threads(before)
 
 
-@pytest.fixture
-def exact_bfloat16(monkeypatch):
-    """bfloat16 weights multiply float32 x exactly at every row count, as the
-    transformers-parity tests compare them: no batch's x rounded to bfloat16 where the
-    CPU multiplies bfloat16 (models/packed_linear.py)."""
-    from updraft.models import packed_linear
-
-    monkeypatch.setattr(packed_linear, "BF16_BATCHES", False)
-
-
 @pytest.fixture(scope="session")
 def tiny_llama_with_tokenizer(tmp_path_factory) -> Path:
     model_dir = build_checkpoint("llama", tmp_path_factory.mktemp("llama_text"))

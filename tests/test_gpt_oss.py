@@ -225,7 +225,6 @@ def test_greedy_equals_generate_eager_and_with_full_and_piecewise_graphs(checkpo
     assert_greedy_equals_generate(checkpoint, [{"enforce_eager": True}, *GRAPH_MODES])
 
 
-@pytest.mark.usefixtures("exact_bfloat16")  # the float32 forward: exact bfloat16 batches
 def test_a_bfloat16_checkpoint_loads(tmp_path):
     """Kept in bfloat16 and computed in float32 it is transformers' float32 forward of
     the same weights; computed in bfloat16 (the experts' float path) it is near

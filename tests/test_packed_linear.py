@@ -113,11 +113,11 @@ def test_the_cache_size_is_the_largest_level_linux_reports(tmp_path):
     assert packed_linear.last_level_cache_bytes(empty) == packed_linear.DEFAULT_CACHE_BYTES
 
 
-def test_a_bfloat16_linear_runs_batches_in_bfloat16_products_unless_kept_exact(monkeypatch):
-    """Its batches in bfloat16 products (exact where the CPU has none), or with
-    ``BF16_BATCHES`` off, exact everywhere; no other format changes."""
+def test_a_bfloat16_linear_runs_batches_in_bfloat16_products_unless_kept_exact():
+    """Its batches in bfloat16 products (exact where the CPU has none), or in an exact
+    format (``--activations float32``), exact everywhere; no other format changes."""
     linear, bfloat16 = nn.Linear(32, 40), WeightFormat("bfloat16")
     assert PackedLinear(linear, bfloat16).code == ops.BF16_PRODUCTS
     assert PackedLinear(linear, WeightFormat("float16")).code == 2
-    monkeypatch.setattr(packed_linear, "BF16_BATCHES", False)
-    assert PackedLinear(linear, bfloat16).code == 1
+    assert PackedLinear(linear, WeightFormat("bfloat16", exact=True)).code == 1
+    assert PackedLinear(linear, WeightFormat("float16", exact=True)).code == 2

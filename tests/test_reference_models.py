@@ -30,7 +30,13 @@ def reference_logits(model_dir, token_ids: list[int]) -> torch.Tensor:
 def assert_logits_match(model_dir, token_budget: int = 1024) -> None:
     """Prefill PROMPTS together (in chunks when ``token_budget`` is small), decode
     DECODE_STEPS, and compare every emitted token's logits with transformers' forward."""
-    llm = probed(model_dir, block_size=4, num_kv_blocks=128, max_num_batched_tokens=token_budget)
+    llm = probed(
+        model_dir,
+        block_size=4,
+        num_kv_blocks=128,
+        max_num_batched_tokens=token_budget,
+        activations="float32",  # the exact path (a bfloat16 checkpoint's batches unrounded)
+    )
     outputs = llm.generate(PROMPTS, greedy(DECODE_STEPS + 1))
     seen = records(llm)
     reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -107,8 +107,9 @@ class EngineConfig:
         "values and multiplied by the weights' codes as bytes, as llama.cpp computes, for "
         "every weight type with an integer kernel; about a percent of error on each "
         "product), float32 (exact: float32 x times the weights' own values), or auto: "
-        "int8 for a quantized checkpoint all of whose weight types have integer kernels "
-        "(a GGUF file's blocks), float32 for a float one",
+        "int8 for a quantized checkpoint all of whose weight types have integer kernels, "
+        "float32 for a float one (a bfloat16 one's batches in bfloat16 products where the "
+        "CPU has AVX512-BF16; float32 keeps them exact too)",
         choices=ACTIVATIONS,
     )
     adaptive_threads: bool = setting(
@@ -374,7 +375,7 @@ class EngineConfig:
 
     def weight_format(self, model_config: ModelConfig) -> WeightFormat:
         """How the linear and expert weights are kept (``weights.choose_format``)."""
-        return choose_format(
+        chosen = choose_format(
             dtype=self.dtype,
             device=self.device,
             quantization=self.quantization,
@@ -382,3 +383,4 @@ class EngineConfig:
             checkpoint_dtype=model_config.checkpoint_dtype,
             prequantized=model_config.quantized,
         )
+        return replace(chosen, exact=self.activations == "float32")

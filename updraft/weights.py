@@ -8,7 +8,7 @@ import torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -38,6 +38,10 @@ class WeightFormat:
     name: str
     group_size: int | None = None
     zero_point: bool = False
+    # bfloat16 weights multiply float32 x exactly at every row count (``--activations
+    # float32``), not x rounded to bfloat16 where the CPU multiplies bfloat16 natively
+    # (kernels/linear.c). How the weights are computed with, not how they are kept.
+    exact: bool = field(default=False, compare=False)
 
     @classmethod
     def of(cls, dtype: torch.dtype) -> WeightFormat:

@@ -155,7 +155,7 @@ class PackedExperts(RoutedExperts):
         self.activation = EXPERT_ACTIVATIONS.index(activation)
         self.format = fmt
         self.inter = down.in_features
-        self.code, self.groups = kernel_code(gate_up), (gate_up.group, down.group)
+        self.code, self.groups = kernel_code(gate_up, fmt), (gate_up.group, down.group)
         self.swiglu = swiglu or (0.0, 0.0)  # (alpha, limit): the clamped SwiGLU's only
         for prefix, panels in (("gate_up", gate_up), ("down", down)):
             for name in ("codes", "scales", "zeros"):

@@ -12,8 +12,9 @@ A bfloat16 weight's batches (``ops.bf16_product_rows()`` rows and more), on a CP
 AVX512-BF16, multiply x rounded to bfloat16 by the same panels, summing the products in
 float32, as oneDNN's and vLLM's bfloat16 GEMMs do there: about twice the float32
 multiply-add rate and no widening, for the rounding of x (a relative error of up to
-2^-8 per value). ``BF16_BATCHES = False`` keeps them exact (the transformers-parity
-tests). Decode steps stay exact either way, and elsewhere nothing changes.
+2^-8 per value; fewer rows multiply x rounded alike, so no row's value depends on its
+step's size). ``--activations float32`` (the format's ``exact``) keeps them exact, as
+the transformers-parity tests do. Elsewhere nothing changes.
 
 On a CPU with AVX-512, a float32 weight keeps a second packing for batches, oneDNN's
 ("prepacked", as vLLM's CPU backend and inductor's freezing do), taken from 5 rows up
@@ -54,9 +55,6 @@ FEW_ROWS = 4
 # keeps both in cache, and a 6-row verify step of the demo model ran 1.4x slower
 # (benchmarks/RESULTS.md).
 CACHED_FEW_ROWS = 9
-# Whether a bfloat16 weight's batches multiply in bfloat16 where the CPU can (read when a
-# layer is packed).
-BF16_BATCHES = True
 # Where the machine does not say how large its last-level cache is.
 DEFAULT_CACHE_BYTES = 32 * 2**20
 
@@ -94,11 +92,12 @@ def onednn_for_batches(capability: str | None = None) -> bool:
     return (capability or torch.backends.cpu.get_cpu_capability()) != "AVX2"
 
 
-def kernel_code(panels: Panels) -> int:
-    """The format ``panel_linear`` and ``grouped_mlp`` run ``panels`` in: bfloat16's
-    batches in bfloat16 products where ``BF16_BATCHES`` (and the CPU has them), else the
-    panels' own."""
-    return BF16_PRODUCTS if panels.format == "bfloat16" and BF16_BATCHES else panels.code
+def kernel_code(panels: Panels, fmt: WeightFormat) -> int:
+    """The format ``panel_linear`` and ``grouped_mlp`` run ``panels`` in: bfloat16's in
+    bfloat16 products (where the CPU has them) unless ``fmt.exact``, else the panels'
+    own."""
+    exact = fmt.exact or panels.format != "bfloat16"
+    return panels.code if exact else BF16_PRODUCTS
 
 
 def can_pack(device: torch.device, dtype: torch.dtype, fmt: WeightFormat) -> bool:
@@ -129,7 +128,7 @@ class PackedLinear(nn.Module):
             panels = pack(weight, fmt)
         if panels is None and fmt.name != "float32":
             raise RuntimeError(f"{fmt} weights need updraft's linear kernel, which did not build")
-        self.code, self.group = (kernel_code(panels), panels.group) if panels else (0, 0)
+        self.code, self.group = (kernel_code(panels, fmt), panels.group) if panels else (0, 0)
         for name in ("codes", "scales", "zeros"):
             self.register_buffer(name, getattr(panels, name, None), persistent=False)
         packed = None
