@@ -42,6 +42,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -267,10 +268,11 @@ def load_gguf_model(
     max_positions: int | None = None,
     int8_activations: bool = False,
     place: RankPlace | None = None,
+    exact: bool = False,
 ) -> nn.Module:
     """The model ``config`` describes, its weights read from the GGUF ``parts`` (with
-    ``int8_activations``, its quantized linears round x to int8; with
-    ``place``, the rank's shard: ``gguf_shards.py``)."""
+    ``int8_activations``, its quantized linears round x to int8; ``exact``: a bfloat16
+    file's weights multiply x unrounded; with ``place``, the rank's shard)."""
     if dtype != torch.float32 or torch.device(device).type != "cpu":
         raise ValueError("a GGUF file runs on the CPU in float32")
     with building(torch.float32, "meta"):
@@ -316,7 +318,7 @@ def load_gguf_model(
     left = [name for name, param in model.named_parameters() if param.is_meta]
     if left:
         raise ValueError(f"{parts[0].name}: no GGUF tensor for {left[:8]}")
-    pack_model(model, gathered.float_format(), torch.float32)
+    pack_model(model, replace(gathered.float_format(), exact=exact), torch.float32)
     return model.to(device).eval().requires_grad_(False)
 
 

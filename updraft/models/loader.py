@@ -104,17 +104,15 @@ def load_model(
     the meta device and filled tensor by tensor, each rank reading only what it keeps,
     each layer packed once its weights are in: at no point does the process hold the
     whole model in the checkpoint's dtype."""
+    fmt = weights or WeightFormat.of(dtype)
     gguf = linked_files(Path(model_dir))
     if gguf is not None:
-        if weights is not None and weights != WeightFormat.of(dtype):
+        if fmt != WeightFormat.of(dtype):
             raise ValueError(f"a GGUF file keeps its own weight types; {weights} was asked")
-        return load_gguf_model(config, gguf, dtype, device, max_positions, int8_activations, place)
-    fmt = weights or WeightFormat.of(dtype)
-    if int8_activations and not fmt.quantized and config.quantized is None:
-        raise ValueError(
-            f"{model_dir}: --activations int8 is for quantized weights (a GGUF file's "
-            f"blocks, --quantization int8 or int4, AWQ/GPTQ codes), and these are {fmt}"
+        return load_gguf_model(
+            config, gguf, dtype, device, max_positions, int8_activations, place, fmt.exact
         )
+    _refuse_int8_on_floats(model_dir, fmt, config, int8_activations)
     with building(storage_dtype(fmt, dtype, config), "meta"):
         model = model_class(config)(config, max_positions=max_positions)
     files = weight_files(Path(model_dir))
@@ -149,6 +147,17 @@ def load_model(
     if tables:
         attach_tables(tables, files, device)
     return model
+
+
+def _refuse_int8_on_floats(
+    model_dir: str | Path, fmt: WeightFormat, config: ModelConfig, int8_activations: bool
+) -> None:
+    """``--activations int8`` is for quantized weights; refused, by name, on float ones."""
+    if int8_activations and not fmt.quantized and config.quantized is None:
+        raise ValueError(
+            f"{model_dir}: --activations int8 is for quantized weights (a GGUF file's "
+            f"blocks, --quantization int8 or int4, AWQ/GPTQ codes), and these are {fmt}"
+        )
 
 
 def prequantized_slots(
