@@ -7,6 +7,8 @@ same checkpoint and the same token-id prompts, greedy (benchmarks/peers/workload
 * cold prefill: prompt tokens/s of the mixed load's 32 prompt lengths (16-256 tokens),
   with fresh tokens in every run so that no prefix cache can help, one output token
   each (llama.cpp and transformers take them one at a time, as they serve);
+* cold prefill of whole 256-token prompts, one at a time (``prefill256``, the default
+  for ``--format gguf`` in place of the mixed lengths);
 * output tokens/s of 32 mixed requests (prompts 16-256 tokens, outputs 16-128);
 * peak resident memory of the engine process, each with a 1 GiB KV cache;
 * the same again while a busy loop shares the cores (``--contention``), as a server's
@@ -17,12 +19,17 @@ here first. Engines run in rounds, in a rotating order; the table shows the best
 and the range. Every engine's tokens are compared with updraft's.
 
     bash benchmarks/peers/setup_vllm.sh; bash benchmarks/peers/setup_llamacpp.sh
+    bash benchmarks/peers/setup_ik_llamacpp.sh [SOURCE]   # for --format gguf
     .venv/bin/python -m benchmarks.bench_peers [--model demo|100m|500m|moe|qwen3.5|gpt-oss] \\
         [--rounds 3] [--format float32|bfloat16|float16|int4|gguf|mxfp4] [--contention] [--ngram]
 
 ``--format`` runs each engine on the weights users would download or make in that
 format (FORMATS below); every run's floor is its own weight bytes per token. ``gguf``
-runs updraft and llama.cpp on the same Q8_0, Q4_0 and Q4_K_M files.
+runs updraft (its defaults), llama.cpp and ik_llama.cpp on the same Q8_0, Q4_0, Q4_K_M,
+Q5_K_M and Q6_K files, and adds a table of each file's rates and updraft's ratios.
+ik_llama.cpp, which has no Python binding, is its own ``llama-bench``
+(``peers/engine_ik_llamacpp.py``), with and without ``-rtr 1``: batch 1 and the
+256-token prefill only, no tokens to compare.
 
 ``--model qwen3.5`` is a hybrid of Gated DeltaNet and gated full-attention layers, 3 to
 1 (``make_random_qwen35``). llama.cpp reads it from the F32 file that llama.cpp's own
