@@ -48,6 +48,7 @@ from benchmarks.bench_peers import PYTHONS, prepare_gguf
 from benchmarks.common import make_random_qwen3, markdown_table, stream_bandwidth
 from benchmarks.peers.workload import cold_prompts
 from updraft import LLM, SamplingParams
+from updraft.kernels.gguf_ops import INT8_TYPES
 from updraft.model_config import ModelConfig
 from updraft.models.gguf_loader import GGUFLinear
 
@@ -123,8 +124,11 @@ def gguf_prefill(model: Path, work: Path, file_type: str, rounds: int) -> dict[s
     linears = [(name, m) for name, m in model_module.named_modules() if isinstance(m, GGUFLinear)]
 
     def int8_macs(linear: GGUFLinear) -> int:
-        rows = sum(n for n, grouped in zip(linear.rows, linear.grouped, strict=True) if grouped)
-        return rows * linear.in_features
+        """Multiply-adds a row of x takes in the parts on the int8 path."""
+        on_int8 = [
+            n for n, code in zip(linear.rows, linear.codes, strict=True) if code in INT8_TYPES
+        ]
+        return sum(on_int8) * linear.in_features if linear.int8 else 0
 
     macs = sum((1 if "lm_head" in name else tokens) * int8_macs(m) for name, m in linears)
     vocab = llm.engine.model_config.vocab_size
