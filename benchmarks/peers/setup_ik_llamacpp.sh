@@ -9,13 +9,15 @@
 # SOURCE is an unpacked ik_llama.cpp tree, or a git directory (a bare one too) whose
 # pinned commit is unpacked first; without it the pinned commit is cloned from GitHub.
 # Pinned: ikawrakow/ik_llama.cpp 8337e4cd3861406fc04e0854b1409cd1b027fbc9
-# (2026-08-15, "Fix Qwen35+ MTP (#2322)"). Only llama-bench is built: about 25
-# minutes on two cores.
+# (2026-08-15, "Fix Qwen35+ MTP (#2322)"). Only llama-bench is built: 40 minutes on
+# two busy cores at nice 19 (2026-12-06), less on quiet ones.
 set -euo pipefail
 commit=8337e4cd3861406fc04e0854b1409cd1b027fbc9
 here="$(cd "$(dirname "$0")" && pwd)"
 build="$here/ik_llama.cpp-build"
 source_arg="${1:-}"
+unpacked=""  # a tree this script unpacked or cloned, removed at exit
+trap '[ -z "$unpacked" ] || rm -rf "$unpacked"' EXIT
 
 unpack_git_dir() {
     # A snapshot may lack large blobs no build needs (web UI pages, vocab files), which
@@ -35,13 +37,15 @@ unpack_git_dir() {
 }
 
 if [ -z "$source_arg" ]; then
-    src="$(mktemp -d)/ik_llama.cpp"
+    unpacked="$(mktemp -d)"
+    src="$unpacked/ik_llama.cpp"
     git clone --quiet --filter=blob:none https://github.com/ikawrakow/ik_llama.cpp "$src"
     git -C "$src" checkout --quiet "$commit"
 elif [ -f "$source_arg/CMakeLists.txt" ]; then
     src="$(cd "$source_arg" && pwd)"
 elif git --git-dir="$source_arg" rev-parse --verify --quiet "$commit^{commit}" >/dev/null; then
-    src="$(mktemp -d)/ik_llama.cpp"
+    unpacked="$(mktemp -d)"
+    src="$unpacked/ik_llama.cpp"
     unpack_git_dir "$source_arg" "$src"
 else
     echo "setup_ik_llamacpp.sh: $source_arg is neither an ik_llama.cpp tree (no" \
