@@ -57,6 +57,7 @@ fi
 # machine. No CUDA, no curl, static libraries so the program stands alone; the
 # flash-attention kernels for quantized KV caches are left out (the benchmark's cache
 # is f16), which halves the build.
+rm -rf "$build"  # its cache names the tree it was configured from, which is gone
 cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
     -DGGML_CUDA=OFF -DLLAMA_CURL=OFF -DGGML_CCACHE=OFF -DBUILD_SHARED_LIBS=OFF \
     -DGGML_IQK_FA_ALL_QUANTS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF
