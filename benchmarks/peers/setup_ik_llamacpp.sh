@@ -43,7 +43,7 @@ if [ -z "$source_arg" ]; then
     git -C "$src" checkout --quiet "$commit"
 elif [ -f "$source_arg/CMakeLists.txt" ]; then
     src="$(cd "$source_arg" && pwd)"
-elif git --git-dir="$source_arg" rev-parse --verify --quiet "$commit^{commit}" >/dev/null; then
+elif git --git-dir="$source_arg" rev-parse --verify --quiet "$commit^{commit}" >/dev/null 2>&1; then
     unpacked="$(mktemp -d)"
     src="$unpacked/ik_llama.cpp"
     unpack_git_dir "$source_arg" "$src"
