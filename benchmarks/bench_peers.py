@@ -360,6 +360,8 @@ def gguf_table(title: str, rates: Callable[[str, str], list[float]]) -> str:
     rows = [row for row in rows if any(c != "-" for c in row[1:])]
     header = ["file, tokens/s", "updraft", "updraft x32", "llama.cpp", "ik_llama.cpp"]
     header += ["updraft / llama.cpp", "updraft / ik_llama.cpp"]
+    kept = [0] + [i for i in range(1, len(header)) if any(row[i] != "-" for row in rows)]
+    header, rows = [header[i] for i in kept], [[row[i] for i in kept] for row in rows]
     return markdown_table(f"updraft against llama.cpp and ik_llama.cpp, {title}", header, rows)
 
 
