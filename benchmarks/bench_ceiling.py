@@ -8,7 +8,17 @@
    tokens, max_tokens 1): prompt tokens/s, and the model's FLOPs per prompt token
    (2 x its matrix parameters, the LM head only for the rows that sample, plus causal
    attention's score and value products) as GFLOP/s and as a fraction of the peak.
-3. Batched decoding at batch 8, 32 and 64, and 1 for reference (each request 32 prompt
+3. The int8 dot-product peak: every thread running independent chains of the widest
+   u8 x s8 multiply-add instruction a build has (``benchmarks/int8_peak.c``: AVX512-VNNI
+   or AVX-VNNI ``vpdpbusd`` where the CPU has them, and AVX2 ``vpmaddubsw`` +
+   ``vpmaddwd`` too, built for ``haswell``), as multiply-adds/s and as operations/s (2
+   a multiply-add) beside the float32 peak's FLOP/s. Then the 100M model's GGUF Q4_0
+   and Q4_K_M files (llama.cpp's quantizer, as bench_peers makes them) with int8
+   activations: a cold prefill of a 256-token prompt, the quantized linears' integer
+   multiply-adds (every part on the int8 path; the head's for the one row that samples)
+   over the prefill's time as a fraction of that peak; and the same linears alone, each
+   timed on 256 rows of x.
+4. Batched decoding at batch 8, 32 and 64, and 1 for reference (each request 32 prompt
    tokens, 64 greedy new tokens): output tokens/s against both floors, compute (peak /
    FLOPs per token) and bandwidth (stream bandwidth x batch / the weight bytes a step
    reads), and the fraction of whichever binds.
@@ -17,22 +27,30 @@ The 100M Qwen3-shape float32 checkpoint of the peer benchmark (hidden 768, 12 la
 a 32k vocabulary tied to the head).
 
     .venv/bin/python -m benchmarks.bench_ceiling [--rounds 3]
+
+(The GGUF rows need llama.cpp's quantizer: benchmarks/peers/setup_llamacpp.sh.)
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import random
+import shutil
+import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.bench_peers import PYTHONS, prepare_gguf
 from benchmarks.common import make_random_qwen3, markdown_table, stream_bandwidth
 from benchmarks.peers.workload import cold_prompts
 from updraft import LLM, SamplingParams
+from updraft.kernels.gguf_ops import INT8_TYPES
 from updraft.model_config import ModelConfig
+from updraft.models.gguf_loader import GGUFLinear
 
 PREFILL_CHUNK = 512
 BATCHES = (1, 8, 32, 64)
@@ -50,6 +68,93 @@ def gemm_peak(sizes: tuple[int, ...] = (1024, 2048, 3072), repeats: int = 5) -> 
             torch.mm(a, b)
             best = max(best, 2 * n**3 / (time.perf_counter() - start))
     return best
+
+
+def int8_peak_library(march: str) -> ctypes.CDLL:
+    """``int8_peak.c`` built for ``march`` (native: the machine's widest instructions)."""
+    source = Path(__file__).with_name("int8_peak.c")
+    compiler = shutil.which("gcc") or shutil.which("cc") or "cc"
+    with tempfile.TemporaryDirectory() as folder:
+        library = Path(folder) / f"int8_peak_{march}.so"
+        command = [compiler, "-O2", f"-march={march}", "-fopenmp", "-shared", "-fPIC"]
+        subprocess.run([*command, str(source), "-o", str(library)], check=True)
+        lib = ctypes.CDLL(str(library))  # loaded, the file may go
+    lib.int8_peak_kind.restype = ctypes.c_char_p
+    lib.int8_peak_per_iteration.restype = ctypes.c_int64
+    lib.int8_peak_run.restype = ctypes.c_int64
+    lib.int8_peak_run.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    return lib
+
+
+def int8_peak(march: str, repeats: int = 5) -> tuple[str, float] | None:
+    """(the instructions, int8 multiply-adds/s on every torch thread), best of
+    ``repeats``; None where the build has no SIMD path."""
+    lib = int8_peak_library(march)
+    per_iteration = lib.int8_peak_per_iteration()
+    if per_iteration == 0:
+        return None
+    threads, iterations = torch.get_num_threads(), 4_000_000
+    best = float("inf")
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        total = lib.int8_peak_run(iterations, threads, 3, -2)
+        best = min(best, time.perf_counter() - start)
+        done = iterations * threads * per_iteration
+        if total != -6 * done:  # each multiply-add adds 3 x -2
+            raise RuntimeError(f"int8_peak.c ({march}) summed {total}, expected {-6 * done}")
+    return lib.int8_peak_kind().decode(), done / best
+
+
+def int8_peaks() -> list[tuple[str, float]]:
+    """The native build's peak, and the AVX2 one where the native build has VNNI."""
+    native = int8_peak("native")
+    peaks = [] if native is None else [native]
+    if native is not None and "VNNI" in native[0]:
+        peaks.append(int8_peak("haswell"))
+    return peaks
+
+
+def gguf_prefill(model: Path, work: Path, file_type: str, rounds: int) -> dict[str, float]:
+    """A cold 256-token prefill of ``model``'s ``file_type`` file with int8 activations:
+    its best seconds, its int8 multiply-adds, and its int8-path linears' seconds alone
+    on 256 rows (best of ``rounds`` each)."""
+    tokens = 256
+    llm = LLM(str(prepare_gguf(model, work, file_type)), activations="int8", enforce_eager=True)
+    model_module = llm.engine._runner.model  # noqa: SLF001 - a benchmark's look inside
+    linears = [(name, m) for name, m in model_module.named_modules() if isinstance(m, GGUFLinear)]
+
+    def int8_macs(linear: GGUFLinear) -> int:
+        """Multiply-adds a row of x takes in the parts on the int8 path."""
+        on_int8 = [
+            n for n, code in zip(linear.rows, linear.codes, strict=True) if code in INT8_TYPES
+        ]
+        return sum(on_int8) * linear.in_features if linear.int8 else 0
+
+    macs = sum((1 if "lm_head" in name else tokens) * int8_macs(m) for name, m in linears)
+    vocab = llm.engine.model_config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    rng = random.Random(4000)
+    prefill = float("inf")
+    for _ in range(rounds + 1):  # the first one warms up
+        prompt = [rng.randrange(vocab) for _ in range(tokens)]
+        start = time.perf_counter()
+        llm.generate([prompt], [params])
+        prefill = min(prefill, time.perf_counter() - start)
+    alone = 0.0
+    with torch.inference_mode():
+        for name, linear in linears:
+            if "lm_head" in name or int8_macs(linear) == 0:
+                continue
+            x = torch.randn(tokens, linear.in_features)
+            best = float("inf")
+            for _ in range(rounds + 1):
+                start = time.perf_counter()
+                linear(x)
+                best = min(best, time.perf_counter() - start)
+            alone += best
+    llm.engine.close()
+    layer_macs = macs - sum(int8_macs(m) for name, m in linears if "lm_head" in name)
+    return {"seconds": prefill, "macs": macs, "alone": alone, "layer_macs": layer_macs}
 
 
 def linear_shapes(config: ModelConfig) -> list[tuple[int, int]]:
@@ -129,6 +234,44 @@ def batched_decode(llm: LLM, vocab: int, batch: int, run: int) -> float:
     return batch * DECODE_TOKENS / (time.perf_counter() - start)
 
 
+def int8_rows(model: Path, work: Path, rounds: int, float32_peak: float) -> list[list[str]]:
+    """The int8 peak's rows, and the GGUF prefills' against it."""
+    peaks = int8_peaks()
+    threads = torch.get_num_threads()
+    rows = [
+        [
+            f"int8 dot-product peak ({kind}, {threads} threads), G multiply-adds/s",
+            f"{rate / 1e9:.1f} ({2 * rate / 1e9:.0f} GOP/s)",
+            f"{2 * rate / float32_peak:.2f}x the float32 FLOP/s",
+        ]
+        for kind, rate in peaks
+    ]
+    if not peaks:
+        print("no int8 peak: this CPU has no AVX2")
+        return rows
+    if not PYTHONS["llama.cpp"].exists():
+        print("skipping the GGUF prefills: run benchmarks/peers/setup_llamacpp.sh first")
+        return rows
+    top = peaks[0][1]
+    for file_type in ("Q4_0", "Q4_K_M"):
+        run = gguf_prefill(model, work, file_type, rounds)
+        whole, alone = run["macs"] / run["seconds"], run["layer_macs"] / run["alone"]
+        rows += [
+            [
+                f"{file_type} cold prefill of 256 tokens, int8 x "
+                f"({256 / run['seconds']:.0f} tok/s): its int8 G multiply-adds/s",
+                f"{whole / 1e9:.1f}",
+                f"{whole / top:.2f} of the int8 peak",
+            ],
+            [
+                f"  {file_type}'s int8-path linears alone, 256 rows each, G multiply-adds/s",
+                f"{alone / 1e9:.1f}",
+                f"{alone / top:.2f}",
+            ],
+        ]
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -178,6 +321,7 @@ def main() -> None:
             "each round's own)",
         ],
     ]
+    rows += int8_rows(model, args.work_dir, args.rounds, peak)
     context = DECODE_PROMPT + DECODE_TOKENS // 2
     for batch in BATCHES:
         best = max(decodes[batch])

@@ -7,6 +7,8 @@ same checkpoint and the same token-id prompts, greedy (benchmarks/peers/workload
 * cold prefill: prompt tokens/s of the mixed load's 32 prompt lengths (16-256 tokens),
   with fresh tokens in every run so that no prefix cache can help, one output token
   each (llama.cpp and transformers take them one at a time, as they serve);
+* cold prefill of whole 256-token prompts, one at a time (``prefill256``, the default
+  for ``--format gguf`` in place of the mixed lengths);
 * output tokens/s of 32 mixed requests (prompts 16-256 tokens, outputs 16-128);
 * peak resident memory of the engine process, each with a 1 GiB KV cache;
 * the same again while a busy loop shares the cores (``--contention``), as a server's
@@ -17,12 +19,17 @@ here first. Engines run in rounds, in a rotating order; the table shows the best
 and the range. Every engine's tokens are compared with updraft's.
 
     bash benchmarks/peers/setup_vllm.sh; bash benchmarks/peers/setup_llamacpp.sh
+    bash benchmarks/peers/setup_ik_llamacpp.sh [SOURCE]   # for --format gguf
     .venv/bin/python -m benchmarks.bench_peers [--model demo|100m|500m|moe|qwen3.5|gpt-oss] \\
         [--rounds 3] [--format float32|bfloat16|float16|int4|gguf|mxfp4] [--contention] [--ngram]
 
 ``--format`` runs each engine on the weights users would download or make in that
 format (FORMATS below); every run's floor is its own weight bytes per token. ``gguf``
-runs updraft and llama.cpp on the same Q8_0, Q4_0 and Q4_K_M files.
+runs updraft (its defaults), llama.cpp and ik_llama.cpp on the same Q8_0, Q4_0, Q4_K_M,
+Q5_K_M and Q6_K files, and adds a table of each file's rates and updraft's ratios.
+ik_llama.cpp, which has no Python binding, is its own ``llama-bench``
+(``peers/engine_ik_llamacpp.py``), with and without ``-rtr 1``: batch 1 and the
+256-token prefill only, no tokens to compare.
 
 ``--model qwen3.5`` is a hybrid of Gated DeltaNet and gated full-attention layers, 3 to
 1 (``make_random_qwen35``). llama.cpp reads it from the F32 file that llama.cpp's own
@@ -45,6 +52,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,19 +73,27 @@ from benchmarks.common import (
 from updraft.demo import DEMO_MODEL_DIR
 
 PEERS = Path(__file__).parent / "peers"
+LLAMA_BENCH = PEERS / "ik_llama.cpp-build" / "bin" / "llama-bench"  # setup_ik_llamacpp.sh
 PYTHONS = {
     "updraft": Path(sys.executable),
     "vllm": PEERS / ".venv-vllm" / "bin" / "python",
     "llama.cpp": PEERS / ".venv-llamacpp" / "bin" / "python",
     "transformers": Path(sys.executable),
+    "ik_llama.cpp": Path(sys.executable),  # its worker only runs the program
 }
 WORKERS = {
     "updraft": "engine_updraft.py",
     "vllm": "engine_vllm.py",
     "llama.cpp": "engine_llamacpp.py",
     "transformers": "engine_transformers.py",
+    "ik_llama.cpp": "engine_ik_llamacpp.py",
 }
-BATCH1_ONLY = {"llama.cpp", "transformers"}  # they run one request at a time
+# What must exist before an engine runs (setup_*.sh makes it)
+INSTALLED = PYTHONS | {"ik_llama.cpp": LLAMA_BENCH}
+BATCH1_ONLY = {"llama.cpp", "transformers", "ik_llama.cpp"}  # one request at a time
+# Workloads an engine cannot run (ik's llama-bench takes sizes, not prompts)
+ONLY_WORKLOADS = {"ik_llama.cpp": {"batch1", "prefill256"}}
+GGUF_FILE_TYPES = ("Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K")
 # n-gram (prompt lookup) speculation, 3 draft tokens from suffixes of up to 3 tokens, in
 # each engine's own terms (--ngram)
 NGRAM_OPTIONS = {
@@ -132,18 +148,21 @@ FORMATS: dict[str, list[tuple[str, str, str, list[str]]]] = {
         ("llama.cpp MXFP4", "llama.cpp", "MXFP4", []),
         ("vllm bf16", "vllm", "float32", ["dtype='bfloat16'"]),
     ],
-    # The same GGUF files for both engines, each quantized by llama.cpp's own quantizer;
-    # updraft with float32 activations (its default) and with int8 ones, as llama.cpp.
+    # The same GGUF files for every engine, each quantized by llama.cpp's own quantizer;
+    # updraft with its defaults, ik_llama.cpp without and with its load-time repacking.
+    # (``--float32-activations`` adds updraft's exact path, ``x32``.)
     "gguf": [
         entry
-        for file_type in ("Q8_0", "Q4_0", "Q4_K_M")
+        for file_type in GGUF_FILE_TYPES
         for entry in (
             (f"updraft {file_type}", "updraft", f"gguf:{file_type}", []),
-            (f"updraft {file_type} x8", "updraft", f"gguf:{file_type}", ["activations='int8'"]),
             (f"llama.cpp {file_type}", "llama.cpp", file_type, []),
+            (f"ik_llama.cpp {file_type} rtr0", "ik_llama.cpp", file_type, ["rtr=0"]),
+            (f"ik_llama.cpp {file_type} rtr1", "ik_llama.cpp", file_type, ["rtr=1"]),
         )
     ],
 }
+FLOAT32_X = ["activations='float32'"]
 
 
 @dataclass(frozen=True)
@@ -154,10 +173,21 @@ class Contender:
     options: list[str]
 
 
-def contenders(fmt: str, engines: list[str], model: Path, work: Path) -> list[Contender]:
-    """The runs of ``fmt`` by the engines asked for, their checkpoints made."""
+def contenders(
+    fmt: str, engines: list[str], model: Path, work: Path, float32_x: bool = False
+) -> list[Contender]:
+    """The runs of ``fmt`` by the engines asked for, their checkpoints made
+    (``float32_x``: with updraft's float32-activation run on each GGUF file too)."""
     out = []
-    for label, engine, kind, options in FORMATS[fmt]:
+    entries = FORMATS[fmt]
+    if float32_x:
+        entries = [
+            more
+            for label, engine, kind, options in entries
+            for more in [(label, engine, kind, options)]
+            + ([(f"{label} x32", engine, kind, FLOAT32_X)] if kind.startswith("gguf:") else [])
+        ]
+    for label, engine, kind, options in entries:
         if engine not in engines:
             continue
         if engine == "vllm" and kind != "bfloat16" and is_hybrid(model):
@@ -166,7 +196,7 @@ def contenders(fmt: str, engines: list[str], model: Path, work: Path) -> list[Co
         if engine == "vllm" and fmt == "mxfp4" and "amx_tile" not in cpu_flags():
             print(f"skipping {label}: vLLM's CPU MXFP4 experts need AMX, which this CPU lacks")
             continue
-        if engine == "llama.cpp":
+        if engine in ("llama.cpp", "ik_llama.cpp"):
             checkpoint = prepare_gguf(model, work, kind)
         elif kind.startswith("gguf:"):  # updraft on llama.cpp's own file
             checkpoint = prepare_gguf(model, work, kind.removeprefix("gguf:"))
@@ -294,6 +324,47 @@ def is_hybrid(model: Path) -> bool:
     return "linear_attention" in (config.get("layer_types") or [])
 
 
+def gguf_table(title: str, rates: Callable[[str, str], list[float]]) -> str:
+    """Per GGUF file and workload (batch-1 decode, cold 256-token prefill): updraft's
+    best rate, llama.cpp's, ik_llama.cpp's best of ``-rtr 0/1`` (naming which), and
+    updraft's ratio to each; ``rates(label, workload)``: a run's rates, one a round."""
+
+    def best(label: str, workload: str) -> float:
+        return max(rates(label, workload), default=float("nan"))
+
+    def cell(value: float) -> str:
+        return "-" if value != value else f"{value:.1f}"
+
+    def ratio(ours: float, theirs: float) -> str:
+        return "-" if ours != ours or theirs != theirs else f"{ours / theirs:.2f}x"
+
+    rows = []
+    for file_type in GGUF_FILE_TYPES:
+        for workload, name in (("batch1", "decode, batch 1"), ("prefill256", "prefill 256")):
+            ours = best(f"updraft {file_type}", workload)
+            exact = best(f"updraft {file_type} x32", workload)
+            theirs = best(f"llama.cpp {file_type}", workload)
+            ik = {rtr: best(f"ik_llama.cpp {file_type} rtr{rtr}", workload) for rtr in (0, 1)}
+            rtr = max(ik, key=lambda r: -1.0 if ik[r] != ik[r] else ik[r])
+            rows.append(
+                [
+                    f"{file_type} {name}",
+                    cell(ours),
+                    cell(exact),
+                    cell(theirs),
+                    "-" if ik[rtr] != ik[rtr] else f"{ik[rtr]:.1f} (rtr {rtr})",
+                    ratio(ours, theirs),
+                    ratio(ours, ik[rtr]),
+                ]
+            )
+    rows = [row for row in rows if any(c != "-" for c in row[1:])]
+    header = ["file, tokens/s", "updraft", "updraft x32", "llama.cpp", "ik_llama.cpp"]
+    header += ["updraft / llama.cpp", "updraft / ik_llama.cpp"]
+    kept = [0] + [i for i in range(1, len(header)) if any(row[i] != "-" for row in rows)]
+    header, rows = [header[i] for i in kept], [[row[i] for i in kept] for row in rows]
+    return markdown_table(f"updraft against llama.cpp and ik_llama.cpp, {title}", header, rows)
+
+
 def summary(values: list[float]) -> str:
     if not values:
         return "-"
@@ -307,23 +378,33 @@ def main() -> None:
         "--model", choices=["demo", "100m", "500m", "moe", "qwen3.5", "gpt-oss"], default="100m"
     )
     parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "peers")
-    parser.add_argument("--engines", default="updraft,vllm,llama.cpp,transformers")
+    parser.add_argument("--engines", default="updraft,vllm,llama.cpp,transformers,ik_llama.cpp")
     parser.add_argument("--format", choices=list(FORMATS), default="float32")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--contention", action="store_true", help="also run beside a busy loop")
     parser.add_argument("--quick", action="store_true", help="short workloads, one round")
     parser.add_argument("--ngram", action="store_true", help="also with n-gram speculation")
     parser.add_argument(
-        "--workloads", default="batch1,prefill,mixed", help="which workloads, comma-separated"
+        "--float32-activations",
+        action="store_true",
+        help="gguf: also updraft with --activations float32 on each file",
+    )
+    parser.add_argument(
+        "--workloads",
+        help="which workloads, comma-separated (default: batch1,prefill,mixed; for gguf "
+        "batch1,prefill256,mixed)",
     )
     args = parser.parse_args()
+    if args.workloads is None:
+        middle = "prefill256" if args.format == "gguf" else "prefill"
+        args.workloads = f"batch1,{middle},mixed"
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    engines = [e for e in args.engines.split(",") if PYTHONS[e].exists()]
+    engines = [e for e in args.engines.split(",") if INSTALLED[e].exists()]
     missing = set(args.engines.split(",")) - set(engines)
     if missing:
         print(f"skipping {sorted(missing)}: run benchmarks/peers/setup_*.sh first")
     model, vocab = prepare_model(args.model, args.work_dir)
-    runs = contenders(args.format, engines, model, args.work_dir)
+    runs = contenders(args.format, engines, model, args.work_dir, args.float32_activations)
     labels = [run.label for run in runs]
 
     bandwidth = stream_bandwidth()
@@ -341,6 +422,8 @@ def main() -> None:
                 variants += [(f"{w} ngram", NGRAM_OPTIONS[run.engine]) for w in ("batch1", "mixed")]
             for workload, options in variants:
                 if workload.startswith("mixed") and run.engine in BATCH1_ONLY:
+                    continue
+                if workload not in ONLY_WORKLOADS.get(run.engine, {workload}):
                     continue
                 for contended in conditions if not options else [False]:
                     report = run_worker(
@@ -388,8 +471,8 @@ def main() -> None:
         verdicts = []
         for workload in workloads:
             plain = reference.get(workload.split()[0])
-            if (label, workload, False) in results and plain is not None:
-                theirs = results[(label, workload, False)][0]["tokens"]
+            theirs = results.get((label, workload, False), [{"tokens": []}])[0]["tokens"]
+            if theirs and plain is not None:  # ik_llama.cpp's program returns none
                 equal = sum(a == b for a, b in zip(theirs, plain, strict=True))
                 verdicts.append(f"{equal}/{len(theirs)}")
         return " + ".join(verdicts) or "-"
@@ -412,6 +495,10 @@ def main() -> None:
             "cold prefill, prompt tokens/s (32 fresh prompts, max_tokens 1)",
             lambda label: summary(rates(label, "prefill")),
         ),
+        row(
+            "cold prefill, 256-token prompts one at a time, prompt tokens/s",
+            lambda label: summary(rates(label, "prefill256")),
+        ),
         row("output tokens/s, 32 mixed requests", lambda label: summary(rates(label, "mixed"))),
         row("vs vLLM, batch 1 / mixed", versus_vllm),
         row("peak RSS MiB (1 GiB KV cache)", peak_rss),
@@ -433,9 +520,13 @@ def main() -> None:
             row("batch 1 beside a busy loop, tokens/s", lambda e: slowdown(e, "batch1")),
             row("mixed beside a busy loop, tokens/s", lambda e: slowdown(e, "mixed")),
         ]
+    rows = [r for r in rows if any(cell not in ("-", "", "nan") for cell in r[1:])]
     title = f"peers, {args.model} model, {args.format} weights, best of {rounds}"
     print()
     print(markdown_table(title, ["measure", *labels], rows))
+    if args.format == "gguf":
+        print()
+        print(gguf_table(f"{args.model} model, best of {rounds}", rates))
     print(
         f"\nfloor: {bandwidth / 1e9:.1f} GB/s stream read / the weight bytes each run reads "
         "per token"

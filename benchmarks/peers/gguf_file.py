@@ -1,7 +1,7 @@
 """A GGUF file in another type through llama.cpp's own quantizer, and the bytes of a GGUF
 file a decode step reads. Runs in benchmarks/peers/.venv-llamacpp (setup_llamacpp.sh).
 
-    python gguf_file.py quantize IN.gguf OUT.gguf TYPE    TYPE: F16, BF16, Q8_0, Q4_0, Q4_K_M
+    python gguf_file.py quantize IN.gguf OUT.gguf TYPE    TYPE: one of FILE_TYPES
     python gguf_file.py bytes FILE.gguf                   prints the bytes, one number
 """
 
@@ -10,14 +10,22 @@ from __future__ import annotations
 import ctypes
 import sys
 
-FILE_TYPES = {"F16": "F16", "BF16": "BF16", "Q8_0": "Q8_0", "Q4_0": "Q4_0", "Q4_K_M": "Q4_K_M"}
+# llama-quantize's file types (LLAMA_FTYPE_MOSTLY_<name>); one ending in _M mixes block
+# types by tensor, and every K or IQ type falls back to another for rows that are not
+# whole 256-value blocks.
+FILE_TYPES = (
+    *("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"),
+    *("Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS"),
+)
 
 
 def quantize(source: str, target: str, file_type: str) -> None:
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{FILE_TYPES[file_type]}")
+    if file_type not in FILE_TYPES:
+        raise SystemExit(f"gguf_file.py quantize: {file_type} is not one of {FILE_TYPES}")
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{file_type}")
     params.nthread = 0  # every core
     failed = llama_cpp.llama_model_quantize(source.encode(), target.encode(), ctypes.byref(params))
     if failed:

@@ -26,6 +26,9 @@ MIXED_OUTPUT_TOKENS = (16, 128)
 KV_CACHE_GIB = 1  # the same KV capacity for every engine
 MAX_NUM_SEQS = 64
 MAX_NUM_BATCHED_TOKENS = 2048
+# Cold prefill of whole 256-token prompts, one at a time, as llama-bench's pp256 runs
+PREFILL_PROMPT_TOKENS = 256
+PREFILL_PROMPTS = 8
 
 
 def batch1_prompt(vocab: int = VOCAB) -> list[int]:
@@ -55,6 +58,13 @@ def cold_prompts(vocab: int, run: int, quick: bool = False) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
+def cold_256_prompts(vocab: int, run: int, quick: bool = False) -> list[list[int]]:
+    """``PREFILL_PROMPTS`` fresh prompts of ``PREFILL_PROMPT_TOKENS`` tokens for each ``run``."""
+    rng = random.Random(3000 + run)
+    count = 2 if quick else PREFILL_PROMPTS
+    return [[rng.randrange(vocab) for _ in range(PREFILL_PROMPT_TOKENS)] for _ in range(count)]
+
+
 def peak_rss_mib() -> float:
     """This process's peak resident memory (VmHWM), MiB."""
     with open("/proc/self/status") as status:
@@ -78,7 +88,9 @@ def best_time(fn: Callable[[], object], repeats: int = 1) -> float:
 def parse_args(description: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", required=True, help="checkpoint directory (or GGUF file)")
-    parser.add_argument("--workload", choices=["batch1", "mixed", "prefill"], required=True)
+    parser.add_argument(
+        "--workload", choices=["batch1", "mixed", "prefill", "prefill256"], required=True
+    )
     parser.add_argument("--vocab", type=int, default=VOCAB)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--quick", action="store_true")
@@ -126,6 +138,18 @@ def run_workload(
         seconds = best_time(prefill, args.repeats)
         report["tokens_per_second"] = report["prompt_tokens"] / seconds
         report["tokens"] = []  # one token each: nothing worth comparing across engines
+    elif args.workload == "prefill256":  # one whole prompt a step, as a lone user's
+        runs = iter(range(1 + args.repeats))
+
+        def prefill_each() -> None:
+            for prompt in cold_256_prompts(args.vocab, next(runs), args.quick):
+                generate([prompt], [1])
+
+        seconds = best_time(prefill_each, args.repeats)
+        count = 2 if args.quick else PREFILL_PROMPTS
+        report["prompt_tokens"] = count * PREFILL_PROMPT_TOKENS
+        report["tokens_per_second"] = report["prompt_tokens"] / seconds
+        report["tokens"] = []
     else:
         requests = mixed_requests(args.vocab, args.quick)
         prompts = [p for p, _ in requests]
