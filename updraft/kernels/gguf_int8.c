@@ -29,6 +29,7 @@
    (``gguf_round_x`` gives that x), up to float32 rounding of each block's scaled sum;
    the integer sums are exact. Needs AVX2. */
 
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -300,9 +301,12 @@ static rounded_x rows_from(const rounded_x *x, int64_t first) {
    row per thread), then each thread takes its share of the groups, CHUNK_GROUPS at a
    time, and passes every tile of TILE_ROWS rows of x over them, so that the chunk's
    groups are read from memory once and stay in the core's caches while x's tiles
-   stream past. */
+   stream past. ``threads`` 0: as many as the caller's OpenMP setting holds when it
+   runs (torch's thread count, which the engine lowers while other processes keep
+   cores busy), so that a call bound once in a captured graph follows it. */
 void gguf_gemm_int8(int type, const float *x, int64_t m, int64_t k, const uint8_t *groups,
                     int64_t n, int64_t group_bytes, const float *bias, float *y, int threads) {
+    if (threads <= 0) threads = omp_get_max_threads();
     rounded_rows rows = round_rows(x, m, k, threads);
     const rounded_x rounded = rows.x;
     const int64_t blocks = k / block_values(type);
