@@ -266,7 +266,7 @@ void gguf_linear_int8(int type, const float *x, int64_t m, int64_t k, const uint
 
 /* One group's outputs for ``rows`` (1..TILE_ROWS) rows of x (+ bias) into y's ``valid``
    columns from ``y`` on, its rows ``n`` apart: group_rows with a whole tile's row count
-   a constant, so that its loops unroll (and one row's, a batch of 8 t + 1 rows' last). */
+   a constant, so that its loops unroll. */
 static void group_into(int type, const uint8_t *group, int64_t blocks, const rounded_x *x,
                        int rows, const float *bias, float *y, int64_t n, int64_t valid) {
     __m256 acc[MAX_X_ROWS];
@@ -274,8 +274,6 @@ static void group_into(int type, const uint8_t *group, int64_t blocks, const rou
     case code:                                                                              \
         if (rows == TILE_ROWS)                                                              \
             group_##name(group, blocks, x, TILE_ROWS, acc);                                 \
-        else if (rows == 1)                                                                 \
-            group_##name(group, blocks, x, 1, acc);                                         \
         else                                                                                \
             group_##name(group, blocks, x, rows, acc);                                      \
         break;
