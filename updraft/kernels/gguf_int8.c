@@ -39,6 +39,7 @@
    a build has. */
 
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -360,11 +361,11 @@ void gguf_linear_int8(int type, const float *x, int64_t m, int64_t k, const uint
 
 /* -- many rows of x --------------------------------------------------------------------- */
 
-/* Rows of x a group's kernel takes at once, and groups a thread's x tiles pass over in
-   turn before it moves on (see gguf_gemm_int8). On a Zen 4 core, 256 rows of x times
-   1024 x 4096, 768 x 2048 and 2048 x 768 weights, tiles of 8 rows ran as fast as of 4
-   for Q4_0 and Q4_K and 5-10% faster for Q6_K and Q8_0 (with AVX-512's registers and
-   with AVX2's alike); chunks of 2 to 8 groups ran alike, 5-10% faster than of 1. */
+/* Rows of x in a tile, and groups a thread's x tiles pass over in turn before it moves
+   on (see gguf_gemm_int8). A tile of 8 runs as two kernels of 4 (group_rows): on a Zen 4
+   core a kernel inlined for 8 rows was no faster than 4 + 4 on Q4_0 and 15% slower on
+   Q8_0 (1024 x 4096, one thread); chunks of 2 to 8 groups ran alike, 5-10% faster than
+   of 1. */
 #define TILE_ROWS 8
 #define CHUNK_GROUPS 4
 
@@ -383,9 +384,12 @@ static void group_into(int type, const uint8_t *group, int64_t blocks, const rou
    row per thread), then each thread takes its share of the groups, CHUNK_GROUPS at a
    time, and passes every tile of TILE_ROWS rows of x over them, so that the chunk's
    groups are read from memory once and stay in the core's caches while x's tiles
-   stream past. */
+   stream past. ``threads`` 0: as many as the caller's OpenMP setting holds when it
+   runs (torch's thread count, which the engine lowers while other processes keep
+   cores busy), so that a call bound once in a captured graph follows it. */
 void gguf_gemm_int8(int type, const float *x, int64_t m, int64_t k, const uint8_t *groups,
                     int64_t n, int64_t group_bytes, const float *bias, float *y, int threads) {
+    if (threads <= 0) threads = omp_get_max_threads();
     rounded_rows rows = round_rows(x, m, k, threads);
     const rounded_x rounded = rows.x;
     const int64_t blocks = k / block_values(type);
