@@ -471,19 +471,8 @@ def gguf_linear_int8_launch(
     """``gguf_linear_int8``'s checked call, into ``out`` (else a new tensor)."""
     group_bytes = _check_groups(groups, block_type, k, n)
     kernel = _int8_library(march).gguf_linear_int8
-    return _linear_launch(
-        "gguf_linear_int8",
-        kernel,
-        INT8_MAX_ROWS,
-        x,
-        groups,
-        n,
-        group_bytes,
-        bias,
-        block_type,
-        k,
-        out,
-    )
+    arguments = (x, groups, n, group_bytes, bias, block_type, k, out)
+    return _linear_launch("gguf_linear_int8", kernel, INT8_MAX_ROWS, *arguments)
 
 
 def gguf_gemm_int8(

@@ -22,7 +22,9 @@ static void q4_k_encode(const uint8_t scale[8], const uint8_t min[8], uint8_t *q
     }
 }
 
-static void move_q4_k(uint8_t *block, uint8_t *group, int r, int to_group) {
+/* The head Q4_K and Q5_K share: d, dmin and the packed scales and mins (file bytes
+   0..15) <-> group bytes 0..159, the scales and mins a byte each */
+static void move_k_head(uint8_t *block, uint8_t *group, int r, int to_group) {
     move_bytes(block, 0, group, 2 * r, 2, to_group);
     move_bytes(block, 2, group, 16 + 2 * r, 2, to_group);
     uint8_t scale[8], min[8];
@@ -39,6 +41,10 @@ static void move_q4_k(uint8_t *block, uint8_t *group, int r, int to_group) {
         }
         q4_k_encode(scale, min, block + 4);
     }
+}
+
+static void move_q4_k(uint8_t *block, uint8_t *group, int r, int to_group) {
+    move_k_head(block, group, r, to_group);
     for (int t = 0; t < 32; t++) move_bytes(block, 16 + 4 * t, group, 160 + 32 * t + 4 * r, 4, to_group);
 }
 

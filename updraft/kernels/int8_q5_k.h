@@ -7,22 +7,7 @@
 
 /* the file's block: d, dmin, scales[12], qh[32], qs[128] */
 static void move_q5_k(uint8_t *block, uint8_t *group, int r, int to_group) {
-    move_bytes(block, 0, group, 2 * r, 2, to_group);
-    move_bytes(block, 2, group, 16 + 2 * r, 2, to_group);
-    uint8_t scale[8], min[8];
-    if (to_group) {
-        q4_k_decode(block + 4, scale, min);
-        for (int j = 0; j < 8; j++) {
-            group[32 + 8 * j + r] = scale[j];
-            group[96 + 8 * j + r] = min[j];
-        }
-    } else {
-        for (int j = 0; j < 8; j++) {
-            scale[j] = group[32 + 8 * j + r];
-            min[j] = group[96 + 8 * j + r];
-        }
-        q4_k_encode(scale, min, block + 4);
-    }
+    move_k_head(block, group, r, to_group);
     for (int t = 0; t < 8; t++) move_bytes(block, 16 + 4 * t, group, 160 + 32 * t + 4 * r, 4, to_group);
     for (int t = 0; t < 32; t++) move_bytes(block, 48 + 4 * t, group, 416 + 32 * t + 4 * r, 4, to_group);
 }
