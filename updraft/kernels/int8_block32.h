@@ -1,5 +1,5 @@
-/* What the 32-value block types with 4-bit codes share (Q4_1, Q5_0, Q5_1, IQ4_NL,
-   MXFP4): an fp16 field read without F16C, and their nibbles' place in a group-block,
+/* What the 32-value block types with 4-bit codes share (Q4_0, Q4_1, Q5_0, Q5_1,
+   IQ4_NL, MXFP4, and updraft's int4): an fp16 field read without F16C, and their nibbles' place in a group-block,
    four words (word t: bytes 4t..4t+3 of each row's 16, row r's at 4r), so that value
    i < 16 is the low nibble of byte i and value 16 + i its high nibble. */
 #ifndef UPDRAFT_INT8_BLOCK32_H
@@ -62,6 +62,23 @@ static inline __attribute__((always_inline)) __m256i dot_block32(const __m256i c
     }
     return _mm256_add_epi32(pairs_to_int32(halves16[0]), pairs_to_int32(halves16[1]));
 #endif
+}
+
+/* acc[m] += x's scale * (d * codes . x + min * sum(x)) for block b of each row of x:
+   a block with a scale d and a minimum (Q4_1, Q5_1), its codes as nibble_words lays
+   them out */
+static inline __attribute__((always_inline)) void add_scaled_with_min(const __m256i codes[8],
+                                                                      __m256 d, __m256 min,
+                                                                      const rounded_x *x,
+                                                                      int64_t b, int rows,
+                                                                      __m256 *acc) {
+    for (int m = 0; m < rows; m++) {
+        const int64_t xb = m * (x->k / 32) + b;
+        const __m256i sum = dot_block32(codes, x->codes + 32 * xb);
+        const float xd = x->scales[xb];
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(xd)), acc[m]);
+        acc[m] = _mm256_fmadd_ps(min, _mm256_set1_ps(xd * (float)x->sums32[xb]), acc[m]);
+    }
 }
 #endif
 

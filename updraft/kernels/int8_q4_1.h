@@ -29,13 +29,7 @@ static inline __attribute__((always_inline)) void group_q4_1(const uint8_t *grou
         __m256i codes[8];
         nibble_words(gb + 32, codes);
         const __m256 d = halves(gb), min = halves(gb + 16);
-        for (int m = 0; m < rows; m++) {
-            const int64_t xb = m * (x->k / 32) + b;
-            const __m256i sum = dot_block32(codes, x->codes + 32 * xb);
-            const float xd = x->scales[xb];
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(xd)), acc[m]);
-            acc[m] = _mm256_fmadd_ps(min, _mm256_set1_ps(xd * (float)x->sums32[xb]), acc[m]);
-        }
+        add_scaled_with_min(codes, d, min, x, b, rows, acc);
     }
 }
 #endif

@@ -10,13 +10,7 @@
    thirty-twos: scale[8] (float32) | zero[8] | per thirty-two 4 words of nibbles
    (word t: bytes 4t..4t+3 of each row). */
 
-#ifndef U_VNNI /* whether dot_u8s8 is one instruction (vpdpbusd) */
-#if INT8_SIMD && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
-#define U_VNNI 1
-#else
-#define U_VNNI 0
-#endif
-#endif
+#include "int8_block32.h"
 
 static inline void move_u4(uint8_t *block, uint8_t *group, int r, int to_group, int thirty_twos) {
     move_bytes(block, 0, group, 4 * r, 4, to_group);
@@ -59,34 +53,11 @@ static void unpack_u4_128(const uint8_t *group, int r, int8_t *codes, float *sca
 }
 
 #if INT8_SIMD
-/* the exact sums of 32 codes (the nibbles of four words) times x's 32 codes ``v``, per row */
-static inline __attribute__((always_inline)) __m256i u4_dot(const __m256i low[4],
-                                                            const __m256i high[4],
-                                                            const int8_t *v) {
-#if U_VNNI
-    __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256(); /* two short chains */
-    for (int t = 0; t < 4; t++) {
-        a = dot_u8s8(a, low[t], broadcast4(v + 4 * t));
-        b = dot_u8s8(b, high[t], broadcast4(v + 16 + 4 * t));
-    }
-    return _mm256_add_epi32(a, b);
-#else
-    /* eight pair sums of at most 2 * 15 * 127 each fit an int16 */
-    __m256i pairs = _mm256_maddubs_epi16(low[0], broadcast4(v));
-    for (int t = 1; t < 4; t++)
-        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(low[t], broadcast4(v + 4 * t)));
-    for (int t = 0; t < 4; t++)
-        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(high[t], broadcast4(v + 16 + 4 * t)));
-    return pairs_to_int32(pairs);
-#endif
-}
-
 /* y = scale * (sum code * x - zero * sum x) per thirty-two, an integer up to there,
    widened and scaled by x's scale, then the block's by its own */
 static inline __attribute__((always_inline)) void group_u4(const uint8_t *group, int64_t blocks,
                                                            const rounded_x *x, int rows,
                                                            __m256 *acc, int thirty_twos) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
     const int64_t bytes = 40 + 128 * thirty_twos, xblocks = x->k / 32;
     for (int m = 0; m < rows; m++) acc[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
@@ -97,16 +68,13 @@ static inline __attribute__((always_inline)) void group_u4(const uint8_t *group,
         __m256 sum[MAX_X_ROWS];
         for (int m = 0; m < rows; m++) sum[m] = _mm256_setzero_ps();
         for (int s = 0; s < thirty_twos; s++) {
-            __m256i low[4], high[4];
-            for (int t = 0; t < 4; t++) {
-                const __m256i raw = load32(gb + 40 + 128 * s + 32 * t);
-                low[t] = _mm256_and_si256(raw, nibble);
-                high[t] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-            }
+            __m256i codes[8];
+            nibble_words(gb + 40 + 128 * s, codes);
             for (int m = 0; m < rows; m++) {
                 const int64_t xb = m * xblocks + thirty_twos * b + s;
+                /* without VNNI, eight pair sums of at most 2 * 15 * 127 fit an int16 */
                 const __m256i exact = _mm256_sub_epi32(
-                    u4_dot(low, high, x->codes + 32 * xb),
+                    dot_words(codes, x->codes + 32 * xb, 8),
                     _mm256_mullo_epi32(zero, _mm256_set1_epi32(x->sums32[xb])));
                 sum[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_set1_ps(x->scales[xb]),
                                          sum[m]);

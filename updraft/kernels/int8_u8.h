@@ -8,14 +8,6 @@
    words of codes plus 128, as bytes 0..255 (word t: codes 4t..4t+3 of each row), the
    unsigned operand vpdpbusd multiplies by x's signed codes as they are. */
 
-#ifndef U_VNNI /* whether dot_u8s8 is one instruction (vpdpbusd) */
-#if INT8_SIMD && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
-#define U_VNNI 1
-#else
-#define U_VNNI 0
-#endif
-#endif
-
 static inline void move_u8(uint8_t *block, uint8_t *group, int r, int to_group, int thirty_twos) {
     move_bytes(block, 0, group, 4 * r, 4, to_group);
     for (int t = 0; t < 8 * thirty_twos; t++) {
@@ -58,7 +50,7 @@ static void unpack_u8_128(const uint8_t *group, int r, int8_t *codes, float *sca
    the codes are made signed again and w's sign moved onto x (at most 2 * 128 * 127). */
 static inline __attribute__((always_inline)) __m256i u8_dot(const __m256i w[8], const int8_t *v,
                                                             int32_t sum) {
-#if U_VNNI
+#if INT8_VNNI
     __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256(); /* two short chains */
     for (int t = 0; t < 8; t += 2) {
         a = dot_u8s8(a, w[t], broadcast4(v + 4 * t));
