@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import json
 import numbers
+import re
 from collections.abc import Iterable, Iterator
 
 from updraft.sampling_params import SamplingParams
@@ -22,6 +23,8 @@ from updraft.structured_outputs import StructuredOutputsParams
 
 INT_MIN = -(2**63)  # int64's least
 INT_END = 2**64  # one past uint64's greatest
+# Every integer past 64 bits has at least this many digits (2**63 has 19).
+LONG_DIGITS = re.compile(r"[0-9]{19}")
 # An integer this many digits long is quoted by its size instead of in full.
 QUOTED_DIGITS = 24
 
@@ -47,6 +50,11 @@ def token_id_error(name: str, ids: Iterable[object], vocab_size: int) -> str | N
     """The first id of ``name`` that is not an integer in [0, vocab_size), described
     with its position (a list) or as a key (a dict's keys)."""
     keys = isinstance(ids, dict)
+    ids = ids if keys or isinstance(ids, list | tuple) else list(ids)
+    if all(type(token) is int for token in ids) and (
+        not ids or (min(ids) >= 0 and max(ids) < vocab_size)
+    ):
+        return None  # the common case, at C speed: a vocabulary's worth of ids is allowed
     for position, token in enumerate(ids):
         where = "" if keys else f" at position {position}"
         if not isinstance(token, int) or isinstance(token, bool):
@@ -62,15 +70,18 @@ def token_id_error(name: str, ids: Iterable[object], vocab_size: int) -> str | N
 def params_error(params: SamplingParams, vocab_size: int) -> IntakeError | None:
     """The first token id of the params outside the vocabulary, else the first integer
     anywhere in them (a schema's constants included) that does not fit in 64 bits."""
-    for name, ids in (
-        ("logit_bias", params.logit_bias or {}),
-        ("allowed_token_ids", params.allowed_token_ids or ()),
-        ("stop_token_ids", params.stop_token_ids),
-    ):
+    token_fields = {
+        "logit_bias": params.logit_bias or {},
+        "allowed_token_ids": params.allowed_token_ids or (),
+        "stop_token_ids": params.stop_token_ids,
+    }
+    for name, ids in token_fields.items():
         message = token_id_error(name, ids, vocab_size)
         if message is not None:
             return IntakeError(message, name)
     for name, value in vars(params).items():
+        if name in token_fields or name == "stop_token_set":
+            continue  # ids in the vocabulary: they fit
         of = ""
         if name == "structured_outputs" and value is not None:
             value, of = _schema(value), " of its schema"
@@ -88,8 +99,15 @@ def params_error(params: SamplingParams, vocab_size: int) -> IntakeError | None:
 
 def _schema(spec: StructuredOutputsParams) -> object:
     """A structured-output spec's JSON schema (parsed, if given as text), the one part
-    of a spec that holds integers a client wrote."""
+    of a spec that holds integers a client wrote; None when its text has no run of
+    digits long enough to be past 64 bits (a schema of 256 KiB is walked only then)."""
     schema = spec.json
+    try:
+        text = schema if isinstance(schema, str) else json.dumps(schema)
+    except (TypeError, ValueError, RecursionError):
+        return None  # not JSON: the spec's own check names why
+    if LONG_DIGITS.search(text) is None:
+        return None
     if isinstance(schema, str):
         # Text that is not JSON is left to the grammar compiler, which says why.
         with contextlib.suppress(ValueError, RecursionError):
