@@ -145,6 +145,42 @@ def test_nested_pydantic_tools_work_with_every_tool_choice(client, choice):
         assert calls[0][0] == "Trip"
 
 
+def test_a_required_spec_with_refs_accepts_what_each_tool_schema_accepts():
+    """Moved under the spec's root, a tool's schema accepts exactly what it accepted
+    before (jsonschema judges both): refs to "#", to "definitions" (a key with "/") and
+    to another property resolve as they did."""
+    tree = {
+        "type": "object",
+        "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}}},
+        "required": ["v"],
+    }
+    old = {
+        "type": "object",
+        "definitions": {"a/b": {"type": "string", "maxLength": 3}},
+        "properties": {"x": {"$ref": "#/definitions/a~1b"}, "y": {"$ref": "#/properties/x"}},
+        "required": ["x"],
+    }
+    tools = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in
+             (("tree", tree), ("old", old), ("get_time", SCHEMAS["get_time"]))]  # fmt: skip
+    spec = required_spec(tools, "required", parallel=True).json
+    cases = [
+        ("tree", {"v": 1, "kids": [{"v": 2, "kids": []}]}),
+        ("tree", {"v": 1, "kids": [{"kids": []}]}),
+        ("old", {"x": "abc", "y": "de"}),
+        ("old", {"x": "abc", "y": "long"}),
+        ("old", {"x": "long"}),
+        ("get_time", {"zone": "UTC"}),
+        ("get_time", {"zone": 5}),
+    ]
+    schemas = {"tree": tree, "old": old, "get_time": SCHEMAS["get_time"]}
+    for name, arguments in cases:
+        alone = jsonschema.Draft202012Validator(schemas[name]).is_valid(arguments)
+        call = [{"name": name, "parameters": arguments}]
+        assert jsonschema.Draft202012Validator(spec).is_valid(call) == alone, (name, arguments)
+    assert sum(jsonschema.Draft202012Validator(spec).is_valid(
+        [{"name": n, "parameters": a}]) for n, a in cases) == 3  # fmt: skip
+
+
 def test_parallel_calls_each_validate(client):
     """Sampled over seeds, some replies call twice; every call validates."""
     counts = []
