@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 from safetensors.torch import load_file, save_file
 
@@ -15,6 +16,7 @@ from tests.probes import assert_idle
 from updraft import LLM, SamplingParams
 from updraft.demo import DEMO_MODEL_DIR
 from updraft.engine.input_processor import InputProcessor, ModelLimits
+from updraft.structured_outputs import StructuredOutputsParams
 from updraft.tokenizer import Tokenizer
 
 GREEDY = greedy(8)
@@ -148,6 +150,38 @@ def test_intake_checks_prompt_ids_before_anything_is_built_from_them():
         intake = processor.process(prompt, GREEDY)
         assert "outside the vocabulary" in intake.error and intake.prompt_token_ids == []
         intake.build("r", intake.params, tokenizer)  # decodes nothing it was not given
+
+
+def test_bad_ids_and_oversized_integers_fail_alone_naming_the_field(tiny_llama):
+    """Each id outside the vocabulary, id that is not an integer, and integer past what
+    the engine process can be sent (64 bits, a schema's constants included) fails its
+    own request with a message naming the field and the value; numpy ids are ids."""
+    schema = StructuredOutputsParams(json={"type": "object", "enum": [{"a": [1, 10**30]}]})
+    cases = [
+        ([-1, 5], GREEDY, "prompt: token id -1 at position 0 is outside the vocabulary"),
+        ([1, 2**100], GREEDY, "prompt: token id 2**100 (or beyond) at position 1"),
+        ([1, 2.0], GREEDY, "prompt: 2.0 at position 1 is not a token id"),
+        ([1, 2], greedy(8, stop_token_ids=[2**80]), "stop_token_ids: token id 2**80"),
+        ([1, 2], greedy(8, logit_bias={10**6: 1.0}), "logit_bias: key 1000000 is outside"),
+        ([1, 2], greedy(8, allowed_token_ids=[5, 999]), "allowed_token_ids: token id 999 at "),
+        ([1, 2], greedy(8, truncate_prompt_tokens=2**64), "truncate_prompt_tokens: the integer"),
+        (
+            [1, 2],
+            greedy(8, structured_outputs=schema),
+            "structured_outputs: the integer 2**99 (or beyond) at /enum/0/a/1 of its schema "
+            "does not fit in 64 bits",
+        ),
+    ]
+    llm = LLM(tiny_llama, num_kv_blocks=32)
+    *bad, good = llm.generate(
+        [prompt for prompt, _, _ in cases] + [[np.int64(1), np.int32(2)]],
+        [params for _, params, _ in cases] + [GREEDY],
+    )
+    for output, (_, _, message) in zip(bad, cases, strict=True):
+        assert output.outputs[0].finish_reason == "error"
+        assert output.error.startswith(message), output.error
+    assert good.error is None and len(good.outputs[0].token_ids) == 8
+    assert_no_block_in_use(llm)
 
 
 def test_bad_engine_arguments_are_named(tiny_llama):

@@ -219,7 +219,7 @@ BAD_REQUESTS = [
     ({"model": MODEL, "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ({"model": MODEL, "prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
     ({"model": MODEL, "prompt": "x", "logit_bias": {"5": 200}}, 400, "logit_bias"),
-    ({"model": MODEL, "prompt": "x", "logit_bias": {"99999": 1}}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
     ({"model": MODEL, "prompt": "x", "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens"),
     ({"model": MODEL, "prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),
     ({"model": MODEL, "prompt": "x", "bad_words": ["  "]}, 400, "bad_words"),

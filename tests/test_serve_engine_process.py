@@ -55,8 +55,30 @@ def _in_process(engine: Engine, prompt: list[int], params: SamplingParams) -> Re
     return merge_outputs(list(latest.values()))
 
 
-def _through_core(engine: Engine, prompt: list[int], params: SamplingParams) -> RequestOutput:
-    async def run() -> RequestOutput:
+# Steps the core may still run once a stream has ended: those under way before the API
+# process's "stop" (a stop string ends a sequence there) reaches it. A core that kept
+# computing a stopped sequence runs on to max_tokens, tens of steps.
+STEPS_AFTER_THE_STREAM = 8
+
+
+async def _until_idle(client: EngineClient, timeout: float = 30.0) -> None:
+    """Until the core reports no request running or waiting and no KV block used."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = client.stats
+        if not (stats.num_running or stats.num_waiting or stats.kv_blocks_used):
+            return
+        assert time.monotonic() < deadline, f"the core is still busy: {stats}"
+        await asyncio.sleep(0.005)
+
+
+def _through_core(
+    engine: Engine, prompt: list[int], params: SamplingParams
+) -> tuple[RequestOutput, int]:
+    """The served output, and how many steps the core ran after the stream ended before
+    it was idle: checked before shutting down, since a shutdown aborts everything."""
+
+    async def run() -> tuple[RequestOutput, int]:
         core = CoreThread(engine)
         client = EngineClient(
             CoreLink(core.addresses, 0, core.start, core.is_alive, core.join), engine.tokenizer
@@ -68,11 +90,14 @@ def _through_core(engine: Engine, prompt: list[int], params: SamplingParams) -> 
                 index = output.outputs[0].index
                 latest[index] = output
                 deltas[index] = deltas.get(index, "") + output.outputs[0].delta_text
+            steps_at_the_end = engine.stats().num_steps
+            await _until_idle(client)
+            steps_after = engine.stats().num_steps - steps_at_the_end
         finally:
             await client.shutdown(5)
         for index, text in deltas.items():  # the deltas add up to the whole text
             assert text == latest[index].outputs[0].text
-        return merge_outputs(list(latest.values()))
+        return merge_outputs(list(latest.values())), steps_after
 
     return asyncio.run(run())
 
@@ -96,8 +121,9 @@ def test_outputs_through_the_core_are_the_engines_own(speculative):
         for text in PROMPTS:
             prompt = engine.tokenizer.encode(text)
             expected = _in_process(engine, prompt, params)
-            served = _through_core(engine, prompt, params)
+            served, steps_after = _through_core(engine, prompt, params)
             assert _summary(served) == _summary(expected), (name, text)
+            assert steps_after <= STEPS_AFTER_THE_STREAM, (name, text, steps_after)
             assert served.outputs[0].token_ids, (name, text)
             stopped += sum(isinstance(c.stop_reason, str) for c in expected.outputs)
     assert stopped >= 8, "too few outputs ended on a stop string to show anything"

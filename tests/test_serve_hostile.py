@@ -244,3 +244,56 @@ def test_slowloris_connections_cannot_starve_the_server():
         log = server.communicate(timeout=60)[1].decode()
     assert log.count("Too many open files") <= 1, log[-3000:]
     assert log.count("WARNING") + log.count("ERROR") <= 4, log[-3000:]
+
+
+def _schema(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+
+
+HUGE = 10**30  # past msgpack's 64 bits: it cannot reach the engine process
+USER = [{"role": "user", "content": "hi"}]
+TOOL_WITH_HUGE_ENUM = {
+    "type": "function",
+    "function": {
+        "name": "f",
+        "parameters": {"type": "object", "properties": {"a": {"enum": [HUGE]}}},
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "message"),
+    [
+        ("/v1/completions", {"prompt": [[-1, 5]]}, "prompt", "token id -1 at position 0"),
+        ("/v1/completions", {"prompt": [5, -1]}, "prompt", "token id -1 at position 1"),
+        ("/v1/completions", {"prompt": [2**40]}, "prompt", "outside the vocabulary"),
+        ("/v1/completions", {"prompt": [HUGE]}, "prompt", "token id 2**99 (or beyond)"),
+        ("/v1/completions", {"prompt": [[1], [2.5]]}, "prompt", "2.5 at prompt[1][0] is not"),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": [HUGE]}, "stop_token_ids", "2**99"),
+        ("/v1/completions", {"prompt": "x", "allowed_token_ids": [1, 10**6]}, "allowed_token_ids",
+         "token id 1000000 at position 1 is outside the vocabulary"),
+        ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": HUGE},
+         "truncate_prompt_tokens", "does not fit in 64 bits"),
+        ("/v1/completions", {"prompt": "x", "response_format": _schema({"enum": [HUGE]})},
+         "response_format", "2**99 (or beyond) at /enum/0 of its schema"),
+        ("/v1/completions", {"prompt": "x", "guided_json": {"type": "integer", "minimum": -HUGE}},
+         "guided_json", "-2**99 (or beyond) at /minimum of its schema"),
+        ("/v1/chat/completions", {"messages": USER, "logit_bias": {str(HUGE): 1}}, "logit_bias",
+         "key 2**99 (or beyond) is outside the vocabulary"),
+        ("/v1/chat/completions", {"messages": USER, "stop_token_ids": [3, -2]}, "stop_token_ids",
+         "-2"),
+        ("/v1/chat/completions", {"messages": USER, "response_format": _schema({"const": HUGE})},
+         "response_format", "at /const of its schema does not fit in 64 bits"),
+        ("/v1/chat/completions",
+         {"messages": USER, "tools": [TOOL_WITH_HUGE_ENUM], "tool_choice": "required"}, "tools",
+         "does not fit in 64 bits"),
+    ],
+)  # fmt: skip
+def test_bad_ids_and_huge_integers_are_a_400_naming_the_field(base_url, path, body, param, message):
+    """Negative, out-of-vocabulary and non-integer ids, and integers the engine process
+    cannot be sent (a schema's constants included), are refused before anything is
+    built from them: a 400 whose param is the field, never a 500."""
+    response = post(base_url, path, {"model": MODEL, "max_tokens": 2, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and message in error["message"], error

@@ -149,6 +149,50 @@ def test_a_spec_that_cannot_be_served_is_a_400_naming_its_field(base_url, body, 
         assert words in error["message"], error
 
 
+CLOSED = {"additionalProperties": False}
+CITY = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+
+
+@pytest.mark.parametrize(
+    ("schema", "words"),
+    [
+        ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]},
+         "every object must set additionalProperties to false (at /)"),
+        ({"type": "object", "properties": {"city": CITY}, "required": ["city"], **CLOSED},
+         "every object must set additionalProperties to false (at /properties/city)"),
+        ({"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}},
+          "required": ["a"], **CLOSED}, "every property must be required, but 'b' is not"),
+        ({"type": "object", "properties": {"c": {"$ref": "#/$defs/City"}}, "required": ["c"],
+          "$defs": {"City": {**CITY, "additionalProperties": True}}, **CLOSED},
+         "additionalProperties to false (at /$defs/City)"),
+        ({"anyOf": [{**CITY, **CLOSED}]}, "the root must be an object, not an anyOf"),
+        ({"type": "array", "items": {"type": "string"}}, "the root must be an object"),
+        ({"type": "object", "properties": {"a": {"allOf": [{"type": "string"}]}},
+          "required": ["a"], **CLOSED}, "allOf is not supported (at /properties/a)"),
+    ],
+)  # fmt: skip
+def test_strict_schemas_keep_openais_rules_or_are_a_400_naming_the_rule(base_url, schema, words):
+    """strict: true in a json_schema response format and in a tool's function: every
+    object closed and every key required, as OpenAI's strict mode asks; where the
+    schema breaks a rule, the 400 says which and where."""
+    response_format = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    strict = {"response_format": {**response_format, "json_schema": {
+        "name": "s", "schema": schema, "strict": True}}}  # fmt: skip
+    for route in ("chat/completions", "completions"):
+        prompt = {"messages": MESSAGES} if route.startswith("chat") else {"prompt": "x"}
+        response = post(base_url, route, {**prompt, "max_tokens": 4, **strict})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "response_format" and words in error["message"], error
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema, "strict": True}}
+    body = {"messages": MESSAGES, "max_tokens": 4, "tools": [tool]}
+    response = post(base_url, "chat/completions", body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "tools" and "tools[0].function.parameters" in error["message"]
+    assert words in error["message"], error
+
+
 def test_chat_template_kwargs_reach_the_template(tmp_path):
     import shutil
 

@@ -12,6 +12,7 @@ import openai
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from pydantic import BaseModel, Field
 
 from updraft import LLM, SamplingParams
 from updraft.chat_template import ChatTemplate
@@ -95,6 +96,89 @@ def test_required_and_named_calls_validate_plain_and_streamed(client, choice):
         (c.function.name, c.function.arguments) for c in message.tool_calls
     ]
     assert fragments > 2 * len(calls), "arguments came in one piece, not as they were made"
+
+
+class City(BaseModel):
+    name: str = Field(max_length=12)
+    country: str = Field(max_length=12)
+
+
+class Trip(BaseModel):
+    origin: City
+    stops: list[City] = Field(max_length=2)
+
+
+class Node(BaseModel):  # refers to itself: "#/$defs/Node" from within its own definition
+    label: str = Field(max_length=8)
+    children: list[Node] = Field(max_length=1)
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "Trip"}}, "auto"]
+)
+def test_nested_pydantic_tools_work_with_every_tool_choice(client, choice):
+    """Nested models' schemas hold $defs and refs into them, which must resolve however
+    the grammar nests each tool's schema; the calls validate, plain and streamed."""
+    tools = [openai.pydantic_function_tool(Trip), openai.pydantic_function_tool(Node)]
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in tools}
+    assert all("$defs" in schema for schema in schemas.values())
+    args = dict(model=MODEL, messages=MESSAGES, tools=tools, tool_choice=choice)
+    max_tokens = 16 if choice == "auto" else 200  # auto: free text, only its start matters
+    args.update(max_tokens=max_tokens, temperature=0, parallel_tool_calls=False)
+    message = client.chat.completions.create(**args).choices[0].message
+    chunks = list(client.chat.completions.create(**args, stream=True))
+    streamed: dict[int, list[str]] = {}
+    for chunk in chunks:
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            call = streamed.setdefault(delta.index, ["", ""])
+            call[0] += (delta.function.name or "") if delta.function else ""
+            call[1] += (delta.function.arguments or "") if delta.function else ""
+    calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+    assert [tuple(call) for call in streamed.values()] == calls
+    if choice == "auto":  # the demo model writes no call of its own; nothing is refused
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+        return
+    assert chunks[-1].choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    for name, arguments in calls:
+        jsonschema.validate(json.loads(arguments), schemas[name])
+    if isinstance(choice, dict):
+        assert calls[0][0] == "Trip"
+
+
+def test_a_required_spec_with_refs_accepts_what_each_tool_schema_accepts():
+    """Moved under the spec's root, a tool's schema accepts exactly what it accepted
+    before (jsonschema judges both): refs to "#", to "definitions" (a key with "/") and
+    to another property resolve as they did."""
+    tree = {
+        "type": "object",
+        "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}}},
+        "required": ["v"],
+    }
+    old = {
+        "type": "object",
+        "definitions": {"a/b": {"type": "string", "maxLength": 3}},
+        "properties": {"x": {"$ref": "#/definitions/a~1b"}, "y": {"$ref": "#/properties/x"}},
+        "required": ["x"],
+    }
+    tools = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in
+             (("tree", tree), ("old", old), ("get_time", SCHEMAS["get_time"]))]  # fmt: skip
+    spec = required_spec(tools, "required", parallel=True).json
+    cases = [
+        ("tree", {"v": 1, "kids": [{"v": 2, "kids": []}]}),
+        ("tree", {"v": 1, "kids": [{"kids": []}]}),
+        ("old", {"x": "abc", "y": "de"}),
+        ("old", {"x": "abc", "y": "long"}),
+        ("old", {"x": "long"}),
+        ("get_time", {"zone": "UTC"}),
+        ("get_time", {"zone": 5}),
+    ]
+    schemas = {"tree": tree, "old": old, "get_time": SCHEMAS["get_time"]}
+    for name, arguments in cases:
+        alone = jsonschema.Draft202012Validator(schemas[name]).is_valid(arguments)
+        call = [{"name": name, "parameters": arguments}]
+        assert jsonschema.Draft202012Validator(spec).is_valid(call) == alone, (name, arguments)
+    assert sum(jsonschema.Draft202012Validator(spec).is_valid(
+        [{"name": n, "parameters": a}]) for n, a in cases) == 3  # fmt: skip
 
 
 def test_parallel_calls_each_validate(client):

@@ -6,8 +6,10 @@ comes out is an ``EngineRequest``, which the engine only queues. The offline ``L
 ``Engine.add_request`` run it in the engine's process; the server's API processes run
 it themselves, off the engine's thread, so the engine core receives finished requests.
 
-Prompt token ids are checked before anything is built from them: a detokenizer over an
-id outside the vocabulary can fail (a negative id overflows the tokenizer's decoder).
+Prompt token ids, the token ids the params name and every integer bound for the engine
+are checked before anything is built from them (``intake_checks``): a detokenizer over
+an id outside the vocabulary can fail (a negative id overflows the tokenizer's decoder),
+and an integer past 64 bits cannot reach the engine process.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from updraft.chat_template import ChatTemplate
+from updraft.engine.intake_checks import as_token_ids, params_error, token_id_error
 from updraft.request import Request
 from updraft.sampling_params import SamplingParams
 from updraft.tokenizer import Detokenizer, Tokenizer
@@ -41,14 +44,16 @@ class ModelLimits:
 @dataclass(frozen=True)
 class EngineRequest:
     """A request that has been through intake. ``error``: why it cannot be served (the
-    engine then finishes it at once with this message); else every id is in the
-    vocabulary and the prompt fits."""
+    engine then finishes it at once with this message), and ``error_field`` the
+    SamplingParams field it is about (None: the prompt); else every id is in the
+    vocabulary, every integer fits in 64 bits and the prompt fits."""
 
     prompt: str | None  # the caller's text, when it sent text
     prompt_token_ids: list[int]  # checked, truncated
     params: SamplingParams
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     error: str | None = None
+    error_field: str | None = None
 
     def build(
         self,
@@ -149,18 +154,27 @@ class InputProcessor:
             if params.truncate_prompt_tokens is not None:
                 token_ids = token_ids[-params.truncate_prompt_tokens :]
             error = error or self._check_length(len(token_ids))
-        error = error or self._check_token_fields(params)
+        if error is not None:
+            return EngineRequest(text, token_ids, params, error=error)
+        refused = params_error(params, self.limits.vocab_size)
+        if refused is not None:
+            return EngineRequest(
+                text, token_ids, params, error=refused.message, error_field=refused.field
+            )
         bad_words: tuple[tuple[int, ...], ...] = ()
-        if params.bad_words and error is None:
+        if params.bad_words:
             if self.tokenizer is None:
                 error = f"bad_words: {self.limits.model} has no tokenizer.json to spell them"
-            else:
-                bad_words = self._bad_words_token_ids(params.bad_words)
-        if error is None and params.structured_outputs is not None and self.tokenizer is None:
+                return EngineRequest(text, token_ids, params, error=error, error_field="bad_words")
+            bad_words = self._bad_words_token_ids(params.bad_words)
+        if params.structured_outputs is not None and self.tokenizer is None:
             error = (
                 f"structured outputs need a tokenizer; {self.limits.model} has no tokenizer.json"
             )
-        return EngineRequest(text, token_ids, params, bad_words, error)
+            return EngineRequest(
+                text, token_ids, params, error=error, error_field="structured_outputs"
+            )
+        return EngineRequest(text, token_ids, params, bad_words)
 
     def _prompt_token_ids(
         self, prompt: str | Sequence[int], add_special_tokens: bool
@@ -174,27 +188,13 @@ class InputProcessor:
                 return [], f"prompt has a lone surrogate at character {error.start}: not text"
             token_ids = self.tokenizer.encode(prompt, add_special_tokens)
         else:
-            token_ids = list(prompt)
-            vocab = self.limits.vocab_size
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                return [], f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+            token_ids = as_token_ids(prompt)
+            error = token_id_error("prompt", token_ids, self.limits.vocab_size)
+            if error is not None:
+                return [], error
         if not token_ids:
             return [], "prompt is empty"
         return token_ids, None
-
-    def _check_token_fields(self, params: SamplingParams) -> str | None:
-        """Token ids a request names must be in the model's vocabulary."""
-        vocab = self.limits.vocab_size
-        for name, ids in (
-            ("logit_bias", params.logit_bias or ()),
-            ("allowed_token_ids", params.allowed_token_ids or ()),
-            ("stop_token_ids", params.stop_token_ids),
-        ):
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                return f"{name}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
-        return None
 
     def _bad_words_token_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
         """Each bad word as the model would write it, alone and after a space (as vLLM

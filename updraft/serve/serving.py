@@ -19,6 +19,7 @@ from typing import TypeVar
 from updraft.chat_template import ChatTemplate
 from updraft.engine.grammar_compiler import GrammarCompiler, GrammarError
 from updraft.engine.input_processor import EngineRequest, InputProcessor
+from updraft.engine.intake_checks import params_error
 from updraft.engine.scheduler import STRUCTURED_ERROR
 from updraft.outputs import RequestOutput
 from updraft.sampling_params import SamplingParams
@@ -134,6 +135,11 @@ class ServingBase:
         spec = params.structured_outputs
         if spec is None:
             return
+        # A schema's integers are checked first: past 64 bits, the compiler would clamp
+        # them and refuse the bound it made, not the one the client wrote.
+        refused = params_error(params, self.info.vocab_size)
+        if refused is not None:
+            raise _intake_refusal(refused.message, refused.field, "", field)
         compiler = self._compiler
         if compiler is None:
             raise APIError(
@@ -186,7 +192,7 @@ class ServingBase:
                 headers={"Retry-After": "1"},
             )
         if intake.error is not None:
-            raise _refusal(intake.error, field, None)
+            raise _intake_refusal(intake.error, intake.error_field, field, structured_field)
         outputs = self.engine.generate(request_id, intake)
         try:
             first = await anext(outputs)
@@ -261,6 +267,21 @@ class ServingBase:
             }
             for entry in output.prompt_logprobs
         ]
+
+
+def _intake_refusal(
+    error: str, param: str | None, field: str, structured_field: str | None
+) -> APIError:
+    """The 400 for a request intake refused, naming the request field at fault: the
+    prompt's (``field``) when ``param`` is None, else the one the params' field ``param``
+    came from."""
+    if param == "structured_outputs" and structured_field is not None:
+        message = error.removeprefix(param)
+        message = message if message.startswith(":") else f": {message}"
+        return APIError(400, f"{structured_field}{message}", param=structured_field)
+    if param is None or param == "structured_outputs":
+        return _refusal(error, field, None)
+    return _refusal(error, param, None)
 
 
 def _refusal(error: str, field: str, structured_field: str | None) -> APIError:

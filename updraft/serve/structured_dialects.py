@@ -2,7 +2,8 @@
 (``StructuredOutputsParams``). Three shapes come, on both routes: OpenAI's
 ``response_format`` (``json_object``, ``json_schema``), vLLM's ``structured_outputs``
 object, and vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
-``guided_grammar`` fields. A request names at most one of them. (A chat request's
+``guided_grammar`` fields. A request names at most one of them. A ``json_schema`` with
+``"strict": true`` keeps OpenAI's strict-mode rules (serve/strict_schemas.py). (A chat request's
 required tool call is a spec too: serve/parsers/tools.py.)
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from updraft.serve.errors import APIError
+from updraft.serve.strict_schemas import strict_schema_error
 from updraft.structured_outputs import StructuredOutputsParams
 
 # vLLM's older fields, and the StructuredOutputsParams field each one is.
@@ -81,6 +83,12 @@ def _response_format(value: dict[str, Any]) -> dict[str, Any]:
                 "response_format.json_schema.schema: a JSON schema object is required",
                 param="response_format",
             )
+        if spec.get("strict") is True:
+            problem = strict_schema_error(schema)
+            if problem is not None:
+                raise APIError(
+                    400, f"response_format.json_schema.schema: {problem}", param="response_format"
+                )
         return {"json": schema}
     raise APIError(
         400,

@@ -11,6 +11,7 @@ from updraft.sampling_params import MAX_TOP_LOGPROBS
 from updraft.serve.errors import APIError
 from updraft.serve.parsers.tools import required_spec
 from updraft.serve.protocol import PromptLogprobs, SamplingRequest, Strict, Text, Usage
+from updraft.serve.strict_schemas import strict_schema_error
 from updraft.structured_outputs import StructuredOutputsParams
 
 # Tools one request may offer: each becomes part of the prompt and of a grammar.
@@ -143,6 +144,13 @@ class ChatCompletionRequest(SamplingRequest):
                     400, f"{legacy}: the legacy functions API is not supported; use tools",
                     param=legacy,
                 )  # fmt: skip
+        for i, tool in enumerate(self.tools or []):
+            function = tool.function
+            problem = None
+            if function.strict and function.parameters is not None:
+                problem = strict_schema_error(function.parameters)
+            if problem is not None:
+                raise APIError(400, f"tools[{i}].function.parameters: {problem}", param="tools")
         choice = self.tool_choice
         if choice not in (None, "none") and not self.tools:
             raise APIError(400, "tool_choice: needs tools to choose from", param="tool_choice")

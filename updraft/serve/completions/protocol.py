@@ -2,18 +2,39 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, BeforeValidator, Field
 
 from updraft.sampling_params import MAX_TOP_LOGPROBS
 from updraft.serve.errors import APIError
 from updraft.serve.protocol import MAX_SEQUENCES, PromptLogprobs, SamplingRequest, Text, Usage
 
 
+def _token_id_prompts(value: object) -> object:
+    """A prompt of token ids whose first non-integer is named, with where it sits
+    (pydantic's own message lists each of the four shapes a prompt may take)."""
+    if not isinstance(value, list) or all(isinstance(item, str) for item in value):
+        return value
+    nested = any(isinstance(item, list) for item in value)
+    for i, ids in enumerate(value if nested else [value]):
+        if not isinstance(ids, list):
+            raise ValueError(
+                f"prompt[{i}] is {ids!r:.40}: a list of prompts holds only lists of token "
+                "ids or only texts"
+            )
+        for j, token in enumerate(ids):
+            if not isinstance(token, int) or isinstance(token, bool):
+                where = f"prompt[{i}][{j}]" if nested else f"prompt[{j}]"
+                raise ValueError(f"{token!r:.40} at {where} is not a token id (an integer)")
+    return value
+
+
 class CompletionRequest(SamplingRequest):
     # Text, token ids, or a list of either: one choice per prompt and per n, in order.
-    prompt: Text | list[int] | list[Text] | list[list[int]]
+    prompt: Annotated[
+        Text | list[int] | list[Text] | list[list[int]], BeforeValidator(_token_id_prompts)
+    ]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: int | None = None

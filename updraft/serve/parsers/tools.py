@@ -79,25 +79,70 @@ def required_spec(
     schemas = {tool["function"]["name"]: _parameters(tool) for tool in tools}
     if isinstance(choice, dict):
         return StructuredOutputsParams(json=schemas[choice["function"]["name"]])
-    call = {
-        "anyOf": [
+    definitions: dict[str, Any] = {}
+    alternatives = []
+    for name, schema in schemas.items():
+        if _refers(schema):
+            # Nested under anyOf, a schema's own refs ("#/$defs/City", "#") would no
+            # longer resolve from the root: it moves to the root's $defs, refs rewritten.
+            definitions.update(_hoisted(name, schema))
+            schema = {"$ref": f"#/$defs/{name}"}
+        alternatives.append(
             {
                 "type": "object",
                 "properties": {"name": {"const": name}, "parameters": schema},
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
             }
-            for name, schema in schemas.items()
-        ]
-    }
-    array: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
+        )
+    array: dict[str, Any] = {"type": "array", "items": {"anyOf": alternatives}, "minItems": 1}
     if not parallel:
         array["maxItems"] = 1
+    if definitions:
+        array["$defs"] = definitions
     return StructuredOutputsParams(json=array)
 
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
     return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+
+
+# Where a JSON schema keeps definitions that refs point at.
+DEFINITIONS = ("$defs", "definitions")
+
+
+def _refers(schema: dict[str, Any]) -> bool:
+    try:
+        return '"$ref"' in json.dumps(schema)
+    except (TypeError, ValueError, RecursionError):
+        return False  # the spec's own check names what is wrong with it
+
+
+def _hoisted(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    """A tool's parameters schema as root definitions: the schema itself under the
+    tool's name (a function name, so no "." or "/"), each of its root definitions under
+    "<name>.<$defs or definitions>.<key>", every local ref rewritten to match."""
+
+    def moved(ref: str) -> str:
+        segments = ref[1:].split("/")
+        if len(segments) >= 3 and segments[0] == "" and segments[1] in DEFINITIONS:
+            key = f"{name}.{segments[1]}.{segments[2]}"  # the key is escaped as it was
+            return "/".join(["#", "$defs", key, *segments[3:]])
+        return f"#/$defs/{name}{ref[1:]}"
+
+    def rewrite(node: dict[str, Any]) -> dict[str, Any]:
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            node["$ref"] = moved(ref)
+        return node
+
+    copy = json.loads(json.dumps(schema), object_hook=rewrite)  # a copy, refs rewritten
+    hoisted = {name: {k: v for k, v in copy.items() if k not in DEFINITIONS}}
+    for where in DEFINITIONS:
+        definitions = copy.get(where)
+        for key, definition in (definitions if isinstance(definitions, dict) else {}).items():
+            hoisted[f"{name}.{where}.{key}"] = definition
+    return hoisted
 
 
 def json_value_end(text: str, start: int) -> int | None:
