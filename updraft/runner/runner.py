@@ -28,6 +28,7 @@ from updraft.attention.cache_groups import (
     cache_groups,
     group_of,
     live_slots,
+    mixes_windows,
     split_budget,
 )
 from updraft.attention.in_place import IN_PLACE_MAX_QUERY
@@ -57,6 +58,7 @@ from updraft.step.inputs import (
     SamplingInputs,
     StepInputs,
     graph_inputs,
+    model_inputs,
 )
 from updraft.step.output import StepOutput
 from updraft.step.plan import StateCopy
@@ -97,6 +99,7 @@ class Runner:
         splits_prefills: bool = True,
         send: Send | None = None,
         kv_caches: list[torch.Tensor] | None = None,
+        window_pool: bool = False,
     ):
         """``model`` is what ``model_config`` describes, as this rank holds it (its
         cache follows the config's layers and this rank's KV heads), computing in
@@ -115,7 +118,9 @@ class Runner:
         runs it whole (a replicated draft head's). ``send``: on rank 0 of a split
         model, how each forward is announced to the other ranks just before it runs
         (``rank_messages.py``). ``kv_caches``: another runner's, which a model that
-        writes no KV reads (``model_config`` is that runner's): none are allocated."""
+        writes no KV reads (``model_config`` is that runner's): none are allocated.
+        ``window_pool``: the windowed layers keep their KV in a pool of their own
+        (``keeps_window_pool``), whose slots and block table ``inputs`` declare."""
         self.model = model
         self.model_config = model_config
         self.config = config
@@ -135,6 +140,7 @@ class Runner:
             NO_SPLIT if sizes.decode_context == 1 else ContextSplit(decode=place.decode_context)
         )
         self.whole_query_len = max(query_lens)  # longer queries are split under PCP
+        self.window_pool = window_pool
         # A verify step leaves the state after each of its tokens (1 + k rows per slot).
         self.cache_groups = cache_groups(
             local_config(model_config, sizes), dtype, config.state_dtype, max(query_lens)
@@ -147,10 +153,16 @@ class Runner:
         self.num_prefix_states = (
             cache_sizes.num_prefix_states if num_prefix_states is None else num_prefix_states
         )
+        self.num_window_blocks = cache_sizes.num_window_blocks  # 0: no pool of their own
         self.kv_caches = kv_caches or allocate_caches(
             self.cache_groups,
             model_config.num_layers,
-            CacheSizes(self.num_blocks, self.num_state_slots, self.num_prefix_states),
+            CacheSizes(
+                self.num_blocks,
+                self.num_state_slots,
+                self.num_prefix_states,
+                self.num_window_blocks,
+            ),
             config.block_size,
             self.device,
             kv_sources=[model_config.kv_source(i) for i in range(model_config.num_layers)],
@@ -223,10 +235,18 @@ class Runner:
         prefixes = config.num_prefix_states if hybrid and config.enable_prefix_caching else 0
         if config.num_kv_blocks is not None:
             slots = config.max_num_seqs if hybrid else 0
-            return CacheSizes(config.num_kv_blocks, slots, slots if prefixes is None else prefixes)
+            window_blocks = config.num_kv_blocks if self.window_pool else 0
+            return CacheSizes(
+                config.num_kv_blocks, slots, slots if prefixes is None else prefixes, window_blocks
+            )
         budget = int(config.kv_cache_memory_gib * 2**30)
         sizes = split_budget(
-            self.cache_groups, budget, config.block_size, config.max_num_seqs, prefixes
+            self.cache_groups,
+            budget,
+            config.block_size,
+            config.max_num_seqs,
+            prefixes,
+            window_blocks_per_request=self._window_blocks_per_request(),
         )
         if group_of(self.cache_groups, PAGED) is None:
             # No layer keeps KV: blocks cost nothing but still count positions, so every
@@ -234,6 +254,17 @@ class Runner:
             per_request = -(-self.max_model_len // self.positions_per_block)
             sizes = sizes._replace(num_blocks=config.max_num_seqs * per_request)
         return sizes
+
+    def _window_blocks_per_request(self) -> int | None:
+        """The most windowed blocks a running request holds (None: no pool of their
+        own): those its widest window still reads (given back only after a step, one
+        position of slack), then a step's tokens at most and the drafts' lookahead."""
+        if not self.window_pool:
+            return None
+        window = max(w for w in self.model_config.layer_windows if w is not None)
+        k = max(self.whole_query_len - 1, 0)
+        reach = window + self.config.max_num_batched_tokens + k
+        return -(-reach // self.positions_per_block) + 2
 
     @cached_property
     def state_caches(self) -> list[torch.Tensor]:
@@ -463,7 +494,7 @@ class Runner:
         model as keyword arguments, as they do in a captured step."""
         extra = {
             spec.name: getattr(step, spec.name).to(self.device)
-            for spec in self.inputs[len(GRAPH_INPUTS) :]
+            for spec in model_inputs(self.inputs)
         }
         return self.model(
             step.input_ids.to(self.device),
@@ -505,6 +536,7 @@ def load_runner(
             "sees no CUDA device; use --device cpu, or install a CUDA build (README)"
         )
     dtype = config.compute_dtype(model_config)
+    window_pool = keeps_window_pool(model_config, config, name, place)
     longrope = model_config.rope.kind == "longrope"
     if longrope and name != "target":
         raise ValueError(
@@ -535,8 +567,27 @@ def load_runner(
         place=place,
         splits_prefills=splits_prefills,
         send=send,
-        inputs=graph_inputs(rotary=longrope, state=bool(model_config.linear_layers)),
+        inputs=graph_inputs(
+            rotary=longrope, state=bool(model_config.linear_layers), window=window_pool
+        ),
+        window_pool=window_pool,
     )
+
+
+def keeps_window_pool(
+    model_config: ModelConfig, config: EngineConfig, name: str, place: RankPlace | None
+) -> bool:
+    """Whether a model's windowed layers keep their KV in a pool of their own: a target
+    that mixes windowed and full layers, unless ``kv_pools_per_kind`` is off, a proposer
+    with a model of its own pages through (or reads) the target's block ids, or a prefill
+    split over ranks (whose gathered writes carry the full layers' slots only)."""
+    if not config.kv_pools_per_kind or name != "target":
+        return False
+    if config.speculative_method not in (None, "ngram"):
+        return False
+    if place is not None and place.sizes.prefill_context > 1:
+        return False
+    return mixes_windows(cache_groups(model_config, torch.float32))
 
 
 def describe_steps(step_modes: dict[str, int]) -> str:
