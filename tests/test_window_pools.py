@@ -72,7 +72,7 @@ def test_tokens_equal_one_shared_pool_when_given_back_blocks_are_reused(
     (the full pool is roomy): a stale windowed table or slot would change tokens."""
     llm = LLM(gemma3, block_size=BLOCK, num_kv_blocks=64, **mode)
     assert llm.engine.stats().window_blocks_total == 64
-    assert run_checked(llm, PROMPTS, PARAMS) == shared_pool_tokens
+    assert token_ids(run_checked(llm, PROMPTS, PARAMS)) == shared_pool_tokens
     replayed = any(step.startswith("graph") for step in llm.engine.stats().steps)
     assert replayed == ("graph_mode" in mode)
     assert_idle(llm)
@@ -97,7 +97,7 @@ def test_a_prefix_hit_reads_the_windowed_blocks_it_needs_and_equals_a_fresh_run(
 
     monkeypatch.setattr(KVCacheManager, "cached_prefix", counted)
     llm = LLM(gemma3, **args)
-    served = [run_checked(llm, [p], [greedy(20)])[0] for p in prompts]
+    served = [token_ids(run_checked(llm, [p], [greedy(20)]))[0] for p in prompts]
     assert served == fresh
     assert hits == [0, len(shared) // BLOCK], hits
 

@@ -15,8 +15,9 @@ alone would not show it).
 
 from __future__ import annotations
 
-from updraft import LLM
+from updraft import LLM, SamplingParams
 from updraft.engine.block_pool import BlockPool
+from updraft.outputs import RequestOutput
 
 
 def assert_windows_held(llm: LLM) -> int:
@@ -49,16 +50,18 @@ def _assert_held(pool: BlockPool, blocks: list[int], where: str) -> None:
     assert not free, f"{where}: blocks a window still reads are back in the pool: {free}"
 
 
-def run_checked(llm: LLM, prompts: list[list[int]], params) -> list[list[int]]:
-    """Generate step by step, checking the blocks after each step; the output tokens of
-    each prompt, in order."""
+def run_checked(
+    llm: LLM, prompts: list[list[int]], params: list[SamplingParams]
+) -> list[RequestOutput]:
+    """Generate step by step, checking the blocks after each step; each prompt's last
+    output, in order."""
     engine = llm.engine
     ids = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
-    tokens: dict[str, list[int]] = {}
+    last: dict[str, RequestOutput] = {}
     checked = 0
     while engine.has_unfinished:
         for output in engine.step():
-            tokens[output.request_id] = list(output.outputs[0].token_ids)
+            last[output.request_id] = output
         checked += assert_windows_held(llm)
     assert checked, "no step had a running request to check"
-    return [tokens[request_id] for request_id in ids]
+    return [last[request_id] for request_id in ids]

@@ -7,9 +7,10 @@ range in every layer's cache, no block could go back while the request ran: the 
 layers still read it. Here the windowed layers' caches have blocks of their own: a
 request holds one windowed block per full block (``Request.window_block_ids``, the same
 positions, so the windowed block table has the same columns as the full one), and gives
-back those its widest window has passed, as an all-windowed model does with its only
-pool (``KVCacheManager.release_outside_window``). Their ids stay in the table; no query
-reads them again (the kernel starts past them, the gathered mask hides them).
+back those its widest window has passed after each step, as an all-windowed model does
+with its only pool (``KVCacheManager.release_outside_window``). Their ids stay in the
+table; no query reads them again (the kernel starts past them, the gathered mask hides
+them).
 
 **The prefix cache.** A windowed block is registered under the same key as the full
 block of the same positions, and stays cached, evictable, once it is given back. A
@@ -42,10 +43,10 @@ class WindowBlocks:
     def first_needed(self, num_computed: int) -> int:
         """The first block a request with ``num_computed`` tokens in the cache still
         reads: its next query is at position ``num_computed`` or later and reads from
-        ``num_computed - window + 1`` on; one position of slack more, as for an
-        all-windowed model (a block goes back once it ends at or before
-        ``num_computed - window``)."""
-        return max(0, num_computed - self.window) // self.block_size
+        ``num_computed - window + 1`` on. (No slack for a proposer that re-reads the
+        last token, as an all-windowed model keeps: a model with a proposer of its own
+        keeps no windowed pool.)"""
+        return max(0, num_computed - self.window + 1) // self.block_size
 
     def hit(self, hashes: Sequence[BlockKey], num_blocks: int) -> list[int] | None:
         """The windowed blocks a prefix hit of ``num_blocks`` blocks reads (those from

@@ -21,15 +21,12 @@ import torch
 from torch import nn
 
 from updraft.attention.cache_groups import (
-    PAGED,
     RECURRENT,
     CacheSizes,
     allocate_caches,
     cache_groups,
     group_of,
     live_slots,
-    mixes_windows,
-    split_budget,
 )
 from updraft.attention.in_place import IN_PLACE_MAX_QUERY
 from updraft.attention.metadata import NO_SPLIT, AttentionMetadata, ContextSplit, PrefillGather
@@ -41,6 +38,7 @@ from updraft.models.activations import int8_activations
 from updraft.models.loader import load_model
 from updraft.models.tensor_parallel import local_config
 from updraft.parallel.topology import GroupRank, ParallelSizes, RankPlace, rank_device
+from updraft.runner.cache_sizes import keeps_window_pool, runner_cache_sizes
 from updraft.runner.captured import Bucket, CapturedSteps
 from updraft.runner.draft_loop import DraftLoop, DraftLoopInputs, greedy_drafts
 from updraft.runner.logits_processors import adjust_logits
@@ -145,7 +143,9 @@ class Runner:
         self.cache_groups = cache_groups(
             local_config(model_config, sizes), dtype, config.state_dtype, max(query_lens)
         )
-        cache_sizes = self._cache_sizes()
+        cache_sizes = runner_cache_sizes(
+            self.cache_groups, model_config, config, max_model_len, window_pool, max(query_lens)
+        )
         self.num_blocks = cache_sizes.num_blocks if num_blocks is None else num_blocks
         self.num_state_slots = (
             cache_sizes.num_state_slots if num_state_slots is None else num_state_slots
@@ -224,47 +224,6 @@ class Runner:
             and self.model_config.indexer is None
         )
         return frozenset(q for q in query_lens if in_place and q <= IN_PLACE_MAX_QUERY)
-
-    def _cache_sizes(self) -> CacheSizes:
-        """KV blocks and state slots: ``num_kv_blocks`` blocks (and a slot per running
-        request) where it is set, else what ``kv_cache_memory_gib`` holds. A hybrid
-        model with prefix caching also keeps ``num_prefix_states`` prefix states (by
-        default as many as its running slots)."""
-        config = self.config
-        hybrid = bool(self.model_config.linear_layers)
-        prefixes = config.num_prefix_states if hybrid and config.enable_prefix_caching else 0
-        if config.num_kv_blocks is not None:
-            slots = config.max_num_seqs if hybrid else 0
-            window_blocks = config.num_kv_blocks if self.window_pool else 0
-            return CacheSizes(
-                config.num_kv_blocks, slots, slots if prefixes is None else prefixes, window_blocks
-            )
-        budget = int(config.kv_cache_memory_gib * 2**30)
-        sizes = split_budget(
-            self.cache_groups,
-            budget,
-            config.block_size,
-            config.max_num_seqs,
-            prefixes,
-            window_blocks_per_request=self._window_blocks_per_request(),
-        )
-        if group_of(self.cache_groups, PAGED) is None:
-            # No layer keeps KV: blocks cost nothing but still count positions, so every
-            # running request may reach the context length.
-            per_request = -(-self.max_model_len // self.positions_per_block)
-            sizes = sizes._replace(num_blocks=config.max_num_seqs * per_request)
-        return sizes
-
-    def _window_blocks_per_request(self) -> int | None:
-        """The most windowed blocks a running request holds (None: no pool of their
-        own): those its widest window still reads (given back only after a step, one
-        position of slack), then a step's tokens at most and the drafts' lookahead."""
-        if not self.window_pool:
-            return None
-        window = max(w for w in self.model_config.layer_windows if w is not None)
-        k = max(self.whole_query_len - 1, 0)
-        reach = window + self.config.max_num_batched_tokens + k
-        return -(-reach // self.positions_per_block) + 2
 
     @cached_property
     def state_caches(self) -> list[torch.Tensor]:
@@ -572,22 +531,6 @@ def load_runner(
         ),
         window_pool=window_pool,
     )
-
-
-def keeps_window_pool(
-    model_config: ModelConfig, config: EngineConfig, name: str, place: RankPlace | None
-) -> bool:
-    """Whether a model's windowed layers keep their KV in a pool of their own: a target
-    that mixes windowed and full layers, unless ``kv_pools_per_kind`` is off, a proposer
-    with a model of its own pages through (or reads) the target's block ids, or a prefill
-    split over ranks (whose gathered writes carry the full layers' slots only)."""
-    if not config.kv_pools_per_kind or name != "target":
-        return False
-    if config.speculative_method not in (None, "ngram"):
-        return False
-    if place is not None and place.sizes.prefill_context > 1:
-        return False
-    return mixes_windows(cache_groups(model_config, torch.float32))
 
 
 def describe_steps(step_modes: dict[str, int]) -> str:
