@@ -12,16 +12,18 @@ size.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.checkpoints import WINDOW, build_checkpoint
 from tests.helpers import greedy, token_ids
-from tests.probes import assert_idle
+from tests.probes import assert_idle, logits_of, probed, records
 from tests.window_checks import assert_windows_held, run_checked
 from updraft import LLM
-from updraft.attention.cache_groups import window_pool_blocks
+from updraft.attention.cache_groups import bytes_per_block, cache_groups, window_pool_blocks
 from updraft.engine.block_pool import BlockPool
 from updraft.engine.kv_blocks import KVCacheManager
 from updraft.engine.window_blocks import WindowBlocks
+from updraft.model_config import ModelConfig
 from updraft.request import Request
 from updraft.sampling_params import SamplingParams
 
@@ -35,12 +37,17 @@ def gemma3(tmp_path_factory):
     return build_checkpoint("gemma3", tmp_path_factory.mktemp("pools-gemma3"))
 
 
+ARGS = dict(block_size=BLOCK, max_num_seqs=3, max_num_batched_tokens=16)
+
+
 @pytest.fixture(scope="module")
-def shared_pool_tokens(gemma3):
-    """The tokens of one pool for every layer (nothing given back)."""
-    llm = LLM(gemma3, block_size=BLOCK, num_kv_blocks=128, kv_pools_per_kind=False)
+def shared_pool(gemma3):
+    """The tokens and logits of one pool for every layer (nothing given back)."""
+    llm = probed(gemma3, **ARGS, num_kv_blocks=128, kv_pools_per_kind=False, enforce_eager=True)
     assert llm.engine.stats().window_blocks_total == 0
-    return token_ids(llm.generate(PROMPTS, PARAMS))
+    outputs = llm.generate(PROMPTS, PARAMS)
+    seen = records(llm)
+    return token_ids(outputs), [logits_of(seen, output) for output in outputs]
 
 
 def test_sliding_layers_blocks_return_to_their_pool_while_full_layers_keep_theirs(gemma3):
@@ -64,18 +71,50 @@ def test_sliding_layers_blocks_return_to_their_pool_while_full_layers_keep_their
     assert_idle(llm)
 
 
-@pytest.mark.parametrize("mode", [{"enforce_eager": True}, {"graph_mode": "full"}])
-def test_tokens_equal_one_shared_pool_when_given_back_blocks_are_reused(
-    gemma3, shared_pool_tokens, mode
-):
-    """A windowed pool so small that its blocks go round the requests while they run
-    (the full pool is roomy): a stale windowed table or slot would change tokens."""
-    llm = LLM(gemma3, block_size=BLOCK, num_kv_blocks=64, **mode)
-    assert llm.engine.stats().window_blocks_total == 64
-    assert token_ids(run_checked(llm, PROMPTS, PARAMS)) == shared_pool_tokens
+def _budget_gib(directory, full_blocks: int, window_blocks: int) -> float:
+    """A KV budget of ``full_blocks`` full-layer blocks and ``window_blocks`` windowed
+    ones (half a block more, against rounding)."""
+    groups = cache_groups(ModelConfig.from_dir(directory), torch.float32)
+    full = bytes_per_block(groups, BLOCK, windowed=False)
+    window = bytes_per_block(groups, BLOCK, windowed=True)
+    return (full_blocks * full + window_blocks * window + full // 2) / 2**30
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [{"enforce_eager": True}, {"graph_mode": "full"}, {"graph_mode": "piecewise"}],
+    ids=["eager", "full", "piecewise"],
+)
+def test_logits_equal_one_shared_pool_when_given_back_blocks_are_reused(gemma3, shared_pool, mode):
+    """A budget that gives the windowed layers only what 3 running requests can hold
+    (3 x (8 + 16) / 4 + 2 blocks), so their blocks go round the requests while the full
+    pool is roomy: the two kinds' ids part, and a step that read or wrote a windowed
+    layer through the full table, or a stale windowed one, would change logits (the
+    tiny model's greedy tokens may not show it). PIECEWISE graphs re-run attention as
+    tasks with each step's metadata; FULL ones hold it."""
+    llm = probed(gemma3, **ARGS, kv_cache_memory_gib=_budget_gib(gemma3, 100, 24), **mode)
+    stats = llm.engine.stats()
+    assert (stats.kv_blocks_total, stats.window_blocks_total) == (100, 24)
+    parted = []
+    original_step = llm.engine.step
+
+    def step():
+        outputs = original_step()
+        running = llm.engine._scheduler.running  # noqa: SLF001
+        parted.extend(r.block_ids[-1] != r.window_block_ids[-1] for r in running)
+        return outputs
+
+    llm.engine.step = step
+    outputs = run_checked(llm, PROMPTS, PARAMS)
+    assert any(parted)
     replayed = any(step.startswith("graph") for step in llm.engine.stats().steps)
     assert replayed == ("graph_mode" in mode)
     assert_idle(llm)
+    tokens, logits = shared_pool
+    assert token_ids(outputs) == tokens
+    seen = records(llm)
+    for output, expected in zip(outputs, logits, strict=True):
+        torch.testing.assert_close(logits_of(seen, output), expected, atol=1e-4, rtol=0)
 
 
 def test_a_prefix_hit_reads_the_windowed_blocks_it_needs_and_equals_a_fresh_run(

@@ -47,8 +47,8 @@ def attention(
     bucket's (a FULL graph holds it); under decode context parallelism it runs with the
     group's query heads over this rank's positions, between two all-gathers, and the
     sinks join the merge of this rank's heads. A windowed layer reads through the
-    windowed pool's view, where the model keeps one."""
-    metadata = metadata.for_window(window)
+    windowed pool's view, where the model keeps one (``attend`` picks it: a task's
+    fresh metadata is the whole step's)."""
     shard = metadata.context.decode
     kwargs = {"reader": reader, "metadata": metadata, "selector": selector, "window": window}
     if shard is None:
