@@ -7,9 +7,11 @@ heads, 1 KV head of 64, 12 layers) and random weights: what is measured is block
 accounting, which does not depend on the widths. One request: a prompt of ``--context``
 fresh random tokens, prefilled in chunks of ``--chunk``, then ``--new-tokens`` greedy
 tokens. After every step the engine's stats give the blocks in use of each pool; the
-table shows them at the last step (the context at its longest) and at their peak (the
-last prefill chunk's window and chunk), with their bytes: each kind's blocks times
-what a block costs in that kind's layers (float32).
+table shows them at the last step (the context at its longest) and at their most over
+the steps, with their bytes: each kind's blocks times what a block costs in that kind's
+layers (float32). Within a step the windowed pool holds a prefill chunk's blocks too,
+(window + chunk) / block_size + 2 at most, which the capacity plan reserves per running
+request (``runner/cache_sizes.py``).
 
 * **shared** (``--no-kv-pools-per-kind``, the engine before per-kind pools): one block id
   names a slot range in every layer's cache, so every layer keeps every block;
@@ -146,9 +148,9 @@ def table(results: dict[str, dict], costs: dict[str, int], args: argparse.Namesp
         "pools",
         "layers",
         "blocks held, last step",
-        "peak",
+        "most after a step",
         "MiB, last step",
-        "peak MiB",
+        "most MiB",
         f"windowed blocks / shared (aim <= window / context = {aim:.4f})",
     ]
     title = (
