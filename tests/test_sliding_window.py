@@ -20,7 +20,7 @@ from tests.checkpoints import WINDOW, build_checkpoint, eagle_head_checkpoint, t
 from tests.helpers import greedy, token_ids
 from tests.probes import assert_idle, logits_of, probed, records
 from tests.test_reference_models import PROMPTS, assert_logits_match
-from tests.window_checks import run_checked
+from tests.window_checks import budget_gib, run_checked
 from updraft import LLM
 from updraft.attention.metadata import AttentionGroup, AttentionMetadata
 from updraft.engine.kv_blocks import KVCacheManager
@@ -168,11 +168,18 @@ def _run(checkpoint, **args):
     return token_ids(outputs), [logits_of(seen, output) for output in outputs], steps
 
 
+def _gemma3_pools(gemma3) -> dict:
+    """Two running requests and a budget whose windowed pool (what they can hold at
+    most) goes round while the full pool is roomy: the kinds' block ids part, so a rank
+    that wrote or read a windowed layer through the full table would show."""
+    return dict(max_num_seqs=2, num_kv_blocks=None, kv_cache_memory_gib=budget_gib(gemma3, 100, 24))
+
+
 @pytest.fixture(scope="module")
 def gemma3_in_one_process(gemma3):
     """(tokens, logits) one process computes on Gemma 3, for every layout's test: values
     only, from an engine no test sees, so the layouts cannot disturb each other."""
-    tokens, logits, _ = _run(gemma3)
+    tokens, logits, _ = _run(gemma3, **_gemma3_pools(gemma3))
     return tokens, logits
 
 
@@ -190,7 +197,9 @@ def test_ranks_compute_what_one_process_computes(gemma3, gemma3_in_one_process, 
     position, and a window starts at a rank's own first position inside it; under PCP
     each rank's prefill chunks attend as continuations, narrowed by the window."""
     tokens, logits = gemma3_in_one_process
-    split_tokens, split_logits, steps = _run(gemma3, worker_pool=pool, **layout)
+    split_tokens, split_logits, steps = _run(
+        gemma3, worker_pool=pool, **_gemma3_pools(gemma3), **layout
+    )
     split = any("split over 2 ranks" in mode for mode in steps)
     assert split == ("prefill_context_parallel_size" in layout), steps
     assert split_tokens == tokens

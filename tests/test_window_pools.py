@@ -17,13 +17,12 @@ import torch
 from tests.checkpoints import WINDOW, build_checkpoint
 from tests.helpers import greedy, token_ids
 from tests.probes import assert_idle, logits_of, probed, records
-from tests.window_checks import assert_windows_held, run_checked
+from tests.window_checks import assert_windows_held, budget_gib, run_checked
 from updraft import LLM
-from updraft.attention.cache_groups import bytes_per_block, cache_groups, window_pool_blocks
+from updraft.attention.cache_groups import window_pool_blocks
 from updraft.engine.block_pool import BlockPool
 from updraft.engine.kv_blocks import KVCacheManager
 from updraft.engine.window_blocks import WindowBlocks
-from updraft.model_config import ModelConfig
 from updraft.request import Request
 from updraft.sampling_params import SamplingParams
 
@@ -71,15 +70,6 @@ def test_sliding_layers_blocks_return_to_their_pool_while_full_layers_keep_their
     assert_idle(llm)
 
 
-def _budget_gib(directory, full_blocks: int, window_blocks: int) -> float:
-    """A KV budget of ``full_blocks`` full-layer blocks and ``window_blocks`` windowed
-    ones (half a block more, against rounding)."""
-    groups = cache_groups(ModelConfig.from_dir(directory), torch.float32)
-    full = bytes_per_block(groups, BLOCK, windowed=False)
-    window = bytes_per_block(groups, BLOCK, windowed=True)
-    return (full_blocks * full + window_blocks * window + full // 2) / 2**30
-
-
 @pytest.mark.parametrize(
     "mode",
     [{"enforce_eager": True}, {"graph_mode": "full"}, {"graph_mode": "piecewise"}],
@@ -92,7 +82,7 @@ def test_logits_equal_one_shared_pool_when_given_back_blocks_are_reused(gemma3, 
     layer through the full table, or a stale windowed one, would change logits (the
     tiny model's greedy tokens may not show it). PIECEWISE graphs re-run attention as
     tasks with each step's metadata; FULL ones hold it."""
-    llm = probed(gemma3, **ARGS, kv_cache_memory_gib=_budget_gib(gemma3, 100, 24), **mode)
+    llm = probed(gemma3, **ARGS, kv_cache_memory_gib=budget_gib(gemma3, 100, 24), **mode)
     stats = llm.engine.stats()
     assert (stats.kv_blocks_total, stats.window_blocks_total) == (100, 24)
     parted = []

@@ -15,8 +15,14 @@ alone would not show it).
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import torch
+
 from updraft import LLM, SamplingParams
+from updraft.attention.cache_groups import bytes_per_block, cache_groups
 from updraft.engine.block_pool import BlockPool
+from updraft.model_config import ModelConfig
 from updraft.outputs import RequestOutput
 
 
@@ -65,3 +71,12 @@ def run_checked(
         checked += assert_windows_held(llm)
     assert checked, "no step had a running request to check"
     return [last[request_id] for request_id in ids]
+
+
+def budget_gib(directory: Path, full_blocks: int, window_blocks: int, block_size: int = 4) -> float:
+    """A KV budget of ``full_blocks`` full-layer blocks and ``window_blocks`` windowed
+    ones (half a block more, against rounding)."""
+    groups = cache_groups(ModelConfig.from_dir(directory), torch.float32)
+    full = bytes_per_block(groups, block_size, windowed=False)
+    window = bytes_per_block(groups, block_size, windowed=True)
+    return (full_blocks * full + window_blocks * window + full // 2) / 2**30
