@@ -42,5 +42,5 @@ def logits_of(seen: ProbeRecords, output: RequestOutput) -> torch.Tensor:
 def assert_idle(llm: LLM) -> None:
     """No request left, no KV block held."""
     stats = llm.engine.stats()
-    assert stats.kv_blocks_used == 0
+    assert stats.kv_blocks_used == stats.window_blocks_used == 0
     assert stats.num_running == stats.num_waiting == 0

@@ -188,14 +188,18 @@ def test_no_model_module_sets_a_context_split_and_the_metadata_is_frozen():
 
 def test_the_graph_contract_is_a_type():
     """What a forward reads is ``ForwardInputs``: exactly the declared graph inputs, a
-    draft head's hidden states, a LongRoPE model's rotary rows and a hybrid model's state
-    slots; attention metadata is built from it alone."""
+    draft head's hidden states, a LongRoPE model's rotary rows, a hybrid model's state
+    slots and a windowed pool's slots and block table; attention metadata is built from
+    it alone."""
     fields = {field.name for field in dataclasses.fields(ForwardInputs)}
     assert fields == {spec.name for spec in ALL_GRAPH_INPUTS}
-    assert {spec.name for spec in HEAD_GRAPH_INPUTS} | {"rotary_rows", "state_slots"} == fields
-    extra = {"hidden_states", "rotary_rows", "state_slots"}
+    window = {"window_slot_mapping", "window_block_table"}
+    assert {spec.name for spec in HEAD_GRAPH_INPUTS} | {"rotary_rows", "state_slots", *window} == (
+        fields
+    )
+    extra = {"hidden_states", "rotary_rows", "state_slots", *window}
     assert {spec.name for spec in GRAPH_INPUTS} | extra == fields
-    every = graph_inputs(head=True, rotary=True, state=True)
+    every = graph_inputs(head=True, rotary=True, state=True, window=True)
     assert {spec.name for spec in every} == fields
     for build in (AttentionMetadata.from_step, AttentionMetadata.bind):
         assert typing.get_type_hints(build)["step"] is ForwardInputs

@@ -115,6 +115,7 @@ def test_every_engine_setting_is_a_flag_that_reaches_the_config():
     }
     switches = [
         "--no-enable-prefix-caching",
+        "--no-kv-pools-per-kind",
         "--enforce-eager",
         "--sanitize",
         "--no-speculative-enforce-eager",
@@ -152,6 +153,7 @@ def test_every_engine_setting_is_a_flag_that_reaches_the_config():
         "speculative_model": "somewhere",
         "num_speculative_tokens": 5,
         "enable_prefix_caching": False,
+        "kv_pools_per_kind": False,
         "enforce_eager": True,
         "compile_graphs": False,
         "sanitize": True,

@@ -16,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from updraft.engine.kv_blocks import BlockPool, KVCacheManager, hash_block
 from updraft.engine.scheduler import Scheduler
+from updraft.engine.window_blocks import WindowBlocks
 from updraft.request import FinishReason, Request
 from updraft.sampling_params import SamplingParams
 from updraft.step.output import StepOutput
@@ -108,12 +109,28 @@ class SchedulerMachine(RuleBasedStateMachine):
         token_budget=st.integers(1, 24),
         prefix_caching=st.booleans(),
         lookahead=st.integers(0, 3),
+        window=st.sampled_from([None, None, 3, 9]),
+        spare=st.integers(0, 8),
     )
-    def setup(self, num_blocks, max_num_seqs, token_budget, prefix_caching, lookahead):
+    def setup(
+        self, num_blocks, max_num_seqs, token_budget, prefix_caching, lookahead, window, spare
+    ):
+        """With a ``window``, a model whose windowed layers have a pool of their own:
+        at least what one request can hold in it, or as many blocks as the full pool."""
         self.pool = BlockPool(num_blocks, BLOCK_SIZE, prefix_caching)
+        self.window_pool, windowed = None, None
+        if window is not None:
+            most = -(-(window + token_budget + lookahead) // BLOCK_SIZE) + 2
+            self.window_pool = BlockPool(min(num_blocks, most + spare), BLOCK_SIZE, prefix_caching)
+            windowed = WindowBlocks(self.window_pool, window)
+        self.window = window
         self.capacity = num_blocks * BLOCK_SIZE
         self.scheduler = Scheduler(
-            KVCacheManager(self.pool), max_num_seqs, token_budget, self.capacity, lookahead
+            KVCacheManager(self.pool, windowed=windowed),
+            max_num_seqs,
+            token_budget,
+            self.capacity,
+            lookahead,
         )
         self.drafts: dict[str, Draft] = {}
         self.all_requests: list[Request] = []
@@ -188,31 +205,59 @@ class SchedulerMachine(RuleBasedStateMachine):
                 )
                 assert request.num_tokens == limit
 
+    def _pools(self):
+        """(pool, each request's held blocks by index) of every pool."""
+        requests = self.scheduler.requests.values()
+        pools = [(self.pool, [dict(enumerate(r.block_ids)) for r in requests])]
+        if self.window_pool is not None:
+            held = [
+                {i: b for i, b in enumerate(r.window_block_ids) if i >= r.num_window_released}
+                for r in requests
+            ]
+            pools.append((self.window_pool, held))
+        return pools
+
     @invariant()
     def blocks_are_accounted_for(self):
         if not hasattr(self, "pool"):
             return
-        holders = Counter()
         for request in self.scheduler.requests.values():
-            assert len(set(request.block_ids)) == len(request.block_ids)
-            holders.update(request.block_ids)
-        for block in range(self.pool.num_blocks):
-            assert self.pool.ref_counts[block] == holders[block]
-            assert (block in self.pool.free_blocks) == (holders[block] == 0)
+            if self.window_pool is not None:
+                assert len(request.window_block_ids) == len(request.block_ids)
+        for pool, held in self._pools():
+            holders = Counter()
+            for blocks in held:
+                assert len(set(blocks.values())) == len(blocks)
+                holders.update(blocks.values())
+            for block in range(pool.num_blocks):
+                assert pool.ref_counts[block] == holders[block]
+                assert (block in pool.free_blocks) == (holders[block] == 0)
 
     @invariant()
     def only_identical_content_is_shared(self):
         if not hasattr(self, "pool"):
             return
-        owners: dict[int, int] = {}
-        for request in self.scheduler.requests.values():
-            for index, block in enumerate(request.block_ids):
-                if self.pool.ref_counts[block] > 1:
-                    # A shared block is a cached one, at a position whose content hash
-                    # (which chains over all earlier tokens) is the block's.
-                    assert self.pool.block_hashes[block] is not None
-                    assert request.block_hashes[index] == self.pool.block_hashes[block]
-                    assert owners.setdefault(block, index) == index
+        requests = list(self.scheduler.requests.values())
+        for pool, held in self._pools():
+            owners: dict[int, int] = {}
+            for request, blocks in zip(requests, held, strict=True):
+                for index, block in blocks.items():
+                    if pool.ref_counts[block] > 1:
+                        # A shared block is a cached one, at a position whose content
+                        # hash (which chains over all earlier tokens) is the block's.
+                        assert pool.block_hashes[block] is not None
+                        assert request.block_hashes[index] == pool.block_hashes[block]
+                        assert owners.setdefault(block, index) == index
+
+    @invariant()
+    def every_window_reads_held_blocks(self):
+        """A running request holds every windowed block from the one its next query's
+        window starts in (position n - window + 1) on."""
+        if getattr(self, "window_pool", None) is None:
+            return
+        for request in self.scheduler.running:
+            first = max(0, request.num_computed_tokens - self.window + 1) // BLOCK_SIZE
+            assert request.num_window_released <= first
 
     def teardown(self):
         if not hasattr(self, "pool"):
@@ -223,8 +268,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.step()
         assert not self.scheduler.requests, "a request never finished"
         assert all(r.finished for r in self.all_requests)
-        assert self.pool.num_free == self.pool.num_blocks
-        assert all(count == 0 for count in self.pool.ref_counts)
+        for pool, _ in self._pools():
+            assert pool.num_free == pool.num_blocks
+            assert all(count == 0 for count in pool.ref_counts)
         if self.scheduler.num_lookahead_tokens:
             assert self.scheduler.speculative.rounds >= 0
 

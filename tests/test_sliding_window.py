@@ -20,6 +20,7 @@ from tests.checkpoints import WINDOW, build_checkpoint, eagle_head_checkpoint, t
 from tests.helpers import greedy, token_ids
 from tests.probes import assert_idle, logits_of, probed, records
 from tests.test_reference_models import PROMPTS, assert_logits_match
+from tests.window_checks import budget_gib, run_checked
 from updraft import LLM
 from updraft.attention.metadata import AttentionGroup, AttentionMetadata
 from updraft.engine.kv_blocks import KVCacheManager
@@ -167,11 +168,18 @@ def _run(checkpoint, **args):
     return token_ids(outputs), [logits_of(seen, output) for output in outputs], steps
 
 
+def _gemma3_pools(gemma3) -> dict:
+    """Two running requests and a budget whose windowed pool (what they can hold at
+    most) goes round while the full pool is roomy: the kinds' block ids part, so a rank
+    that wrote or read a windowed layer through the full table would show."""
+    return dict(max_num_seqs=2, num_kv_blocks=None, kv_cache_memory_gib=budget_gib(gemma3, 100, 24))
+
+
 @pytest.fixture(scope="module")
 def gemma3_in_one_process(gemma3):
     """(tokens, logits) one process computes on Gemma 3, for every layout's test: values
     only, from an engine no test sees, so the layouts cannot disturb each other."""
-    tokens, logits, _ = _run(gemma3)
+    tokens, logits, _ = _run(gemma3, **_gemma3_pools(gemma3))
     return tokens, logits
 
 
@@ -189,7 +197,9 @@ def test_ranks_compute_what_one_process_computes(gemma3, gemma3_in_one_process, 
     position, and a window starts at a rank's own first position inside it; under PCP
     each rank's prefill chunks attend as continuations, narrowed by the window."""
     tokens, logits = gemma3_in_one_process
-    split_tokens, split_logits, steps = _run(gemma3, worker_pool=pool, **layout)
+    split_tokens, split_logits, steps = _run(
+        gemma3, worker_pool=pool, **_gemma3_pools(gemma3), **layout
+    )
     split = any("split over 2 ranks" in mode for mode in steps)
     assert split == ("prefill_context_parallel_size" in layout), steps
     assert split_tokens == tokens
@@ -266,12 +276,13 @@ def test_a_proposer_without_a_window_keeps_every_block(mistral, tmp_path):
 
 def test_blocks_given_back_are_reused_by_other_requests_without_a_token_changing(mistral):
     """A pool so small that the blocks one request gives back are soon another's: a
-    block given back while a window still reads it would change tokens."""
+    block given back while a window still reads it would change tokens. After every
+    step, every block a window still reads is held (``tests/window_checks.py``)."""
     prompts = [list(range(3 + i, 30 + i)) for i in range(6)]
     params = [greedy(60) for _ in prompts]
     roomy = token_ids(LLM(mistral, block_size=4, num_kv_blocks=512).generate(prompts, params))
     tight = LLM(mistral, block_size=4, num_kv_blocks=24, enable_prefix_caching=False)
-    outputs = tight.generate(prompts, params)
+    outputs = run_checked(tight, prompts, params)
     assert token_ids(outputs) == roomy
     # 6 requests of 87 tokens would need 132 blocks: the room came from the windows.
     assert sum(output.metrics.num_preemptions for output in outputs) == 0
@@ -327,7 +338,13 @@ def test_a_sliding_layer_with_the_global_rope_base_fails_the_parity_test(gemma3,
         assert_logits_match(gemma3)
 
 
-def test_a_block_given_back_while_its_window_reads_it_changes_tokens(mistral, monkeypatch):
+@pytest.mark.parametrize("num_kv_blocks", [24, 512])
+def test_a_block_given_back_while_its_window_reads_it_fails_for_any_pool_size(
+    mistral, monkeypatch, num_kv_blocks
+):
+    """Given back one block early: in a pool of 512 blocks none is handed out again
+    while the request runs, so its tokens stay right; the check of held blocks after
+    each step fails anyway."""
     release = KVCacheManager.release_outside_window
 
     def one_block_early(self, request):
@@ -338,8 +355,9 @@ def test_a_block_given_back_while_its_window_reads_it_changes_tokens(mistral, mo
             self.window += self.block_size
 
     monkeypatch.setattr(KVCacheManager, "release_outside_window", one_block_early)
-    with pytest.raises(AssertionError):
-        test_blocks_given_back_are_reused_by_other_requests_without_a_token_changing(mistral)
+    llm = LLM(mistral, block_size=4, num_kv_blocks=num_kv_blocks, enforce_eager=True)
+    with pytest.raises(AssertionError, match="a window still reads"):
+        run_checked(llm, [list(range(3, 30))], [greedy(30)])
 
 
 def test_window_starts_not_derived_from_the_refreshed_lengths_are_refused_at_capture(

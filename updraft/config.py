@@ -151,6 +151,12 @@ class EngineConfig:
         None, "context length (default: the model's max_position_embeddings)"
     )
     enable_prefix_caching: bool = setting(True, "reuse the KV of prompt blocks seen before")
+    kv_pools_per_kind: bool = setting(
+        True,
+        "in a model that mixes sliding-window and full-attention layers (Gemma 3, gpt-oss), "
+        "keep the windowed layers' KV in a pool of its own whose blocks go back once their "
+        "window has passed (not with a proposer model, nor a prefill split over ranks)",
+    )
     num_prefix_states: int | None = setting(
         None,
         "with prefix caching, a hybrid model's recurrent states kept at cached prompts' "

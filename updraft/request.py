@@ -56,6 +56,11 @@ class Request:
     # Leading blocks given back because no sliding window reaches them any more; their
     # ids stay in block_ids (the block table keeps its positions) but are never read.
     num_released_blocks: int = 0
+    # A model whose windowed layers have a pool of their own: the request's blocks there,
+    # one per entry of block_ids (the same positions), and how many leading ones are not
+    # held (given back, or never taken on a prefix hit: no window reaches them).
+    window_block_ids: list[int] = field(default_factory=list)
+    num_window_released: int = 0
     # A hybrid model's recurrent-state slot (conv window and linear-attention state of
     # every linear layer), held from admission to finish or preemption; -1: none.
     state_slot: int = -1

@@ -5,7 +5,11 @@
   the prefix cache count blocks and never look inside. A model may have several paged
   groups, one per slot layout (Gemma 4's full-attention layers' heads differ from its
   sliding layers'): they share the one block table and block count, so a block is a
-  block in every paged group and costs the sum of their bytes.
+  block in every paged group and costs the sum of their bytes. A model that mixes
+  sliding-window and full-attention layers may give its windowed groups a pool of their
+  own (``CacheSizes.num_window_blocks``): their blocks then have ids of their own, in a
+  block table of their own, and go back to that pool once every window has passed them
+  (``engine/window_blocks.py``).
 * **recurrent**: per-request state of linear-attention layers (Gated DeltaNet's causal
   conv window and recurrent state). A request holds one slot from admission to its end
   or preemption, whatever its length; a slot has ``depth`` rows, the state after
@@ -44,6 +48,8 @@ class CacheGroup:
     # paged: one position's slot; recurrent: one request's slot ([depth, state width])
     layout: CacheLayout
     dtype: torch.dtype
+    # paged: whether every layer of the group has a sliding window (the windowed kind)
+    windowed: bool = False
 
     @property
     def bytes_per_slot(self) -> int:
@@ -61,11 +67,12 @@ def cache_groups(
     state of its linear-attention layers in ``state_dtype``, ``depth`` rows per slot
     (1 + the speculative tokens a verify step carries)."""
     groups = []
-    layouts: dict[CacheLayout, list[int]] = {}
+    layouts: dict[tuple[CacheLayout, bool], list[int]] = {}
     for layer in config.kv_writing_layers:
-        layouts.setdefault(cache_layout(config, layer), []).append(layer)
-    for layout, layers in layouts.items():
-        groups.append(CacheGroup(PAGED, tuple(layers), layout, dtype))
+        kind = (cache_layout(config, layer), config.window(layer) is not None)
+        layouts.setdefault(kind, []).append(layer)
+    for (layout, windowed), layers in layouts.items():
+        groups.append(CacheGroup(PAGED, tuple(layers), layout, dtype, windowed))
     linear = config.linear_attention
     if config.linear_layers:
         state = CacheLayout(before_slots=(), per_slot=(depth, linear.state_width))
@@ -80,9 +87,25 @@ def group_of(groups: tuple[CacheGroup, ...], kind: str) -> CacheGroup | None:
     return next((group for group in groups if group.kind == kind), None)
 
 
-def bytes_per_block(groups: tuple[CacheGroup, ...], slots_per_block: int) -> int:
-    """What one block costs: its slots in every paged group (0: no layer keeps KV)."""
-    return sum(g.bytes_per_slot for g in groups if g.kind == PAGED) * slots_per_block
+def bytes_per_block(
+    groups: tuple[CacheGroup, ...], slots_per_block: int, windowed: bool | None = None
+) -> int:
+    """What one block costs: its slots in every paged group (0: no layer keeps KV);
+    with ``windowed``, in the paged groups of that kind only."""
+    return (
+        sum(
+            g.bytes_per_slot
+            for g in groups
+            if g.kind == PAGED and (windowed is None or g.windowed == windowed)
+        )
+        * slots_per_block
+    )
+
+
+def mixes_windows(groups: tuple[CacheGroup, ...]) -> bool:
+    """Whether the paged groups come in both kinds, windowed and full."""
+    kinds = {g.windowed for g in groups if g.kind == PAGED}
+    return kinds == {True, False}
 
 
 class CacheSizes(NamedTuple):
@@ -91,6 +114,8 @@ class CacheSizes(NamedTuple):
     # States kept at cached prefixes' block boundaries, after the running slots
     # (``engine/prefix_states.py``).
     num_prefix_states: int = 0
+    # Blocks of the windowed groups' own pool; 0: they share the full groups' blocks.
+    num_window_blocks: int = 0
 
 
 def split_budget(
@@ -99,12 +124,15 @@ def split_budget(
     slots_per_block: int,
     max_num_seqs: int,
     prefix_states: int | None = 0,
+    window_blocks_per_request: int | None = None,
 ) -> CacheSizes:
     """KV blocks and state slots out of one budget. Every running request holds a state
     slot, so up to ``max_num_seqs`` slots are kept, but at most half the budget goes to
     state slots: a request waits at admission for a free slot as it does for free
     blocks. ``prefix_states``: slots for prefix states besides, out of that half too;
-    None: as many as the running slots."""
+    None: as many as the running slots. ``window_blocks_per_request``: the windowed
+    groups have a pool of their own, of which a running request holds at most this many
+    blocks (``window_pool_blocks``)."""
     recurrent = group_of(groups, RECURRENT)
     slots = prefixes = 0
     if recurrent is not None:
@@ -120,7 +148,7 @@ def split_budget(
                 "states: raise kv_cache_memory_gib or lower num_prefix_states"
             )
         budget_bytes -= (slots + prefixes) * recurrent.bytes_per_slot
-    blocks = 0
+    blocks = window_blocks = 0
     block_bytes = bytes_per_block(groups, slots_per_block)
     if block_bytes:
         blocks = budget_bytes // block_bytes
@@ -129,7 +157,28 @@ def split_budget(
                 f"kv_cache_memory_gib leaves {budget_bytes} bytes for KV blocks, which hold "
                 f"no block ({block_bytes} bytes each)"
             )
-    return CacheSizes(blocks, slots, prefixes)
+        if window_blocks_per_request is not None:
+            full = bytes_per_block(groups, slots_per_block, windowed=False)
+            window = block_bytes - full
+            blocks, window_blocks = window_pool_blocks(
+                budget_bytes, full, window, max_num_seqs * window_blocks_per_request
+            )
+    return CacheSizes(blocks, slots, prefixes, window_blocks)
+
+
+def window_pool_blocks(
+    budget_bytes: int, full_bytes: int, window_bytes: int, window_cap: int
+) -> tuple[int, int]:
+    """(full blocks, windowed blocks) out of ``budget_bytes``, a block costing
+    ``full_bytes`` in the full groups and ``window_bytes`` in the windowed ones. The
+    windowed pool never needs more than ``window_cap`` blocks (every running request at
+    its most) nor more than the full pool (a request holds no more windowed blocks than
+    full ones); the full pool takes the rest. With a budget too small for the cap, both
+    get the same count, as with one shared pool."""
+    shared = budget_bytes // (full_bytes + window_bytes)
+    if shared >= window_cap:
+        return (budget_bytes - window_cap * window_bytes) // full_bytes, window_cap
+    return shared, shared
 
 
 def allocate_caches(
@@ -145,11 +194,12 @@ def allocate_caches(
     empty: each its own); a layer that reads another's is given that very tensor."""
     caches: list[torch.Tensor | None] = [None] * num_layers
     for group in groups:
-        count = (
-            sizes.num_blocks * slots_per_block
-            if group.kind == PAGED
-            else sizes.num_state_slots + sizes.num_prefix_states
-        )
+        if group.kind == RECURRENT:
+            count = sizes.num_state_slots + sizes.num_prefix_states
+        elif group.windowed and sizes.num_window_blocks:
+            count = sizes.num_window_blocks * slots_per_block
+        else:
+            count = sizes.num_blocks * slots_per_block
         shape = group.layout.shape(count + 1)
         try:
             for layer in group.layers:

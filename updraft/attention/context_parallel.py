@@ -46,7 +46,9 @@ def attention(
     The loop is a task (its group shapes change every step) unless the metadata is a
     bucket's (a FULL graph holds it); under decode context parallelism it runs with the
     group's query heads over this rank's positions, between two all-gathers, and the
-    sinks join the merge of this rank's heads."""
+    sinks join the merge of this rank's heads. A windowed layer reads through the
+    windowed pool's view, where the model keeps one (``attend`` picks it: a task's
+    fresh metadata is the whole step's)."""
     shard = metadata.context.decode
     kwargs = {"reader": reader, "metadata": metadata, "selector": selector, "window": window}
     if shard is None:
@@ -62,11 +64,15 @@ def attention(
     return merged.to(reader.query.dtype)
 
 
-def step_rows(metadata: AttentionMetadata, *parts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def step_rows(
+    metadata: AttentionMetadata, *parts: torch.Tensor, window: int | None = None
+) -> tuple[torch.Tensor, ...]:
     """(slots, *parts): this step's cache rows (``parts``, [T, ...] each) and the slots
-    this rank writes them at. Under a prefill split, every rank's rows of the step (in
-    one all-gather) at their global slots; under a decode split, the positions this rank
+    this rank writes them at (a ``window``ed layer's in the windowed pool, where the
+    model keeps one). Under a prefill split, every rank's rows of the step (in one
+    all-gather) at their global slots; under a decode split, the positions this rank
     keeps at its local slots, and -1 (the spare slot) for the others."""
+    metadata = metadata.for_window(window)
     context, slots = metadata.context, metadata.slot_mapping
     if context.prefill is not None:
         gather = context.prefill

@@ -80,7 +80,7 @@ def paged_attention(
     metadata's context split says), then the attention loop over the cache (over each
     query's last ``window`` positions, for a sliding-window layer; with each head's
     sink logit, ``sinks`` [H], where the layer has them)."""
-    slots, key, value = step_rows(metadata, key, value)
+    slots, key, value = step_rows(metadata, key, value, window=window)
     write_kv(kv_cache, key, value, slots)
     reader = PagedKV(query, kv_cache, scale)
     return attention(reader, metadata, layer, window=window, sinks=sinks)

@@ -135,9 +135,13 @@ def attend(
     sink's logit (``sinks`` [H]) in the denominator where a layer has them; under
     decode context parallelism [T, H * Dv + H] in float32: the attention over this
     rank's shard of each context, then each head's log-sum-exp (-inf, or the kernel's
-    -1e30, where the shard holds none of a token's context), sinks left to the merge."""
+    -1e30, where the shard holds none of a token's context), sinks left to the merge.
+    A windowed layer reads through the windowed pool's view of ``metadata``, where the
+    model keeps one: chosen here, so a task re-run with a step's fresh metadata (which
+    is the whole step's) picks the fresh view."""
     if window is not None and selector is not None:
         raise ValueError("a sliding window and a sparse selection do not combine")
+    metadata = metadata.for_window(window)
     sharded = metadata.context.decode is not None
     with_lse = sharded or sinks is not None
     in_place = reads_cache_in_place(reader.query)

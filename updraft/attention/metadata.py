@@ -21,7 +21,7 @@ parallelism over C ranks, where each rank keeps every C-th position of a block.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -268,6 +268,9 @@ class AttentionMetadata:
     # each request's, read only by an eager step that is not uniform.
     query_len: int | None = None
     query_lens: tuple[int, ...] = ()
+    # The same step over the windowed layers' own pool (its slots and block table), for
+    # a model that keeps one (``engine/window_blocks.py``); None: every layer reads this.
+    windowed: AttentionMetadata | None = None
     _groups: dict[int, AttentionGroup] = field(default_factory=dict, repr=False)
     _token_rows: dict[int, TokenRows] = field(default_factory=dict, repr=False)
     _window_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
@@ -276,6 +279,29 @@ class AttentionMetadata:
     def slots_per_block(self) -> int:
         """Cache slots of one block on this rank."""
         return self.positions_per_block // self.context.shards
+
+    def for_window(self, window: int | None) -> AttentionMetadata:
+        """What a layer with ``window`` (None: full attention) reads and writes through:
+        the windowed pool's view where the model keeps one, else this."""
+        return self if window is None or self.windowed is None else self.windowed
+
+    def with_window_pool(
+        self, slot_mapping: torch.Tensor | None, block_table: torch.Tensor | None
+    ) -> AttentionMetadata:
+        """This metadata with a view over the windowed pool's ``slot_mapping`` and
+        ``block_table`` (None: no such pool, itself): the same shapes and lengths, its
+        own index tensors, derived on first use."""
+        if block_table is None:
+            return self
+        view = replace(
+            self,
+            slot_mapping=slot_mapping,
+            block_table=block_table,
+            _groups={},
+            _token_rows={},
+            _window_masks={},
+        )
+        return replace(self, windowed=view)
 
     @classmethod
     def from_step(
@@ -286,6 +312,7 @@ class AttentionMetadata:
         context: ContextSplit = NO_SPLIT,
     ) -> AttentionMetadata:
         """Metadata over ``step``'s own tensors (eager forwards)."""
+        windowed = step.window_block_table is not None
         return cls.bind(
             step,
             positions_per_block,
@@ -294,6 +321,8 @@ class AttentionMetadata:
             seq_lens=step.seq_lens.to(device),
             query_start_loc=step.query_start_loc.to(device),
             context=context,
+            window_slot_mapping=step.window_slot_mapping.to(device) if windowed else None,
+            window_block_table=step.window_block_table.to(device) if windowed else None,
         )
 
     @classmethod
@@ -307,10 +336,12 @@ class AttentionMetadata:
         query_start_loc: torch.Tensor,
         num_tokens: int | None = None,
         context: ContextSplit = NO_SPLIT,
+        window_slot_mapping: torch.Tensor | None = None,
+        window_block_table: torch.Tensor | None = None,
     ) -> AttentionMetadata:
         """Metadata over the given tensors holding ``step``'s values (a captured graph
         passes its static input buffers, ``num_tokens`` long), with ``step``'s
-        host-side shapes.
+        host-side shapes; with the windowed pool's tensors, a view over them too.
 
         Decode requests (one query token) come first in a step, then the rest, then any
         padding requests (no query tokens), which attend to nothing."""
@@ -329,7 +360,7 @@ class AttentionMetadata:
             context=context,
             query_len=uniform_len,
             query_lens=query_lens,
-        )
+        ).with_window_pool(window_slot_mapping, window_block_table)
 
     @classmethod
     def bucket(
@@ -342,6 +373,8 @@ class AttentionMetadata:
         num_requests: int,
         query_len: int,
         context: ContextSplit = NO_SPLIT,
+        window_slot_mapping: torch.Tensor | None = None,
+        window_block_table: torch.Tensor | None = None,
     ) -> AttentionMetadata:
         """Metadata of a bucket of ``num_requests`` requests of ``query_len`` tokens,
         whatever step fills it: one group, every request (padding ones see no context),
@@ -364,7 +397,7 @@ class AttentionMetadata:
             uniform=True,
             context=context,
             query_len=query_len,
-        )
+        ).with_window_pool(window_slot_mapping, window_block_table)
 
     def group(self, index: int) -> AttentionGroup:
         """The index tensors of ``shapes[index]`` (over this rank's shard of every

@@ -38,6 +38,7 @@ from updraft.engine.prefix_states import PrefixStates
 from updraft.engine.scheduler import Scheduler
 from updraft.engine.state_slots import StateSlots
 from updraft.engine.stats import EngineStats, StepClock, StructuredStats, snapshot_report
+from updraft.engine.window_blocks import WindowBlocks
 from updraft.engine.workers import (
     ParallelWorkers,
     Rendezvous,
@@ -145,6 +146,7 @@ class Engine:
                 None if self._rotary is None else self._rotary.cache_salt,
                 window=self._reading_window(),
                 prefix_states=prefix_states,
+                windowed=self._window_blocks(pool),
             ),
             config.max_num_seqs,
             config.max_num_batched_tokens,
@@ -185,6 +187,15 @@ class Engine:
             configs.append(self._proposer.runner.model_config)
         windows = [config.widest_window for config in configs]
         return None if None in windows else max(windows)
+
+    def _window_blocks(self, pool: BlockPool) -> WindowBlocks | None:
+        """The windowed layers' own pool, where the runner keeps one: as many blocks as
+        their caches hold, given back past the widest of their windows."""
+        count = self._runner.num_window_blocks
+        if not count:
+            return None
+        window = max(w for w in self.model_config.layer_windows if w is not None)
+        return WindowBlocks(BlockPool(count, pool.block_size, pool.enable_prefix_caching), window)
 
     def _make_grammars(self, config: EngineConfig) -> Grammars | None:
         """Structured outputs need the tokenizer: llguidance reads its vocabulary."""
@@ -423,6 +434,7 @@ class Engine:
         """A snapshot: queue lengths, KV blocks, how steps ran, speculative acceptance."""
         scheduler = self._scheduler
         pool, slots, prefix = scheduler.kv.pool, scheduler.state_slots, scheduler.kv.prefix_states
+        windowed = None if scheduler.kv.windowed is None else scheduler.kv.windowed.pool
         draft_runner = None if self._proposer is None else self._proposer.runner
         return EngineStats(
             num_running=len(scheduler.running),
@@ -452,4 +464,6 @@ class Engine:
             state_slots_used=0 if slots is None else slots.num_slots - slots.num_free,
             state_slots_total=0 if slots is None else slots.num_slots,
             prefix_states=None if prefix is None else prefix.stats(),
+            window_blocks_used=0 if windowed is None else windowed.num_used,
+            window_blocks_total=0 if windowed is None else windowed.num_blocks,
         )

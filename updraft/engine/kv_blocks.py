@@ -1,120 +1,24 @@
-"""The KV block pool: allocation, reference counts and prefix caching of full blocks.
-
-A block is ``block_size`` consecutive KV slots. Blocks whose tokens are all computed get
-a key, a SHA-256 digest chained over the request's earlier blocks, so a later request
-with the same prefix reuses them. The key must be collision-resistant: a prompt crafted
-to collide with another user's prefix would otherwise read that user's KV. A free block
-keeps its key (and its KV) until it is handed out again; free blocks are handed out
-least recently freed first, which is LRU eviction of the prefix cache.
+"""A request's KV blocks: allocation, prefix-cache hits and blocks given back, on top
+of the block pool (``block_pool.py``: reference counts, keys and eviction).
 
 Where every layer that reads the cache (the target's, and a proposer's that pages
 through the same block ids) has a sliding window, a running request's blocks that lie
 wholly before the widest window are given back as the request goes on: its block table
-keeps their ids, but no query reads them again.
+keeps their ids, but no query reads them again. Where only some layers have one, those
+layers' blocks are a pool of their own that gives back in the same way
+(``window_blocks.py``), while the full layers keep every block.
 """
 
 from __future__ import annotations
 
-import hashlib
-import sys
-from array import array
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from updraft.engine.block_pool import ROOT_KEY, BlockKey, BlockPool, hash_block
 from updraft.engine.prefix_states import PrefixStates
+from updraft.engine.window_blocks import WindowBlocks
 from updraft.request import Request
 
-BlockKey = bytes
-ROOT_KEY = b"updraft-kv-block"  # the parent of a sequence's first block
-
-
-def hash_block(parent_key: BlockKey | None, token_ids: Sequence[int]) -> BlockKey:
-    """SHA-256 of the parent block's key and the token ids as little-endian int64."""
-    tokens = array("q", token_ids)
-    if sys.byteorder == "big":
-        tokens.byteswap()
-    parent = ROOT_KEY if parent_key is None else parent_key
-    return hashlib.sha256(parent + tokens.tobytes()).digest()
-
-
-class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
-        self.ref_counts = [0] * num_blocks
-        self.block_hashes: list[BlockKey | None] = [None] * num_blocks
-        self.cached: dict[BlockKey, int] = {}  # content key -> block id
-        # Free blocks in eviction order; an OrderedDict gives O(1) removal on a cache hit.
-        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free_blocks)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - self.num_free
-
-    def allocate(self, count: int) -> list[int]:
-        if count > self.num_free:
-            raise RuntimeError(f"asked for {count} KV blocks, {self.num_free} free")
-        blocks = []
-        for _ in range(count):
-            block, _ = self.free_blocks.popitem(last=False)
-            self._forget_hash(block)
-            self.ref_counts[block] = 1
-            blocks.append(block)
-        return blocks
-
-    def free(self, blocks: Sequence[int]) -> None:
-        """Drop one reference to each block. Pass a request's blocks tail first, so its
-        last blocks (least likely to be shared) are evicted first."""
-        for block in blocks:
-            if self.ref_counts[block] <= 0:
-                raise RuntimeError(f"KV block {block} freed twice")
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self.free_blocks[block] = None
-
-    def lookup(self, block_hashes: Sequence[BlockKey]) -> list[int]:
-        """The cached blocks for the longest prefix of ``block_hashes``."""
-        blocks = []
-        if self.enable_prefix_caching:
-            for block_hash in block_hashes:
-                block = self.cached.get(block_hash)
-                if block is None:
-                    break
-                blocks.append(block)
-        return blocks
-
-    def share(self, blocks: Sequence[int]) -> None:
-        """Take a reference to cached blocks found by ``lookup``."""
-        for block in blocks:
-            if self.ref_counts[block] == 0:
-                del self.free_blocks[block]
-            self.ref_counts[block] += 1
-
-    def register(self, block: int, block_hash: BlockKey) -> None:
-        """Record a block's content once all its tokens are computed. The first block
-        with given content stays the cached one while a request holds it; a free one
-        (next to be evicted) hands the content's key to this one, so that a prefix
-        computed again (a hybrid model's whose state was gone) stays findable whole."""
-        if not self.enable_prefix_caching or self.block_hashes[block] is not None:
-            return
-        cached = self.cached.get(block_hash)
-        if cached is not None and self.ref_counts[cached] == 0:
-            self._forget_hash(cached)
-            cached = None
-        if cached is None:
-            self.cached[block_hash] = block
-            self.block_hashes[block] = block_hash
-
-    def _forget_hash(self, block: int) -> None:
-        block_hash = self.block_hashes[block]
-        if block_hash is not None:
-            del self.cached[block_hash]
-            self.block_hashes[block] = None
+__all__ = ["ROOT_KEY", "BlockKey", "BlockPool", "KVCacheManager", "hash_block"]
 
 
 class KVCacheManager:
@@ -126,33 +30,44 @@ class KVCacheManager:
         salt: Callable[[Request], bytes] | None = None,
         window: int | None = None,
         prefix_states: PrefixStates | None = None,
+        windowed: WindowBlocks | None = None,
     ) -> None:
         """``salt``: per request, what sets its blocks' keys apart from those of a request
         with the same tokens whose KV differs (nothing, for most models). ``window``: how
         far back any layer reading the cache looks (a query at position p reads no
         position before p - window + 1), when every such layer has a window.
         ``prefix_states``: a hybrid model's stored recurrent states, without which a
-        cached prefix cannot be resumed (``prefix_states.py``)."""
+        cached prefix cannot be resumed (``prefix_states.py``). ``windowed``: the
+        windowed layers' own pool, in a model that mixes them with full layers; ``pool``
+        is then the full layers'."""
         self.pool = pool
         self.block_size = pool.block_size
         self.salt = salt
         self.window = window
         self.prefix_states = prefix_states
+        self.windowed = windowed
 
     def cached_prefix(self, request: Request) -> list[int]:
         """Cached blocks matching the start of a request that holds no blocks yet. At
         least one token is always left to compute, because its logits are needed. A
         request that asks for its prompt's logprobs computes every prompt token. For a
-        hybrid model, only a prefix whose last block has a stored state counts: the
-        longest such."""
+        hybrid model, only a prefix whose last block has a stored state counts, and for
+        a model with a windowed pool only one whose windowed blocks that its next query
+        reads are cached too: the longest such."""
         if request.sampling_params.prompt_logprobs is not None:
             return []
         hashes = self._hashes(request, self.last_boundary(request) // self.block_size)
         blocks = self.pool.lookup(hashes)
-        if self.prefix_states is not None:
-            while blocks and hashes[len(blocks) - 1] not in self.prefix_states:
-                blocks.pop()
+        while blocks and not self._resumable(hashes, len(blocks)):
+            blocks.pop()
         return blocks
+
+    def _resumable(self, hashes: list[BlockKey], num_blocks: int) -> bool:
+        """Whether a cached prefix of ``num_blocks`` full blocks can be resumed: its
+        recurrent state is stored (a hybrid model's), its windowed blocks are cached."""
+        if self.prefix_states is not None and hashes[num_blocks - 1] not in self.prefix_states:
+            return False
+        return self.windowed is None or self.windowed.hit(hashes, num_blocks) is not None
 
     def last_boundary(self, request: Request) -> int:
         """The end of the request's last full block that ``cached_prefix`` could find:
@@ -173,13 +88,26 @@ class KVCacheManager:
         revived = sum(1 for block in cached if self.pool.ref_counts[block] == 0)
         if new_blocks + revived > self.pool.num_free:
             return False
+        windowed = self.windowed
+        window_cached: list[int] = []
+        if windowed is not None:
+            if cached:
+                window_cached = windowed.hit(request.block_hashes, len(cached))
+                if window_cached is None:  # cached_prefix checked it; nothing ran since
+                    raise RuntimeError(f"request {request.request_id}: a stale prefix hit")
+            if not windowed.room(max(new_blocks, 0), window_cached):
+                return False
         if cached:
             self.pool.share(cached)
             request.block_ids = list(cached)
             request.num_computed_tokens = num_computed
             request.num_registered_blocks = len(cached)
+            if windowed is not None:
+                windowed.take_hit(request, len(cached), window_cached)
         if new_blocks > 0:
             request.block_ids.extend(self.pool.allocate(new_blocks))
+            if windowed is not None:
+                windowed.extend(request, new_blocks)
         return True
 
     def register_computed(self, request: Request) -> None:
@@ -192,6 +120,9 @@ class KVCacheManager:
         hashes = self._hashes(request, full_blocks)
         for index in range(request.num_registered_blocks, full_blocks):
             self.pool.register(request.block_ids[index], hashes[index])
+        if self.windowed is not None:
+            first = request.num_registered_blocks
+            self.windowed.register(request, first, hashes[first:full_blocks])
         request.num_registered_blocks = max(request.num_registered_blocks, full_blocks)
 
     def release_outside_window(self, request: Request) -> None:
@@ -200,7 +131,10 @@ class KVCacheManager:
         one position of slack more (a block is released once it ends at or before
         n - window) spares a proposer that re-reads from the last computed token. Such
         blocks are full and registered already, so the prefix cache keeps them as
-        evictable until they are handed out again."""
+        evictable until they are handed out again. With a windowed pool, that pool's
+        blocks go back so (``window_blocks.py``) and the full layers keep theirs."""
+        if self.windowed is not None:
+            self.windowed.release(request, request.num_registered_blocks)
         if self.window is None:
             return
         dead = max(0, request.num_computed_tokens - self.window) // self.block_size
@@ -210,6 +144,8 @@ class KVCacheManager:
             request.num_released_blocks = dead
 
     def free(self, request: Request) -> None:
+        if self.windowed is not None:
+            self.windowed.free(request)
         self.pool.free(request.block_ids[request.num_released_blocks :][::-1])
         request.block_ids = []
         request.num_registered_blocks = 0

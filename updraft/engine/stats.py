@@ -70,6 +70,10 @@ class EngineStats:
     state_slots_total: int = 0
     # With prefix caching, its recurrent states at cached prefixes' last block.
     prefix_states: PrefixStateStats | None = None
+    # A model whose windowed layers keep their own pool (engine/window_blocks.py): its
+    # blocks in use and in all; 0 for others (their layers share kv_blocks_*).
+    window_blocks_used: int = 0
+    window_blocks_total: int = 0
 
     def describe_steps(self) -> str:
         return describe_steps(self.steps)

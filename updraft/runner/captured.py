@@ -28,6 +28,7 @@ from updraft.graph.updatable import UpdatableGraph
 from updraft.runner.draft_loop import DRAFT_LOOP_INPUTS, DraftLoop, DraftLoopInputs, greedy_drafts
 from updraft.step.inputs import (
     GRAPH_INPUTS,
+    WINDOW_INPUT_NAMES,
     ForwardInputs,
     GraphInput,
     empty_inputs,
@@ -35,7 +36,14 @@ from updraft.step.inputs import (
     sizes_for,
 )
 
-ATTENTION_INPUTS = ("slot_mapping", "block_table", "seq_lens", "query_start_loc")
+# The inputs attention metadata is bound over (the windowed pool's, where declared).
+ATTENTION_INPUTS = (
+    "slot_mapping",
+    "block_table",
+    "seq_lens",
+    "query_start_loc",
+    *sorted(WINDOW_INPUT_NAMES),
+)
 
 
 class Bucket(NamedTuple):
@@ -239,7 +247,7 @@ class CapturedSteps:
                 shapes = metadata(empty)
                 if not bucket.mixed:  # what layers without tasks read: the bucket's
                     shapes = replace(shapes, query_len=bucket.query_len)
-            standard = {spec.name for spec in GRAPH_INPUTS}
+            standard = {spec.name for spec in GRAPH_INPUTS} | WINDOW_INPUT_NAMES
             extra = {name: tensor for name, tensor in tensors.items() if name not in standard}
 
             def forward() -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:

@@ -21,14 +21,12 @@ import torch
 from torch import nn
 
 from updraft.attention.cache_groups import (
-    PAGED,
     RECURRENT,
     CacheSizes,
     allocate_caches,
     cache_groups,
     group_of,
     live_slots,
-    split_budget,
 )
 from updraft.attention.in_place import IN_PLACE_MAX_QUERY
 from updraft.attention.metadata import NO_SPLIT, AttentionMetadata, ContextSplit, PrefillGather
@@ -40,6 +38,7 @@ from updraft.models.activations import int8_activations
 from updraft.models.loader import load_model
 from updraft.models.tensor_parallel import local_config
 from updraft.parallel.topology import GroupRank, ParallelSizes, RankPlace, rank_device
+from updraft.runner.cache_sizes import keeps_window_pool, runner_cache_sizes
 from updraft.runner.captured import Bucket, CapturedSteps
 from updraft.runner.draft_loop import DraftLoop, DraftLoopInputs, greedy_drafts
 from updraft.runner.logits_processors import adjust_logits
@@ -57,6 +56,7 @@ from updraft.step.inputs import (
     SamplingInputs,
     StepInputs,
     graph_inputs,
+    model_inputs,
 )
 from updraft.step.output import StepOutput
 from updraft.step.plan import StateCopy
@@ -97,6 +97,7 @@ class Runner:
         splits_prefills: bool = True,
         send: Send | None = None,
         kv_caches: list[torch.Tensor] | None = None,
+        window_pool: bool = False,
     ):
         """``model`` is what ``model_config`` describes, as this rank holds it (its
         cache follows the config's layers and this rank's KV heads), computing in
@@ -115,7 +116,9 @@ class Runner:
         runs it whole (a replicated draft head's). ``send``: on rank 0 of a split
         model, how each forward is announced to the other ranks just before it runs
         (``rank_messages.py``). ``kv_caches``: another runner's, which a model that
-        writes no KV reads (``model_config`` is that runner's): none are allocated."""
+        writes no KV reads (``model_config`` is that runner's): none are allocated.
+        ``window_pool``: the windowed layers keep their KV in a pool of their own
+        (``keeps_window_pool``), whose slots and block table ``inputs`` declare."""
         self.model = model
         self.model_config = model_config
         self.config = config
@@ -135,11 +138,14 @@ class Runner:
             NO_SPLIT if sizes.decode_context == 1 else ContextSplit(decode=place.decode_context)
         )
         self.whole_query_len = max(query_lens)  # longer queries are split under PCP
+        self.window_pool = window_pool
         # A verify step leaves the state after each of its tokens (1 + k rows per slot).
         self.cache_groups = cache_groups(
             local_config(model_config, sizes), dtype, config.state_dtype, max(query_lens)
         )
-        cache_sizes = self._cache_sizes()
+        cache_sizes = runner_cache_sizes(
+            self.cache_groups, model_config, config, max_model_len, window_pool, max(query_lens)
+        )
         self.num_blocks = cache_sizes.num_blocks if num_blocks is None else num_blocks
         self.num_state_slots = (
             cache_sizes.num_state_slots if num_state_slots is None else num_state_slots
@@ -147,10 +153,16 @@ class Runner:
         self.num_prefix_states = (
             cache_sizes.num_prefix_states if num_prefix_states is None else num_prefix_states
         )
+        self.num_window_blocks = cache_sizes.num_window_blocks  # 0: no pool of their own
         self.kv_caches = kv_caches or allocate_caches(
             self.cache_groups,
             model_config.num_layers,
-            CacheSizes(self.num_blocks, self.num_state_slots, self.num_prefix_states),
+            CacheSizes(
+                self.num_blocks,
+                self.num_state_slots,
+                self.num_prefix_states,
+                self.num_window_blocks,
+            ),
             config.block_size,
             self.device,
             kv_sources=[model_config.kv_source(i) for i in range(model_config.num_layers)],
@@ -212,28 +224,6 @@ class Runner:
             and self.model_config.indexer is None
         )
         return frozenset(q for q in query_lens if in_place and q <= IN_PLACE_MAX_QUERY)
-
-    def _cache_sizes(self) -> CacheSizes:
-        """KV blocks and state slots: ``num_kv_blocks`` blocks (and a slot per running
-        request) where it is set, else what ``kv_cache_memory_gib`` holds. A hybrid
-        model with prefix caching also keeps ``num_prefix_states`` prefix states (by
-        default as many as its running slots)."""
-        config = self.config
-        hybrid = bool(self.model_config.linear_layers)
-        prefixes = config.num_prefix_states if hybrid and config.enable_prefix_caching else 0
-        if config.num_kv_blocks is not None:
-            slots = config.max_num_seqs if hybrid else 0
-            return CacheSizes(config.num_kv_blocks, slots, slots if prefixes is None else prefixes)
-        budget = int(config.kv_cache_memory_gib * 2**30)
-        sizes = split_budget(
-            self.cache_groups, budget, config.block_size, config.max_num_seqs, prefixes
-        )
-        if group_of(self.cache_groups, PAGED) is None:
-            # No layer keeps KV: blocks cost nothing but still count positions, so every
-            # running request may reach the context length.
-            per_request = -(-self.max_model_len // self.positions_per_block)
-            sizes = sizes._replace(num_blocks=config.max_num_seqs * per_request)
-        return sizes
 
     @cached_property
     def state_caches(self) -> list[torch.Tensor]:
@@ -463,7 +453,7 @@ class Runner:
         model as keyword arguments, as they do in a captured step."""
         extra = {
             spec.name: getattr(step, spec.name).to(self.device)
-            for spec in self.inputs[len(GRAPH_INPUTS) :]
+            for spec in model_inputs(self.inputs)
         }
         return self.model(
             step.input_ids.to(self.device),
@@ -505,6 +495,7 @@ def load_runner(
             "sees no CUDA device; use --device cpu, or install a CUDA build (README)"
         )
     dtype = config.compute_dtype(model_config)
+    window_pool = keeps_window_pool(model_config, config, name, place)
     longrope = model_config.rope.kind == "longrope"
     if longrope and name != "target":
         raise ValueError(
@@ -535,7 +526,10 @@ def load_runner(
         place=place,
         splits_prefills=splits_prefills,
         send=send,
-        inputs=graph_inputs(rotary=longrope, state=bool(model_config.linear_layers)),
+        inputs=graph_inputs(
+            rotary=longrope, state=bool(model_config.linear_layers), window=window_pool
+        ),
+        window_pool=window_pool,
     )
 
 

@@ -75,26 +75,47 @@ ROTARY_GRAPH_INPUTS = (*GRAPH_INPUTS, GraphInput("rotary_rows", ("tokens",), pad
 # Which row of the slot a step reads and writes is derived from the positions
 # (``models/delta_rule.py``), so the slot is the only state input.
 STATE_GRAPH_INPUTS = (*GRAPH_INPUTS, GraphInput("state_slots", ("requests",), pad=-1))
+# A model whose windowed layers keep their blocks in a pool of their own
+# (``engine/window_blocks.py``) also reads those blocks' slots and table: the same
+# positions and table columns as the full layers', other block ids. They reach the
+# attention metadata, not the model (``WINDOW_INPUT_NAMES``).
+WINDOW_GRAPH_INPUTS = (
+    *GRAPH_INPUTS,
+    GraphInput("window_slot_mapping", ("tokens",), pad=-1),
+    GraphInput("window_block_table", ("requests", "blocks"), pad=0),
+)
+WINDOW_INPUT_NAMES = frozenset(spec.name for spec in WINDOW_GRAPH_INPUTS[len(GRAPH_INPUTS) :])
 # Every input any runner may declare: ForwardInputs' fields.
 ALL_GRAPH_INPUTS = (
     *HEAD_GRAPH_INPUTS,
     *ROTARY_GRAPH_INPUTS[len(GRAPH_INPUTS) :],
     *STATE_GRAPH_INPUTS[len(GRAPH_INPUTS) :],
+    *WINDOW_GRAPH_INPUTS[len(GRAPH_INPUTS) :],
 )
 
 
 def graph_inputs(
-    *, head: bool = False, rotary: bool = False, state: bool = False
+    *, head: bool = False, rotary: bool = False, state: bool = False, window: bool = False
 ) -> tuple[GraphInput, ...]:
     """The inputs a runner declares: the standard ones, and a draft head's hidden
-    states, a LongRoPE model's rotary rows, a hybrid model's state slots."""
+    states, a LongRoPE model's rotary rows, a hybrid model's state slots, the windowed
+    pool's slots and block table."""
     extra = ()
-    for wanted, specs in ((head, HEAD_GRAPH_INPUTS), (rotary, ROTARY_GRAPH_INPUTS)):
+    for wanted, specs in (
+        (head, HEAD_GRAPH_INPUTS),
+        (rotary, ROTARY_GRAPH_INPUTS),
+        (state, STATE_GRAPH_INPUTS),
+        (window, WINDOW_GRAPH_INPUTS),
+    ):
         if wanted:
             extra += specs[len(GRAPH_INPUTS) :]
-    if state:
-        extra += STATE_GRAPH_INPUTS[len(GRAPH_INPUTS) :]
     return (*GRAPH_INPUTS, *extra)
+
+
+def model_inputs(specs: tuple[GraphInput, ...]) -> tuple[GraphInput, ...]:
+    """The declared inputs beyond the standard ones that reach the model as keyword
+    arguments (the windowed pool's go to the attention metadata instead)."""
+    return tuple(spec for spec in specs[len(GRAPH_INPUTS) :] if spec.name not in WINDOW_INPUT_NAMES)
 
 
 class RotarySwitch(NamedTuple):
@@ -158,6 +179,10 @@ class ForwardInputs:
     # [num_reqs]: each request's recurrent-state slot (-1: none), which only a model
     # with linear-attention layers reads.
     state_slots: torch.Tensor | None = None
+    # [num_tokens] and [num_reqs, widest block list]: the slots and block table of the
+    # windowed layers' own pool, for a model that keeps one; else None.
+    window_slot_mapping: torch.Tensor | None = None
+    window_block_table: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -303,6 +328,9 @@ class StepInputs:
         cache misses after a forward has streamed the weights, so a few flat arrays
         turned into tensors without copying beat many small array operations."""
         input_ids, positions, slot_mapping = array("q"), array("q"), array("q")
+        # A request's windowed blocks, when its model keeps them in a pool of their own.
+        windowed = any(q[0].window_block_ids for q in queries)
+        window_slots = array("q")
         query_start_loc, seq_lens = array("q", [0]), array("q")
         logits_indices = array("q")
         rows: list[int] = []
@@ -321,10 +349,9 @@ class StepInputs:
                 )
             input_ids.extend(tokens)
             positions.extend(range(start, end))
-            for index in range(start // per_block, (end - 1) // per_block + 1):
-                first = block_ids[index] * per_block - index * per_block
-                low, high = max(start, index * per_block), min(end, (index + 1) * per_block)
-                slot_mapping.extend(range(first + low, first + high))
+            extend_slots(slot_mapping, block_ids, start, end, per_block)
+            if windowed:
+                extend_slots(window_slots, request.window_block_ids, start, end, per_block)
             if prompt_logprobs and request.sampling_params.prompt_logprobs is not None:
                 scored.add(request, start, end, end_of_queries)
             end_of_queries += len(tokens)
@@ -356,11 +383,24 @@ class StepInputs:
                 query_start_loc=long_tensor(query_start_loc),
                 rotary_rows=rotary_rows,
                 state_slots=torch.tensor([q[0].state_slot for q in queries], dtype=torch.long),
+                window_slot_mapping=long_tensor(window_slots) if windowed else None,
+                window_block_table=(
+                    block_table_of([q[0].window_block_ids for q in queries]) if windowed else None
+                ),
             ),
             sampling=SamplingInputs.of(rows, sampled, drafts, logits_indices, prompt_rows),
             return_hidden_states=return_hidden_states,
             next_token_ids=next_token_ids,
         )
+
+
+def extend_slots(slots: array, block_ids: list[int], start: int, end: int, per_block: int) -> None:
+    """Append the cache slots of positions ``start .. end - 1`` through ``block_ids``, a
+    run per block rather than a Python step per token."""
+    for index in range(start // per_block, (end - 1) // per_block + 1):
+        first = block_ids[index] * per_block - index * per_block
+        low, high = max(start, index * per_block), min(end, (index + 1) * per_block)
+        slots.extend(range(first + low, first + high))
 
 
 class ScoredPrompts:
