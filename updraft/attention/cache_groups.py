@@ -57,13 +57,15 @@ def cache_groups(
     depth: int = 1,
 ) -> tuple[CacheGroup, ...]:
     """``config``'s cache groups (this rank's share of heads, when it is a rank's local
-    config): the paged K/V of its attention layers in ``dtype``, and the recurrent
+    config): the paged K/V of its attention layers in ``dtype`` (``torch.int8``: codes
+    and a scale per head row, ``cache_layout``), and the recurrent
     state of its linear-attention layers in ``state_dtype``, ``depth`` rows per slot
     (1 + the speculative tokens a verify step carries)."""
     groups = []
     layouts: dict[CacheLayout, list[int]] = {}
     for layer in config.kv_writing_layers:
-        layouts.setdefault(cache_layout(config, layer), []).append(layer)
+        layout = cache_layout(config, layer, quantized=dtype == torch.int8)
+        layouts.setdefault(layout, []).append(layer)
     for layout, layers in layouts.items():
         groups.append(CacheGroup(PAGED, tuple(layers), layout, dtype))
     linear = config.linear_attention

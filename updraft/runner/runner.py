@@ -137,7 +137,7 @@ class Runner:
         self.whole_query_len = max(query_lens)  # longer queries are split under PCP
         # A verify step leaves the state after each of its tokens (1 + k rows per slot).
         self.cache_groups = cache_groups(
-            local_config(model_config, sizes), dtype, config.state_dtype, max(query_lens)
+            local_config(model_config, sizes), *config.cache_dtypes(dtype), max(query_lens)
         )
         cache_sizes = self._cache_sizes()
         self.num_blocks = cache_sizes.num_blocks if num_blocks is None else num_blocks
