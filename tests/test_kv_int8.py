@@ -107,7 +107,8 @@ def test_the_kernel_attends_over_the_rounded_values(march, heads, kv_heads, head
             query, cache, block_table, seq_lens, block_size, 0.3, True, starts, march=march
         )()
         want = float64_reference(query, cache, block_table, seq_lens, block_size, 0.3, starts)
-        torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=2e-5)
+        # float32 sums' rounding; a value off by one rounding step would be ~1e-2 off
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-4)
         assert got[2].eq(0).all() and (lse[2] == -1e30).all()
 
 

@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from updraft.attention.cache_layout import CacheLayout, cache_layout, zeros_on_first_write
+from updraft.attention.kv_int8 import dequantize_rows
 from updraft.model_config import ModelConfig
 
 PAGED = "paged"
@@ -177,6 +178,8 @@ def allocate(
 
 
 def live_slots(cache: torch.Tensor, group: CacheGroup) -> torch.Tensor:
-    """``cache`` without its spare slot, which padded writes land in."""
+    """``cache`` without its spare slot, which padded writes land in; an int8 cache's as
+    the values its rows stand for (a scale's bytes are no measure of a difference)."""
     dim = group.layout.slot_dim
-    return cache.narrow(dim, 0, cache.shape[dim] - 1)
+    live = cache.narrow(dim, 0, cache.shape[dim] - 1)
+    return dequantize_rows(live) if cache.dtype == torch.int8 else live
