@@ -22,8 +22,9 @@ from updraft.kernels.build import kernel_builds
 pytestmark = pytest.mark.skipif(
     not kernel_builds("paged_attention"), reason="needs a C compiler to build the kernel"
 )
-# The machine's own build, and one for a CPU without any vector extension.
-MARCHES = ("native", "x86-64")
+# The machine's own build, one for AVX2 without AVX-512, and one for a CPU without any
+# vector extension.
+MARCHES = ("native", "haswell", "x86-64")
 
 
 def codes_and_scales(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,8 +173,8 @@ def test_an_int8_engine_equals_a_float_engine_over_the_same_rounded_values(
 
     model = build_checkpoint(kind, tmp_path_factory.mktemp(kind))
     prompts, params = token_prompts(4, seed=3), greedy(12)
-    args = dict(block_size=4, num_kv_blocks=128)
-    int8 = probed(model, kv_cache_dtype="int8", sanitize=True, **args)
+    args = dict(block_size=4, num_kv_blocks=128, max_num_seqs=4)
+    int8 = probed(model, kv_cache_dtype="int8", sanitize=True, capture_sizes=(1, 2, 4), **args)
     got = int8.generate(prompts, params)
     assert int8.engine.stats().sanitize.healthy
     got_seen = records(int8)

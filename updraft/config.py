@@ -314,8 +314,9 @@ class EngineConfig:
         if self.kv_cache_dtype in REFUSED_KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported: updraft's attention "
-                "kernels read float or int8 K/V rows; use 'int8' (8 bits with a scale per "
-                "head row) or 'auto'"
+                "kernels read float or int8 K/V rows (no CPU here converts fp8 natively, and "
+                "int8 with a scale per head row keeps more precision in the same bytes); use "
+                "'int8' or 'auto'"
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
