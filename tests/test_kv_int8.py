@@ -222,3 +222,31 @@ def test_unsupported_kv_cache_dtypes_are_refused_by_name(tmp_path):
     model = build_checkpoint("deepseek-v3", tmp_path)
     with pytest.raises(ValueError, match="does not cover the latent cache"):
         LLM(str(model), kv_cache_dtype="int8", num_kv_blocks=16)
+
+
+def test_the_same_budget_holds_the_blocks_int8_rows_make_room_for(tiny_llama):
+    """A block costs its int8 rows' bytes (codes and a scale per head row), so a budget
+    holds (4 * head_dim) / (head_dim + 4) times the blocks of float32 KV."""
+    from updraft.attention.cache_groups import bytes_per_block, cache_groups
+    from updraft.model_config import ModelConfig
+
+    config = ModelConfig.from_dir(tiny_llama)
+    kv_heads, dim = config.layer_kv_heads(0), config.layer_head_dim(0)
+    per_position = config.num_layers * 2 * kv_heads
+    assert bytes_per_block(cache_groups(config, torch.int8), 4) == 4 * per_position * (dim + 4)
+    assert bytes_per_block(cache_groups(config, torch.float32), 4) == 4 * per_position * dim * 4
+    budget = 2**20
+    blocks = {
+        kv: LLM(
+            tiny_llama,
+            kv_cache_dtype=kv,
+            kv_cache_memory_gib=budget / 2**30,
+            block_size=4,
+            enforce_eager=True,
+        )
+        .engine.stats()
+        .kv_blocks_total
+        for kv in ("auto", "int8")
+    }
+    assert blocks["auto"] == budget // (4 * per_position * dim * 4)
+    assert blocks["int8"] == budget // (4 * per_position * (dim + 4))
