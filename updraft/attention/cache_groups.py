@@ -35,6 +35,7 @@ from typing import NamedTuple
 import torch
 
 from updraft.attention.cache_layout import CacheLayout, cache_layout, zeros_on_first_write
+from updraft.attention.kv_int8 import dequantize_rows
 from updraft.model_config import ModelConfig
 
 PAGED = "paged"
@@ -63,13 +64,15 @@ def cache_groups(
     depth: int = 1,
 ) -> tuple[CacheGroup, ...]:
     """``config``'s cache groups (this rank's share of heads, when it is a rank's local
-    config): the paged K/V of its attention layers in ``dtype``, and the recurrent
+    config): the paged K/V of its attention layers in ``dtype`` (``torch.int8``: codes
+    and a scale per head row, ``cache_layout``), and the recurrent
     state of its linear-attention layers in ``state_dtype``, ``depth`` rows per slot
     (1 + the speculative tokens a verify step carries)."""
     groups = []
     layouts: dict[tuple[CacheLayout, bool], list[int]] = {}
     for layer in config.kv_writing_layers:
-        kind = (cache_layout(config, layer), config.window(layer) is not None)
+        layout = cache_layout(config, layer, quantized=dtype == torch.int8)
+        kind = (layout, config.window(layer) is not None)
         layouts.setdefault(kind, []).append(layer)
     for (layout, windowed), layers in layouts.items():
         groups.append(CacheGroup(PAGED, tuple(layers), layout, dtype, windowed))
@@ -225,6 +228,8 @@ def allocate(
 
 
 def live_slots(cache: torch.Tensor, group: CacheGroup) -> torch.Tensor:
-    """``cache`` without its spare slot, which padded writes land in."""
+    """``cache`` without its spare slot, which padded writes land in; an int8 cache's as
+    the values its rows stand for (a scale's bytes are no measure of a difference)."""
     dim = group.layout.slot_dim
-    return cache.narrow(dim, 0, cache.shape[dim] - 1)
+    live = cache.narrow(dim, 0, cache.shape[dim] - 1)
+    return dequantize_rows(live) if cache.dtype == torch.int8 else live

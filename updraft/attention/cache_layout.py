@@ -7,7 +7,9 @@ planning count blocks and never look inside a slot, so a new attention kind is a
 layout here and nothing else changes above the model. A model's caches as a whole, paged
 and recurrent, are its cache groups (``cache_groups.py``).
 
-* GQA (Llama, Qwen): ``[2, slots, kv_heads, head_dim]``, keys then values.
+* GQA (Llama, Qwen): ``[2, slots, kv_heads, head_dim]``, keys then values; in an int8
+  cache ``[2, slots, kv_heads, head_dim + 4]``, each head row's codes and then their
+  float32 scale (``kv_int8.py``).
 * MLA (DeepSeek): ``[slots, kv_lora_rank + qk_rope_head_dim]``, the normalised latent
   ``c_kv`` and the rotated shared key ``k_pe``, not expanded keys and values; with the
   V3.2 indexer, its ``index_head_dim`` key follows in the same row.
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from updraft.kernels.attention_ops import INT8_SCALE_BYTES
 from updraft.model_config import ModelConfig
 
 
@@ -41,9 +44,17 @@ class CacheLayout:
         return math.prod(self.before_slots) * math.prod(self.per_slot)
 
 
-def cache_layout(config: ModelConfig, layer: int = 0) -> CacheLayout:
+def cache_layout(config: ModelConfig, layer: int = 0, quantized: bool = False) -> CacheLayout:
     """Decoder layer ``layer``'s slot (Gemma 4's full layers differ from its sliding
-    ones in head size and KV heads)."""
+    ones in head size and KV heads); ``quantized``: in an int8 cache."""
+    if quantized:
+        if config.mla is not None:
+            raise ValueError(
+                "kv_cache_dtype 'int8' does not cover the latent cache of multi-head latent "
+                f"attention (MLA, {config.architecture}): use kv_cache_dtype 'auto'"
+            )
+        row = config.layer_head_dim(layer) + INT8_SCALE_BYTES
+        return CacheLayout(before_slots=(2,), per_slot=(config.layer_kv_heads(layer), row))
     if config.mla is not None:
         width = config.mla.kv_lora_rank + config.mla.qk_rope_head_dim
         if config.indexer is not None:

@@ -3,7 +3,10 @@
 A GQA layer's cache is one tensor [2, num_slots + 1, num_kv_heads, head_dim]: slot
 ``block * slots_per_block + offset`` holds one position, keys then values. The extra
 last slot absorbs writes to slot -1, which is how padded tokens write nothing without a
-branch. The attention loop (``loop.py``) reads it through ``PagedKV``.
+branch. The attention loop (``loop.py``) reads it through ``PagedKV``. An int8 cache
+(``--kv-cache-dtype int8``) is [2, num_slots + 1, num_kv_heads, head_dim + 4]: each head
+row's codes and scale (``kv_int8.py``), quantized as they are written and read in place
+by the decode kernel, or dequantized as the gathered path gathers them.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from updraft.attention.context_parallel import attention, step_rows
+from updraft.attention.kv_int8 import dequantize_rows, kv_head_dim, quantize_rows
 from updraft.attention.loop import Attended, InPlaceRows, attend_padded
 from updraft.attention.metadata import AttentionGroup, AttentionMetadata
 from updraft.kernels.attention_ops import writes_kv_in_one_call
@@ -27,7 +31,7 @@ class PagedKV(NamedTuple):
 
     @property
     def value_dim(self) -> int:
-        return self.query.shape[-1]
+        return kv_head_dim(self.cache)
 
     def in_place(self, tokens: slice, rows: InPlaceRows, with_lse: bool) -> Attended:
         return torch.ops.updraft.paged_decode_attention(
@@ -47,6 +51,9 @@ class PagedKV(NamedTuple):
         slots = group.kv_slots.flatten()
         keys = self.cache[0].index_select(0, slots)
         values = self.cache[1].index_select(0, slots)
+        if self.cache.dtype == torch.int8:
+            keys = dequantize_rows(keys, self.query.dtype)
+            values = dequantize_rows(values, self.query.dtype)
         return attend_padded(self.query, keys, values, group, mask, self.scale, with_lse)
 
 
@@ -57,6 +64,8 @@ def write_kv(
         torch.ops.updraft.write_kv(kv_cache, key, value, slot_mapping)
         return
     key_cache, value_cache = kv_cache[0], kv_cache[1]
+    if kv_cache.dtype == torch.int8:
+        key, value = quantize_rows(key), quantize_rows(value)
     # index_copy_ rather than index_put_: the latter takes a slow parallel path on the
     # CPU. remainder() sends slot -1 to the spare last slot.
     write_slots = slot_mapping.remainder(key_cache.shape[0])

@@ -1,9 +1,12 @@
 """Decode attention over the paged KV cache, read in place, and the one-call write of
-a step's keys and values into it, as torch ops (``torch.ops.updraft.*``)."""
+a step's keys and values into it, as torch ops (``torch.ops.updraft.*``). A GQA cache
+is float32, or int8 rows of codes and their float32 scale (``attention/kv_int8.py``),
+which the same two ops write and read."""
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from functools import cache
 
 import torch
@@ -20,14 +23,20 @@ from updraft.kernels.launch import (
     writable_output,
 )
 
+# An int8 cache row's scale, a float32 after its codes.
+INT8_SCALE_BYTES = 4
+
 
 @cache
-def _attention_library() -> ctypes.CDLL:
-    lib = load("paged_attention")
-    lib.paged_decode_attention.restype = None
-    lib.paged_decode_attention.argtypes = [POINTER] * 8 + [INT] * 9 + [ctypes.c_float, ctypes.c_int]
+def _attention_library(march: str = "native") -> ctypes.CDLL:
+    lib = load("paged_attention", march)
+    for kernel in (lib.paged_decode_attention, lib.paged_decode_attention_int8):
+        kernel.restype = None
+        kernel.argtypes = [POINTER] * 8 + [INT] * 10 + [ctypes.c_float, ctypes.c_int]
     lib.write_kv.restype = None
     lib.write_kv.argtypes = [POINTER, INT, INT, POINTER, INT, POINTER, INT, POINTER, INT]
+    lib.write_kv_int8.restype = None
+    lib.write_kv_int8.argtypes = [POINTER, INT, INT, INT, POINTER, INT, POINTER, INT, POINTER, INT]
     return lib
 
 
@@ -41,7 +50,8 @@ def paged_decode_attention(
     with_lse: bool = False,
     starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """query [B, H, D] (one token per request), kv_cache [2, slots, Hkv, D], block_table
+    """query [B, H, D] (one token per request), kv_cache [2, slots, Hkv, D] (float32, or
+    int8 [2, slots, Hkv, D + 4]: codes and a scale per head row), block_table
     [B, max_blocks] and seq_lens [B] int64 -> (out [B, H, D], lse). With ``with_lse``,
     lse [B, H] is each head's log-sum-exp of its scaled scores (-1e30 where the context
     is empty), what decode context parallelism merges shards by; else it is empty. With
@@ -63,16 +73,23 @@ def paged_decode_attention_launch(
     with_lse: bool = False,
     starts: torch.Tensor | None = None,
     out: tuple[torch.Tensor, ...] | None = None,
+    march: str = "native",
 ) -> Launch:
-    """``paged_decode_attention``'s checked call, into ``out`` (else new tensors)."""
+    """``paged_decode_attention``'s checked call, into ``out`` (else new tensors);
+    ``march``: the build to run (another than the machine's: a test of the narrower
+    paths)."""
     op = "paged_decode_attention"
     check(kv_cache.is_contiguous(), op, "a contiguous cache")
-    _, num_slots, kv_heads, head_dim = kv_cache.shape
+    _, num_slots, kv_heads, row = kv_cache.shape
+    quantized = kv_cache.dtype == torch.int8
+    head_dim = row - INT8_SCALE_BYTES if quantized else row
+    library = _attention_library(march)
     return _decode_attention(
         op,
+        library.paged_decode_attention_int8 if quantized else library.paged_decode_attention,
         query,
         (kv_cache[0], kv_cache[1]),
-        (num_slots, kv_heads, head_dim, head_dim, kv_heads * head_dim),
+        (num_slots, kv_heads, head_dim, head_dim, row, kv_heads * row),
         block_table,
         seq_lens,
         block_size,
@@ -86,22 +103,30 @@ def paged_decode_attention_launch(
 def writes_kv_in_one_call(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether ``write_kv`` takes these: a contiguous CPU cache [2, slots, heads, dim],
     and keys and values of its dtype whose rows are [heads, dim] laid out as the cache's
-    (rows may be strided: views of a fused projection's output)."""
-    row = kv_cache.shape[2:]
-    return (
+    (rows may be strided: views of a fused projection's output); or an int8 cache
+    [2, slots, heads, dim + 4] and float32 keys and values whose rows are [heads, dim]
+    one after the other, which it quantizes as it writes them."""
+    if not (
         kv_cache.device.type == "cpu"
         and kv_cache.dim() == 4
         and kv_cache.shape[1] > 0  # the kernel takes slots modulo their number
         and kv_cache.is_contiguous()
         and kernel_builds("paged_attention")
-        and all(
-            t.dtype == kv_cache.dtype
-            and t.device == kv_cache.device
-            and t.dim() == 3
-            and t.shape[1:] == row
-            and t.stride()[1:] == kv_cache.stride()[2:]
-            for t in (key, value)
-        )
+    ):
+        return False
+    heads, row = kv_cache.shape[2:]
+    if kv_cache.dtype == torch.int8:
+        dim = row - INT8_SCALE_BYTES
+        dtype, shape, strides = torch.float32, (heads, dim), (dim, 1)
+    else:
+        dtype, shape, strides = kv_cache.dtype, (heads, row), kv_cache.stride()[2:]
+    return all(
+        t.dtype == dtype
+        and t.device == kv_cache.device
+        and t.dim() == 3
+        and t.shape[1:] == shape
+        and t.stride()[1:] == strides
+        for t in (key, value)
     )
 
 
@@ -121,9 +146,10 @@ def write_kv_launch(
     value: torch.Tensor,
     slot_mapping: torch.Tensor,
     out: tuple[torch.Tensor, ...] | None = None,
+    march: str = "native",
 ) -> Launch:
     """``write_kv``'s checked call (``out``, for the bound-call registry, is unused: the
-    op writes the cache it is given)."""
+    op writes the cache it is given; ``march`` as ``paged_decode_attention_launch``'s)."""
     op = "write_kv"
     check(writes_kv_in_one_call(kv_cache, key, value), op, "keys and values shaped as the cache")
     check(
@@ -136,9 +162,11 @@ def write_kv_launch(
     )
     given = slot_mapping
     slot_mapping = slot_mapping.contiguous()
+    if kv_cache.dtype == torch.int8:
+        return _write_kv_int8_launch(kv_cache, key, value, slot_mapping, given, march)
     size = kv_cache.element_size()
     return Launch(
-        _attention_library().write_kv,
+        _attention_library(march).write_kv,
         (
             kv_cache.data_ptr(),
             kv_cache.shape[1],
@@ -150,6 +178,37 @@ def write_kv_launch(
             slot_mapping.data_ptr(),
             key.shape[0],
         ),
+        (kv_cache,),
+        (kv_cache, key, value, slot_mapping),
+        slot_mapping is not given,
+    )
+
+
+def _write_kv_int8_launch(
+    kv_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    given: torch.Tensor,
+    march: str,
+) -> Launch:
+    """``write_kv`` into an int8 cache: each head row quantized as it is written."""
+    _, slots, heads, row = kv_cache.shape
+    arguments = (
+        kv_cache.data_ptr(),
+        slots,
+        heads,
+        row - INT8_SCALE_BYTES,
+        key.data_ptr(),
+        key.stride(0),
+        value.data_ptr(),
+        value.stride(0),
+        slot_mapping.data_ptr(),
+        key.shape[0],
+    )
+    return Launch(
+        _attention_library(march).write_kv_int8,
+        arguments,
         (kv_cache,),
         (kv_cache, key, value, slot_mapping),
         slot_mapping is not given,
@@ -172,15 +231,19 @@ def paged_latent_attention(
     op = "paged_latent_attention"
     num_slots, width = latent_cache.shape
     check(
-        latent_cache.is_contiguous() and query.shape[-1] <= width and value_dim <= width,
+        latent_cache.is_contiguous()
+        and latent_cache.dtype == torch.float32
+        and query.shape[-1] <= width
+        and value_dim <= width,
         op,
-        "a contiguous [slots, C] cache at least as wide as the query and the values",
+        "a contiguous float32 [slots, C] cache at least as wide as the query and the values",
     )
     return _decode_attention(
         op,
+        _attention_library().paged_decode_attention,
         query,
         (latent_cache, latent_cache),
-        (num_slots, 1, query.shape[-1], value_dim, width),
+        (num_slots, 1, query.shape[-1], value_dim, query.shape[-1], width),
         block_table,
         seq_lens,
         block_size,
@@ -191,9 +254,12 @@ def paged_latent_attention(
 
 def _decode_attention(
     op: str,
+    kernel: Callable[..., None],
     query: torch.Tensor,
     caches: tuple[torch.Tensor, torch.Tensor],
-    geometry: tuple[int, int, int, int, int],  # slots, kv heads, key dim, value dim, stride
+    # slots, kv heads, key dim, value dim, and the elements from a head's row to the
+    # next head's and from a slot to the next
+    geometry: tuple[int, int, int, int, int, int],
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     block_size: int,
@@ -202,7 +268,7 @@ def _decode_attention(
     starts: torch.Tensor | None = None,
     out: tuple[torch.Tensor, ...] | None = None,
 ) -> Launch:
-    num_slots, kv_heads, head_dim, value_dim, slot_stride = geometry
+    num_slots, kv_heads, head_dim, value_dim, head_stride, slot_stride = geometry
     _check_decode_inputs(op, query, caches[0], kv_heads, head_dim, block_table, seq_lens, starts)
     requests, heads, _ = query.shape
     given = (query, block_table, seq_lens, starts)
@@ -221,7 +287,7 @@ def _decode_attention(
         "contiguous float32 outputs",
     )
     return Launch(
-        _attention_library().paged_decode_attention,
+        kernel,
         (
             query.data_ptr(),
             caches[0].data_ptr(),
@@ -236,6 +302,7 @@ def _decode_attention(
             kv_heads,
             head_dim,
             value_dim,
+            head_stride,
             slot_stride,
             block_table.shape[1],
             block_size,
@@ -260,9 +327,12 @@ def _check_decode_inputs(
     starts: torch.Tensor | None,
 ) -> None:
     check(
-        query.dtype == cache.dtype == torch.float32 and query.device.type == "cpu",
+        query.dtype == torch.float32
+        and cache.dtype in (torch.float32, torch.int8)
+        and query.device.type == "cpu"
+        and cache.device.type == "cpu",
         op,
-        "float32 tensors on the CPU",
+        "float32 tensors on the CPU (the cache float32 or int8)",
     )
     check(
         block_table.dtype == seq_lens.dtype == torch.int64

@@ -141,7 +141,7 @@ class Runner:
         self.window_pool = window_pool
         # A verify step leaves the state after each of its tokens (1 + k rows per slot).
         self.cache_groups = cache_groups(
-            local_config(model_config, sizes), dtype, config.state_dtype, max(query_lens)
+            local_config(model_config, sizes), *config.cache_dtypes(dtype), max(query_lens)
         )
         cache_sizes = runner_cache_sizes(
             self.cache_groups, model_config, config, max_model_len, window_pool, max(query_lens)

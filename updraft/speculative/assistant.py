@@ -27,6 +27,7 @@ from typing import ClassVar
 
 import torch
 
+from updraft.attention.kv_int8 import kv_head_dim
 from updraft.attention.metadata import AttentionMetadata, ContextSplit
 from updraft.config import EngineConfig
 from updraft.model_config import ModelConfig
@@ -143,7 +144,7 @@ def check_assistant(
         zip(config.layer_types, config.head_dims, strict=True)
     ):
         cache = caches[assistant.store_layers[kind]]
-        kv_heads, cache_dim = cache.shape[-2], cache.shape[-1]
+        kv_heads, cache_dim = cache.shape[-2], kv_head_dim(cache)
         if cache_dim != head_dim or config.num_heads % kv_heads:
             raise ValueError(
                 f"Gemma 4 assistant {where}: layer {layer} ({kind}) has {config.num_heads} "
