@@ -257,7 +257,7 @@ class CapturedSteps:
 
     def why_not(self, step: ForwardInputs, num_drafts: list[int]) -> str:
         """Why ``bucket_for(step)`` is None, for the runner's step counts."""
-        if self._fitting(step):
+        if self.worker is not None and self._fitting(step):
             return "graph not captured yet"
         if step.num_reqs > self.sizes[-1]:
             return "batch above the largest capture size"

@@ -312,7 +312,8 @@ def run_core_process(
     # Ctrl-C reaches the whole process group: the API process drains, then says when.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Its progress (graphs captured and compiled after the start) shows as the server's.
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("updraft").setLevel(logging.INFO)
     try:
         engine = Engine(config)
     except Exception as error:
