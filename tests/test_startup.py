@@ -131,3 +131,19 @@ def test_a_corrupted_or_foreign_cached_artifact_is_never_loaded(cache_home, spoi
     assert not left & set(spoiled)
     assert left - {compile_cache.MANIFEST} == {"cd/kernel.so", "fxgraph/ab/entry"} - set(spoiled)
     assert "not trusted" in caplog.text
+
+
+def test_files_another_process_is_compiling_are_not_removed_under_it(cache_home):
+    """Its files are not sealed until it ends: a start beside it leaves them, and the
+    first start after it checks them."""
+    import fcntl
+
+    folder, _ = sealed_folder()
+    unsealed = folder / "gh/being_written.so"
+    unsealed.parent.mkdir()
+    unsealed.write_bytes(b"\x7fELF")
+    with open(folder.with_name(f"{folder.name}.lock"), "ab") as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)  # as compile_cache.compiling holds it
+        assert compile_cache.open_cache() == folder and unsealed.exists()
+    compile_cache.open_cache.cache_clear()
+    assert compile_cache.open_cache() == folder and not unsealed.exists()

@@ -11,7 +11,8 @@ clears; here they go to a folder in the user's cache directory instead::
 so a file built for another torch or another CPU (``-march=native``) is never found.
 What inductor's keys lack is trust in the files themselves: a file cut short by a crash,
 changed on disk, or put there by something else would be loaded and run. So the folder
-is sealed as a start compiles (``seal``, after each bucket: a manifest of every file's
+is sealed as a start compiles (``seal``, after each bucket and at the end of
+``compiling``: a manifest of every file's
 size and SHA-256, and the key the folder was made for), and checked before inductor
 reads it (``open_cache``): a file the manifest does not list (one written after the
 last seal, or put there by something else) or lists with other contents is removed,
@@ -23,12 +24,16 @@ A ``TORCHINDUCTOR_CACHE_DIR`` the user set is theirs: it is used as it is.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
+from typing import IO
 
 from updraft.kernels.build import cpu_signature
 
@@ -62,12 +67,47 @@ def compile_cache_dir(key: dict[str, str | int] | None = None) -> Path:
 def open_cache() -> Path | None:
     """Points inductor at the checked folder (each file that failed the check removed)
     and returns it; None where the user chose inductor's folder themselves. Once per
-    process: a second check would find the first's runs being compiled, not yet sealed."""
+    process. Another process compiling into the folder (``compiling``) writes files it
+    has not sealed yet: the check is then left to the next start, and the folder used
+    as the other process found it."""
     key = cache_key()
     folder = compile_cache_dir(key)
     chosen = os.environ.get(INDUCTOR_CACHE_ENV)
     if chosen not in (None, str(folder)) and not _is_inductor_default(chosen):
         return None
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with _lock_file(folder) as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("%s is being compiled into by another process: not checked", folder)
+        else:
+            _remove_untrusted(folder, key)
+    os.environ[INDUCTOR_CACHE_ENV] = str(folder)
+    return folder
+
+
+@contextmanager
+def compiling(folder: Path | None) -> Iterator[None]:
+    """While this process writes compiled runs into ``folder`` (a shared lock, which
+    keeps another process's check from removing what is not sealed yet), then sealed."""
+    if folder is None:
+        yield
+        return
+    with _lock_file(folder) as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            seal(folder)
+
+
+def _lock_file(folder: Path) -> IO[bytes]:
+    """Beside the folder, so that it is in no manifest; closing it releases its lock."""
+    return open(folder.with_name(f"{folder.name}.lock"), "ab")
+
+
+def _remove_untrusted(folder: Path, key: dict[str, str | int]) -> None:
     distrusted = untrusted(folder, key)
     if distrusted:
         name, why = distrusted[0]
@@ -80,9 +120,6 @@ def open_cache() -> Path | None:
         )
         for name, _ in distrusted:
             (folder / name).unlink(missing_ok=True)
-    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.environ[INDUCTOR_CACHE_ENV] = str(folder)
-    return folder
 
 
 def untrusted(folder: Path, key: dict[str, str | int]) -> list[tuple[str, str]]:

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from updraft.graph.compile_cache import open_cache, seal
+from updraft.graph.compile_cache import compiling, open_cache, seal
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class CaptureWorker:
         folder = open_cache()
         # Inductor's C++ compiled in this thread, not in its pool: a process that ends
         # (a one-shot generate) would otherwise wait at exit for every queued compile.
-        with inductor_config.patch(compile_threads=1):
+        with inductor_config.patch(compile_threads=1), compiling(folder):
             self._compile_each(captured, folder)
 
     def _compile_each(self, captured: dict[Any, Any], folder: Any) -> None:
