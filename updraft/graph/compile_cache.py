@@ -139,15 +139,30 @@ def untrusted(folder: Path, key: dict[str, str | int]) -> list[tuple[str, str]]:
     for name in files:
         if name not in listed:
             distrusted.append((name, "not in the manifest"))
-        elif listed[name] != _fingerprint(folder / name):
+        elif listed[name][:2] != _fingerprint(folder / name):
             distrusted.append((name, "differs from the manifest"))
     return distrusted
 
 
 def seal(folder: Path) -> None:
-    """Writes the manifest of every file now in ``folder``, for ``open_cache`` to check."""
-    files = {name: _fingerprint(folder / name) for name in _files(folder)}
-    text = json.dumps({"key": cache_key(), "files": files}, indent=0, sort_keys=True)
+    """Writes the manifest of every file now in ``folder``, for ``open_cache`` to check.
+    A file the last seal listed with the same size and modification time keeps its
+    hash (each start hashes every file again), so sealing costs the new files only."""
+    key = cache_key()
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        kept = manifest["files"] if manifest["key"] == key else {}
+    except (OSError, ValueError, KeyError, TypeError):
+        kept = {}
+    files = {}
+    for name in _files(folder):
+        stat = (folder / name).stat()
+        entry = kept.get(name)
+        if isinstance(entry, list) and entry[::2] == [stat.st_size, stat.st_mtime_ns]:
+            files[name] = entry
+        else:
+            files[name] = [*_fingerprint(folder / name), stat.st_mtime_ns]
+    text = json.dumps({"key": key, "files": files}, indent=0, sort_keys=True)
     partial = folder / f"{MANIFEST}.{os.getpid()}.tmp"
     partial.write_text(text)
     partial.replace(folder / MANIFEST)
@@ -165,6 +180,7 @@ def _files(folder: Path) -> list[str]:
 
 
 def _fingerprint(path: Path) -> list[int | str]:
+    """[size, SHA-256]; a manifest entry adds the modification time it was taken at."""
     digest = hashlib.sha256()
     with path.open("rb") as file:
         for chunk in iter(lambda: file.read(1 << 20), b""):

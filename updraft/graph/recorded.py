@@ -26,6 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from updraft.graph.arena import place_in_arena
+from updraft.graph.compile_cache import compiling, open_cache
 from updraft.graph.compiled_runs import compiled_segments, finished, replay_calls
 from updraft.graph.recorded_nodes import (
     OpNode,
@@ -142,7 +143,8 @@ class RecordedGraph:
         # never share bytes with what it reads, and op by op every life is a subset of that.
         self.arena = place_in_arena(self.nodes, self._calls(), self._movable())
         if self.compile_runs and not self.defer_compile:  # the first replay should not wait
-            self.swap(self.compile())
+            with compiling(open_cache()):
+                self.swap(self.compile())
         return out
 
     def _movable(self) -> set[int]:

@@ -26,7 +26,6 @@ from typing import Any, NamedTuple
 import torch
 
 from updraft.attention.metadata import NO_SPLIT, AttentionMetadata, ContextSplit
-from updraft.graph.compile_cache import compiling, open_cache
 from updraft.graph.cuda import CudaGraph
 from updraft.graph.recorded import RecordedGraph
 from updraft.graph.static_input import StaticInput
@@ -152,8 +151,7 @@ class CapturedSteps:
             capture = partial(self._capture, defer_compile=True)
             self.worker = CaptureWorker(capture, order, compile_runs, self.lock, self.owner)
             return
-        folder = open_cache() if compile_runs and self.pool is None else None
-        with torch.inference_mode(), compiling(folder):
+        with torch.inference_mode():
             # Most tokens first, as a device memory pool wants.
             for bucket in sorted(buckets, key=attrgetter("num_tokens"), reverse=True):
                 self.graphs[bucket] = self._capture(bucket)
