@@ -63,6 +63,7 @@ def test_capture_sizes_follow_the_configured_batch():
     assert EngineConfig(model="m", max_num_seqs=10).batch_capture_sizes == (1, 2, 4, 8, 10)
     assert EngineConfig(model="m", max_num_seqs=1).batch_capture_sizes == (1,)
     assert EngineConfig(model="m", max_num_seqs=256).batch_capture_sizes[-1] == 64
+    assert EngineConfig(model="m", max_num_batched_tokens=12).batch_capture_sizes[-1] == 12
     assert EngineConfig(model="m", capture_sizes=(3,)).batch_capture_sizes == (3,)
 
 

@@ -195,7 +195,8 @@ class EngineConfig:
     capture_sizes: tuple[int, ...] | None = setting(
         None,
         "batch sizes of captured steps, comma-separated (default: those of "
-        f"{','.join(map(str, CAPTURE_SIZES))} up to --max-num-seqs, and --max-num-seqs)",
+        f"{','.join(map(str, CAPTURE_SIZES))} below the largest batch a step holds, "
+        "--max-num-seqs or --max-num-batched-tokens, and that batch)",
     )
     capture_tokens: tuple[int, ...] | None = setting(
         None,
@@ -365,12 +366,13 @@ class EngineConfig:
 
     @property
     def batch_capture_sizes(self) -> tuple[int, ...]:
-        """``capture_sizes`` as given, else the default sizes a batch of up to
-        ``max_num_seqs`` requests can fill, and ``max_num_seqs`` itself."""
+        """``capture_sizes`` as given, else the default sizes below the largest batch a
+        step can hold (``max_num_seqs`` requests, each a token of ``max_num_batched_tokens``),
+        and that batch itself (at most the largest default)."""
         if self.capture_sizes is not None:
             return self.capture_sizes
-        sizes = {size for size in CAPTURE_SIZES if size < self.max_num_seqs}
-        return tuple(sorted({*sizes, min(self.max_num_seqs, CAPTURE_SIZES[-1])}))
+        batch = min(self.max_num_seqs, self.max_num_batched_tokens, CAPTURE_SIZES[-1])
+        return tuple(sorted({*(size for size in CAPTURE_SIZES if size < batch), batch}))
 
     @property
     def compiles_graphs(self) -> bool:
