@@ -35,6 +35,9 @@ os.environ.setdefault("UPDRAFT_COMPILE_GRAPHS", "0")
 # suite starts would otherwise capture five more graphs, minutes over the whole suite.
 # Steps of up to 32 tokens (most of the suite's prefills) still replay one.
 os.environ.setdefault("UPDRAFT_CAPTURE_TOKENS", "32")
+# Every graph captured (and compiled) before the engine's first step, as the tests of
+# replays expect from their first step; test_startup.py makes them in the background.
+os.environ.setdefault("UPDRAFT_GRAPHS_IN_BACKGROUND", "0")
 # The directories that stand for the tests' GGUF files go to a folder of the run's own,
 # removed at the end, not into the user's cache.
 os.environ["UPDRAFT_GGUF_CACHE"] = tempfile.mkdtemp(prefix="updraft-gguf-")

@@ -123,6 +123,7 @@ def test_every_engine_setting_is_a_flag_that_reaches_the_config():
         "--no-adaptive-threads",
         "--no-keep-freed-memory",
         "--no-compile-graphs",
+        "--no-graphs-in-background",
         "--overlap-grammar-masks",
     ]
     argv = ["doctor", *[part for pair in values.items() for part in pair], *switches]
@@ -158,6 +159,7 @@ def test_every_engine_setting_is_a_flag_that_reaches_the_config():
         "kv_pools_per_kind": False,
         "enforce_eager": True,
         "compile_graphs": False,
+        "graphs_in_background": False,
         "sanitize": True,
         "speculative_enforce_eager": False,
         "tensor_parallel_size": 2,

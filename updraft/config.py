@@ -45,6 +45,11 @@ COMPILE_GRAPHS_ENV = "UPDRAFT_COMPILE_GRAPHS"
 # suite that starts many engines sets the variable to fewer sizes (comma-separated).
 CAPTURE_TOKENS = (16, 32, 64, 128, 256)
 CAPTURE_TOKENS_ENV = "UPDRAFT_CAPTURE_TOKENS"
+# The default of EngineConfig.graphs_in_background: a test of captured steps that wants
+# every step replayed from the first sets it to 0.
+GRAPHS_IN_BACKGROUND_ENV = "UPDRAFT_GRAPHS_IN_BACKGROUND"
+# The batch sizes captured by default, of which those up to max_num_seqs are taken.
+CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 @dataclass(frozen=True)
@@ -198,8 +203,18 @@ class EngineConfig:
         "tokens, no sparse-attention indexer), else piecewise",
         choices=["auto", "piecewise", "full"],
     )
-    capture_sizes: tuple[int, ...] = setting(
-        (1, 2, 4, 8, 16, 32, 64), "batch sizes of captured steps, comma-separated"
+    graphs_in_background: bool | None = setting(
+        None,
+        "on the CPU, capture (and compile) the graphs in a thread after the engine starts, "
+        "so the first request is answered at once with eager steps, each bucket replayed "
+        "from the step after it is ready; --no-graphs-in-background makes them all before "
+        f"the first step (default: on, or ${GRAPHS_IN_BACKGROUND_ENV} when set to 0 or 1)",
+    )
+    capture_sizes: tuple[int, ...] | None = setting(
+        None,
+        "batch sizes of captured steps, comma-separated (default: those of "
+        f"{','.join(map(str, CAPTURE_SIZES))} below the largest batch a step holds, "
+        "--max-num-seqs or --max-num-batched-tokens, and that batch)",
     )
     capture_tokens: tuple[int, ...] | None = setting(
         None,
@@ -281,7 +296,7 @@ class EngineConfig:
             raise ValueError(
                 f"graph_mode must be one of {', '.join(GRAPH_MODES)}, got {self.graph_mode!r}"
             )
-        if not self.capture_sizes or min(self.capture_sizes) < 1:
+        if self.capture_sizes is not None and min(self.capture_sizes, default=0) < 1:
             raise ValueError(f"capture_sizes must be sizes >= 1, got {self.capture_sizes}")
         if self.mixed_capture_tokens and min(self.mixed_capture_tokens) < 1:
             raise ValueError(f"capture_tokens must be sizes >= 1, got {self.mixed_capture_tokens}")
@@ -383,16 +398,39 @@ class EngineConfig:
             ) from None
 
     @property
+    def batch_capture_sizes(self) -> tuple[int, ...]:
+        """``capture_sizes`` as given, else the default sizes below the largest batch a
+        step can hold (``max_num_seqs`` requests, each a token of ``max_num_batched_tokens``),
+        and that batch itself (at most the largest default)."""
+        if self.capture_sizes is not None:
+            return self.capture_sizes
+        batch = min(self.max_num_seqs, self.max_num_batched_tokens, CAPTURE_SIZES[-1])
+        return tuple(sorted({*(size for size in CAPTURE_SIZES if size < batch), batch}))
+
+    @property
     def compiles_graphs(self) -> bool:
         if self.compile_graphs is not None:
             return self.compile_graphs
         return os.environ.get(COMPILE_GRAPHS_ENV, "1") != "0"
 
+    @property
+    def captures_in_background(self) -> bool:
+        """Whether a CPU engine of one rank makes its graphs after it starts."""
+        if self.enforce_eager or self.device != "cpu" or self.parallel_sizes.world > 1:
+            return False
+        if self.graphs_in_background is not None:
+            return self.graphs_in_background
+        return os.environ.get(GRAPHS_IN_BACKGROUND_ENV, "1") != "0"
+
     def start_up_steps(self) -> str:
         """What building an engine from this config does, for a progress line: loading
         takes seconds, compiling graphs up to a minute at the first start."""
         what = "loading the model"
-        if self.use_graphs:
+        if self.captures_in_background:
+            what += " (then stepping eagerly while graphs are captured"
+            what += ", and compiled," if self.compiles_graphs else ""
+            what += " in the background)"
+        elif self.use_graphs:
             what += " and capturing graphs"
             if self.compiles_graphs and self.device == "cpu":
                 what += " (compiling them: up to a minute at the first start, seconds after)"

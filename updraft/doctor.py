@@ -47,6 +47,7 @@ class DoctorRun:
 
 def run(name: str, model: str | None, engine_args: dict[str, Any]) -> DoctorRun:
     llm = LLM(model, **engine_args)
+    llm.engine.graphs_ready(wait=True)  # every step replayed, not eager while they are made
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
     start = time.perf_counter()
     outputs = llm.generate(PROMPTS, params)

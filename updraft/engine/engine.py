@@ -261,8 +261,18 @@ class Engine:
         for runner in (self._runner, self._proposer and self._proposer.runner):
             if runner is not None:
                 runner.close()
+                if runner.captured is not None:  # a worker still making graphs stops
+                    runner.captured.close()
         if self._grammars is not None:
             self._grammars.close()
+
+    def graphs_ready(self, wait: bool = False) -> bool:
+        """Whether every model's graphs are captured (and compiled) and in use. Made in
+        the background (``graphs_in_background``), they are taken in at each step and
+        here; ``wait``: until they all are. The engine's own thread only."""
+        runners = (self._runner, self._proposer and self._proposer.runner)
+        captured = [runner.captured for runner in runners if runner is not None]
+        return all(steps.ready(wait) for steps in captured if steps is not None)
 
     # -- requests ----------------------------------------------------------------------
 

@@ -23,7 +23,12 @@ captured for it, so everything downstream finds it where it did at capture.
 
 Decoder layers repeat the same runs over other weights: a process-wide cache keyed by
 the graph's code and its inputs' shapes compiles each distinct run once, and inductor's
-own cache on disk makes a later start quick.
+own cache on disk (``compile_cache.py``) makes a later start quick.
+
+Compiling only reads the tensors' shapes, so it may run in a thread beside the steps
+(``runner/capture_worker.py``): ``compiled_segments(..., finish=False)`` leaves each
+compiled run pending, and ``finished`` (between steps, in the thread that replays) makes
+it callable, running it once for the check of its direct call.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 import logging
 import math
 import operator
+import threading
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, NamedTuple
@@ -54,7 +60,11 @@ logger = logging.getLogger(__name__)
 # one op, so fusing a single op gains nothing.
 MIN_OPS_PER_RUN = 2
 
-_compiled: dict[tuple[Any, ...], Callable[..., Any]] = {}
+_compiled: dict[tuple[Any, ...], Compiled | None] = {}
+# Inductor is not made to compile in two threads at once (each runner's worker compiles).
+_compile_lock = threading.Lock()
+# A compiled graph whose direct call has not been checked yet (``finished`` checks it).
+UNCHECKED = object()
 
 
 def compilable(node: OpNode) -> bool:
@@ -81,14 +91,25 @@ def replay_calls(nodes: Sequence[OpNode | TaskNode]) -> list[list[int]]:
     return calls
 
 
+class PendingRun(NamedTuple):
+    """A compiled run not yet callable: ``finished`` checks its graph's direct call (which
+    runs it, so only where no replay runs beside it) and binds it to its tensors."""
+
+    key: tuple[Any, ...]  # of its graph in ``_compiled``
+    inputs: list[torch.Tensor]
+    targets: list[torch.Tensor]
+
+
 def compiled_segments(
     nodes: Sequence[OpNode | TaskNode],
     output_storages: set[int],
     token_rows: TokenRows | None = None,
-) -> list[list[Callable[[], Any]]]:
+    finish: bool = True,
+) -> list[list[Any]]:
     """The replay segments of a recorded graph (segment i runs before task i), with each
     run of compilable ops as one compiled call and every other op bound as recorded
-    (``bind``, with ``token_rows``)."""
+    (``bind``, with ``token_rows``). Without ``finish``, compiled runs are left as
+    ``PendingRun``s, for ``finished`` to complete in the thread that replays."""
     last_read = _last_reads(nodes, output_storages)
     segments: list[list[Callable[[], Any]]] = [[]]
     for call in replay_calls(nodes):
@@ -103,7 +124,30 @@ def compiled_segments(
                 segments[-1].extend(bind(node) for node in run if node.rerun)
         elif first.rerun:
             segments[-1].append(bind(first, token_rows))
-    return segments
+    return finished(segments) if finish else segments
+
+
+def finished(segments: list[list[Any]]) -> list[list[Callable[[], Any]]]:
+    """``segments`` with each pending run made callable."""
+    return [
+        [_finish(call) if isinstance(call, PendingRun) else call for call in segment]
+        for segment in segments
+    ]
+
+
+def _finish(run: PendingRun) -> Callable[[], Any]:
+    entry = _compiled[run.key]
+    if entry.direct is UNCHECKED:
+        direct = _direct_call(entry.wrapped, run.inputs, run.targets)
+        entry = _compiled[run.key] = entry._replace(direct=direct)
+    if entry.direct is None:
+        return partial(entry.wrapped, *run.inputs)
+    direct, inputs = entry.direct, run.inputs
+
+    def run_direct() -> None:
+        direct(inputs.copy())  # inductor's call empties the list it is given
+
+    return run_direct
 
 
 def _last_reads(nodes: Sequence[OpNode | TaskNode], output_storages: set[int]) -> dict[int, float]:
@@ -117,7 +161,7 @@ def _last_reads(nodes: Sequence[OpNode | TaskNode], output_storages: set[int]) -
     return last
 
 
-def _compiled_run(run: list[OpNode], last_read: dict[int, float], end: int) -> Callable[[], Any]:
+def _compiled_run(run: list[OpNode], last_read: dict[int, float], end: int) -> Any:
     """``run`` as one compiled call; ``end`` is the index of the node after it."""
     graph = torch.fx.Graph()
     values: dict[int, torch.fx.Node] = {}  # id of a captured tensor -> its graph value
@@ -163,18 +207,11 @@ def _compiled_run(run: list[OpNode], last_read: dict[int, float], end: int) -> C
         graph.call_function(torch.ops.aten.copy_.default, (target, value))
     graph.output(())
     module = torch.fx.GraphModule({}, graph)
-    compiled = _compile(module, inputs, targets)
-    if compiled is None:
+    key = _compile(module, inputs)
+    if _compiled[key] is None:
         plain = [bind(node) for node in run if node.rerun]
         return lambda: [call() for call in plain]
-    wrapped, direct = compiled
-    if direct is None:
-        return partial(wrapped, *inputs)
-
-    def run_direct() -> None:
-        direct(inputs.copy())  # inductor's call empties the list it is given
-
-    return run_direct
+    return PendingRun(key, inputs, targets)
 
 
 class Compiled(NamedTuple):
@@ -182,7 +219,7 @@ class Compiled(NamedTuple):
     inductor's own call inside (called with a list of them) where that does the same."""
 
     wrapped: Callable[..., Any]
-    direct: Callable[[list[torch.Tensor]], Any] | None
+    direct: Callable[[list[torch.Tensor]], Any] | object | None  # or UNCHECKED
 
 
 def _direct_call(
@@ -216,35 +253,37 @@ def _direct_call(
     return None
 
 
-def _compile(
-    module: torch.fx.GraphModule, inputs: list[torch.Tensor], targets: list[torch.Tensor]
-) -> Compiled | None:
-    """Inductor's compiled ``module``, shared by every run with the same code over
-    inputs of the same layout; None (with a warning) where inductor cannot compile.
-    ``targets``: the inputs the graph writes."""
+def _compile(module: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> tuple[Any, ...]:
+    """The key in ``_compiled`` of inductor's compiled ``module``, shared by every run
+    with the same code over inputs of the same layout; None there (with a warning) where
+    inductor cannot compile. Compiling reads the inputs' shapes, never their values."""
     key = (
         module.code,
         tuple((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device) for t in inputs),
     )
-    if key not in _compiled:
-        import torch._inductor.config
-        from torch._guards import TracingContext, tracing
-        from torch._inductor.compile_fx import compile_fx
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    with _compile_lock:
+        if key not in _compiled:
+            _compiled[key] = _compile_fx(module, inputs)
+    return key
 
-        # A shape environment, even with every shape fixed, is what lets inductor keep
-        # the compiled graph in its on-disk cache.
-        context = TracingContext(FakeTensorMode(shape_env=ShapeEnv()))
-        # A run is always called with the very tensors it was compiled for: checking
-        # their sizes, strides and alignment at every call could never fail, and costs
-        # a few microseconds per input.
-        checks_off = torch._inductor.config.patch(size_asserts=False, alignment_asserts=False)
-        try:
-            with tracing(context), checks_off:
-                wrapped = compile_fx(module, inputs)
-            _compiled[key] = Compiled(wrapped, _direct_call(wrapped, inputs, targets))
-        except Exception as error:  # no compiler, an op inductor lacks: replay op by op
-            logger.warning("graph run left uncompiled (%s: %s)", type(error).__name__, error)
-            _compiled[key] = None
-    return _compiled[key]
+
+def _compile_fx(module: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Compiled | None:
+    import torch._inductor.config
+    from torch._guards import TracingContext, tracing
+    from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    # A shape environment, even with every shape fixed, is what lets inductor keep
+    # the compiled graph in its on-disk cache.
+    context = TracingContext(FakeTensorMode(shape_env=ShapeEnv()))
+    # A run is always called with the very tensors it was compiled for: checking
+    # their sizes, strides and alignment at every call could never fail, and costs
+    # a few microseconds per input.
+    checks_off = torch._inductor.config.patch(size_asserts=False, alignment_asserts=False)
+    try:
+        with tracing(context), checks_off:
+            return Compiled(compile_fx(module, inputs), UNCHECKED)
+    except Exception as error:  # no compiler, an op inductor lacks: replay op by op
+        logger.warning("graph run left uncompiled (%s: %s)", type(error).__name__, error)
+        return None

@@ -18,6 +18,7 @@ static input: such a tensor would be replayed stale.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
@@ -25,7 +26,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from updraft.graph.arena import place_in_arena
-from updraft.graph.compiled_runs import compiled_segments, replay_calls
+from updraft.graph.compile_cache import compiling, open_cache
+from updraft.graph.compiled_runs import compiled_segments, finished, replay_calls
 from updraft.graph.recorded_nodes import (
     OpNode,
     TaskNode,
@@ -75,8 +77,10 @@ class RecordedGraph:
     them and that never change between replays of a step (weights); ``persistent`` are
     tensors it may read and write that live across steps (KV cache, static inputs).
     ``compile_runs`` replays the stretches of ops between tasks as inductor-compiled
-    kernels (``compiled_runs.py``) instead of op by op. ``token_rows``: the token rows a
-    mixed step is captured over, of which each replay may fill fewer (``replay``)."""
+    kernels (``compiled_runs.py``) instead of op by op; with ``defer_compile`` it replays
+    op by op until ``compile`` has made them and ``swap`` put them in. ``token_rows``:
+    the token rows a mixed step is captured over, of which each replay may fill fewer
+    (``replay``)."""
 
     def __init__(
         self,
@@ -85,6 +89,7 @@ class RecordedGraph:
         module_names: dict[int, str] | None = None,
         compile_runs: bool = False,
         token_rows: int | None = None,
+        defer_compile: bool = False,
     ) -> None:
         self.constant_storages = {storage_of(t) for t in constants}
         # What ops on constants alone produced (an arange, a mask of aranges): kept
@@ -100,7 +105,7 @@ class RecordedGraph:
         self.module_names = module_names or {}
         self.module_stack: list[str] = []
         self.undeclared: list[str] = []
-        self.compile_runs = compile_runs
+        self.compile_runs, self.defer_compile = compile_runs, defer_compile
         self.token_rows = None if token_rows is None else TokenRows(token_rows)
         self.output_storages: set[int] = set()
         self.arena: torch.Tensor | None = None  # the produced tensors' memory (arena.py)
@@ -114,6 +119,9 @@ class RecordedGraph:
     # -- capture -----------------------------------------------------------------------
 
     def capture(self, fn: Callable[[], Any]) -> Any:
+        # The module hooks are process-wide: a capture in a thread of its own names the
+        # modules of its own forward, not those of the steps that run beside it.
+        self.capturing_thread = threading.get_ident()
         hooks = (
             torch.nn.modules.module.register_module_forward_pre_hook(self._enter),
             torch.nn.modules.module.register_module_forward_hook(self._leave),
@@ -131,12 +139,12 @@ class RecordedGraph:
                 + "\n  ".join(self.undeclared)
             )
         self.output_storages = {storage_of(tensor) for tensor in tensors_in(out)}
+        # Placed for compiled runs even before they are compiled: a run's results then
+        # never share bytes with what it reads, and op by op every life is a subset of that.
         self.arena = place_in_arena(self.nodes, self._calls(), self._movable())
-        if self.compile_runs:  # compile now: the first replay should not pay for it
-            self.segments()
-            # The compiled runs hold the tensors they read and write; what the fused ops
-            # produced in between was only held by their nodes, and can go.
-            self.nodes = []
+        if self.compile_runs and not self.defer_compile:  # the first replay should not wait
+            with compiling(open_cache()):
+                self.swap(self.compile())
         return out
 
     def _movable(self) -> set[int]:
@@ -157,10 +165,13 @@ class RecordedGraph:
         return calls
 
     def _enter(self, module: torch.nn.Module, _inputs: Any) -> None:
+        if threading.get_ident() != self.capturing_thread:
+            return
         self.module_stack.append(self.module_names.get(id(module), type(module).__name__))
 
     def _leave(self, _module: torch.nn.Module, _inputs: Any, _output: Any) -> None:
-        self.module_stack.pop()
+        if threading.get_ident() == self.capturing_thread:
+            self.module_stack.pop()
 
     def location(self) -> str:
         return self.module_stack[-1] if self.module_stack else "(top level)"
@@ -238,20 +249,29 @@ class RecordedGraph:
 
     def segments(self) -> list[list[Callable[[], Any]]]:
         """The ops to re-run, bound to their tensors, split at the tasks: segment i runs
-        before task i, and the last segment after the last task. Built once."""
+        before task i, and the last segment after the last task. Built once (op by op,
+        until ``swap`` puts compiled ones in)."""
         if self._segments is None:
-            if self.compile_runs:
-                self._segments = compiled_segments(
-                    self.nodes, self.output_storages, self.token_rows
-                )
-            else:
-                self._segments = [[]]
-                for node in self.nodes:
-                    if isinstance(node, TaskNode):
-                        self._segments.append([])
-                    elif node.rerun:
-                        self._segments[-1].append(bind(node, self.token_rows))
+            self._segments = [[]]
+            for node in self.nodes:
+                if isinstance(node, TaskNode):
+                    self._segments.append([])
+                elif node.rerun:
+                    self._segments[-1].append(bind(node, self.token_rows))
         return self._segments
+
+    def compile(self) -> list[list[Any]]:
+        """The segments with each run of ops compiled, not yet callable: ``swap`` finishes
+        them. Reads only the recorded nodes, so it may run beside replays, in a thread."""
+        return compiled_segments(self.nodes, self.output_storages, self.token_rows, finish=False)
+
+    def swap(self, segments: list[list[Any]]) -> None:
+        """Replay ``compile``'s segments from now on. Between replays only: finishing a
+        run checks it by running it."""
+        self._segments = finished(segments)
+        # The compiled runs hold the tensors they read and write; what the fused ops
+        # produced in between was only held by their nodes, and can go.
+        self.nodes = []
 
     def replay(self, task_kwargs: dict[str, Any], live_rows: int | None = None) -> None:
         """Re-run the recorded ops; ``task_kwargs`` updates the kwargs of every task.

@@ -41,7 +41,7 @@ def _compiler() -> str:
     return compiler
 
 
-def _cpu() -> str:
+def cpu_signature() -> str:
     """What -march=native builds for: a kernel is never reused on another kind of CPU,
     even from a temporary folder that machines share."""
     try:
@@ -60,7 +60,7 @@ def load(name: str, march: str = "native") -> ctypes.CDLL:
     source = Path(__file__).with_name(f"{name}.c")
     compiler = _compiler()
     compile_flags = [f"-march={march}" if f == "-march=native" else f for f in COMPILE]
-    flags = " ".join([compiler, *compile_flags, *LINK, *LIBRARIES, _cpu()])
+    flags = " ".join([compiler, *compile_flags, *LINK, *LIBRARIES, cpu_signature()])
     # the headers beside the sources are part of every kernel that includes them
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     key = hashlib.sha256(source.read_bytes() + headers + flags.encode())

@@ -8,13 +8,18 @@ or a head's ``HEAD_GRAPH_INPUTS``; ``DRAFT_LOOP_INPUTS``) at the largest shape; 
 bucket reads their leading rows. A step of ``n`` requests that all have query length
 ``q`` replays the smallest captured bucket ``(b >= n, q)``, its inputs padded by each
 buffer's refresh; any other step runs eagerly. On the CPU, ``compile_runs`` fuses each
-graph's runs of ops with inductor.
+graph's runs of ops with inductor. With ``background``, the buckets are captured and
+compiled by a ``CaptureWorker`` in a thread while the engine steps, each replayed once
+it is ready (``take_ready``, between steps).
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from functools import partial
 from operator import attrgetter
 from typing import Any, NamedTuple
 
@@ -25,6 +30,7 @@ from updraft.graph.cuda import CudaGraph
 from updraft.graph.recorded import RecordedGraph
 from updraft.graph.static_input import StaticInput
 from updraft.graph.updatable import UpdatableGraph
+from updraft.runner.capture_worker import CaptureWorker
 from updraft.runner.draft_loop import DRAFT_LOOP_INPUTS, DraftLoop, DraftLoopInputs, greedy_drafts
 from updraft.step.inputs import (
     GRAPH_INPUTS,
@@ -44,6 +50,8 @@ ATTENTION_INPUTS = (
     "query_start_loc",
     *sorted(WINDOW_INPUT_NAMES),
 )
+
+logger = logging.getLogger(__name__)
 
 
 class Bucket(NamedTuple):
@@ -97,6 +105,7 @@ class CapturedSteps:
         draft_loop_depth: int = 0,
         draft_loop: DraftLoop = greedy_drafts,
         mixed_tokens: tuple[int, ...] = (),
+        background: bool = False,
     ) -> None:
         """``full``: the query lengths whose graphs capture attention inside them,
         shaped by the bucket (``AttentionMetadata.bucket``), instead of as tasks between
@@ -109,7 +118,8 @@ class CapturedSteps:
         one bucket per size, run by ``draft_loop``. ``mixed_tokens``: the token counts of
         mixed steps to capture (prefill chunks, alone or beside decodes), each of up to as
         many requests as the largest size; their attention is always a task, made fresh
-        from each step."""
+        from each step. ``background``: capture and compile in a thread (CPU only),
+        replaying each bucket from the first step after it is ready."""
         self.model, self.kv_caches = model, kv_caches
         self.positions_per_block, self.context = positions_per_block, context
         self.max_blocks = max_blocks_per_request
@@ -133,11 +143,72 @@ class CapturedSteps:
         }
         # CUDA buckets share one memory pool; the CPU records ops instead.
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
-        self.graphs: dict[Bucket, Captured] = {}
+        self._make_graphs(buckets, background)
+
+    def _make_graphs(self, buckets: list[Bucket], background: bool) -> None:
+        """Every bucket's graph now, or a worker that makes them in the background."""
+        self.graphs: dict[Bucket, Captured] = {}  # the buckets ready to replay
+        # Held by a capture in the background, which writes the shared input buffers.
+        self.lock = threading.Lock()
+        self.worker: CaptureWorker | None = None
+        self.num_compiled = 0
+        compile_runs = self.compile_runs
+        if background and self.pool is None:
+            # The buckets most steps replay first: batch-1 decode, then larger ones.
+            order = sorted(buckets, key=lambda bucket: (bucket.mixed, bucket.num_tokens))
+            capture = partial(self._capture, defer_compile=True)
+            self.worker = CaptureWorker(capture, order, compile_runs, self.lock, self.owner)
+            return
         with torch.inference_mode():
             # Most tokens first, as a device memory pool wants.
             for bucket in sorted(buckets, key=attrgetter("num_tokens"), reverse=True):
                 self.graphs[bucket] = self._capture(bucket)
+
+    def take_ready(self) -> None:
+        """Between steps: the buckets the background worker has captured or compiled
+        since the last step start being replayed (each compiled one is checked, by
+        running its new runs, before its first replay). Raises what stopped the worker.
+        Left for the next step while the worker holds the lock (capturing)."""
+        if self.worker is None or self.worker.finished or not self.lock.acquire(blocking=False):
+            return
+        try:
+            with torch.inference_mode():  # a compiled run's check writes its results
+                for handed in self.worker.take():
+                    self._put_in(*handed)
+        finally:
+            self.lock.release()
+
+    def _put_in(self, kind: str, bucket: Bucket | None, value: Any) -> None:
+        if kind == "captured":
+            self.graphs[bucket] = value
+        elif kind == "compiled":
+            self.graphs[bucket].graph.backend.swap(value)
+            self.num_compiled += 1
+            logger.info(
+                "%s: bucket %s compiled, swapped in (%d of %d)",
+                self.owner,
+                describe(bucket),
+                self.num_compiled,
+                len(self.worker.buckets),
+            )
+        elif kind == "failed":
+            self.worker.finished = True
+            raise value
+        else:
+            self.worker.finished = True
+            logger.info("%s: every graph bucket ready, %.1f s after the start", self.owner, value)
+
+    def ready(self, wait: bool = False) -> bool:
+        """Whether every bucket is captured (and compiled) and in use (``take_ready``);
+        ``wait``: until the worker is done."""
+        if self.worker is not None and wait:
+            self.worker.thread.join()
+        self.take_ready()
+        return self.worker is None or self.worker.finished
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.stop()
 
     def _specs(self, loop: bool) -> tuple[GraphInput, ...]:
         return DRAFT_LOOP_INPUTS if loop else self.specs
@@ -159,31 +230,37 @@ class CapturedSteps:
         )
 
     def bucket_for(self, step: ForwardInputs) -> Bucket | None:
+        """The smallest ready bucket that holds ``step``, if any."""
+        self.take_ready()
+        if self.worker is not None and self.lock.locked():
+            return None
+        return next((bucket for bucket in self._fitting(step) if bucket in self.graphs), None)
+
+    def _fitting(self, step: ForwardInputs) -> list[Bucket]:
+        """The buckets that could hold ``step``, smallest first (ready or not)."""
         query_lens = step.query_lens
         if not query_lens:
-            return None
-        if (
-            query_lens[0] in self.query_lens
-            and step.num_reqs <= self.sizes[-1]
-            and all(n == query_lens[0] for n in query_lens)
-        ):
-            return Bucket(next(size for size in self.sizes if size >= step.num_reqs), query_lens[0])
-        return next(
-            (
-                bucket
-                for bucket in self.mixed
-                if bucket.tokens >= step.num_tokens and bucket.requests >= step.num_reqs
-            ),
-            None,
-        )
+            return []
+        uniform = []
+        if query_lens[0] in self.query_lens and all(n == query_lens[0] for n in query_lens):
+            uniform = [Bucket(size, query_lens[0]) for size in self.sizes if size >= step.num_reqs]
+        return uniform + [
+            bucket
+            for bucket in self.mixed
+            if bucket.tokens >= step.num_tokens and bucket.requests >= step.num_reqs
+        ]
 
     def loop_bucket_for(self, num_reqs: int) -> Bucket | None:
         if self.draft_loop_depth < 2 or not 0 < num_reqs <= self.sizes[-1]:
             return None
-        return Bucket(next(size for size in self.sizes if size >= num_reqs), 1, loop=True)
+        self.take_ready()  # once ready, always: ``fits_draft_loop`` and then ``draft_loop``
+        sizes = [size for size in self.sizes if size >= num_reqs]
+        return next((b for size in sizes if (b := Bucket(size, 1, loop=True)) in self.graphs), None)
 
     def why_not(self, step: ForwardInputs, num_drafts: list[int]) -> str:
         """Why ``bucket_for(step)`` is None, for the runner's step counts."""
+        if self.worker is not None and self._fitting(step):
+            return "graph not captured yet"
         if step.num_reqs > self.sizes[-1]:
             return "batch above the largest capture size"
         if not any(num_drafts) and step.num_decodes < step.num_reqs:
@@ -198,7 +275,8 @@ class CapturedSteps:
         logits) of its tokens, a mixed step's (hidden states, None): only the rows that
         sample need logits; a loop's its drafts [requests, depth]."""
         captured = self.graphs[bucket]
-        captured.graph.replay(inputs)
+        with self.lock:
+            captured.graph.replay(inputs)
         if bucket.loop:
             return captured.outputs[: inputs.num_reqs]
         if bucket.mixed:
@@ -206,10 +284,11 @@ class CapturedSteps:
         hidden, logits = captured.outputs
         return hidden[: inputs.num_tokens], logits[: inputs.num_tokens]
 
-    def _capture(self, bucket: Bucket) -> Captured:
+    def _capture(self, bucket: Bucket, defer_compile: bool = False) -> Captured:
         """The bucket's graph, captured over a step of nothing (the refresh pads every
         row: padded rows write nothing). Not ``self`` but its parts go into the graph's
-        functions, which the graph keeps."""
+        functions, which the graph keeps. ``defer_compile``: its runs replay op by op
+        until compiled (``RecordedGraph.compile``)."""
         specs = self._specs(bucket.loop)
         sizes = self._sizes(bucket)
         name = f"{self.owner} draft loop" if bucket.loop else self.owner
@@ -263,6 +342,7 @@ class CapturedSteps:
             self.pool,
             self.compile_runs,
             token_rows=sizes["tokens"] if bucket.mixed else None,
+            defer_compile=defer_compile,
         )
         live_rows = attrgetter("num_tokens") if bucket.mixed else None
         graph = UpdatableGraph(backend, list(inputs.values()), task_kwargs, live_rows)
@@ -308,6 +388,7 @@ def graph_backend(
     pool: object | None,
     compile_runs: bool,
     token_rows: int | None = None,
+    defer_compile: bool = False,
 ) -> RecordedGraph | CudaGraph:
     """The backend that captures ``model``'s forward over ``inputs``: CUDA graphs in
     ``pool`` on a GPU, else recorded ops (with runs compiled by inductor; a mixed step's,
@@ -318,5 +399,19 @@ def graph_backend(
         module_names={id(m): name or "model" for name, m in model.named_modules()},
     )
     if pool is None:
-        return RecordedGraph(**declared, compile_runs=compile_runs, token_rows=token_rows)
+        return RecordedGraph(
+            **declared,
+            compile_runs=compile_runs,
+            token_rows=token_rows,
+            defer_compile=defer_compile,
+        )
     return CudaGraph(**declared, pool=pool)
+
+
+def describe(bucket: Bucket) -> str:
+    """A bucket as a progress line names it."""
+    if bucket.loop:
+        return f"draft loop x{bucket.requests}"
+    if bucket.mixed:
+        return f"mixed {bucket.tokens} tokens"
+    return f"{bucket.requests} x {bucket.query_len}"

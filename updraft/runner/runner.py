@@ -185,7 +185,7 @@ class Runner:
             self.kv_caches,
             self.positions_per_block,
             -(-self.max_model_len // self.positions_per_block),
-            list(self.config.capture_sizes),
+            list(self.config.batch_capture_sizes),
             self.device,
             self.dtype,
             query_lens,
@@ -198,6 +198,7 @@ class Runner:
             draft_loop_depth=draft_loop_depth,
             draft_loop=self.greedy_loop,
             mixed_tokens=self._mixed_tokens(),
+            background=self.config.captures_in_background,  # one rank only
         )
 
     def _mixed_tokens(self) -> tuple[int, ...]:

@@ -86,9 +86,12 @@ class EngineCore:
     def run(self, keep_going: Callable[[], bool] = lambda: True) -> bool:
         """Step until a shutdown arrives (or ``keep_going`` says no while idle); False
         after an error, which is logged and told to every API process."""
+        graphs_ready = False
         try:
             while True:
                 busy = self.engine.has_unfinished
+                if not busy and not graphs_ready:  # swapped in while idle too
+                    graphs_ready = self.engine.graphs_ready()
                 if self.input.poll(0 if busy else IDLE_POLL_MS) and not self._apply_commands():
                     self._abort_all()
                     return True
@@ -308,6 +311,9 @@ def run_core_process(
     already be init's)."""
     # Ctrl-C reaches the whole process group: the API process drains, then says when.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Its progress (graphs captured and compiled after the start) shows as the server's.
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("updraft").setLevel(logging.INFO)
     try:
         engine = Engine(config)
     except Exception as error:

@@ -172,7 +172,10 @@ def serve(
     except RuntimeError as error:
         listener.close()
         raise ValueError(str(error)) from None
-    print(f"[updraft] ready in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    ready = f"[updraft] ready in {time.perf_counter() - start:.1f} s"
+    if config.captures_in_background:
+        ready += ", with eager steps until each graph is made (the engine's log says when)"
+    print(ready, file=sys.stderr, flush=True)
     port = listener.getsockname()[1]
     access = (
         "clients must send its API key"
