@@ -25,6 +25,7 @@ from updraft.graph.cuda import CudaGraph
 from updraft.graph.recorded import RecordedGraph
 from updraft.graph.static_input import StaticInput
 from updraft.graph.updatable import UpdatableGraph
+from updraft.resident import mark_phase
 from updraft.runner.draft_loop import DRAFT_LOOP_INPUTS, DraftLoop, DraftLoopInputs, greedy_drafts
 from updraft.step.inputs import (
     GRAPH_INPUTS,
@@ -130,6 +131,7 @@ class CapturedSteps:
             # Most tokens first, as a device memory pool wants.
             for bucket in sorted(buckets, key=attrgetter("num_tokens"), reverse=True):
                 self.graphs[bucket] = self._capture(bucket)
+        mark_phase(f"{owner}: graphs captured")
 
     def _specs(self, loop: bool) -> tuple[GraphInput, ...]:
         return DRAFT_LOOP_INPUTS if loop else self.specs
