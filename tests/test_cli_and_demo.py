@@ -120,6 +120,8 @@ def test_every_engine_setting_is_a_flag_that_reaches_the_config():
         "--no-speculative-enforce-eager",
         "--no-adaptive-threads",
         "--no-keep-freed-memory",
+        "--no-mmap",
+        "--mlock",
         "--no-compile-graphs",
         "--overlap-grammar-masks",
     ]
@@ -135,6 +137,8 @@ def test_every_engine_setting_is_a_flag_that_reaches_the_config():
         "activations": "int8",
         "adaptive_threads": False,
         "keep_freed_memory": False,
+        "mmap": False,
+        "mlock": True,
         "seed": 7,
         "overlap_grammar_masks": True,
         "block_size": 8,

@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from updraft.checkpoints.gguf import linked_files
-from updraft.graph.recorded_nodes import tensors_in
 from updraft.resident import (
     IMPORT_COSTS,
     MIB,
@@ -156,14 +155,7 @@ def runner_memory(runner, kv_blocks_used: int, model_dir: str) -> EngineMemory:
     """A runner's tensors by part (``kv_blocks_used``: the blocks requests hold now)."""
     model = runner.model
     weights = [*model.parameters(), *model.buffers()]
-    graphs: list[torch.Tensor] = []
-    if runner.captured is not None:
-        graphs += list(tensors_in(list(runner.captured.buffers.values())))
-        for captured in runner.captured.graphs.values():
-            graphs += list(tensors_in(captured.outputs))
-            arena = getattr(captured.graph.backend, "arena", None)
-            if arena is not None:
-                graphs.append(arena)
+    graphs = [] if runner.captured is None else runner.captured.held_tensors()
     kv = _distinct(runner.kv_caches)
     per_block = sum(
         t.untyped_storage().nbytes() // max(1, runner.num_blocks + 1) for t in kv

@@ -23,6 +23,7 @@ import torch
 from updraft.attention.metadata import NO_SPLIT, AttentionMetadata, ContextSplit
 from updraft.graph.cuda import CudaGraph
 from updraft.graph.recorded import RecordedGraph
+from updraft.graph.recorded_nodes import tensors_in
 from updraft.graph.static_input import StaticInput
 from updraft.graph.updatable import UpdatableGraph
 from updraft.resident import mark_phase
@@ -132,6 +133,16 @@ class CapturedSteps:
             for bucket in sorted(buckets, key=attrgetter("num_tokens"), reverse=True):
                 self.graphs[bucket] = self._capture(bucket)
         mark_phase(f"{owner}: graphs captured")
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """What the captured steps hold beside the weights and KV caches: their static
+        inputs, outputs and (the CPU backend's) arenas, for a memory report."""
+        held = list(tensors_in(list(self.buffers.values())))
+        for captured in self.graphs.values():
+            held += tensors_in(captured.outputs)
+            arena = getattr(captured.graph.backend, "arena", None)
+            held += [] if arena is None else [arena]
+        return held
 
     def _specs(self, loop: bool) -> tuple[GraphInput, ...]:
         return DRAFT_LOOP_INPUTS if loop else self.specs
