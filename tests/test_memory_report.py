@@ -15,7 +15,11 @@ import torch
 from tests.helpers import greedy
 from updraft import LLM
 from updraft.engine.memory_report import build_report
-from updraft.models.weight_memory import lock_in_memory, read_into_memory
+from updraft.models.weight_memory import (
+    lock_in_memory,
+    read_into_memory,
+    release_unkept_pages,
+)
 from updraft.resident import (
     PAGE,
     ImportBaseline,
@@ -115,6 +119,28 @@ def test_no_mmap_copies_mapped_weights_and_mlock_locks_them(tmp_path):
     if soft != resource.RLIM_INFINITY and soft < 4 * size:
         pytest.skip(f"RLIMIT_MEMLOCK ({soft} bytes) is below what the test locks")
     assert lock_in_memory(module) >= size
+
+
+@pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
+def test_a_weight_file_s_pages_that_no_weight_views_are_dropped(tmp_path):
+    import numpy as np
+
+    path = tmp_path / "weights.bin"
+    path.write_bytes(bytes(16 * PAGE))
+    whole = torch.from_numpy(np.memmap(path, dtype="uint8", mode="c"))
+    assert int(whole.sum()) == 0  # every page read, so resident
+    module = torch.nn.Module()
+    module.register_buffer("kept", whole[5 * PAGE : 7 * PAGE + 10], persistent=False)
+
+    def mapped() -> int:  # this process's resident pages of the file (mincore would
+        # say the page cache's)
+        return sum(m.rss for m in mappings() if m.path == str(path)) // PAGE
+
+    assert mapped() == 16
+    assert release_unkept_pages(module) == 13 * PAGE  # pages 5, 6 and 7 kept
+    assert mapped() == 3
+    assert int(module.kept.sum()) == 0 and int(whole.sum()) == 0  # read back from the file
+    assert mapped() == 16
 
 
 def test_mlock_refused_names_rlimit_memlock(monkeypatch):

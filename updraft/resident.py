@@ -141,20 +141,21 @@ class ImportBaseline:
         return cls(before, status_bytes("VmRSS"))
 
 
-# What importing a heavy library added to RSS, by name, measured at its first import.
-IMPORT_COSTS: dict[str, int] = {}
+def import_cost(modules: tuple[str, ...]) -> int:
+    """What importing ``modules`` adds to the RSS of a fresh interpreter that has
+    imported torch: measured in a child process, since in this one they are loaded
+    already, wherever from. 0 if the child fails."""
+    import subprocess
+    import sys
 
-
-@contextlib.contextmanager
-def counted_import(name: str) -> Iterator[None]:
-    """Count what the imports inside add to RSS as ``IMPORT_COSTS[name]`` (the first
-    time only: later, the modules are already loaded)."""
-    if name in IMPORT_COSTS:
-        yield
-        return
-    before = status_bytes("VmRSS")
-    yield
-    IMPORT_COSTS[name] = max(0, status_bytes("VmRSS") - before)
+    code = (
+        "import importlib, sys, torch\nfrom updraft.resident import status_bytes\n"
+        "before = status_bytes('VmRSS')\n"
+        "for name in sys.argv[1:]:\n    importlib.import_module(name)\n"
+        "print(status_bytes('VmRSS') - before)"
+    )
+    done = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True, text=True)
+    return int(done.stdout) if done.returncode == 0 and done.stdout.strip().isdigit() else 0
 
 
 @dataclass(frozen=True)

@@ -22,17 +22,20 @@ import torch
 
 from updraft.checkpoints.gguf import linked_files
 from updraft.resident import (
-    IMPORT_COSTS,
     MIB,
     PAGE,
     ImportBaseline,
     Mapping,
     Phase,
     give_back_free_memory,
+    import_cost,
     mappings,
     resident_pages,
     status_bytes,
 )
+
+# What compiling captured runs imports, the last the one a compile surely loaded.
+COMPILER_STACK = ("torch._dynamo", "torch._inductor.compile_fx")
 
 
 @dataclass
@@ -128,7 +131,10 @@ def build_report(
     parts["compiled code (kernels, inductor's runs)"] = sum(
         m.rss for m in maps if m.file_backed and _compiled(m)
     )
-    parts["inductor's import"] = IMPORT_COSTS.get("inductor", 0)
+    # Loaded by capture and compiling (dynamo and inductor with sympy): measured apart
+    parts["torch's compiler stack (import)"] = (
+        import_cost(COMPILER_STACK) if COMPILER_STACK[-1] in sys.modules else 0
+    )
     if baseline is not None:
         parts["interpreter"] = baseline.interpreter
         parts["torch import"] = baseline.torch_import - baseline.interpreter

@@ -47,7 +47,6 @@ from updraft.graph.recorded_nodes import (
     tensors_in,
 )
 from updraft.kernels.bound_calls import has_bound_call
-from updraft.resident import counted_import
 
 logger = logging.getLogger(__name__)
 
@@ -228,12 +227,11 @@ def _compile(
         tuple((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device) for t in inputs),
     )
     if key not in _compiled:
-        with counted_import("inductor"):  # about 110 MiB: a memory report shows it
-            import torch._inductor.config
-            from torch._guards import TracingContext, tracing
-            from torch._inductor.compile_fx import compile_fx
-            from torch._subclasses.fake_tensor import FakeTensorMode
-            from torch.fx.experimental.symbolic_shapes import ShapeEnv
+        import torch._inductor.config
+        from torch._guards import TracingContext, tracing
+        from torch._inductor.compile_fx import compile_fx
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
         # A shape environment, even with every shape fixed, is what lets inductor keep
         # the compiled graph in its on-disk cache.

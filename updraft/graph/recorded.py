@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from updraft.graph.arena import place_in_arena
+from updraft.graph.arena import SharedArena, place_in_arena
 from updraft.graph.compiled_runs import compiled_segments, replay_calls
 from updraft.graph.recorded_nodes import (
     OpNode,
@@ -85,6 +85,7 @@ class RecordedGraph:
         module_names: dict[int, str] | None = None,
         compile_runs: bool = False,
         token_rows: int | None = None,
+        arenas: SharedArena | None = None,
     ) -> None:
         self.constant_storages = {storage_of(t) for t in constants}
         # What ops on constants alone produced (an arange, a mask of aranges): kept
@@ -104,6 +105,7 @@ class RecordedGraph:
         self.token_rows = None if token_rows is None else TokenRows(token_rows)
         self.output_storages: set[int] = set()
         self.arena: torch.Tensor | None = None  # the produced tensors' memory (arena.py)
+        self.arenas = arenas  # whose block the arena is the head of, if shared
         self._segments: list[list[Callable[[], Any]]] | None = None
 
     @property
@@ -131,7 +133,7 @@ class RecordedGraph:
                 + "\n  ".join(self.undeclared)
             )
         self.output_storages = {storage_of(tensor) for tensor in tensors_in(out)}
-        self.arena = place_in_arena(self.nodes, self._calls(), self._movable())
+        self.arena = place_in_arena(self.nodes, self._calls(), self._movable(), self.arenas)
         if self.compile_runs:  # compile now: the first replay should not pay for it
             self.segments()
             # The compiled runs hold the tensors they read and write; what the fused ops

@@ -24,6 +24,8 @@ from torch import nn
 
 from updraft.resident import PAGE, mappings
 
+MADV_DONTNEED = 4  # madvise(2): drop the pages; a file's come back from the page cache
+
 
 @dataclass(frozen=True)
 class WeightMemory:
@@ -33,7 +35,9 @@ class WeightMemory:
 
 def settle_weights(model: nn.Module, memory: WeightMemory) -> None:
     """Apply ``memory`` to a loaded model's weights (its parameters and buffers)."""
-    if not memory.mmap:
+    if memory.mmap:
+        release_unkept_pages(model)
+    else:
         read_into_memory(model)
     if memory.mlock:
         lock_in_memory(model)
@@ -67,6 +71,36 @@ def read_into_memory(model: nn.Module) -> int:
                 )  # every holder of the tensor sees the copy
             copied += old.nbytes()
     return copied
+
+
+def release_unkept_pages(model: nn.Module) -> int:
+    """Drop from this process the pages of a weight file's map that no weight views:
+    loading read every tensor there (most of them into another layout), and a page read
+    stays resident while the map lives, which one weight kept in place makes it do.
+    They come back from the page cache if read again. -> bytes dropped."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    kept = [_extent(t) for tensors in _storages(model).values() for t in tensors]
+    dropped = 0
+    for mapping in mappings():
+        inside = sorted((a, b) for a, b in kept if mapping.start <= a < mapping.end)
+        if not mapping.file_backed or not inside or not mapping.rss:
+            continue
+        low = mapping.start
+        for start, end in [*inside, (mapping.end, mapping.end)]:
+            first, last = -(-low // PAGE) * PAGE, start // PAGE * PAGE
+            if (
+                last > first
+                and libc.madvise(ctypes.c_void_p(first), last - first, MADV_DONTNEED) == 0
+            ):
+                dropped += last - first
+            low = max(low, end)
+    return dropped
+
+
+def _extent(tensor: torch.Tensor) -> tuple[int, int]:
+    """The addresses [first, last) a tensor's elements lie between."""
+    span = sum((n - 1) * step for n, step in zip(tensor.shape, tensor.stride(), strict=True))
+    return tensor.data_ptr(), tensor.data_ptr() + (span + 1) * tensor.element_size()
 
 
 def lock_in_memory(model: nn.Module) -> int:

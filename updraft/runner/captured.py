@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import torch
 
 from updraft.attention.metadata import NO_SPLIT, AttentionMetadata, ContextSplit
+from updraft.graph.arena import SharedArena
 from updraft.graph.cuda import CudaGraph
 from updraft.graph.recorded import RecordedGraph
 from updraft.graph.recorded_nodes import tensors_in
@@ -125,8 +126,9 @@ class CapturedSteps:
             loop: input_buffers(self._specs(loop), self._largest(buckets, loop), dtype, device)
             for loop in {bucket.loop for bucket in buckets}
         }
-        # CUDA buckets share one memory pool; the CPU records ops instead.
-        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        # CUDA buckets share one memory pool; the CPU's recorded ones one arena (only
+        # one step runs at a time).
+        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else SharedArena()
         self.graphs: dict[Bucket, Captured] = {}
         with torch.inference_mode():
             # Most tokens first, as a device memory pool wants.
@@ -322,6 +324,8 @@ def graph_backend(
         persistent=[*kv_caches, *(i.buffer for i in inputs)],
         module_names={id(m): name or "model" for name, m in model.named_modules()},
     )
-    if pool is None:
-        return RecordedGraph(**declared, compile_runs=compile_runs, token_rows=token_rows)
+    if pool is None or isinstance(pool, SharedArena):
+        return RecordedGraph(
+            **declared, compile_runs=compile_runs, token_rows=token_rows, arenas=pool
+        )
     return CudaGraph(**declared, pool=pool)
