@@ -157,3 +157,14 @@ def test_mlock_refused_names_rlimit_memlock(monkeypatch):
         ValueError, match=r"--mlock: .*ENOMEM.*RLIMIT_MEMLOCK is (\d+ bytes|unlimited)"
     ):
         lock_in_memory(module)
+
+
+def test_doctor_memory_prints_the_parts_and_the_peak_s_phase(tiny_llama, capsys):
+    from updraft.cli import main
+
+    argv = ["doctor", "--memory", "--model", str(tiny_llama), "--enforce-eager"]
+    assert main([*argv, "--num-kv-blocks", "64"]) == 0
+    out = capsys.readouterr().out
+    for part in ("weights: copies in memory", "KV cache", "torch import", "other"):
+        assert part in out
+    assert "the peak came in" in out and "weights loaded" in out

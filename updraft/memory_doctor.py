@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from updraft.engine.llm import LLM
-from updraft.engine.memory_report import MemoryReport, build_report
+from updraft.engine.memory_report import MemoryReport, build_report, compiler_stack_cost
 from updraft.resident import ImportBaseline, recording_phases
 from updraft.sampling_params import SamplingParams
 
@@ -40,7 +40,8 @@ def measure_memory(
         params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
         llm.generate([prompt], params)
         log.mark(f"one request ({prompt_tokens} + {new_tokens} tokens)")
-        return build_report(llm.engine.memory(), baseline, log.phases, log.start_rss)
+        owned = llm.engine.memory()
+    return build_report(owned, baseline, log.phases, log.start_rss, compiler_stack_cost())
 
 
 def memory_doctor(

@@ -107,8 +107,10 @@ def build_report(
     baseline: ImportBaseline | None,
     phases: Iterable[Phase] = (),
     phase_start: int = 0,
+    compiler_stack: int = 0,
 ) -> MemoryReport:
-    """Cut the resident set now into its parts (see the module's note)."""
+    """Cut the resident set now into its parts (see the module's note);
+    ``compiler_stack``: what importing it cost, if it was (``compiler_stack_cost``)."""
     maps = mappings()
     rss = sum(m.rss for m in maps)
     files = {str(path.resolve()) for path in owned.weight_files}
@@ -131,10 +133,7 @@ def build_report(
     parts["compiled code (kernels, inductor's runs)"] = sum(
         m.rss for m in maps if m.file_backed and _compiled(m)
     )
-    # Loaded by capture and compiling (dynamo and inductor with sympy): measured apart
-    parts["torch's compiler stack (import)"] = (
-        import_cost(COMPILER_STACK) if COMPILER_STACK[-1] in sys.modules else 0
-    )
+    parts["torch's compiler stack (import)"] = compiler_stack
     if baseline is not None:
         parts["interpreter"] = baseline.interpreter
         parts["torch import"] = baseline.torch_import - baseline.interpreter
@@ -155,6 +154,12 @@ def build_report(
         phases=list(phases),
         phase_start=phase_start,
     )
+
+
+def compiler_stack_cost() -> int:
+    """What importing torch's compiler stack (dynamo, inductor, sympy) costs, if capture
+    and compiling loaded it here: measured in a child process (0 if not loaded)."""
+    return import_cost(COMPILER_STACK) if COMPILER_STACK[-1] in sys.modules else 0
 
 
 def runner_memory(runner, kv_blocks_used: int, model_dir: str) -> EngineMemory:
