@@ -1,9 +1,10 @@
 """What of this process is resident, and where: its mappings (``/proc/self/smaps``),
-the resident pages of given address ranges (``mincore``), glibc malloc's free bytes
-and the load's phases with the peak each reached.
+the resident pages of given anonymous address ranges (``mincore``; of a file's pages it
+tells the page cache's state, not this process's), the pages glibc malloc holds free,
+what an import costs, and the start-up's phases with the peak each reached.
 
 Linux only; each reader returns nothing (or zero) elsewhere, so a report built from them
-says "unknown" rather than fail. The phase marks reset the kernel's peak (VmHWM) only
+shows zeros rather than fail. The phase marks reset the kernel's peak (VmHWM) only
 while ``recording_phases`` is on, so the peak an outside measure reads is never touched
 unless a memory report asked for it.
 """

@@ -1,9 +1,11 @@
 """Where a running engine's resident memory goes (``updraft doctor --memory``).
 
 The resident set is read once (``/proc/self/smaps``) and cut into parts that add up to
-it: the weights' file pages (the checkpoint's own mapping) and their copies in memory,
-the KV cache, the captured graphs' memory, compiled code, the interpreter with torch
-as measured when it was imported, malloc's free bytes, and "other", what is left. The
+it: the weights' file pages (the checkpoint's own mapping) and their copies in memory
+(oneDNN's packed ones, whose address is hidden, at their size), the KV cache, the
+captured graphs' memory, compiled code, torch's compiler stack, the interpreter and
+torch as measured when they were imported, the imports after them, the pages malloc
+held free (given back to measure them: read last), and "other", what is left. The
 engine's own objects say which addresses are whose (a weight tensor, a KV cache, a
 graph's arena); ``mincore`` says which of their pages are resident, and a page counts
 once, for the first part that claims it. The peak is cut by the phase of start-up it
@@ -16,11 +18,15 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from updraft.checkpoints.gguf import linked_files
+
+if TYPE_CHECKING:
+    from updraft.runner.runner import Runner
 from updraft.resident import (
     MIB,
     PAGE,
@@ -162,8 +168,10 @@ def compiler_stack_cost() -> int:
     return import_cost(COMPILER_STACK) if COMPILER_STACK[-1] in sys.modules else 0
 
 
-def runner_memory(runner, kv_blocks_used: int, model_dir: str) -> EngineMemory:
-    """A runner's tensors by part (``kv_blocks_used``: the blocks requests hold now)."""
+def runner_memory(runner: Runner, kv_blocks_used: int, model_dir: str) -> EngineMemory:
+    """A runner's tensors by part (``kv_blocks_used``: the blocks requests hold now;
+    their bytes counted as a block's share of every cache tensor, which a hybrid
+    model's state slots make approximate)."""
     model = runner.model
     weights = [*model.parameters(), *model.buffers()]
     graphs = [] if runner.captured is None else runner.captured.held_tensors()
