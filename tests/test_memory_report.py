@@ -37,7 +37,7 @@ SERVER_STACK = ("fastapi", "uvicorn", "starlette", "transformers", "zmq", "msgpa
 
 def test_the_offline_api_imports_no_server_stack():
     code = (
-        "import sys, updraft\nfrom updraft import LLM, SamplingParams\n"
+        "import sys, updraft\nfrom updraft import LLM, SamplingParams\nimport updraft.cli\n"
         "import updraft.engine.engine\n"
         f"print(sorted(m for m in sys.modules if m.split('.')[0] in {SERVER_STACK!r}))"
     )
