@@ -109,6 +109,13 @@ def add_doctor_parser(commands: argparse._SubParsersAction) -> None:
         ),
         formatter_class=HelpFormatter,
     )
+    doctor.add_argument(
+        "--memory",
+        action="store_true",
+        help="instead, start the engine, run one request and report where its resident "
+        "memory goes (weights mapped and copied, KV cache, graphs, imports, other) and "
+        "the phase of the start its peak came in",
+    )
     add_engine_arguments(doctor)
 
 
@@ -388,6 +395,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_generate(args)
         if args.command == "serve":
             return run_serve(args)
+        if args.command == "doctor" and args.memory:
+            from updraft.resident import ImportBaseline
+
+            baseline = ImportBaseline.measure()  # before anything else imports torch
+            from updraft.memory_doctor import memory_doctor
+
+            return 0 if memory_doctor(args.model, engine_kwargs(args), baseline) else 1
         if args.command == "doctor":
             from updraft.doctor import doctor
 

@@ -134,6 +134,17 @@ class EngineConfig:
         "which then faults it in again page by page (about a sixth of an eager prefill's "
         "time on two cores); --no-keep-freed-memory returns it",
     )
+    mmap: bool = setting(
+        True,
+        "keep the weights the kernels read as the file stores them in the file's memory "
+        "map (the page cache's pages, read as touched); --no-mmap reads them into the "
+        "process's own memory at load, as llama.cpp's --no-mmap",
+    )
+    mlock: bool = setting(
+        False,
+        "lock the weights' pages in memory so the OS never pages them out, as llama.cpp's "
+        "--mlock (RLIMIT_MEMLOCK, ulimit -l, must allow their size)",
+    )
     seed: int = setting(0, "seed of the sampling of requests that have no seed of their own")
     overlap_grammar_masks: bool | None = setting(
         None,

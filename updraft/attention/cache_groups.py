@@ -37,6 +37,7 @@ import torch
 from updraft.attention.cache_layout import CacheLayout, cache_layout, zeros_on_first_write
 from updraft.attention.kv_int8 import dequantize_rows
 from updraft.model_config import ModelConfig
+from updraft.resident import mark_phase
 
 PAGED = "paged"
 RECURRENT = "recurrent"
@@ -195,6 +196,7 @@ def allocate_caches(
     """One cache tensor per decoder layer, in layer order, each with its spare slot.
     ``kv_sources``: per layer, the layer whose cache it reads (``ModelConfig.kv_source``;
     empty: each its own); a layer that reads another's is given that very tensor."""
+    mark_phase("weights loaded")  # what came before the cache, for a memory report
     caches: list[torch.Tensor | None] = [None] * num_layers
     for group in groups:
         if group.kind == RECURRENT:
@@ -216,6 +218,7 @@ def allocate_caches(
     for layer, source in enumerate(kv_sources):
         if source != layer:
             caches[layer] = caches[source]
+    mark_phase("KV cache allocated")
     return caches
 
 

@@ -260,7 +260,10 @@ def read_gguf(path: str | Path) -> GGUFFile:
     from gguf.quants import quant_shape_to_byte_shape
 
     header = walk(path)
-    whole = np.memmap(path, dtype=np.uint8, mode="r")
+    # Copy-on-write: a float weight is used where it lies in the map (models/gguf_tensors.py),
+    # and a write into one, should any code make it, changes this process's page, never
+    # the file, nor faults on a read-only page.
+    whole = np.memmap(path, dtype=np.uint8, mode="c")
     tensors = []
     for info in header.tensors:
         kind = GGMLQuantizationType(info.type_code)

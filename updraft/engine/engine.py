@@ -34,6 +34,7 @@ from updraft.engine.grammar_compiler import GrammarCompiler
 from updraft.engine.grammars import Grammars
 from updraft.engine.input_processor import EngineRequest, InputProcessor, ModelLimits
 from updraft.engine.kv_blocks import BlockPool, KVCacheManager
+from updraft.engine.memory_report import EngineMemory, runner_memory
 from updraft.engine.prefix_states import PrefixStates
 from updraft.engine.scheduler import Scheduler
 from updraft.engine.state_slots import StateSlots
@@ -439,6 +440,11 @@ class Engine:
         return StepInputs.build(
             plan, self.config.positions_per_block, self._wants_hidden_states, self._rotary
         )
+
+    def memory(self) -> EngineMemory:
+        """The target runner's tensors by part (weights, KV, graphs), for a memory report
+        (``engine/memory_report.py``)."""
+        return runner_memory(self._runner, self._scheduler.kv.pool.num_used, self.config.model)
 
     def stats(self) -> EngineStats:
         """A snapshot: queue lengths, KV blocks, how steps ran, speculative acceptance."""

@@ -10,7 +10,12 @@ from dataclasses import dataclass, replace
 from updraft.engine.prefix_states import PrefixStateStats
 from updraft.graph.sanitize import SanitizeReport
 from updraft.outputs import SpeculativeMetrics
-from updraft.runner.runner import describe_steps
+
+
+def describe_steps(step_modes: dict[str, int]) -> str:
+    """How steps ran, from a runner's ``step_modes``: e.g. "1 eager (prefill), 63 graph"."""
+    return ", ".join(f"{n} {mode}" for mode, n in sorted(step_modes.items()))
+
 
 # Everything but "forward" is host time: the engine's own overhead per step.
 PHASES = ("schedule", "build", "forward", "sample", "update", "propose")

@@ -9,6 +9,10 @@ produced storage lives from the first to the last replay call that touches it; s
 whose lives do not overlap share bytes of one arena, and the captured tensors are
 remade as views of their places in it, with the same sizes, strides and offsets.
 
+Graphs that never replay at once (a runner's buckets: it runs one step at a time) share
+one arena (``SharedArena``): each graph's is the head of one block, as large as the
+largest graph needs, rather than a block per graph.
+
 Lives are counted in replay calls, not ops: a compiled run reads its inputs and writes
 its results in one fused call, so a result may not take the bytes of anything the same
 run reads. What the graph returns, and whatever it did not produce (weights, the KV
@@ -29,14 +33,30 @@ from updraft.graph.recorded_nodes import OpNode, TaskNode, storage_of, tensors_i
 ALIGNMENT = 64  # bytes: a cache line, and every vector load's alignment
 
 
+class SharedArena:
+    """One block for the arenas of graphs of which only one replays at a time: each
+    takes its head; a graph that needs more than the block holds gets a larger block,
+    which the graphs after it share (capture the largest first and there is one)."""
+
+    def __init__(self) -> None:
+        self.block: torch.Tensor | None = None
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        if self.block is None or self.block.numel() < nbytes:
+            self.block = torch.zeros(nbytes, dtype=torch.uint8)
+        return self.block[:nbytes]
+
+
 def place_in_arena(
     nodes: Sequence[OpNode | TaskNode],
     calls: Sequence[int],
     movable: set[int],
+    shared: SharedArena | None = None,
 ) -> torch.Tensor | None:
     """Moves the storages in ``movable`` (produced by the graph, not returned) into one
-    arena, rewriting every node's tensors in place; ``calls[i]`` is the replay call node
-    i runs in. -> the arena, which the graph must keep (None when nothing moved)."""
+    arena (the head of ``shared``'s block, if given), rewriting every node's tensors in
+    place; ``calls[i]`` is the replay call node i runs in. -> the arena, which the graph
+    must keep (None when nothing moved)."""
     lives: dict[int, tuple[int, int]] = {}
     sizes: dict[int, int] = {}
     for node, call in zip(nodes, calls, strict=True):
@@ -57,9 +77,9 @@ def place_in_arena(
     if not sizes:
         return None
     offsets, total = arena_offsets(lives, sizes)
-    # Zeroed once: rows a replay skips (``TokenRows``) keep what was last written there,
-    # which no live row reads.
-    arena = torch.zeros(total, dtype=torch.uint8)
+    # Zeroed once: rows a replay skips (``TokenRows``) keep what was last written there
+    # (by this graph or, shared, another), which no live row reads.
+    arena = torch.zeros(total, dtype=torch.uint8) if shared is None else shared.take(total)
     whole = arena.untyped_storage()
     places = {
         storage: whole[offset : offset + sizes[storage]] for storage, offset in offsets.items()

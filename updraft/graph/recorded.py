@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from updraft.graph.arena import place_in_arena
+from updraft.graph.arena import SharedArena, place_in_arena
 from updraft.graph.compile_cache import compiling, open_cache
 from updraft.graph.compiled_runs import compiled_segments, finished, replay_calls
 from updraft.graph.recorded_nodes import (
@@ -90,6 +90,7 @@ class RecordedGraph:
         compile_runs: bool = False,
         token_rows: int | None = None,
         defer_compile: bool = False,
+        arenas: SharedArena | None = None,
     ) -> None:
         self.constant_storages = {storage_of(t) for t in constants}
         # What ops on constants alone produced (an arange, a mask of aranges): kept
@@ -109,6 +110,7 @@ class RecordedGraph:
         self.token_rows = None if token_rows is None else TokenRows(token_rows)
         self.output_storages: set[int] = set()
         self.arena: torch.Tensor | None = None  # the produced tensors' memory (arena.py)
+        self.arenas = arenas  # whose block the arena is the head of, if shared
         self._segments: list[list[Callable[[], Any]]] | None = None
 
     @property
@@ -141,7 +143,7 @@ class RecordedGraph:
         self.output_storages = {storage_of(tensor) for tensor in tensors_in(out)}
         # Placed for compiled runs even before they are compiled: a run's results then
         # never share bytes with what it reads, and op by op every life is a subset of that.
-        self.arena = place_in_arena(self.nodes, self._calls(), self._movable())
+        self.arena = place_in_arena(self.nodes, self._calls(), self._movable(), self.arenas)
         if self.compile_runs and not self.defer_compile:  # the first replay should not wait
             with compiling(open_cache()):
                 self.swap(self.compile())

@@ -457,12 +457,17 @@ def _with_int8_kernels(parts: list[Part], int8: bool) -> list[Part]:
 
 
 def _fill_floats(model: nn.Module, floats: dict[str, dict[int, torch.Tensor]]) -> None:
-    """Each float parameter made real in its tensors' dtype, its slices copied in."""
+    """Each float parameter made real in its tensors' dtype: a whole one is the file's
+    tensor itself (over its map, no copy), a fused one's slices are copied in."""
     params = dict(model.named_parameters())
     made = MadeParameters(model, "cpu")
     for name, slices in floats.items():
         if name not in params:
             continue  # a tied LM head's own copy of the embedding
+        whole = next(iter(slices.values()))  # the one slice, if it is the whole
+        if len(slices) == 1 and params[name].is_meta and whole.shape == params[name].shape:
+            made.adopt(params[name], whole)
+            continue
         real, module = made(params[name], next(iter(slices.values())).dtype)
         for index, tensor in slices.items():
             target = real if index == FUSED else part_of(real, module, name, index)

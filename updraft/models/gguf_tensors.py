@@ -1,5 +1,7 @@
-"""A GGUF tensor's data (a numpy view of the file's read-only map) as a torch tensor:
-float types copied out in their own dtype, blocks left where they lie."""
+"""A GGUF tensor's data (a numpy view of the file's copy-on-write map) as a torch
+tensor, left where it lies: a float weight that the model keeps as the file stores it
+(an embedding table, a norm) stays in the map rather than in a copy, and one packed
+into another layout is read from there once."""
 
 from __future__ import annotations
 
@@ -13,9 +15,9 @@ FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat
 
 
 def float_tensor(data: np.ndarray, kind: str) -> torch.Tensor:
-    """A float tensor's values, copied (the map is read-only); gguf-py's view of a BF16
-    tensor is its bytes, which are viewed back as bfloat16."""
-    tensor = torch.from_numpy(np.array(data))
+    """A float tensor's values over the map; gguf-py's view of a BF16 tensor is its
+    bytes, which are viewed back as bfloat16."""
+    tensor = block_rows(data)
     return tensor.view(torch.bfloat16) if kind == "BF16" else tensor
 
 

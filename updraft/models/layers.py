@@ -114,10 +114,21 @@ def norm(config: ModelConfig, size: int) -> RMSNorm:
     return RMSNorm(size, config.rms_norm_eps, config.norm_offset)
 
 
+def _meta_weight(config: ModelConfig) -> torch.Tensor | None:
+    """The embedding's weight when the model is built on the meta device: given, so
+    that ``nn.Embedding`` skips its random init, whose ``normal_`` on meta tensors
+    imports torch's compiler stack (about 85 MiB and seconds at every start)."""
+    if torch.get_default_device().type != "meta":
+        return None
+    return torch.empty(config.vocab_size, config.hidden_size)
+
+
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, layers: list[nn.Module]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=_meta_weight(config)
+        )
         self.layers = nn.ModuleList(layers)
         self.norm = norm(config, config.hidden_size)
 

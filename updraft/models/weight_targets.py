@@ -185,6 +185,14 @@ class MadeParameters:
             param = self.real[id(param)]
         return param, holders[0][0]
 
+    def adopt(self, param: nn.Parameter, tensor: torch.Tensor) -> None:
+        """Make the meta ``param`` ``tensor`` itself, not a copy of it (a whole weight
+        that the checkpoint's map holds as the model keeps it)."""
+        real = nn.Parameter(tensor, requires_grad=False)
+        for module, name in self.holders[id(param)]:
+            setattr(module, name, real)
+        self.real[id(param)] = real
+
     def check(self) -> None:
         left = [name for name, param in self.model.named_parameters() if param.is_meta]
         if left:

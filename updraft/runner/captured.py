@@ -26,10 +26,13 @@ from typing import Any, NamedTuple
 import torch
 
 from updraft.attention.metadata import NO_SPLIT, AttentionMetadata, ContextSplit
+from updraft.graph.arena import SharedArena
 from updraft.graph.cuda import CudaGraph
 from updraft.graph.recorded import RecordedGraph
+from updraft.graph.recorded_nodes import tensors_in
 from updraft.graph.static_input import StaticInput
 from updraft.graph.updatable import UpdatableGraph
+from updraft.resident import mark_phase
 from updraft.runner.capture_worker import CaptureWorker
 from updraft.runner.draft_loop import DRAFT_LOOP_INPUTS, DraftLoop, DraftLoopInputs, greedy_drafts
 from updraft.step.inputs import (
@@ -141,8 +144,9 @@ class CapturedSteps:
             loop: input_buffers(self._specs(loop), self._largest(buckets, loop), dtype, device)
             for loop in {bucket.loop for bucket in buckets}
         }
-        # CUDA buckets share one memory pool; the CPU records ops instead.
-        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        # CUDA buckets share one memory pool; the CPU's recorded ones one arena (only
+        # one step runs at a time).
+        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else SharedArena()
         self._make_graphs(buckets, background)
 
     def _make_graphs(self, buckets: list[Bucket], background: bool) -> None:
@@ -153,7 +157,7 @@ class CapturedSteps:
         self.worker: CaptureWorker | None = None
         self.num_compiled = 0
         compile_runs = self.compile_runs
-        if background and self.pool is None:
+        if background and isinstance(self.pool, SharedArena):
             # The buckets most steps replay first: batch-1 decode, then larger ones.
             order = sorted(buckets, key=lambda bucket: (bucket.mixed, bucket.num_tokens))
             capture = partial(self._capture, defer_compile=True)
@@ -163,6 +167,17 @@ class CapturedSteps:
             # Most tokens first, as a device memory pool wants.
             for bucket in sorted(buckets, key=attrgetter("num_tokens"), reverse=True):
                 self.graphs[bucket] = self._capture(bucket)
+        mark_phase(f"{self.owner}: graphs captured")
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """What the captured steps hold beside the weights and KV caches: their static
+        inputs, outputs and (the CPU backend's) arenas, for a memory report."""
+        held = list(tensors_in(list(self.buffers.values())))
+        for captured in self.graphs.values():
+            held += tensors_in(captured.outputs)
+            arena = getattr(captured.graph.backend, "arena", None)
+            held += [] if arena is None else [arena]
+        return held
 
     def take_ready(self) -> None:
         """Between steps: the buckets the background worker has captured or compiled
@@ -398,12 +413,13 @@ def graph_backend(
         persistent=[*kv_caches, *(i.buffer for i in inputs)],
         module_names={id(m): name or "model" for name, m in model.named_modules()},
     )
-    if pool is None:
+    if pool is None or isinstance(pool, SharedArena):
         return RecordedGraph(
             **declared,
             compile_runs=compile_runs,
             token_rows=token_rows,
             defer_compile=defer_compile,
+            arenas=pool,
         )
     return CudaGraph(**declared, pool=pool)
 

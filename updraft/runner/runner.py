@@ -37,6 +37,7 @@ from updraft.model_config import ModelConfig
 from updraft.models.activations import int8_activations
 from updraft.models.loader import load_model
 from updraft.models.tensor_parallel import local_config
+from updraft.models.weight_memory import WeightMemory, settle_weights
 from updraft.parallel.topology import GroupRank, ParallelSizes, RankPlace, rank_device
 from updraft.runner.cache_sizes import keeps_window_pool, runner_cache_sizes
 from updraft.runner.captured import Bucket, CapturedSteps
@@ -513,6 +514,7 @@ def load_runner(
         place=place,
         int8_activations=int8_activations(config, model_config, draft=name != "target"),
     )
+    settle_weights(model, WeightMemory(config.mmap, config.mlock))  # --no-mmap, --mlock
     return Runner(
         model,
         model_config,
@@ -532,8 +534,3 @@ def load_runner(
         ),
         window_pool=window_pool,
     )
-
-
-def describe_steps(step_modes: dict[str, int]) -> str:
-    """How steps ran, from a runner's ``step_modes``: e.g. "1 eager (prefill), 63 graph"."""
-    return ", ".join(f"{n} {mode}" for mode, n in sorted(step_modes.items()))
