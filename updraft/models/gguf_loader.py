@@ -303,6 +303,8 @@ def load_gguf_model(
                 raise ValueError(f"{path.name}: GGUF tensor {tensor.name} fits no parameter")
             if kind not in FLOAT_DTYPES:
                 _check_block_shape(f"{path.name}: {tensor.name}", kind, tensor.data, share, *target)
+            else:
+                _check_float_shape(f"{path.name}: {tensor.name}", kind, tensor.data, share, *target)
             data = share(tensor.name, kind, tensor.data, *target)
             if row.gguf_permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
                 data = unpermute(np.asarray(data), data.shape[0] // config.head_dim)
@@ -314,7 +316,7 @@ def load_gguf_model(
     if linear is not None:
         linear.order_inputs(model)
     experts.place()
-    _fill_floats(model, floats)
+    _fill_floats(model, floats, parts[0].name)
     left = [name for name, param in model.named_parameters() if param.is_meta]
     if left:
         raise ValueError(f"{parts[0].name}: no GGUF tensor for {left[:8]}")
@@ -337,6 +339,24 @@ def _check_block_shape(
         raise ValueError(
             f"{where}: a {kind} tensor of shape {got} (rows, values per row) cannot fill "
             f"{param}, which takes {want}"
+        )
+
+
+def _check_float_shape(
+    where: str, kind: str, data: np.ndarray, share: RankShare, param: str, index: Slice
+) -> None:
+    """Refuse a float tensor of another shape than the part of ``param`` it fills, as it
+    is read: before any parameter is made, so a size the metadata made up is never
+    allocated."""
+    module = share.modules[param.rpartition(".")[0]]
+    whole = share.params[param]
+    want = tuple((whole if index == FUSED else part_of(whole, module, param, index)).shape)
+    got = tuple(data.shape)
+    if kind == "BF16":  # gguf-py's view of it is its bytes
+        got = (*got[:-1], got[-1] // 2)
+    if got != want:
+        raise ValueError(
+            f"{where}: a {kind} tensor of shape {got} cannot fill {param}, which takes {want}"
         )
 
 
@@ -456,9 +476,22 @@ def _with_int8_kernels(parts: list[Part], int8: bool) -> list[Part]:
     return parts
 
 
-def _fill_floats(model: nn.Module, floats: dict[str, dict[int, torch.Tensor]]) -> None:
-    """Each float parameter made real in its tensors' dtype, its slices copied in."""
+def _fill_floats(
+    model: nn.Module, floats: dict[str, dict[int, torch.Tensor]], file_name: str
+) -> None:
+    """Each float parameter made real in its tensors' dtype, its slices copied in; a
+    fused parameter lacking a part is refused before anything is made."""
     params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    for name, slices in floats.items():
+        module = modules.get(name.rpartition(".")[0])
+        if name in params and FUSED not in slices and is_split(module):
+            missing = [i for i in range(len(module.split_sizes)) if i not in slices]
+            if missing:
+                raise ValueError(
+                    f"{file_name}: no tensor for part {missing[0]} (of "
+                    f"{len(module.split_sizes)}) of {name}"
+                )
     made = MadeParameters(model, "cpu")
     for name, slices in floats.items():
         if name not in params:

@@ -21,14 +21,11 @@ import torch
 from torch import nn
 
 from updraft.attention.cache_groups import (
-    PAGED,
     RECURRENT,
     CacheSizes,
     allocate_caches,
-    cache_groups,
     group_of,
     live_slots,
-    split_budget,
 )
 from updraft.attention.in_place import IN_PLACE_MAX_QUERY
 from updraft.attention.metadata import NO_SPLIT, AttentionMetadata, ContextSplit, PrefillGather
@@ -38,8 +35,8 @@ from updraft.kernels.build import kernel_builds
 from updraft.model_config import ModelConfig
 from updraft.models.activations import int8_activations
 from updraft.models.loader import load_model
-from updraft.models.tensor_parallel import local_config
 from updraft.parallel.topology import GroupRank, ParallelSizes, RankPlace, rank_device
+from updraft.runner.cache_sizes import cache_sizes, positions_held, runner_cache_groups
 from updraft.runner.captured import Bucket, CapturedSteps
 from updraft.runner.draft_loop import DraftLoop, DraftLoopInputs, greedy_drafts
 from updraft.runner.logits_processors import adjust_logits
@@ -135,10 +132,7 @@ class Runner:
             NO_SPLIT if sizes.decode_context == 1 else ContextSplit(decode=place.decode_context)
         )
         self.whole_query_len = max(query_lens)  # longer queries are split under PCP
-        # A verify step leaves the state after each of its tokens (1 + k rows per slot).
-        self.cache_groups = cache_groups(
-            local_config(model_config, sizes), dtype, config.state_dtype, max(query_lens)
-        )
+        self.cache_groups = runner_cache_groups(model_config, config, dtype, sizes, query_lens)
         cache_sizes = self._cache_sizes()
         self.num_blocks = cache_sizes.num_blocks if num_blocks is None else num_blocks
         self.num_state_slots = (
@@ -214,26 +208,7 @@ class Runner:
         return frozenset(q for q in query_lens if in_place and q <= IN_PLACE_MAX_QUERY)
 
     def _cache_sizes(self) -> CacheSizes:
-        """KV blocks and state slots: ``num_kv_blocks`` blocks (and a slot per running
-        request) where it is set, else what ``kv_cache_memory_gib`` holds. A hybrid
-        model with prefix caching also keeps ``num_prefix_states`` prefix states (by
-        default as many as its running slots)."""
-        config = self.config
-        hybrid = bool(self.model_config.linear_layers)
-        prefixes = config.num_prefix_states if hybrid and config.enable_prefix_caching else 0
-        if config.num_kv_blocks is not None:
-            slots = config.max_num_seqs if hybrid else 0
-            return CacheSizes(config.num_kv_blocks, slots, slots if prefixes is None else prefixes)
-        budget = int(config.kv_cache_memory_gib * 2**30)
-        sizes = split_budget(
-            self.cache_groups, budget, config.block_size, config.max_num_seqs, prefixes
-        )
-        if group_of(self.cache_groups, PAGED) is None:
-            # No layer keeps KV: blocks cost nothing but still count positions, so every
-            # running request may reach the context length.
-            per_request = -(-self.max_model_len // self.positions_per_block)
-            sizes = sizes._replace(num_blocks=config.max_num_seqs * per_request)
-        return sizes
+        return cache_sizes(self.config, self.model_config, self.cache_groups, self.max_model_len)
 
     @cached_property
     def state_caches(self) -> list[torch.Tensor]:
@@ -511,6 +486,10 @@ def load_runner(
             f"{config.model}: a {name} model with LongRoPE is not supported (its steps would "
             "need the target's rotary rows)"
         )
+    # built for the positions its cache holds, not a config's max_position_embeddings
+    sizes = ParallelSizes() if place is None else place.sizes
+    groups = runner_cache_groups(model_config, config, dtype, sizes, query_lens)
+    max_model_len = positions_held(config, model_config, groups, max_model_len, num_blocks)
     model = load_model(
         model_config,
         config.model,
