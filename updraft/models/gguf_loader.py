@@ -301,10 +301,7 @@ def load_gguf_model(
             target = None if name is None else target_of(name, params, modules)
             if target is None:
                 raise ValueError(f"{path.name}: GGUF tensor {tensor.name} fits no parameter")
-            if kind not in FLOAT_DTYPES:
-                _check_block_shape(f"{path.name}: {tensor.name}", kind, tensor.data, share, *target)
-            else:
-                _check_float_shape(f"{path.name}: {tensor.name}", kind, tensor.data, share, *target)
+            _check_shape(f"{path.name}: {tensor.name}", kind, tensor.data, share, *target)
             data = share(tensor.name, kind, tensor.data, *target)
             if row.gguf_permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
                 data = unpermute(np.asarray(data), data.shape[0] // config.head_dim)
@@ -322,6 +319,16 @@ def load_gguf_model(
         raise ValueError(f"{parts[0].name}: no GGUF tensor for {left[:8]}")
     pack_model(model, replace(gathered.float_format(), exact=exact), torch.float32)
     return model.to(device).eval().requires_grad_(False)
+
+
+def _check_shape(
+    where: str, kind: str, data: np.ndarray, share: RankShare, param: str, index: Slice
+) -> None:
+    """Refuse a tensor that is not the matrix of the part of ``param`` it fills, as it
+    is read: before any parameter is made, so a size the metadata made up is never
+    allocated, and no kernel told the parameter's sizes reads past the tensor."""
+    check = _check_float_shape if kind in FLOAT_DTYPES else _check_block_shape
+    check(where, kind, data, share, param, index)
 
 
 def _check_block_shape(
