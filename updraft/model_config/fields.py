@@ -30,7 +30,7 @@ def optional_positive_int(raw: dict[str, Any], key: str) -> int | None:
 
 
 def positive_number(raw: dict[str, Any], key: str, default: float) -> float:
-    value = raw.get(key, default)
+    value = default if raw.get(key) is None else raw[key]
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e300:
         raise ValueError(f"config.json: {key} must be a positive number, got {value!r}")
     return value
