@@ -46,23 +46,24 @@ class Held:
 def read_header(path: Path) -> dict[str, Any]:
     """A safetensors file's header: its length and each tensor's byte range checked to
     lie in the file; a ``ValueError`` naming the file otherwise."""
+
+    def fail(what: str) -> ValueError:
+        return ValueError(f"cannot read weights file {path}: {what}")
+
     size = path.stat().st_size
     with path.open("rb") as file:
         start = file.read(8)
         if len(start) < 8:
-            raise ValueError(f"{path}: not a safetensors file ({size} bytes)")
+            raise fail(f"not a safetensors file ({size} bytes)")
         (length,) = struct.unpack("<Q", start)
         if length > min(size - 8, MAX_HEADER):
-            raise ValueError(
-                f"{path}: its header claims {length} bytes; the file has {size - 8} after the "
-                "length"
-            )
+            raise fail(f"its header claims {length} bytes; {size - 8} follow its length")
         try:
             header = json.loads(file.read(length))
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise ValueError(f"{path}: its header is not JSON ({error})") from None
+            raise fail(f"its header is not JSON ({error})") from None
     if not isinstance(header, dict):
-        raise ValueError(f"{path}: its header is not a JSON object")
+        raise fail("its header is not a JSON object")
     data_size = size - 8 - length
     for name, info in header.items():
         if name == "__metadata__":
@@ -77,9 +78,9 @@ def read_header(path: Path) -> dict[str, Any]:
             and all(isinstance(d, int) and d >= 0 for d in shape)
         )
         if not valid or not 0 <= offsets[0] <= offsets[1] <= data_size:
-            raise ValueError(
-                f"{path}: tensor {name!r}'s entry {info!r} does not lie in the file's "
-                f"{data_size} bytes of data"
+            raise fail(
+                f"tensor {name!r}'s entry {info!r} does not lie in the file's {data_size} "
+                "bytes of data"
             )
     return header
 
