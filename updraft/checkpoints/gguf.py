@@ -26,7 +26,7 @@ from typing import Any
 from updraft.checkpoints.gguf_header import read_gguf
 from updraft.checkpoints.gguf_sizes import check_sizes
 from updraft.checkpoints.gguf_vocab.ids import check_vocabulary, named_token_ids
-from updraft.model_config import registry
+from updraft.model_config import ModelConfig, registry
 
 # Tensor types read: the float ones as tensors, the rest in their blocks.
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -169,6 +169,11 @@ def describe(parts: list[Path]) -> dict[str, Any]:
 
     config = {**row.from_gguf(parts[0].name, row.name, get, tensors), "model_type": arch}
     config.update(named_token_ids(parts[0].name, fields, config["vocab_size"], ("bos", "eos")))
+    try:  # refused now, by the file's name, rather than as the config.json it becomes
+        ModelConfig.from_dict(config)
+    except ValueError as error:
+        message = str(error).removeprefix("config.json: ")
+        raise ValueError(f"{parts[0].name}: the config its metadata gives: {message}") from None
     files: dict[str, Any] = {
         LINK: {
             "files": [str(part) for part in parts],

@@ -342,6 +342,8 @@ def _check_block_shape(
     whole = share.params[param]
     want = tuple((whole if index == FUSED else part_of(whole, module, param, index)).shape)
     got = (*data.shape[:-1], data.shape[-1] // block_bytes * values)
+    if len(want) != 2:  # blocks are read by the linears' and embeddings' kernels only
+        raise ValueError(f"{where}: a {kind} tensor cannot fill {param} of shape {want}")
     if got != want:
         raise ValueError(
             f"{where}: a {kind} tensor of shape {got} (rows, values per row) cannot fill "
