@@ -113,6 +113,12 @@ def _with_config(source, target, **changes):
         ({"intermediate_size": 2**40}, r"intermediate_size is 1099511627776, wider than any"),
         ({"num_attention_heads": 0}, r"num_attention_heads must be a positive int, got 0"),
         ({"head_dim": "64"}, r"head_dim must be a positive int, got '64'"),
+        (
+            {"num_key_value_heads": 4},
+            r"model\.safetensors: tensor 'model\.layers\.0\.self_attn\.k_proj\.weight' of shape "
+            r"\(32, 64\) cannot fill model\.layers\.0\.self_attn\.qkv_proj\.weight, which takes "
+            r"\(64, 64\)",
+        ),
         ({"max_position_embeddings": 2**31}, LOADS),  # the tables follow the KV cache
     ],
 )

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-# config.json keys that are some tensor's dimension, as every family names them.
+# config.json keys that are some tensor's dimension, as every family names them (the
+# vocabulary's only where the weights hold an embedding or a head).
 WIDTHS = (
     "vocab_size",
     "hidden_size",
@@ -34,6 +35,7 @@ WIDTHS = (
     "num_local_experts",
     "n_routed_experts",
 )
+VOCABULARY = ("embed_tokens.weight", "lm_head.weight")
 MAX_HEADER = 100 * 2**20  # safetensors' own limit on a header's length
 
 
@@ -41,6 +43,8 @@ MAX_HEADER = 100 * 2**20  # safetensors' own limit on a header's length
 class Held:
     layers: int  # 1 + the highest layer index the tensors name
     widest: int  # the largest dimension of any tensor
+    vocabulary: bool  # whether an embedding or an LM head is among them (a draft head
+    # may share its target's)
 
 
 def read_header(path: Path) -> dict[str, Any]:
@@ -86,7 +90,7 @@ def read_header(path: Path) -> dict[str, Any]:
 
 
 def weights_held(files: list[Path]) -> Held:
-    layers, widest = 0, 0
+    layers, widest, vocabulary = 0, 0, False
     for path in files:
         for name, info in read_header(path).items():
             if name == "__metadata__":
@@ -95,7 +99,8 @@ def weights_held(files: list[Path]) -> Held:
             match = LAYER.search(name)
             if match:
                 layers = max(layers, int(match[1]) + 1)
-    return Held(layers, widest)
+            vocabulary = vocabulary or name.endswith(VOCABULARY)
+    return Held(layers, widest, vocabulary)
 
 
 def check_against_weights(path: Path, raw: dict[str, Any], held: Held) -> None:
@@ -105,7 +110,7 @@ def check_against_weights(path: Path, raw: dict[str, Any], held: Held) -> None:
         raise ValueError(
             f"{path}: num_hidden_layers is {layers}, but the weights hold {held.layers} layers"
         )
-    for key in WIDTHS:
+    for key in WIDTHS if held.vocabulary else WIDTHS[1:]:
         value = raw.get(key)
         if _integer(value) and value > held.widest:
             raise ValueError(
