@@ -34,7 +34,7 @@ def runner_cache_groups(
     )
 
 
-def cache_sizes(
+def kv_cache_sizes(
     config: EngineConfig,
     model_config: ModelConfig,
     groups: tuple[CacheGroup, ...],
@@ -71,5 +71,5 @@ def positions_held(
     if group_of(groups, PAGED) is None:
         return max_model_len
     if num_blocks is None:
-        num_blocks = cache_sizes(config, model_config, groups, max_model_len).num_blocks
+        num_blocks = kv_cache_sizes(config, model_config, groups, max_model_len).num_blocks
     return min(max_model_len, num_blocks * config.positions_per_block)

@@ -36,7 +36,7 @@ from updraft.model_config import ModelConfig
 from updraft.models.activations import int8_activations
 from updraft.models.loader import load_model
 from updraft.parallel.topology import GroupRank, ParallelSizes, RankPlace, rank_device
-from updraft.runner.cache_sizes import cache_sizes, positions_held, runner_cache_groups
+from updraft.runner.cache_sizes import kv_cache_sizes, positions_held, runner_cache_groups
 from updraft.runner.captured import Bucket, CapturedSteps
 from updraft.runner.draft_loop import DraftLoop, DraftLoopInputs, greedy_drafts
 from updraft.runner.logits_processors import adjust_logits
@@ -208,7 +208,7 @@ class Runner:
         return frozenset(q for q in query_lens if in_place and q <= IN_PLACE_MAX_QUERY)
 
     def _cache_sizes(self) -> CacheSizes:
-        return cache_sizes(self.config, self.model_config, self.cache_groups, self.max_model_len)
+        return kv_cache_sizes(self.config, self.model_config, self.cache_groups, self.max_model_len)
 
     @cached_property
     def state_caches(self) -> list[torch.Tensor]:
