@@ -3,7 +3,8 @@
 * Each block type's widening equals the ``gguf`` package's numpy dequantization bit for
   bit (K-quant and IQ4 blocks are random bytes with finite half scales: the package
   reads them but cannot write them), and the kernel's product with a block weight
-  equals float32's on its dequantization, in its AVX-512, AVX2 and plain-C builds.
+  equals float32's on its dequantization, in each of its AVX-512, AVX2 and plain-C
+  builds that the CPU can execute, at one row of x (each build's own path) and more.
 * A Llama GGUF written by ``benchmarks/peers/make_gguf.py`` (which permutes q/k rows as
   llama.cpp's converter does) gives the safetensors checkpoint's logits; a loader that
   skips the un-permute does not.
@@ -93,25 +94,43 @@ def test_blocks_widen_to_the_gguf_package_s_values_bit_for_bit(kind):
         assert ((linear(x).double() - expected).abs() <= bound).all(), rows
 
 
+# The kernel's builds: this CPU's own (AVX-512 here), AVX2's 8 lanes (haswell) and no
+# vector extension at all (x86-64: each block widened into a buffer). Each has a path of
+# its own for one row of x (a decode step), which spreads its sums over several
+# accumulators: AVX-512's take turns by block (four), AVX2's by offset in the block
+# (eight), so x is five blocks long and the K-quants' blocks reach every one of them.
+MARCHES = ("native", "haswell", "x86-64")
+
+
+def runs_here(march: str) -> bool:
+    """Whether this CPU executes code built for ``march``."""
+    from tests.test_weight_formats import cpu_flags
+
+    return march != "haswell" or {"avx2", "fma", "f16c"} <= cpu_flags()
+
+
+@pytest.mark.parametrize("march", MARCHES)
 @pytest.mark.parametrize("kind", sorted(BLOCK_TYPES))
 @pytest.mark.usefixtures("all_cores")
-def test_the_portable_path_computes_what_the_avx512_path_does(kind):
-    """The kernel built for a CPU without AVX-512 (haswell: AVX2's 8 lanes) and for one
-    without any vector extension (x86-64: each block widened into a buffer) gives the
-    machine's own build's product, one row of x (AVX2's path of its own) and several."""
+def test_every_build_the_cpu_runs_multiplies_by_the_dequantized_weight(kind, march):
+    """Each build this CPU can execute, not only its widest, gives float64's product
+    with gguf-py's dequantization of the blocks, for one row of x and for several (up
+    to the kernel's eight at once)."""
     from updraft.kernels.gguf_ops import gguf_linear
 
+    if not runs_here(march):
+        pytest.skip(f"this CPU cannot execute code built for -march={march}")
     values = BLOCKS[BLOCK_TYPES[kind]][0]
-    blocks = torch.from_numpy(random_blocks(kind, 20, 2 * values, np.random.default_rng(3)))
+    k = 5 * values
+    blocks = torch.from_numpy(random_blocks(kind, 20, k, np.random.default_rng(3)))
     weight = torch.from_numpy(quants.dequantize(blocks.numpy(), GGMLQuantizationType[kind]))
-    x = torch.randn(5, 2 * values, generator=torch.Generator().manual_seed(3))
-    for rows in (x[:1], x):
-        native = gguf_linear(rows, blocks, None, BLOCK_TYPES[kind], 2 * values)
-        # the paths sum in different orders: float32's rounding on the scale of the terms
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(3))
+    for rows in (x[:1], x[:3], x):
+        got = gguf_linear(rows, blocks, None, BLOCK_TYPES[kind], k, march=march)
+        expected = rows.double() @ weight.double().T
+        # float32's rounding, on the scale of the terms summed
         bound = 2e-5 * (rows.double().abs() @ weight.double().abs().T) + 1e-6
-        for march in ("haswell", "x86-64"):
-            portable = gguf_linear(rows, blocks, None, BLOCK_TYPES[kind], 2 * values, march=march)
-            assert ((portable.double() - native.double()).abs() <= bound).all(), march
+        assert ((got.double() - expected).abs() <= bound).all(), len(rows)
 
 
 # -- whole files ---------------------------------------------------------------------------

@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from updraft.checkpoints.gguf_header import read_gguf
-from updraft.model_config import registry
+from updraft.checkpoints.gguf_sizes import check_sizes
+from updraft.checkpoints.gguf_vocab.ids import check_vocabulary, named_token_ids
+from updraft.model_config import ModelConfig, registry
 
 # Tensor types read: the float ones as tensors, the rest in their blocks.
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -160,13 +162,18 @@ def describe(parts: list[Path]) -> dict[str, Any]:
             f"({', '.join(FLOAT_TYPES + BLOCK_TYPES)} are)"
         )
 
+    check_sizes(parts[0].name, arch, fields, tensors)
+
     def get(key: str, default: Any = None) -> Any:
         return fields.get(f"{arch}.{key}", default)
 
     config = {**row.from_gguf(parts[0].name, row.name, get, tensors), "model_type": arch}
-    for token in ("bos", "eos"):
-        if f"tokenizer.ggml.{token}_token_id" in fields:
-            config[f"{token}_token_id"] = int(fields[f"tokenizer.ggml.{token}_token_id"])
+    config.update(named_token_ids(parts[0].name, fields, config["vocab_size"], ("bos", "eos")))
+    try:  # refused now, by the file's name, rather than as the config.json it becomes
+        ModelConfig.from_dict(config)
+    except ValueError as error:
+        message = str(error).removeprefix("config.json: ")
+        raise ValueError(f"{parts[0].name}: the config its metadata gives: {message}") from None
     files: dict[str, Any] = {
         LINK: {
             "files": [str(part) for part in parts],
@@ -182,7 +189,11 @@ def describe(parts: list[Path]) -> dict[str, Any]:
     if stops:
         files["generation_config.json"] = {"eos_token_id": stops}
 
-    tokenizer, why_not = rebuild(fields)
+    try:
+        check_vocabulary(fields)
+        tokenizer, why_not = rebuild(fields)
+    except ValueError as error:  # a vocabulary the file holds but cannot be read
+        raise ValueError(f"{parts[0].name}: {error}") from None
     if tokenizer is None:
         log.warning("%s: no tokenizer (%s); prompts must be token ids", parts[0].name, why_not)
     else:

@@ -8,7 +8,8 @@ about 9 s for Llama 3's 128,256). Here the header is read from a memory map with
 ``struct``, nothing is allocated in proportion to what it claims, and the first claim the
 file cannot hold is refused in one line that names the file and the field: a wrong
 magic, a truncated header, a count or length past the end, an unknown value or tensor
-type, a repeated key or tensor name, a tensor whose data runs past the end of the file.
+type, a repeated key or tensor name, a tensor whose data runs past the end of the file or
+shares bytes with another's.
 ``read_gguf`` gives the metadata's values and each tensor as a read-only numpy view of
 the file's map, shaped as ``GGUFReader`` shapes it (gguf-py's own sizes and shapes).
 """
@@ -226,7 +227,22 @@ def _walk(cursor: _Cursor, block_sizes: dict[int, tuple[int, int]]) -> Header:
                 f"of the file ({cursor.size} bytes): it is truncated or corrupt"
             )
         tensors.append(TensorInfo(name, dims, type_code, start, n_bytes))
+    _refuse_overlaps(cursor, tensors, data_start)
     return Header(version, alignment, data_start, tuple(tensors), fields)
+
+
+def _refuse_overlaps(cursor: _Cursor, tensors: list[TensorInfo], data_start: int) -> None:
+    """Two tensors sharing bytes: a write into one would change the other, and no
+    writer lays a file out so."""
+    last = None
+    for tensor in sorted((t for t in tensors if t.n_bytes), key=lambda t: t.start):
+        if last is not None and tensor.start < last.start + last.n_bytes:
+            raise cursor.fail(
+                f"tensor {tensor.name!r}'s data (offset {tensor.start - data_start}, "
+                f"{tensor.n_bytes} bytes) overlaps tensor {last.name!r}'s (offset "
+                f"{last.start - data_start}, {last.n_bytes} bytes)"
+            )
+        last = tensor
 
 
 @dataclass(frozen=True)

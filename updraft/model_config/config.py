@@ -17,6 +17,7 @@ from updraft.model_config.parts import (
     MoEConfig,
     RopeConfig,
 )
+from updraft.model_config.weights_held import check_against_weights, weights_held
 from updraft.weights import QuantizedCheckpoint
 
 
@@ -167,6 +168,14 @@ class ModelConfig:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as error:
             raise ValueError(f"{path} is not valid JSON: {error}") from error
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path} is not a JSON object")
+        files = sorted(model_dir.glob("*.safetensors"))
+        if files:  # sizes checked before anything is built from them
+            held = weights_held(files)
+            for sizes in (raw, raw.get("text_config")):
+                if isinstance(sizes, dict):
+                    check_against_weights(path, sizes, held)
         return cls.from_dict(raw, eos_token_ids=read_eos_token_ids(model_dir, raw))
 
     @classmethod

@@ -24,6 +24,18 @@ def positive_int(raw: dict[str, Any], key: str) -> int:
     return value
 
 
+def optional_positive_int(raw: dict[str, Any], key: str) -> int | None:
+    """``key``'s positive int, or None where the config leaves it out (or null)."""
+    return None if raw.get(key) is None else positive_int(raw, key)
+
+
+def positive_number(raw: dict[str, Any], key: str, default: float) -> float:
+    value = default if raw.get(key) is None else raw[key]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e300:
+        raise ValueError(f"config.json: {key} must be a positive number, got {value!r}")
+    return value
+
+
 def dtype_name(value: Any) -> str:
     name = str(value or "float32").removeprefix("torch.")
     return name if name in DTYPES else "float32"
@@ -46,10 +58,10 @@ def decoder_fields(raw: dict[str, Any]) -> dict[str, Any]:
         "intermediate_size": positive_int(raw, "intermediate_size"),
         "num_layers": positive_int(raw, "num_hidden_layers"),
         "num_heads": num_heads,
-        "num_kv_heads": raw.get("num_key_value_heads") or num_heads,
-        "head_dim": raw.get("head_dim") or hidden_size // num_heads,
-        "rms_norm_eps": raw.get("rms_norm_eps", 1e-6),
-        "max_position_embeddings": raw.get("max_position_embeddings", 2048),
+        "num_kv_heads": optional_positive_int(raw, "num_key_value_heads") or num_heads,
+        "head_dim": optional_positive_int(raw, "head_dim") or hidden_size // num_heads,
+        "rms_norm_eps": positive_number(raw, "rms_norm_eps", 1e-6),
+        "max_position_embeddings": optional_positive_int(raw, "max_position_embeddings") or 2048,
         "rope": rope_config(raw),
         "tie_word_embeddings": raw.get("tie_word_embeddings", False),
         "attention_bias": raw.get("attention_bias", False),

@@ -216,8 +216,10 @@ def register_model(
 
 def find(names: list[str]) -> Architecture:
     """The row of the first architecture of ``names`` that is served."""
+    if not isinstance(names, list):
+        raise ValueError(f"config.json: architectures must be a list of names, not {names!r}")
     for name in names:
-        if name in ARCHITECTURES:
+        if isinstance(name, str) and name in ARCHITECTURES:
             return ARCHITECTURES[name]
     raise ValueError(
         f"unsupported architecture {names or '(none given)'}; "

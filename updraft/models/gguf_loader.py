@@ -301,8 +301,7 @@ def load_gguf_model(
             target = None if name is None else target_of(name, params, modules)
             if target is None:
                 raise ValueError(f"{path.name}: GGUF tensor {tensor.name} fits no parameter")
-            if kind not in FLOAT_DTYPES:
-                _check_block_shape(f"{path.name}: {tensor.name}", kind, tensor.data, share, *target)
+            _check_shape(f"{path.name}: {tensor.name}", kind, tensor.data, share, *target)
             data = share(tensor.name, kind, tensor.data, *target)
             if row.gguf_permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
                 data = unpermute(np.asarray(data), data.shape[0] // config.head_dim)
@@ -314,12 +313,22 @@ def load_gguf_model(
     if linear is not None:
         linear.order_inputs(model)
     experts.place()
-    _fill_floats(model, floats)
+    _fill_floats(model, floats, parts[0].name)
     left = [name for name, param in model.named_parameters() if param.is_meta]
     if left:
         raise ValueError(f"{parts[0].name}: no GGUF tensor for {left[:8]}")
     pack_model(model, replace(gathered.float_format(), exact=exact), torch.float32)
     return model.to(device).eval().requires_grad_(False)
+
+
+def _check_shape(
+    where: str, kind: str, data: np.ndarray, share: RankShare, param: str, index: Slice
+) -> None:
+    """Refuse a tensor that is not the matrix of the part of ``param`` it fills, as it
+    is read: before any parameter is made, so a size the metadata made up is never
+    allocated, and no kernel told the parameter's sizes reads past the tensor."""
+    check = _check_float_shape if kind in FLOAT_DTYPES else _check_block_shape
+    check(where, kind, data, share, param, index)
 
 
 def _check_block_shape(
@@ -333,10 +342,30 @@ def _check_block_shape(
     whole = share.params[param]
     want = tuple((whole if index == FUSED else part_of(whole, module, param, index)).shape)
     got = (*data.shape[:-1], data.shape[-1] // block_bytes * values)
+    if len(want) != 2:  # blocks are read by the linears' and embeddings' kernels only
+        raise ValueError(f"{where}: a {kind} tensor cannot fill {param} of shape {want}")
     if got != want:
         raise ValueError(
             f"{where}: a {kind} tensor of shape {got} (rows, values per row) cannot fill "
             f"{param}, which takes {want}"
+        )
+
+
+def _check_float_shape(
+    where: str, kind: str, data: np.ndarray, share: RankShare, param: str, index: Slice
+) -> None:
+    """Refuse a float tensor of another shape than the part of ``param`` it fills, as it
+    is read: before any parameter is made, so a size the metadata made up is never
+    allocated."""
+    module = share.modules[param.rpartition(".")[0]]
+    whole = share.params[param]
+    want = tuple((whole if index == FUSED else part_of(whole, module, param, index)).shape)
+    got = tuple(data.shape)
+    if kind == "BF16":  # gguf-py's view of it is its bytes
+        got = (*got[:-1], got[-1] // 2)
+    if got != want:
+        raise ValueError(
+            f"{where}: a {kind} tensor of shape {got} cannot fill {param}, which takes {want}"
         )
 
 
@@ -456,10 +485,23 @@ def _with_int8_kernels(parts: list[Part], int8: bool) -> list[Part]:
     return parts
 
 
-def _fill_floats(model: nn.Module, floats: dict[str, dict[int, torch.Tensor]]) -> None:
+def _fill_floats(
+    model: nn.Module, floats: dict[str, dict[int, torch.Tensor]], file_name: str
+) -> None:
     """Each float parameter made real in its tensors' dtype: a whole one is the file's
-    tensor itself (over its map, no copy), a fused one's slices are copied in."""
+    tensor itself (over its map, no copy), a fused one's slices are copied in; a fused
+    parameter lacking a part is refused before anything is made."""
     params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    for name, slices in floats.items():
+        module = modules.get(name.rpartition(".")[0])
+        if name in params and FUSED not in slices and is_split(module):
+            missing = [i for i in range(len(module.split_sizes)) if i not in slices]
+            if missing:
+                raise ValueError(
+                    f"{file_name}: no tensor for part {missing[0]} (of "
+                    f"{len(module.split_sizes)}) of {name}"
+                )
     made = MadeParameters(model, "cpu")
     for name, slices in floats.items():
         if name not in params:

@@ -19,6 +19,7 @@ from torch import nn
 from updraft.checkpoints.gguf import linked_files
 from updraft.kernels.panels import pack_codes
 from updraft.model_config import ModelConfig
+from updraft.models.checkpoint_shapes import check_shapes
 from updraft.models.gguf_loader import load_gguf_model
 from updraft.models.grouped_linear import grouped_or_none
 from updraft.models.mapped_table import MappedEmbedding, mapped_tensor
@@ -339,6 +340,7 @@ def load_weights(
     modules = dict(model.named_modules())
     unfilled = set(_slices(params, modules))
     targets = _targets(files, select, params, modules)
+    check_shapes(targets, params, modules)  # before anything is made
     listed = ", ".join(str(f.name) for f in files)
     kept = shard(model) if shard is not None else {}
     made = MadeParameters(model, device)

@@ -1,4 +1,7 @@
-"""How many KV blocks, state slots and windowed blocks a runner's caches hold.
+"""How many KV blocks, state slots and windowed blocks a runner's caches hold, and so
+how many positions its model's tables need: the cache bounds every sequence, so a model
+is never built for more positions than its cache holds, whatever
+``max_position_embeddings`` says.
 
 ``num_kv_blocks`` blocks (and a state slot per running request) where it is set, else
 what ``kv_cache_memory_gib`` holds (``cache_groups.split_budget``). A hybrid model with
@@ -23,7 +26,22 @@ from updraft.attention.cache_groups import (
 )
 from updraft.config import EngineConfig
 from updraft.model_config import ModelConfig
-from updraft.parallel.topology import RankPlace
+from updraft.models.tensor_parallel import local_config
+from updraft.parallel.topology import ParallelSizes, RankPlace
+
+
+def runner_cache_groups(
+    model_config: ModelConfig,
+    config: EngineConfig,
+    dtype: torch.dtype,
+    sizes: ParallelSizes,
+    query_lens: tuple[int, ...],
+) -> tuple[CacheGroup, ...]:
+    """The cache groups of a runner of this rank (a verify step leaves the state after
+    each of its tokens: 1 + k rows per slot)."""
+    return cache_groups(
+        local_config(model_config, sizes), *config.cache_dtypes(dtype), max(query_lens)
+    )
 
 
 def keeps_window_pool(
@@ -89,3 +107,21 @@ def window_blocks_per_request(
     window = max(w for w in model_config.layer_windows if w is not None)
     reach = window + config.max_num_batched_tokens + query_len - 1
     return -(-reach // config.positions_per_block) + 2
+
+
+def positions_held(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    groups: tuple[CacheGroup, ...],
+    max_model_len: int,
+    num_blocks: int | None = None,
+) -> int:
+    """The longest sequence a runner can hold: ``max_model_len``, or fewer where its KV
+    blocks (``num_blocks``, a proposer's given by the target; else its own, counted as if
+    one pool held every kind, which holds at least as many) hold fewer."""
+    if group_of(groups, PAGED) is None:
+        return max_model_len
+    if num_blocks is None:
+        sizes = runner_cache_sizes(groups, model_config, config, max_model_len, False, 1)
+        num_blocks = sizes.num_blocks
+    return min(max_model_len, num_blocks * config.positions_per_block)

@@ -24,7 +24,6 @@ from updraft.attention.cache_groups import (
     RECURRENT,
     CacheSizes,
     allocate_caches,
-    cache_groups,
     group_of,
     live_slots,
 )
@@ -36,10 +35,14 @@ from updraft.kernels.build import kernel_builds
 from updraft.model_config import ModelConfig
 from updraft.models.activations import int8_activations
 from updraft.models.loader import load_model
-from updraft.models.tensor_parallel import local_config
 from updraft.models.weight_memory import WeightMemory, settle_weights
 from updraft.parallel.topology import GroupRank, ParallelSizes, RankPlace, rank_device
-from updraft.runner.cache_sizes import keeps_window_pool, runner_cache_sizes
+from updraft.runner.cache_sizes import (
+    keeps_window_pool,
+    positions_held,
+    runner_cache_groups,
+    runner_cache_sizes,
+)
 from updraft.runner.captured import Bucket, CapturedSteps
 from updraft.runner.draft_loop import DraftLoop, DraftLoopInputs, greedy_drafts
 from updraft.runner.logits_processors import adjust_logits
@@ -140,10 +143,7 @@ class Runner:
         )
         self.whole_query_len = max(query_lens)  # longer queries are split under PCP
         self.window_pool = window_pool
-        # A verify step leaves the state after each of its tokens (1 + k rows per slot).
-        self.cache_groups = cache_groups(
-            local_config(model_config, sizes), *config.cache_dtypes(dtype), max(query_lens)
-        )
+        self.cache_groups = runner_cache_groups(model_config, config, dtype, sizes, query_lens)
         cache_sizes = runner_cache_sizes(
             self.cache_groups, model_config, config, max_model_len, window_pool, max(query_lens)
         )
@@ -504,6 +504,10 @@ def load_runner(
             f"{config.model}: a {name} model with LongRoPE is not supported (its steps would "
             "need the target's rotary rows)"
         )
+    # built for the positions its cache holds, not a config's max_position_embeddings
+    sizes = ParallelSizes() if place is None else place.sizes
+    groups = runner_cache_groups(model_config, config, dtype, sizes, query_lens)
+    max_model_len = positions_held(config, model_config, groups, max_model_len, num_blocks)
     model = load_model(
         model_config,
         config.model,

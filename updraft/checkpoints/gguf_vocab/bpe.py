@@ -28,9 +28,17 @@ def file_merges(fields: dict[str, Any]) -> list[tuple[str, str]]:
     """The file's merges: "left right", cut at the first space after the first
     character, as llama.cpp reads them."""
     merges = []
-    for merge in fields.get("tokenizer.ggml.merges") or []:
+    tokens = set(fields["tokenizer.ggml.tokens"])
+    for index, merge in enumerate(fields.get("tokenizer.ggml.merges") or []):
         cut = merge.find(" ", 1)
-        merges.append((merge[:cut], merge[cut + 1 :]) if cut > 0 else (merge, ""))
+        left, right = (merge[:cut], merge[cut + 1 :]) if cut > 0 else (merge, "")
+        # what tokenizers' BPE requires of each merge (it panics on some others)
+        if not (left in tokens and right in tokens and left + right in tokens):
+            raise ValueError(
+                f"tokenizer.ggml.merges item {index} ({merge!r}) does not join two tokens "
+                "into a token"
+            )
+        merges.append((left, right))
     return merges
 
 
