@@ -371,10 +371,11 @@ static void group_rows(int type, const uint8_t *group, int64_t blocks, const rou
 
 /* y [m, n] = round(x) [m, k] @ W^T (+ bias), W's n rows in ``groups`` of type ``type``
    (one of gguf_int8_type's), ``group_bytes`` apart; m <= 8 (the arguments are
-   gguf_linear's). */
+   gguf_linear's; ``threads`` 0: the caller's OpenMP count when it runs). */
 void gguf_linear_int8(int type, const float *x, int64_t m, int64_t k, const uint8_t *groups,
                       int64_t n, int64_t group_bytes, const float *bias, float *y,
                       int threads) {
+    if (threads <= 0) threads = omp_get_max_threads();
     rounded_rows rows = round_rows(x, m, k, threads);
     const rounded_x rounded = rows.x;
     const int64_t blocks = k / block_values(type);
