@@ -209,8 +209,9 @@ static void block_terms(const float *scales, const int32_t *sums32, const int32_
     for (int64_t s = 0; s < k / 16; s++) minus32[s] = -32 * sums16[s];
 }
 
-/* over ``threads`` threads where there are more rows than a decode step's */
-static rounded_rows round_rows(const float *x, int64_t m, int64_t k, int threads) {
+/* over ``threads`` threads where there are more rows than a decode step's; ``terms``:
+   the prefill kernels' terms too (a decode step's kernels read none of them) */
+static rounded_rows round_rows(const float *x, int64_t m, int64_t k, int threads, int terms) {
     const size_t blocks = (size_t)(m * (k / X_BLOCK));
     /* per block: a scale and scaled sum, 9 int32 (offsets16, sums16, minus32 two each) */
     char *buffer = malloc(sizeof(float) * 2 * blocks + sizeof(int32_t) * 9 * blocks + (size_t)(m * k));
@@ -224,8 +225,9 @@ static rounded_rows round_rows(const float *x, int64_t m, int64_t k, int threads
         const int64_t at32 = r * (k / 32), at16 = r * (k / 16);
         gguf_round_x(x + r * k, k, codes + r * k, scales + at32, offsets16 + at16, sums32 + at32,
                      sums16 + at16);
-        block_terms(scales + at32, sums32 + at32, sums16 + at16, k, minus8 + at32,
-                    minus128 + at32, minus32 + at16, scaled_sums + at32);
+        if (terms)
+            block_terms(scales + at32, sums32 + at32, sums16 + at16, k, minus8 + at32,
+                        minus128 + at32, minus32 + at16, scaled_sums + at32);
     }
     return (rounded_rows){{codes, scales, offsets16, sums32, sums16, minus8, minus128, minus32,
                            scaled_sums, k},
@@ -235,7 +237,7 @@ static rounded_rows round_rows(const float *x, int64_t m, int64_t k, int threads
 /* x [m, k] -> x as rounded [m, k] float32: each row's codes times their block's scale,
    what the kernel multiplies. */
 void gguf_round_rows(const float *x, int64_t m, int64_t k, float *out) {
-    rounded_rows rounded = round_rows(x, m, k, 1);
+    rounded_rows rounded = round_rows(x, m, k, 1, 0);
     for (int64_t i = 0; i < m * k; i++)
         out[i] = (float)rounded.x.codes[i] * rounded.x.scales[i / X_BLOCK];
     free(rounded.buffer);
@@ -376,7 +378,7 @@ void gguf_linear_int8(int type, const float *x, int64_t m, int64_t k, const uint
                       int64_t n, int64_t group_bytes, const float *bias, float *y,
                       int threads) {
     if (threads <= 0) threads = omp_get_max_threads();
-    rounded_rows rows = round_rows(x, m, k, threads);
+    rounded_rows rows = round_rows(x, m, k, threads, 0);
     const rounded_x rounded = rows.x;
     const int64_t blocks = k / block_values(type);
     const int64_t count = (n + GROUP - 1) / GROUP;
@@ -476,7 +478,7 @@ static void pair_into(int type, const uint8_t *group, int64_t group_bytes, int64
 void gguf_gemm_int8(int type, const float *x, int64_t m, int64_t k, const uint8_t *groups,
                     int64_t n, int64_t group_bytes, const float *bias, float *y, int threads) {
     if (threads <= 0) threads = omp_get_max_threads();
-    rounded_rows rows = round_rows(x, m, k, threads);
+    rounded_rows rows = round_rows(x, m, k, threads, INT8_PAIRS);
     const rounded_x rounded = rows.x;
     const int64_t blocks = k / block_values(type);
     const int64_t count = (n + GROUP - 1) / GROUP;
