@@ -15,8 +15,16 @@ from updraft.graph.recorded import RecordedGraph
 from updraft.kernels import panels
 from updraft.kernels.bound_calls import bound_call
 from updraft.kernels.build import kernel_builds
-from updraft.kernels.gguf_ops import BLOCK_TYPES, gguf_dequantize
+from updraft.kernels.gguf_ops import (
+    BLOCK_TYPES,
+    gguf_dequantize,
+    gguf_gemm_int8_launch,
+    gguf_group,
+    gguf_linear_int8_launch,
+    gguf_linear_launch,
+)
 from updraft.kernels.launch import Launch
+from updraft.kernels.ops import panel_linear_launch
 from updraft.weights import WeightFormat
 
 pytestmark = pytest.mark.skipif(
@@ -167,3 +175,35 @@ def test_a_replayed_kv_write_takes_the_refreshed_rows_and_slots():
         assert not [op for op in seen.ops if op.startswith("updraft.")]
         key, value = torch.tanh(x).view(2, 2, KV_HEADS, HEAD_DIM).unbind(1)
         assert torch.equal(cache[0, slots], key) and torch.equal(cache[1, slots], value)
+
+
+@pytest.mark.usefixtures("all_cores")
+def test_bound_linears_take_torch_s_thread_count_when_they_run():
+    """A linear bound once in a captured graph leaves its thread count to the call (0:
+    the caller's OpenMP count then, which torch.set_num_threads sets), so that a replay
+    follows the count the engine lowers while other processes keep cores busy. Bound
+    under one thread and run under two, and the other way round, each launch gives the
+    op's own result."""
+    k, n = 256, 40
+    blocks = torch.from_numpy(random_blocks("Q4_K", n, k, np.random.default_rng(5)))
+    groups = gguf_group(blocks, BLOCK_TYPES["Q4_K"], k)
+    p = panels.pack(torch.randn(n, k), WeightFormat("int4", 32))
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(6))
+    launches = {
+        "panel_linear": lambda: panel_linear_launch(
+            x[:4], p.codes, p.scales, p.zeros, None, p.code, p.group, p.out_features
+        ),
+        "gguf_linear": lambda: gguf_linear_launch(x[:4], blocks, None, BLOCK_TYPES["Q4_K"], k),
+        "gguf_linear_int8": lambda: gguf_linear_int8_launch(
+            x[:4], groups, None, BLOCK_TYPES["Q4_K"], k, n
+        ),
+        "gguf_gemm_int8": lambda: gguf_gemm_int8_launch(x, groups, None, BLOCK_TYPES["Q4_K"], k, n),
+    }
+    for name, make in launches.items():
+        want = make()()[0].clone()
+        for bound, run in ((1, 2), (2, 1)):
+            torch.set_num_threads(bound)
+            launch = make()
+            assert launch.arguments[-1] == 0, name
+            torch.set_num_threads(run)
+            torch.testing.assert_close(launch()[0], want, rtol=0, atol=0, msg=name)

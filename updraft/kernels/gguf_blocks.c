@@ -19,6 +19,7 @@
    so each product is an integer times a power of two: exact, in any order. */
 
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
@@ -831,9 +832,10 @@ static inline float sum8(__m256 v) {
 /* y [m, n] = x [m, k] @ W^T (+ bias), W's n rows in blocks of ``type``, m <= MAX_ROWS.
    With AVX-512 (AVX2) each block is widened 16 (8) values at a time in registers and
    multiplied into every row of x; otherwise it is widened into a buffer of the
-   thread's. */
+   thread's. ``threads`` 0: the caller's OpenMP count when it runs (gguf_gemm_int8's). */
 void gguf_linear(int type, const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n,
                  int64_t row_bytes, const float *bias, float *y, int threads) {
+    if (threads <= 0) threads = omp_get_max_threads();
     const int64_t values = gguf_block_values(type), bytes = gguf_block_bytes(type);
     const int64_t blocks = k / values;
 #pragma omp parallel for num_threads(threads) schedule(static)

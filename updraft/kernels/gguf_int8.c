@@ -25,6 +25,11 @@
    (``gguf_ungroup`` gives back the file's bytes exactly). A last group short of eight
    rows is filled with zero blocks.
 
+   Prefill. Where the CPU has AVX-512 with VNNI, a prefill's tiles over Q4_0, Q8_0,
+   Q4_K, Q5_K and Q6_K groups run int8_prefill.h's kernels: two groups in one 512-bit
+   register, over the same groups and the same rounded x, so a prefill's row is a
+   decode step's product up to float32 rounding.
+
    Each block type is a header of its own (int8_types.h lists them): its group-block
    layout, the move between a file block and a group-block, its kernel, and its unpack_,
    row r of a group-block as integer codes and a float32 scale and minimum per 16 values.
@@ -57,10 +62,16 @@ typedef struct {
     const int32_t *offsets16; /* [rows][k / 16], Q6_K's (int8_q6_k.h) */
     const int32_t *sums32;    /* [rows][k / 32]: sums of the codes */
     const int32_t *sums16;    /* [rows][k / 16]: sums of the codes */
+    /* what the prefill kernels (int8_prefill.h) start or end a block's sums with */
+    const int32_t *minus8;    /* [rows][k / 32]: -8 sums32 (Q4_0's codes 0..15 for -8..7) */
+    const int32_t *minus128;  /* [rows][k / 32]: -128 sums32 (Q8_0's codes flipped) */
+    const int32_t *minus32;   /* [rows][k / 16]: -32 sums16 (Q6_K's codes 0..63 for -32..31) */
+    const float *scaled_sums; /* [rows][k / 32]: scales * sums32, what a minimum multiplies */
     int64_t k;
 } rounded_x;
 
 #include "int8_types.h"
+#include "int8_prefill.h"
 
 #define IS_TYPE(code, name, values, bytes, group) case code: return 1;
 int gguf_int8_type(int type) {
@@ -186,25 +197,47 @@ typedef struct {
     void *buffer;
 } rounded_rows;
 
-/* over ``threads`` threads where there are more rows than a decode step's */
-static rounded_rows round_rows(const float *x, int64_t m, int64_t k, int threads) {
+/* the prefill kernels' terms (rounded_x's minus8 .. scaled_sums) of one row's blocks */
+static void block_terms(const float *scales, const int32_t *sums32, const int32_t *sums16,
+                        int64_t k, int32_t *minus8, int32_t *minus128, int32_t *minus32,
+                        float *scaled_sums) {
+    for (int64_t b = 0; b < k / 32; b++) {
+        minus8[b] = -8 * sums32[b];
+        minus128[b] = -128 * sums32[b];
+        scaled_sums[b] = scales[b] * (float)sums32[b];
+    }
+    for (int64_t s = 0; s < k / 16; s++) minus32[s] = -32 * sums16[s];
+}
+
+/* over ``threads`` threads where there are more rows than a decode step's; ``terms``:
+   the prefill kernels' terms too (a decode step's kernels read none of them) */
+static rounded_rows round_rows(const float *x, int64_t m, int64_t k, int threads, int terms) {
     const size_t blocks = (size_t)(m * (k / X_BLOCK));
-    char *buffer = malloc(sizeof(float) * blocks + sizeof(int32_t) * 5 * blocks + (size_t)(m * k));
-    float *scales = (float *)buffer;
-    int32_t *offsets16 = (int32_t *)(scales + blocks), *sums32 = offsets16 + 2 * blocks;
-    int32_t *sums16 = sums32 + blocks;
-    int8_t *codes = (int8_t *)(sums16 + 2 * blocks);
+    /* per block: a scale and scaled sum, 9 int32 (offsets16, sums16, minus32 two each) */
+    char *buffer = malloc(sizeof(float) * 2 * blocks + sizeof(int32_t) * 9 * blocks + (size_t)(m * k));
+    float *scales = (float *)buffer, *scaled_sums = scales + blocks;
+    int32_t *offsets16 = (int32_t *)(scaled_sums + blocks), *sums32 = offsets16 + 2 * blocks;
+    int32_t *sums16 = sums32 + blocks, *minus8 = sums16 + 2 * blocks, *minus128 = minus8 + blocks;
+    int32_t *minus32 = minus128 + blocks;
+    int8_t *codes = (int8_t *)(minus32 + 2 * blocks);
 #pragma omp parallel for schedule(static) num_threads(threads) if (m > MAX_X_ROWS)
-    for (int64_t r = 0; r < m; r++)
-        gguf_round_x(x + r * k, k, codes + r * k, scales + r * (k / X_BLOCK),
-                     offsets16 + r * (k / 16), sums32 + r * (k / 32), sums16 + r * (k / 16));
-    return (rounded_rows){{codes, scales, offsets16, sums32, sums16, k}, buffer};
+    for (int64_t r = 0; r < m; r++) {
+        const int64_t at32 = r * (k / 32), at16 = r * (k / 16);
+        gguf_round_x(x + r * k, k, codes + r * k, scales + at32, offsets16 + at16, sums32 + at32,
+                     sums16 + at16);
+        if (terms)
+            block_terms(scales + at32, sums32 + at32, sums16 + at16, k, minus8 + at32,
+                        minus128 + at32, minus32 + at16, scaled_sums + at32);
+    }
+    return (rounded_rows){{codes, scales, offsets16, sums32, sums16, minus8, minus128, minus32,
+                           scaled_sums, k},
+                          buffer};
 }
 
 /* x [m, k] -> x as rounded [m, k] float32: each row's codes times their block's scale,
    what the kernel multiplies. */
 void gguf_round_rows(const float *x, int64_t m, int64_t k, float *out) {
-    rounded_rows rounded = round_rows(x, m, k, 1);
+    rounded_rows rounded = round_rows(x, m, k, 1, 0);
     for (int64_t i = 0; i < m * k; i++)
         out[i] = (float)rounded.x.codes[i] * rounded.x.scales[i / X_BLOCK];
     free(rounded.buffer);
@@ -262,9 +295,10 @@ int gguf_ungroup(int type, const uint8_t *groups, int64_t n, int64_t k, const in
 /* x's rows from ``first`` on, as a rounded_x of their own */
 static rounded_x rows_from(const rounded_x *x, int64_t first) {
     const int64_t k = x->k;
-    return (rounded_x){x->codes + first * k, x->scales + first * (k / 32),
-                       x->offsets16 + first * (k / 16), x->sums32 + first * (k / 32),
-                       x->sums16 + first * (k / 16), k};
+    const int64_t at32 = first * (k / 32), at16 = first * (k / 16);
+    return (rounded_x){x->codes + first * k, x->scales + at32, x->offsets16 + at16,
+                       x->sums32 + at32, x->sums16 + at16, x->minus8 + at32,
+                       x->minus128 + at32, x->minus32 + at16, x->scaled_sums + at32, k};
 }
 
 #if INT8_SIMD
@@ -339,11 +373,12 @@ static void group_rows(int type, const uint8_t *group, int64_t blocks, const rou
 
 /* y [m, n] = round(x) [m, k] @ W^T (+ bias), W's n rows in ``groups`` of type ``type``
    (one of gguf_int8_type's), ``group_bytes`` apart; m <= 8 (the arguments are
-   gguf_linear's). */
+   gguf_linear's; ``threads`` 0: the caller's OpenMP count when it runs). */
 void gguf_linear_int8(int type, const float *x, int64_t m, int64_t k, const uint8_t *groups,
                       int64_t n, int64_t group_bytes, const float *bias, float *y,
                       int threads) {
-    rounded_rows rows = round_rows(x, m, k, threads);
+    if (threads <= 0) threads = omp_get_max_threads();
+    rounded_rows rows = round_rows(x, m, k, threads, 0);
     const rounded_x rounded = rows.x;
     const int64_t blocks = k / block_values(type);
     const int64_t count = (n + GROUP - 1) / GROUP;
@@ -365,9 +400,10 @@ void gguf_linear_int8(int type, const float *x, int64_t m, int64_t k, const uint
    on (see gguf_gemm_int8). A tile of 8 runs as two kernels of 4 (group_rows): on a Zen 4
    core a kernel inlined for 8 rows was no faster than 4 + 4 on Q4_0 and 15% slower on
    Q8_0 (1024 x 4096, one thread); chunks of 2 to 8 groups ran alike, 5-10% faster than
-   of 1. */
+   of 1. The pair kernels (int8_prefill.h) take a tile of 8 in one kernel, and chunks of
+   8 groups (4 pairs) ran 0-10% faster than of 4. */
 #define TILE_ROWS 8
-#define CHUNK_GROUPS 4
+#define CHUNK_GROUPS 8
 
 /* One group's outputs for ``rows`` (1..TILE_ROWS) rows of x (+ bias) into y's ``valid``
    columns from ``y`` on, its rows ``n`` apart. */
@@ -378,6 +414,58 @@ static void group_into(int type, const uint8_t *group, int64_t blocks, const rou
     for (int r = 0; r < rows; r++)
         for (int64_t i = 0; i < valid; i++) y[r * n + i] = out[r][i] + (bias ? bias[i] : 0.0f);
 }
+
+#if INT8_PAIRS
+/* Whether ``type`` has a prefill kernel over two groups (int8_prefill.h) */
+static int has_pairs(int type) {
+#define HAS_PAIRS(code, name) case code: return 1;
+    switch (type) { PAIR_TYPE_LIST(HAS_PAIRS) default: return 0; }
+#undef HAS_PAIRS
+}
+
+/* Rows of x a pair kernel is inlined for at most: its accumulators, a group-block
+   pair's unpacked codes and its scales stay in AVX-512's 32 registers. Against 4,
+   Q5_K and Q6_K ran 10-25% faster (their codes cost more to unpack), the others alike. */
+#define PAIR_ROWS 8
+
+/* Two groups' sixteen outputs (lanes 0-7: ``a``'s rows, 8-15: the next group's) for
+   each of ``rows`` rows of x, as group_rows does for one */
+static void pair_rows(int type, const uint8_t *a, const uint8_t *b, int64_t blocks,
+                      const rounded_x *x, int rows, float out[][2 * GROUP]) {
+    __m512 acc[MAX_X_ROWS];
+#define PAIR_FOR_ROWS(code, name)                                                           \
+    case code:                                                                              \
+        if (part == 8)                                                                      \
+            pair_##name(a, b, blocks, &from, 8, acc + done);                                \
+        else if (part == 4)                                                                 \
+            pair_##name(a, b, blocks, &from, 4, acc + done);                                \
+        else if (part == 2)                                                                 \
+            pair_##name(a, b, blocks, &from, 2, acc + done);                                \
+        else                                                                                \
+            pair_##name(a, b, blocks, &from, 1, acc + done);                                \
+        break;
+    for (int done = 0; done < rows;) {
+        const int left = rows - done;
+        const int part = left >= PAIR_ROWS ? PAIR_ROWS : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        const rounded_x from = rows_from(x, done);
+        switch (type) { PAIR_TYPE_LIST(PAIR_FOR_ROWS) default: return; }
+        done += part;
+    }
+#undef PAIR_FOR_ROWS
+    for (int m = 0; m < rows; m++) _mm512_storeu_ps(out[m], acc[m]);
+}
+
+/* Groups g and g + 1 (both from ``group``, ``group_bytes`` apart) for ``rows`` rows of
+   x, into y from column 8 g on: group_into for two groups */
+static void pair_into(int type, const uint8_t *group, int64_t group_bytes, int64_t blocks,
+                      const rounded_x *x, int rows, const float *bias, float *y, int64_t n,
+                      int64_t valid) {
+    float out[MAX_X_ROWS][2 * GROUP];
+    pair_rows(type, group, group + group_bytes, blocks, x, rows, out);
+    for (int r = 0; r < rows; r++)
+        for (int64_t i = 0; i < valid; i++) y[r * n + i] = out[r][i] + (bias ? bias[i] : 0.0f);
+}
+#endif
 
 /* y [m, n] = round(x) [m, k] @ W^T (+ bias) for any number of rows m, with the
    arguments of gguf_linear_int8 and the same result row for row: x is rounded once (a
@@ -390,7 +478,7 @@ static void group_into(int type, const uint8_t *group, int64_t blocks, const rou
 void gguf_gemm_int8(int type, const float *x, int64_t m, int64_t k, const uint8_t *groups,
                     int64_t n, int64_t group_bytes, const float *bias, float *y, int threads) {
     if (threads <= 0) threads = omp_get_max_threads();
-    rounded_rows rows = round_rows(x, m, k, threads);
+    rounded_rows rows = round_rows(x, m, k, threads, INT8_PAIRS);
     const rounded_x rounded = rows.x;
     const int64_t blocks = k / block_values(type);
     const int64_t count = (n + GROUP - 1) / GROUP;
@@ -398,13 +486,24 @@ void gguf_gemm_int8(int type, const float *x, int64_t m, int64_t k, const uint8_
     int64_t chunk = CHUNK_GROUPS;
     while (chunk > 1 && count < 4 * chunk * threads) chunk /= 2;
     const int64_t chunks = (count + chunk - 1) / chunk;
+#if INT8_PAIRS
+    const int pairs = has_pairs(type);
+#endif
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t last = count < (c + 1) * chunk ? count : (c + 1) * chunk;
         for (int64_t first = 0; first < m; first += TILE_ROWS) {
             const int tile = (int)(m - first < TILE_ROWS ? m - first : TILE_ROWS);
             const rounded_x part = rows_from(&rounded, first);
-            for (int64_t g = c * chunk; g < last; g++) {
+            int64_t g = c * chunk;
+#if INT8_PAIRS
+            for (; pairs && g + 1 < last; g += 2) {
+                const int64_t valid = n - GROUP * g < 2 * GROUP ? n - GROUP * g : 2 * GROUP;
+                pair_into(type, groups + g * group_bytes, group_bytes, blocks, &part, tile,
+                          bias ? bias + GROUP * g : NULL, y + first * n + GROUP * g, n, valid);
+            }
+#endif
+            for (; g < last; g++) {
                 const int64_t valid = n - GROUP * g < GROUP ? n - GROUP * g : GROUP;
                 group_into(type, groups + g * group_bytes, blocks, &part, tile,
                            bias ? bias + GROUP * g : NULL, y + first * n + GROUP * g, n, valid);

@@ -312,13 +312,13 @@ def _linear_launch(
     block_type: int,
     k: int,
     out: tuple[torch.Tensor, ...] | None,
-    threads: int | None = None,
+    threads: int = 0,
 ) -> Launch:
     """The call of a linear kernel over a weight's ``n`` rows, in blocks or groups
     ``stride`` bytes apart (the kernels take the same arguments), ``max_rows`` rows of x
     at most (None: any number, each row's output its own, so that a replayed graph may
-    run it over its leading rows alone), on ``threads`` threads (None: torch's count
-    now)."""
+    run it over its leading rows alone), on ``threads`` threads (0: torch's count when
+    it runs, not when a graph bound it)."""
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
         raise TypeError(f"updraft::{op} takes float32 x [rows, {k}]")
     if max_rows is not None and x.shape[0] > max_rows:
@@ -343,7 +343,7 @@ def _linear_launch(
             stride,
             None if bias is None else bias.data_ptr(),
             y.data_ptr(),
-            torch.get_num_threads() if threads is None else threads,
+            threads,
         ),
         (y,),
         (x, weight, bias),
@@ -504,10 +504,8 @@ def gguf_gemm_int8_launch(
     """``gguf_gemm_int8``'s checked call, into ``out`` (else a new tensor)."""
     group_bytes = _check_groups(groups, block_type, k, n)
     kernel = _int8_library(march).gguf_gemm_int8
-    # threads 0: torch's count when it runs, not when a graph bound it
-    return _linear_launch(
-        "gguf_gemm_int8", kernel, None, x, groups, n, group_bytes, bias, block_type, k, out, 0
-    )
+    arguments = (x, groups, n, group_bytes, bias, block_type, k, out)
+    return _linear_launch("gguf_gemm_int8", kernel, None, *arguments)
 
 
 # Weight rows widened at once by ``gguf_widened_linear``: a few MB of float32.

@@ -43,6 +43,7 @@
    Output panels are split over the OpenMP threads. */
 
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -536,10 +537,13 @@ static int bf16_product_linear(const float *x, const void *w, const float *bias,
 int bf16_product_rows(void) { return BF16_PRODUCT_ROWS; }
 
 /* y[m_rows, n_rows] (row stride ``y_stride``) = x [m_rows, k] @ W^T + bias, W in panels
-   of ``format``; scales and zeros as the header says (NULL for the float formats). */
+   of ``format``; scales and zeros as the header says (NULL for the float formats).
+   ``threads`` 0: the caller's OpenMP count when it runs, so that a call bound once in a
+   captured graph follows torch's thread count (which the engine lowers under load). */
 void panel_linear(const float *x, const void *w, int format, const float *scales,
                   const float *zeros, int64_t group, const float *bias, float *y,
                   int64_t y_stride, int64_t m_rows, int64_t n_rows, int64_t k, int threads) {
+    if (threads <= 0) threads = omp_get_max_threads();
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
     if (format == BF16_PRODUCTS && m_rows >= BF16_PRODUCT_ROWS &&
         bf16_product_linear(x, w, bias, y, y_stride, m_rows, n_rows, k, threads))

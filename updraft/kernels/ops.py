@@ -205,7 +205,7 @@ def panel_linear_launch(
             rows,
             out_features,
             k,
-            torch.get_num_threads(),
+            0,  # threads: torch's count when it runs, not when a graph bound it
         ),
         (result,),
         (x, codes, scales, zeros, bias),
