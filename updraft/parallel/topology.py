@@ -97,10 +97,16 @@ class RankPlace:
         return [(group, members) for group, members in groups if group.size > 1]
 
 
-def rank_device(device: str, rank: int) -> str:
-    """Where rank ``rank`` computes: a bare ``cuda`` means one GPU per rank (rank r on
-    GPU r mod this machine's count), as NCCL wants; anything else as given."""
-    if device != "cuda" or not torch.cuda.is_available():
+def rank_device(device: str, rank: int | None = None) -> str:
+    """Where rank ``rank`` computes (a single process: ``None``): a bare ``cuda`` means
+    one GPU per rank (rank r on GPU r mod this machine's count), as NCCL wants; anything
+    else as given. A CUDA device this PyTorch cannot see is refused."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(
+            f"device {device!r} was asked for, but this PyTorch ({torch.__version__}) "
+            "sees no CUDA device; use --device cpu, or install a CUDA build (README)"
+        )
+    if device != "cuda" or rank is None:
         return device
     return f"cuda:{rank % torch.cuda.device_count()}"
 
