@@ -70,6 +70,7 @@ def server() -> Iterator[tuple[int, str]]:
     metrics files within) may outlive it."""
     process, base_url = start_server_process("--api-server-count", "2", "--enforce-eager", env=ENV)
     try:
+        ready(process.pid, base_url)
         children = descendants(process.pid)
         # The engine, two API processes, and multiprocessing's resource tracker.
         assert len(children) == 4, children
@@ -90,6 +91,18 @@ def server() -> Iterator[tuple[int, str]]:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def ready(server_pid: int, base_url: str) -> None:
+    """Until both API processes answer (/health answered by one says nothing of the
+    other, which may still be starting)."""
+    deadline = time.monotonic() + 60
+    while len(api_processes(server_pid)) < 2:
+        assert time.monotonic() < deadline, "the second API process did not start"
+        time.sleep(0.1)
+    for pid in api_processes(server_pid):
+        with only(pid, server_pid):
+            assert httpx.get(f"{base_url}/health", timeout=60).status_code == 200
 
 
 @contextmanager
@@ -180,10 +193,7 @@ def test_a_killed_api_process_leaves_nothing_running_and_is_put_back(server):
         response.close()
     with only(second, server_pid):
         complete(base_url)
-    deadline = time.monotonic() + 60
-    while len(api_processes(server_pid)) < 2 or first in api_processes(server_pid):
-        assert time.monotonic() < deadline, "no API process took the killed one's place"
-        time.sleep(0.1)
-    (new,) = set(api_processes(server_pid)) - {second}
+    ready(server_pid, base_url)  # another in the killed one's place
+    (new,) = set(api_processes(server_pid)) - {first, second}
     with only(new, server_pid):  # it serves: the engine sends to its place again
         complete(base_url)
