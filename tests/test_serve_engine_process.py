@@ -1,6 +1,7 @@
 """The engine core behind the server: its outputs, decoded in the API process, are the
 engine's own; in a process of its own it steps while the API process holds its GIL; and
-a server's processes, sockets and files all go when it stops or its parent dies."""
+a server's processes, sockets and files all go when it stops or its parent dies (with
+several API processes: tests/test_serve_api_processes.py)."""
 
 from __future__ import annotations
 
@@ -218,31 +219,6 @@ def _socket_dirs(own_tmp: Path) -> set[Path]:
 def _complete(base_url: str, max_tokens: int = 8) -> httpx.Response:
     body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": max_tokens, "temperature": 0}
     return httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
-
-
-def test_two_api_processes_serve_one_engine_and_leave_nothing_behind(own_tmp):
-    process, base_url = start_server_process(
-        "--api-server-count", "2", "--enforce-eager", env=_env(own_tmp)
-    )
-    try:
-        children = _children(process.pid)
-        # The engine, two API processes, and multiprocessing's resource tracker.
-        assert len(children) == 4, children
-        assert len(_socket_dirs(own_tmp)) == 1
-        responses = [_complete(base_url) for _ in range(6)]
-        assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
-        texts = {r.json()["choices"][0]["text"] for r in responses}
-        assert len(texts) == 1  # greedy: whichever process answered, the same text
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == 0
-        assert _gone(children, 10), "a process outlived the server"
-        assert not _socket_dirs(own_tmp), "the engine's sockets were left behind"
-        log = process.stderr.read().decode()
-        assert "with 2 API processes" in log and "Traceback" not in log, log
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 def test_a_dead_engine_process_is_a_503_and_a_dead_server_takes_it_along(own_tmp):

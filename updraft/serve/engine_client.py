@@ -96,6 +96,7 @@ class EngineClient:
         if self.link.start_core is not None:
             self.link.start_core()
         self._input = wire.push_socket(self._context, addresses.input)
+        self._send(["hello", self.link.client])  # in the place of one that died, if any
         self._receiver = asyncio.get_running_loop().create_task(self._receive())
 
     @property

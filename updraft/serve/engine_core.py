@@ -14,6 +14,11 @@ arrived with it never reaches the engine. An add is a request the API process's 
 finished (engine/input_processor.py), which the engine queues as it is. The engine does
 not decode text for these requests: detokenizing and stop strings are the API process's
 (serve/served_request.py), which stops a sequence its stop string has ended.
+
+An API process that dies (killed, crashed) is reported by the process supervising them
+("client_gone"): the core aborts every request it added, which frees their KV blocks,
+and sends it nothing more (what it had queued for it is dropped) until a process in its
+place says "hello".
 """
 
 from __future__ import annotations
@@ -77,7 +82,9 @@ class EngineCore:
         self.engine = engine
         self.context = zmq.Context()
         self.input = wire.pull_socket(self.context, addresses.input)
+        self.addresses = addresses
         self.outputs = [wire.push_socket(self.context, a) for a in addresses.outputs]
+        self._gone: set[int] = set()  # API processes that died, until one takes their place
         self._client_of: dict[str, int] = {}  # running request -> its API process
         self._num_sequences: dict[str, int] = {}  # running request -> its n
         self._applied: list[list[str]] = [[] for _ in self.outputs]
@@ -126,7 +133,8 @@ class EngineCore:
             if kind == "shutdown":
                 return False
             if kind == "add":
-                self._add(*command[1:], skip=command[2] in aborted)
+                gone = command[1] in self._gone  # sent before its process died
+                self._add(*command[1:], skip=command[2] in aborted or gone)
             elif kind == "abort":
                 client, request_ids = command[1:]
                 self._aborted[client] += request_ids
@@ -135,7 +143,22 @@ class EngineCore:
             elif kind == "stop":
                 for request_id, index in command[1]:
                     self._stop(request_id, index)
+            elif kind == "client_gone":
+                self._client_gone(command[1])
+            elif kind == "hello":
+                self._gone.discard(command[1])
         return True
+
+    def _client_gone(self, client: int) -> None:
+        """API process ``client`` died: abort what it added, and drop what was queued
+        for it (a socket in the old one's place, connected to the same address)."""
+        for request_id in [r for r, c in self._client_of.items() if c == client]:
+            self._abort(request_id)
+        self._applied[client] = []
+        self._aborted[client] = []
+        self._gone.add(client)
+        self.outputs[client].close(linger=0)
+        self.outputs[client] = wire.push_socket(self.context, self.addresses.outputs[client])
 
     def _abort_all(self) -> None:
         """Leave the engine with nothing running (an engine in this process may serve
@@ -197,6 +220,8 @@ class EngineCore:
                 del self._client_of[output.request_id], self._num_sequences[output.request_id]
         stats = self._stats()
         for client, socket in enumerate(self.outputs):
+            if client in self._gone:
+                continue
             socket.send(
                 wire.pack(
                     ["step", by_client[client], stats, self._applied[client], self._aborted[client]]
@@ -282,12 +307,19 @@ class CoreProcess:
     def shutdown(self) -> None:
         """Tell the core to stop (from a process that is not one of its clients), then
         wait for it."""
+        self._tell(["shutdown"])
+        self.join()
+
+    def client_gone(self, client: int) -> None:
+        """Tell the core that API process ``client`` died: its requests are aborted."""
+        self._tell(["client_gone", client])
+
+    def _tell(self, message: list) -> None:
         context = zmq.Context()
         socket = wire.push_socket(context, self.addresses.input)
-        socket.send(wire.pack(["shutdown"]))
+        socket.send(wire.pack(message))
         socket.close(linger=1000)  # until the core has it
         context.term()
-        self.join()
 
     def join(self) -> None:
         """Wait for the process to end (it was told to), then make sure it has."""

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from dataclasses import replace
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -22,6 +23,7 @@ import uvicorn
 from updraft.config import EngineConfig
 from updraft.demo import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 from updraft.engine.engine import Engine
+from updraft.serve.api_processes import ApiProcesses
 from updraft.serve.app import build_app
 from updraft.serve.connections import (
     ACCEPT_BURST,
@@ -37,6 +39,7 @@ from updraft.serve.engine_core import (
     EngineInfo,
     engine_info,
 )
+from updraft.serve.metrics import MULTIPROCESS_ENV, shared_directory
 from updraft.serve.serving import ServeSettings
 
 logger = logging.getLogger("updraft.serve")
@@ -215,33 +218,29 @@ def supervise_api_processes(
     on (each process drains on the first, quits on the second; they sit in their own
     process group, so a terminal's Ctrl-C reaches them once, through here); once all
     have exited, the engine is stopped. If the engine dies, they are told: /health
-    then answers 503 and requests fail at once."""
+    then answers 503 and requests fail at once. One that dies is put back
+    (serve/api_processes.py). Their /metrics show all of their counts (files in the
+    engine's socket directory, which goes with it)."""
     context = multiprocessing.get_context("spawn")
     engine_dead = context.Event()
-    processes = [
-        context.Process(
+    shared_directory(os.path.join(core.addresses.directory, "metrics"))
+
+    def spawn(index: int) -> BaseProcess:
+        process = context.Process(
             target=run_api_process,
             args=(index, core.addresses, info, settings, listener, host, engine_dead, os.getpid()),
             name=f"updraft-api-{index}",
         )
-        for index in range(count)
-    ]
-    for process in processes:
         process.start()
+        return process
 
-    def forward(signum: int, frame: FrameType | None) -> None:
-        for process in processes:
-            if process.is_alive():
-                os.kill(process.pid, signum)
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    while any(process.is_alive() for process in processes):
-        if not engine_dead.is_set() and not core.is_alive():
-            logger.error("the engine process exited; the API processes now answer 503")
-            engine_dead.set()
-        time.sleep(0.2)
-    return 0 if all(process.exitcode == 0 for process in processes) else 1
+    try:
+        processes = ApiProcesses(count, spawn, core)
+        signal.signal(signal.SIGTERM, processes.forward)
+        signal.signal(signal.SIGINT, processes.forward)
+        return processes.watch(engine_dead)
+    finally:
+        os.environ.pop(MULTIPROCESS_ENV, None)
 
 
 def run_api_process(

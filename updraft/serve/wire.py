@@ -8,7 +8,10 @@ API process -> engine core (one PULL socket, every API process pushes to it):
     ["add", client, request_id, prompt token ids, sampling params, bad words' token ids]
     ["abort", client, request ids]
     ["stop", [[request id, sequence index], ...]]   (a stop string ended these sequences)
+    ["hello", client]                                (an API process has started)
     ["shutdown"]
+Supervising process -> engine core (on the same socket):
+    ["client_gone", client]                          (that API process died)
 Engine core -> one API process (a PULL socket of its own; the core pushes):
     ["step", outputs, CoreStats, request ids applied, aborts applied]
     ["failed", message]
