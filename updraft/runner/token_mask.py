@@ -10,9 +10,25 @@ import torch
 from updraft.kernels.build import kernel_builds
 from updraft.kernels.ops import mask_logits_
 from updraft.step.allowed_tokens import AllowedTokens
+from updraft.step.inputs import SamplingInputs
+
+# After its forward a step waits for its masks while each finishes within this fraction
+# of the forward's time of the last, between the floor and the cap: a quick mask always
+# fits, a late one costs its request a step, and a long wait would cost every stream
+# one. A step then takes at most its forward and about 5 ms more, whatever a grammar
+# costs.
+MASK_WAIT_RATIO = 0.5
+MASK_WAIT_FLOOR_SECONDS = 0.0005
+MASK_WAIT_CAP_SECONDS = 0.005
 
 # The value of each bit of an int32 word (bit 31's is the sign bit, -2**31).
 _BIT_VALUES = torch.tensor([1 << bit for bit in range(31)] + [-(1 << 31)], dtype=torch.int32)
+
+
+def mask_wait(forward_seconds: float) -> float:
+    """How long a step whose forward took ``forward_seconds`` waits for its next mask."""
+    wait = MASK_WAIT_RATIO * forward_seconds
+    return min(MASK_WAIT_CAP_SECONDS, max(MASK_WAIT_FLOOR_SECONDS, wait))
 
 
 def mask_logits(
@@ -41,3 +57,22 @@ def unpacked_mask_logits(logits: torch.Tensor, allowed: AllowedTokens) -> torch.
         keep[:, :width], float("-inf")
     )
     return logits.index_copy(0, rows, constrained)
+
+
+def no_token_allowed(
+    logits: torch.Tensor,
+    sampling: SamplingInputs,
+    num_accepted: list[int],
+    request_ids: list[str],
+    masked: bool,
+) -> frozenset[str]:
+    """The requests whose row at their last emitted token, after their accepted drafts,
+    allows no token at all (every logit -inf), as only a grammar's mask (``masked``)
+    and the requests' adjustments can make it."""
+    if not masked and sampling.adjustments.empty:
+        return frozenset()
+    per_request = torch.tensor(sampling.num_drafts, dtype=torch.long) + 1
+    first = per_request.cumsum(0) - per_request
+    rows = (first + torch.tensor(num_accepted, dtype=torch.long)).to(logits.device)
+    empty = torch.isneginf(logits.index_select(0, rows)).all(dim=-1)
+    return frozenset(request_ids[index] for index in empty.nonzero().flatten().tolist())

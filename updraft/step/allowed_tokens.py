@@ -4,6 +4,7 @@ engine's grammars to the runner's sampler."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -18,3 +19,11 @@ class AllowedTokens:
 
     rows: torch.Tensor  # [R] int64
     bitmask: torch.Tensor  # [R, ceil(tokens / 32)] int32
+
+
+class PendingMasks(Protocol):
+    """A step's masks as they are being computed (engine/step_masks.py)."""
+
+    def ready(self, quiet: float) -> AllowedTokens | None:
+        """The masks done before ``quiet`` seconds pass without one finishing; the
+        rows of the rest are left unconstrained, and their requests' tokens not kept."""
