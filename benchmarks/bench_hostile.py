@@ -172,7 +172,10 @@ def main() -> None:
         drained = stop_server(server)
     solo_rate = sum(c for c, _, _ in solo) / sum(s for _, s, _ in solo)
     attacked_rate = sum(c for c, _, _ in attacked) / sum(s for _, s, _ in attacked)
-    server_errors = sum(n for (_, status), n in statuses.items() if str(status).startswith("5"))
+    # A 5xx, or no answer at all (the connection dropped: a transport error's name).
+    server_errors = sum(
+        n for (_, status), n in statuses.items() if not isinstance(status, int) or status >= 500
+    )
     print(f"# Hostile traffic: {args.requests} requests from {args.clients} clients\n")
     print(f"The demo model; the attack lasted {attack_seconds:.1f} s.\n")
     rows = [
@@ -185,6 +188,7 @@ def main() -> None:
         ],
     ]
     print(markdown_table("The unrelated stream", ["", "tok/s", "largest gap (ms)", "x"], rows))
+    print()
     by_status = Counter()
     for (_, status), count in statuses.items():
         by_status[status] += count
@@ -195,6 +199,7 @@ def main() -> None:
             [[str(s), str(n)] for s, n in sorted(by_status.items(), key=str)],
         )
     )
+    print()
     per_kind = [
         [
             kind,
@@ -203,6 +208,7 @@ def main() -> None:
         for kind in KINDS
     ]
     print(markdown_table("Answers per kind", ["kind", "statuses"], per_kind))
+    print()
     if not drained:
         print("The server did not drain within 60 s of SIGTERM: it was killed.\n")
     verdict = attacked_rate >= 0.8 * solo_rate and server_errors == 0
