@@ -146,7 +146,7 @@ class Grammars:
     def allowed_tokens(self, inputs: StepInputs) -> AllowedTokens | None:
         """The masks of this step's constrained rows, all of them, computed now."""
         masks = self.masks(inputs, defer=False)
-        return None if masks is None else masks.ready(quiet=0.0)
+        return None if masks is None else masks.ready(quiet=0.0, limit=0.0)
 
     def _jobs(self, inputs: StepInputs) -> list[MaskJob]:
         sampling = inputs.sampling
@@ -165,7 +165,8 @@ class Grammars:
             cached = self._cached.pop(request_id, None)
             if matcher is not None and skip is not None:
                 rows = list(range(first + skip, first + 1 + num_drafts))
-                jobs.append(MaskJob(request_id, matcher, rows, tokens[skip:], words, cached))
+                job = MaskJob(request_id, index, matcher, rows, tokens[skip:], words, cached)
+                jobs.append(job)
             first += 1 + num_drafts
         # A grammar that was slow before goes last, so the quick masks are not late
         # behind it.

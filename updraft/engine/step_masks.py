@@ -5,8 +5,9 @@ A grammar's mask usually costs well under a millisecond, but llguidance may take
 longer for one state (a lexer that builds many regex derivatives: a first mask of up
 to a second, or 15 ms at every token of a grammar at its per-step fuel limit). The step
 never waits for such a mask: after the forward the runner waits only while masks keep
-finishing, each within ``mask_wait`` (``runner/token_mask.py``) of the last, takes the
-masks that are done, and leaves the late requests' rows unmasked. Their tokens are
+finishing, each within ``mask_wait`` (``runner/token_mask.py``) of the last and all
+within the forward's time, takes the masks that are done, and leaves the late
+requests' rows unmasked. Their tokens are
 dropped (``Grammars.is_late``), their last token is counted as not computed, and they
 wait out of the batch until their mask is done; they rejoin with it
 (``MaskJob.cached``), so a slow grammar still advances a token per mask.
@@ -31,6 +32,7 @@ class MaskJob:
     """The masks of one request's rows: at its state, then after each of ``drafts``."""
 
     request_id: str
+    index: int  # the request's among the step's sampling requests
     matcher: llguidance.LLMatcher
     rows: list[int]  # the step's logits rows it masks, in order
     drafts: list[int]
@@ -89,15 +91,19 @@ class StepMasks:
             self._futures = [self._thread.submit(job.run, self._executor) for job in self._jobs]
         return self._futures
 
-    def ready(self, quiet: float) -> AllowedTokens | None:
-        """The masks done before ``quiet`` seconds pass without one finishing (all of
-        them, however long they take, when late requests cannot wait out of the
-        batch): a batch of quick masks is waited for whole, a stalled one is not."""
+    def ready(self, quiet: float, limit: float) -> AllowedTokens | None:
+        """The masks done before ``quiet`` seconds pass without one finishing, and
+        within ``limit`` in all (every one, however long it takes, when late requests
+        cannot wait out of the batch): a batch of quick masks is waited for whole, a
+        stalled one is not."""
         pending = set(self._start())
+        deadline = time.perf_counter() + limit
         while pending:
-            done, pending = futures.wait(
-                pending, timeout=quiet if self._defer else None, return_when=FIRST_COMPLETED
-            )
+            left = deadline - time.perf_counter()
+            if self._defer and left <= 0:
+                break
+            timeout = min(quiet, left) if self._defer else None
+            done, pending = futures.wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
             if not done:
                 break
         done, late = [], []
@@ -108,7 +114,7 @@ class StepMasks:
                 late.append((job, future))
         if late:
             self._on_late(late)
-        if not done:
-            return None
         rows = torch.tensor([row for job in done for row in job.rows], dtype=torch.long)
-        return AllowedTokens(rows, torch.cat([job.bitmask for job in done]))
+        words = self._jobs[0].words
+        bitmask = torch.cat([torch.empty(0, words, dtype=torch.int32)] + [j.bitmask for j in done])
+        return AllowedTokens(rows, bitmask, tuple(job.index for job, _ in late))

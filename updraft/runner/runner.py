@@ -46,7 +46,7 @@ from updraft.runner.probe import Probe
 from updraft.runner.rank_messages import HiddenRows, Send, loop_message, step_message
 from updraft.runner.rejection_sampler import verify_step
 from updraft.runner.sampler import TopLogprobs, prompt_logprobs, sample
-from updraft.runner.token_mask import mask_logits, mask_wait, no_token_allowed
+from updraft.runner.token_mask import mask_logits, mask_wait, no_token_allowed, own_randomness_kept
 from updraft.step.allowed_tokens import PendingMasks
 from updraft.step.inputs import (
     GRAPH_INPUTS,
@@ -258,7 +258,7 @@ class Runner:
         if self.device.type == "cuda":  # sampling waits for the forward anyway
             torch.cuda.synchronize(self.device)
         forward_seconds = time.perf_counter() - start
-        constraint = None if allowed is None else allowed.ready(mask_wait(forward_seconds))
+        constraint = None if allowed is None else allowed.ready(*mask_wait(forward_seconds))
         sampling = inputs.sampling
         model_logits = forward.logits[: sampling.num_sampling_rows]
         scored = None
@@ -266,7 +266,7 @@ class Runner:
             scored = prompt_logprobs(
                 forward.logits[sampling.num_sampling_rows :], sampling.prompt_rows
             )
-        logits, raw_logits = model_logits, None
+        logits = model_logits
         # The model's own logits are kept only where logprobs are read from them.
         keep = sampling.batch.want_logprobs
         if constraint is not None:
@@ -275,9 +275,9 @@ class Runner:
             logits = adjust_logits(
                 logits, sampling.adjustments, in_place=logits is not model_logits or not keep
             )
-        if keep and logits is not model_logits:
-            raw_logits = model_logits
-        tokens = self.sample(logits, sampling, raw_logits)
+        raw_logits = model_logits if keep and logits is not model_logits else None
+        with own_randomness_kept(sampling.batch, constraint):
+            tokens = self.sample(logits, sampling, raw_logits)
         request_ids = [inputs.request_ids[row] for row in inputs.sampling.rows]
         if self.probe is not None:
             rows = [1 + n for n in inputs.sampling.num_drafts]
