@@ -286,7 +286,7 @@ def test_a_blocked_compiler_does_not_stall_other_requests(demo, monkeypatch):
     while engine.has_unfinished:
         for output in engine.step():
             finished[output.request_id] = output
-    assert json.loads(finished[waiting].outputs[0].text) is not None
+    check_json([finished[waiting]], [{"type": "object", "title": "blocked"}])
 
 
 @pytest.mark.parametrize("apply", [mask_logits, unpacked_mask_logits])
@@ -374,3 +374,38 @@ def test_a_grammar_that_starts_after_the_reasoning_is_exact_under_speculation(de
     )
     assert drafted.generate(PROMPT, params)[0].outputs[0].token_ids == plain.token_ids
     assert drafted.engine.stats().structured.speculative.rounds > 0
+
+
+def test_logprobs_of_a_verify_step_under_a_grammar_are_the_models_own():
+    """A verify step with a grammar and drafts: the n-gram proposer drafts the forced
+    choice's tokens out of a prompt that repeats it, so drafts are accepted under the
+    mask; each returned logprob, accepted draft or correction, is transformers'
+    log-probability of the token (the masked distribution gives every forced token 0),
+    and an unconstrained request verified in the same steps keeps its own."""
+    import transformers
+
+    from updraft.demo import DEMO_MODEL_DIR
+
+    phrase = " zebra crossing at the old harbour"
+    prompt = PROMPT + "#" + phrase * 3 + "\n#"
+    llm = LLM(speculative_method="ngram", num_speculative_tokens=3, enforce_eager=True)
+    spec = StructuredOutputsParams(choice=[phrase.strip() + phrase])
+    params = [
+        SamplingParams(temperature=0, logprobs=True, max_tokens=40, structured_outputs=spec),
+        SamplingParams(temperature=0, logprobs=True, max_tokens=40),
+    ]
+    outputs = llm.generate([prompt, prompt], params)
+    stats = llm.engine.stats().structured.speculative
+    assert sum(stats.accepted) >= 3, stats  # accepted drafts in constrained verify steps
+    model = transformers.AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32)
+    for output in outputs:
+        completion = output.outputs[0]
+        tokens = output.prompt_token_ids + list(completion.token_ids)
+        with torch.no_grad():
+            logprobs = model(torch.tensor([tokens])).logits[0].log_softmax(-1)
+        start = len(output.prompt_token_ids) - 1
+        expected = [float(logprobs[start + i, t]) for i, t in enumerate(completion.token_ids)]
+        assert completion.logprobs == pytest.approx(expected, abs=1e-3)
+    constrained = outputs[0].outputs[0]
+    assert constrained.text == spec.choice[0] and constrained.finish_reason == "stop"
+    assert sum(lp < -0.01 for lp in constrained.logprobs) >= 3, constrained.logprobs

@@ -36,7 +36,7 @@ from updraft.engine.input_processor import EngineRequest, InputProcessor, ModelL
 from updraft.engine.kv_blocks import BlockPool, KVCacheManager
 from updraft.engine.memory_report import EngineMemory, runner_memory
 from updraft.engine.prefix_states import PrefixStates
-from updraft.engine.scheduler import Scheduler
+from updraft.engine.scheduler import STRUCTURED_ERROR, Scheduler
 from updraft.engine.state_slots import StateSlots
 from updraft.engine.stats import EngineStats, StepClock, StructuredStats, snapshot_report
 from updraft.engine.window_blocks import WindowBlocks
@@ -212,7 +212,8 @@ class Engine:
         if overlap is None:
             spare_core = (os.cpu_count() or 1) > torch.get_num_threads()
             overlap = self._runner.device.type != "cpu" or spare_core
-        return Grammars(compiler, overlap=overlap)
+        # A hybrid model's recurrent state cannot take back a token a late mask drops.
+        return Grammars(compiler, overlap=overlap, defer=not self.model_config.linear_layers)
 
     def _context_len(self, config: EngineConfig) -> int:
         """The longest sequence: ``max_model_len``, or the positions the model was
@@ -358,10 +359,22 @@ class Engine:
         aborted, a grammar that did not compile), and the scheduler given what may now
         run (compiled grammars, a family's held sequences once the first has prefilled)."""
         outputs, self._pending_outputs = self._pending_outputs, []
+        if self._grammars is not None:
+            outputs += self._fail_late_masks()
         if self._compiling:
             outputs += self._admit_compiled(wait=not self._scheduler.has_unfinished)
         for request in self._families.released(self._scheduler.requests):
             self._scheduler.add(request)
+        return outputs
+
+    def _fail_late_masks(self) -> list[RequestOutput]:
+        """End the requests whose late mask failed or took too long (engine/grammars.py)."""
+        outputs = []
+        for request_id, error in self._grammars.settle():
+            request = self._scheduler.requests.get(request_id)
+            if request is not None:
+                request.error = f"{STRUCTURED_ERROR}{error}"
+                outputs.append(self._scheduler.finish(request, FinishReason.ERROR))
         return outputs
 
     def _admit_compiled(self, wait: bool) -> list[RequestOutput]:
@@ -422,7 +435,7 @@ class Engine:
         plan = self._scheduler.schedule(self._drafts)
         clock.lap("schedule")
         if not plan.scheduled:
-            return self._families.relabel(outputs)
+            return self._idle(outputs)
         self._threads.adjust()
         inputs = self._inputs(plan)
         clock.lap("build")
@@ -434,6 +447,12 @@ class Engine:
         if self._proposer is not None:
             self._drafts = self._proposer.propose(inputs, result, self._scheduler.drafting())
             clock.lap("propose")
+        return self._families.relabel(outputs)
+
+    def _idle(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """A step with nothing to run: every request may be waiting for its mask."""
+        if self._grammars is not None:
+            self._grammars.wait_late(COMPILE_POLL_SECONDS)
         return self._families.relabel(outputs)
 
     def _inputs(self, plan: StepPlan) -> StepInputs:
@@ -475,6 +494,7 @@ class Engine:
                 num_constrained=len(self._grammars),
                 num_compiling=len(self._compiling),
                 masked_rows=self._grammars.num_masked_rows,
+                late_masks=self._grammars.num_late_masks,
                 speculative=scheduler.constrained_speculative.copy(),
             ),
             state_slots_used=0 if slots is None else slots.num_slots - slots.num_free,

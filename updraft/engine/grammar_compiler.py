@@ -11,22 +11,30 @@ message, it does not hang the compiler).
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import llguidance
+import torch
 
+from updraft.runner.threads import count_as_other
 from updraft.structured_outputs import StructuredOutputsParams
 from updraft.tokenizer import Tokenizer
 
 # Distinct specs kept compiled; past it the least recently used one is compiled again.
 CACHE_SIZE = 256
 COMPILE_THREADS = 2
-# llguidance's own defaults, written out: what one compile and one mask step may cost.
+# llguidance's own defaults, written out, but for the initial fuel: what one compile and
+# one mask step may cost.
 LIMITS = dict(
     max_items_in_row=2000,
-    initial_lexer_fuel=1_000_000,  # about 20 ms of regex analysis
+    # Regex analysis before the first mask. llguidance's default of 1,000,000 let a
+    # first mask of "a{1000}{1000}b" run for a second before failing; at this fuel it
+    # fails within about 0.1 s, and large real schemas (thousands of enum strings, a
+    # hundred patterned properties) use a fraction of it.
+    initial_lexer_fuel=200_000,
     step_lexer_fuel=200_000,  # about 15 ms per mask
     step_max_items=50_000,
     max_lexer_states=250_000,  # 1-2 kB each
@@ -34,6 +42,9 @@ LIMITS = dict(
     verbose_errors=False,  # a message, not the parser's state
 )
 MAX_ERROR_CHARS = 600
+# A mask that takes longer than this ends its request, the first one at compile (the
+# fuel limits keep masks far below it; this bounds what they do not).
+MASK_SECONDS_LIMIT = 2.0
 # How each kind of spec reaches llguidance (its grammar_from formats).
 FORMATS = {
     "regex": "regex",
@@ -66,7 +77,9 @@ class GrammarCompiler:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()  # the cache and the tokenizer, across threads
         self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
-        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="updraft-grammar")
+        self._pool = ThreadPoolExecutor(
+            COMPILE_THREADS, thread_name_prefix="updraft-grammar", initializer=count_as_other
+        )
 
     @classmethod
     def for_model(
@@ -119,7 +132,29 @@ class GrammarCompiler:
         )
         if matcher.is_error():
             raise GrammarError(kind, matcher.get_error())
+        self._first_mask(kind, matcher)
         return matcher
+
+    def _first_mask(self, kind: str, matcher: llguidance.LLMatcher) -> None:
+        """Compute the first mask here, in the compiler's thread: the costliest mask of
+        a grammar is usually its first (the lexer's analysis), every copy of the matcher
+        then starts from it, and a spec no output can match is refused now, not
+        answered with an end of sequence its grammar never allowed."""
+        start = time.perf_counter()
+        bits = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
+        seconds = time.perf_counter() - start
+        for eos in self._eos_token_ids:
+            if eos // 32 < len(bits):  # bit 31 is int32's sign bit
+                bit = -(1 << 31) if eos % 32 == 31 else 1 << (eos % 32)
+                bits[eos // 32] &= ~bit
+        if matcher.is_error() or (not bool(bits.any()) and not matcher.is_accepting()):
+            raise GrammarError(kind, _why_nothing_matches(matcher, self._eos_token_ids))
+        if seconds > MASK_SECONDS_LIMIT:
+            raise GrammarError(
+                kind,
+                f"its first mask took {seconds:.2f} s, over the limit of "
+                f"{MASK_SECONDS_LIMIT:g} s per mask",
+            )
 
     def tokenizer(self) -> llguidance.LLTokenizer:
         """The tokenizer, read on first use (a large vocabulary takes a moment)."""
@@ -131,6 +166,26 @@ class GrammarCompiler:
                     eos_token=self._eos_token_ids or None,
                 )
             return self._tokenizer
+
+
+def _why_nothing_matches(matcher: llguidance.LLMatcher, eos_token_ids: list[int]) -> str:
+    """llguidance's reason when it has one (a lexer past its limits shows it once an
+    end of sequence is fed to a copy), else that no output matches."""
+    reason = matcher.get_error()
+    if not reason and eos_token_ids:
+        probe = matcher.deep_copy()
+        probe.consume_token(eos_token_ids[0])
+        reason = probe.get_error()
+    reason = plain_error(reason)
+    if not reason or reason.startswith("NoExtension"):  # its own name for "nothing fits"
+        return "no output can match it (its grammar allows no first token)"
+    return reason
+
+
+def plain_error(message: str) -> str:
+    """llguidance's message without the marker it leaves where verbose errors would
+    show the parser's state."""
+    return message.replace("<non-verbose/>", "").strip()
 
 
 def _short(message: str) -> str:

@@ -94,6 +94,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if self._waits_for_mask(request):
+                index += 1
+                continue
             num_known = request.num_tokens - request.num_computed_tokens
             draft = self._fit(drafts.get(request.request_id), request, budget - num_known)
             num_drafts = 0 if draft is None else len(draft.token_ids)
@@ -119,6 +122,8 @@ class Scheduler:
             if self.state_slots is not None and not self.state_slots.num_free:
                 break
             request = self.waiting[0]
+            if self._waits_for_mask(request):  # preempted while its mask was late
+                break
             cached = self.kv.cached_prefix(request)
             computed = len(cached) * self.kv.block_size
             remaining = request.num_tokens - computed
@@ -141,6 +146,9 @@ class Scheduler:
             plan.state_copies = [*self._saves, *restores]
             self._saves = []
         return plan
+
+    def _waits_for_mask(self, request: Request) -> bool:
+        return self.grammars is not None and self.grammars.waiting(request.request_id)
 
     def _to_boundary(self, request: Request, computed: int, count: int) -> int:
         """``count`` tokens from ``computed`` on, cut to end at the request's last full
@@ -169,6 +177,8 @@ class Scheduler:
         """The part of ``draft`` this step can verify: within the token budget and the
         context length, and only for a request that decodes."""
         if draft is None or request.num_tokens - request.num_computed_tokens != 1:
+            return None
+        if self.grammars is not None and not self.grammars.takes_drafts(request.request_id):
             return None
         limit = self.max_model_len
         if self.long_context_from is not None and request.num_tokens <= self.long_context_from:
@@ -225,13 +235,17 @@ class Scheduler:
             row = rows.get(request.request_id)
             accepted = 0 if row is None else output.num_accepted[row]
             computed_before = request.num_computed_tokens
-            request.num_computed_tokens += item.num_new_tokens - item.num_drafts + accepted
+            late = row is not None and self._mask_was_late(request)
+            # A request whose mask was late keeps none of this step's tokens, and its
+            # last known token is computed again when it rejoins.
+            computed = item.num_new_tokens - item.num_drafts + accepted - int(late)
+            request.num_computed_tokens += computed
             self.kv.register_computed(request)
             self._save_state(request, computed_before)
             self.kv.release_outside_window(request)
             if output.prompt_logprobs and request.request_id in output.prompt_logprobs:
                 _record_prompt_logprobs(request, *output.prompt_logprobs[request.request_id])
-            if row is None:
+            if row is None or late:
                 continue  # a prefill chunk short of the prompt's end: nothing sampled
             if item.num_drafts:
                 request.speculative.record(item.num_drafts, accepted)
@@ -241,15 +255,23 @@ class Scheduler:
             logprobs = None if output.logprobs is None else output.logprobs[row]
             top = None if output.top_logprobs is None else output.top_logprobs[row]
             was_short = not self._is_long(request)
-            new_tokens, new_logprobs = self._append(
-                request, output.token_ids[row], logprobs, top, now
-            )
+            token_ids = output.token_ids[row]
+            blocked = request.request_id in output.no_token_allowed
+            if blocked:  # its last row allowed nothing: that token is no sample
+                token_ids = token_ids[:-1]
+            new_tokens, new_logprobs = self._append(request, token_ids, logprobs, top, now)
+            if blocked and not request.finished:
+                request.error = no_token_allowed(request)
+                self._end(request, FinishReason.ERROR)
             if was_short and self._is_long(request) and not request.finished:
                 self._recompute(request)
             outputs.append(
                 request.take_output(new_tokens, new_logprobs, bool(self.num_lookahead_tokens))
             )
         return outputs
+
+    def _mask_was_late(self, request: Request) -> bool:
+        return self.grammars is not None and self.grammars.is_late(request.request_id)
 
     def _append(
         self,
@@ -273,8 +295,11 @@ class Scheduler:
             if keep_top:  # the step's rows carry its largest ask: this request's k first
                 request.top_logprobs.append(dict(list(top[count - 1].items())[:k]))
             reason = stop_condition(request, token_id, self.max_model_len)
-            if reason is None and constrained:
-                reason = self._advance_grammar(request, token_id)
+            # The grammar sees every token, an end of sequence too: one it does not
+            # accept is an error, never a stop.
+            verdict = self._advance_grammar(request, token_id) if constrained else None
+            if verdict is FinishReason.ERROR or reason is None:
+                reason = verdict
             if reason is not None:
                 self._end(request, reason)
                 token_ids = token_ids[:count]
@@ -335,6 +360,27 @@ class Scheduler:
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
+
+
+def no_token_allowed(request: Request) -> str:
+    """The error of a request whose settings together left no token to sample."""
+    params = request.sampling_params
+    settings = [
+        name
+        for name, on in (
+            ("structured_outputs", params.structured_outputs is not None),
+            ("allowed_token_ids", params.allowed_token_ids is not None),
+            ("bad_words", bool(params.bad_words)),
+            ("min_tokens", params.min_tokens > 0),
+            ("logit_bias", bool(params.logit_bias)),
+        )
+        if on
+    ]
+    message = (
+        f"no token is allowed at output token {request.num_output_tokens + 1}: "
+        f"{', '.join(settings) or 'the request'} leave none"
+    )
+    return STRUCTURED_ERROR + message if params.structured_outputs is not None else message
 
 
 # A prompt whose logprobs are asked for is computed in chunks of at most this many

@@ -49,6 +49,7 @@ class StructuredStats:
     num_compiling: int  # waiting for their grammar to compile
     masked_rows: int  # logits rows masked so far (one per sampled token or verified draft)
     speculative: SpeculativeMetrics  # the verify rounds of constrained requests
+    late_masks: int = 0  # masks that missed their step: their request waited a step out
 
 
 @dataclass(frozen=True)

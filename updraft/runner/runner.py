@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from concurrent.futures import Future
 from functools import cached_property
 from typing import NamedTuple
 
@@ -50,8 +49,8 @@ from updraft.runner.probe import Probe
 from updraft.runner.rank_messages import HiddenRows, Send, loop_message, step_message
 from updraft.runner.rejection_sampler import verify_step
 from updraft.runner.sampler import TopLogprobs, prompt_logprobs, sample
-from updraft.runner.token_mask import mask_logits
-from updraft.step.allowed_tokens import AllowedTokens
+from updraft.runner.token_mask import mask_logits, mask_wait, no_token_allowed, own_randomness_kept
+from updraft.step.allowed_tokens import PendingMasks
 from updraft.step.inputs import (
     GRAPH_INPUTS,
     ForwardInputs,
@@ -241,18 +240,17 @@ class Runner:
                 cache[dst_slot, dst_row].copy_(cache[src_slot, src_row])
 
     @torch.inference_mode()
-    def execute(
-        self, inputs: StepInputs, allowed: Future[AllowedTokens | None] | None = None
-    ) -> StepOutput:
+    def execute(self, inputs: StepInputs, allowed: PendingMasks | None = None) -> StepOutput:
         """The step's forward, then its tokens; ``allowed``: the tokens its constrained
-        rows may take (computed while the forward runs), applied before any filtering,
-        sampling or verification. Logprobs stay those of the model's own logits."""
+        rows may take (being computed while the forward runs; the step waits for them
+        only ``mask_wait``), applied before any filtering, sampling or verification.
+        Logprobs stay those of the model's own logits."""
         start = time.perf_counter()
         forward = self.forward(inputs)
         if self.device.type == "cuda":  # sampling waits for the forward anyway
             torch.cuda.synchronize(self.device)
         forward_seconds = time.perf_counter() - start
-        constraint = None if allowed is None else allowed.result()
+        constraint = None if allowed is None else allowed.ready(*mask_wait(forward_seconds))
         sampling = inputs.sampling
         model_logits = forward.logits[: sampling.num_sampling_rows]
         scored = None
@@ -260,7 +258,7 @@ class Runner:
             scored = prompt_logprobs(
                 forward.logits[sampling.num_sampling_rows :], sampling.prompt_rows
             )
-        logits, raw_logits = model_logits, None
+        logits = model_logits
         # The model's own logits are kept only where logprobs are read from them.
         keep = sampling.batch.want_logprobs
         if constraint is not None:
@@ -269,9 +267,9 @@ class Runner:
             logits = adjust_logits(
                 logits, sampling.adjustments, in_place=logits is not model_logits or not keep
             )
-        if keep and logits is not model_logits:
-            raw_logits = model_logits
-        tokens = self.sample(logits, sampling, raw_logits)
+        raw_logits = model_logits if keep and logits is not model_logits else None
+        with own_randomness_kept(sampling.batch, constraint):
+            tokens = self.sample(logits, sampling, raw_logits)
         request_ids = [inputs.request_ids[row] for row in inputs.sampling.rows]
         if self.probe is not None:
             rows = [1 + n for n in inputs.sampling.num_drafts]
@@ -283,6 +281,9 @@ class Runner:
             logprobs=tokens.logprobs,
             top_logprobs=tokens.top_logprobs,
             prompt_logprobs=scored,
+            no_token_allowed=no_token_allowed(
+                logits, sampling, tokens.num_accepted, request_ids, constraint is not None
+            ),
             hidden_states=forward.hidden_states,
             forward_seconds=forward_seconds,
             mode=forward.mode,

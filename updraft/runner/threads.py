@@ -6,12 +6,15 @@ or less, in scheduler time slices of milliseconds, and every op waits for it: on
 cores one busy neighbour made decode 3-4x slower with two threads, where one thread on
 the free core loses only the second core's share. So the engine watches the CPU time
 other processes take (``/proc/stat`` minus its own ``/proc/self/stat``) and leaves them
-the cores they use, taking every core back once they go quiet.
+the cores they use, taking every core back once they go quiet. The engine's own
+threads that work beside the steps (grammar compiles and masks) register with
+``count_as_other``: their CPU time counts as another process's.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -31,13 +34,37 @@ def _machine_busy_ticks() -> int | None:
     return sum(values) - values[3] - values[4]
 
 
-def _own_ticks() -> int | None:
+# Native ids of this process's threads whose CPU time counts as another process's.
+_OTHER_THREADS: set[int] = set()
+
+
+def count_as_other() -> None:
+    """Called in a thread that works beside the steps (a thread pool's initializer):
+    the cores it keeps busy are left to it, as to another process."""
+    _OTHER_THREADS.add(threading.get_native_id())
+
+
+def _ticks(stat_path: str) -> int | None:
     try:
-        stat = Path("/proc/self/stat").read_text()
+        stat = Path(stat_path).read_text()
     except OSError:
         return None
     fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
     return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def _own_ticks() -> int | None:
+    """The CPU time of this process, less that of the threads counted as others'."""
+    own = _ticks("/proc/self/stat")
+    if own is None:
+        return None
+    for thread in list(_OTHER_THREADS):
+        ticks = _ticks(f"/proc/self/task/{thread}/stat")
+        if ticks is None:  # the thread has ended
+            _OTHER_THREADS.discard(thread)
+        else:
+            own -= ticks
+    return own
 
 
 class ThreadBudget:

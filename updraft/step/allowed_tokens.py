@@ -4,6 +4,7 @@ engine's grammars to the runner's sampler."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -18,3 +19,15 @@ class AllowedTokens:
 
     rows: torch.Tensor  # [R] int64
     bitmask: torch.Tensor  # [R, ceil(tokens / 32)] int32
+    # Sampling requests (by index) whose masks were not ready: their rows are left
+    # unconstrained, their tokens are not kept, and they draw no randomness of their own.
+    late: tuple[int, ...] = ()
+
+
+class PendingMasks(Protocol):
+    """A step's masks as they are being computed (engine/step_masks.py)."""
+
+    def ready(self, quiet: float, limit: float) -> AllowedTokens | None:
+        """The masks done before ``quiet`` seconds pass without one finishing, and
+        within ``limit`` in all; the rows of the rest are left unconstrained, and their
+        requests' tokens not kept."""

@@ -30,3 +30,7 @@ class StepOutput:
     # step: the prompt position scored first, then per position {token: logprob} (the
     # prompt's token first, then the likeliest).
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] | None = None
+    # Requests whose row at their last emitted token allowed no token at all (a
+    # grammar, allowed_token_ids, bad words and min_tokens that together forbid every
+    # one): that token is no sample, and the request ends with an error.
+    no_token_allowed: frozenset[str] = frozenset()
