@@ -258,3 +258,31 @@ def test_a_dead_engine_process_is_a_503_and_a_dead_server_takes_it_along(own_tmp
     assert len(children) == 4, children
     assert _gone(children, 10), "a process outlived its killed server"
     assert not _socket_dirs(own_tmp), "the engine's sockets were left behind"
+
+
+def test_a_request_the_wire_cannot_carry_leaves_nothing_in_flight():
+    """An integer past 64 bits (intake refuses it; a caller that skipped intake) fails
+    the add before anything is registered, so the client holds nothing in flight and its
+    shutdown does not wait on a request that never reached the core."""
+    engine = Engine(EngineConfig(model=str(DEMO_MODEL_DIR), enforce_eager=True))
+
+    async def run() -> None:
+        core = CoreThread(engine)
+        client = EngineClient(
+            CoreLink(core.addresses, 0, core.start, core.is_alive, core.join), engine.tokenizer
+        )
+        client.start()
+        unchecked = SamplingParams(max_tokens=2)
+        object.__setattr__(unchecked, "seed", 2**70)  # as if no check had run
+        try:
+            with pytest.raises(OverflowError):
+                async for _ in client.generate("r", [5], unchecked):
+                    pass
+            assert client.num_in_flight == 0
+            async for _ in client.generate("s", [5, 6], SamplingParams(max_tokens=2)):
+                pass
+        finally:
+            await client.shutdown(5)
+
+    asyncio.run(run())
+    assert engine.stats().kv_blocks_used == 0 and not engine.has_unfinished

@@ -174,11 +174,14 @@ class EngineClient:
         intake = prompt
         if not isinstance(intake, EngineRequest):
             intake = EngineRequest(None, list(prompt), params)
+        # Packed before anything is registered: a request the wire cannot carry raises
+        # here and leaves nothing in flight (a shutdown would wait on it forever).
+        add = wire.pack(["add", self.link.client, request_id, *wire.request_to_wire(intake)])
         served = ServedRequest(request_id, intake, self.tokenizer, self.eos_token_ids)
         self._requests[request_id] = served
         self._num_in_flight += 1
         self._unapplied.add(request_id)
-        self._send(["add", self.link.client, request_id, *wire.request_to_wire(intake)])
+        self._send_packed(add)
         finished = failed = False
         try:
             while not finished:
@@ -201,8 +204,11 @@ class EngineClient:
                     self.metrics.finished("abort")
 
     def _send(self, message: list[Any]) -> None:
+        self._send_packed(wire.pack(message))
+
+    def _send_packed(self, packed: bytes) -> None:
         if self._input is not None:
-            self._input.send(wire.pack(message), zmq.NOBLOCK)
+            self._input.send(packed, zmq.NOBLOCK)
 
     # -- what the core sends ---------------------------------------------------------------
 
