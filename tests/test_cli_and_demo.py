@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -67,6 +68,22 @@ def test_generate_command_reports_bad_input_without_a_traceback(capsys, tmp_path
     assert "no config.json" in capsys.readouterr().err
     assert main(["generate", "--prompt", "x", "--top-p", "2"]) == 2
     assert "SamplingParams.top_p" in capsys.readouterr().err
+
+
+def test_a_one_shot_generate_exits_cleanly_while_graphs_are_made_in_the_background():
+    """The default start steps eagerly while a thread captures graphs; a run that ends
+    before that thread does must still exit 0 (a daemon thread left inside torch's C++
+    at interpreter exit aborts the process)."""
+    env = {**os.environ, "UPDRAFT_GRAPHS_IN_BACKGROUND": "1", "UPDRAFT_COMPILE_GRAPHS": "0"}
+    result = subprocess.run(
+        [sys.executable, "-m", "updraft", "generate", "--prompt", "x", "--max-tokens", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "terminate called" not in result.stderr
 
 
 def test_help_is_useful_on_its_own():

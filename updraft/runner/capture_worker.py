@@ -20,9 +20,11 @@ swap changes no greedy token.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from queue import Empty, SimpleQueue
 from typing import Any, NamedTuple
@@ -32,6 +34,19 @@ import torch
 from updraft.graph.compile_cache import compiling, open_cache, seal
 
 logger = logging.getLogger(__name__)
+
+# Workers whose thread may still run. A daemon thread still inside torch's C++ when the
+# interpreter finalizes is unwound by force, which aborts the process ("terminate called
+# without an active exception"); so at exit each stops after the bucket in hand, and is
+# waited for.
+_running: weakref.WeakSet[CaptureWorker] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_every_worker() -> None:
+    for worker in list(_running):
+        worker.stop()
+        worker.thread.join()
 
 
 class Handed(NamedTuple):
@@ -62,6 +77,7 @@ class CaptureWorker:
         self.thread = threading.Thread(
             target=self._work, name=f"updraft-{owner}-graphs", daemon=True
         )
+        _running.add(self)
         self.thread.start()
 
     def take(self) -> list[Handed]:
