@@ -44,3 +44,19 @@ def assert_idle(llm: LLM) -> None:
     stats = llm.engine.stats()
     assert stats.kv_blocks_used == stats.window_blocks_used == 0
     assert stats.num_running == stats.num_waiting == 0
+
+
+def count_prefix_hits(monkeypatch: Any) -> list[int]:
+    """The number of cached blocks each prefix lookup finds, appended as they happen."""
+    from updraft.engine.kv_blocks import KVCacheManager
+
+    hits: list[int] = []
+    cached_prefix = KVCacheManager.cached_prefix
+
+    def counted(self: KVCacheManager, request: Any) -> list:
+        blocks = cached_prefix(self, request)
+        hits.append(len(blocks))
+        return blocks
+
+    monkeypatch.setattr(KVCacheManager, "cached_prefix", counted)
+    return hits

@@ -18,7 +18,7 @@ import transformers
 
 from tests.checkpoints import WINDOW, build_checkpoint, eagle_head_checkpoint, tiny_config
 from tests.helpers import greedy, token_ids
-from tests.probes import assert_idle, logits_of, probed, records
+from tests.probes import assert_idle, count_prefix_hits, logits_of, probed, records
 from tests.test_reference_models import PROMPTS, assert_logits_match
 from tests.window_checks import budget_gib, run_checked
 from updraft import LLM
@@ -293,15 +293,7 @@ def test_prefix_caching_stays_correct_with_windows(mistral, monkeypatch):
     prompts = [[*shared, 50 + i] for i in range(3)]
     params = greedy(30)
     fresh = [token_ids(LLM(mistral, block_size=4).generate([p], params))[0] for p in prompts]
-    hits = []
-    cached_prefix = KVCacheManager.cached_prefix
-
-    def counted(self, request):
-        blocks = cached_prefix(self, request)
-        hits.append(len(blocks))
-        return blocks
-
-    monkeypatch.setattr(KVCacheManager, "cached_prefix", counted)
+    hits = count_prefix_hits(monkeypatch)
     llm = LLM(mistral, block_size=4, num_kv_blocks=64)
     served = [token_ids(llm.generate([p], params))[0] for p in prompts]
     assert served == fresh

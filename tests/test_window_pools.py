@@ -16,7 +16,7 @@ import torch
 
 from tests.checkpoints import WINDOW, build_checkpoint
 from tests.helpers import greedy, token_ids
-from tests.probes import assert_idle, logits_of, probed, records
+from tests.probes import assert_idle, count_prefix_hits, logits_of, probed, records
 from tests.window_checks import assert_windows_held, budget_gib, run_checked
 from updraft import LLM
 from updraft.attention.cache_groups import window_pool_blocks
@@ -116,15 +116,7 @@ def test_a_prefix_hit_reads_the_windowed_blocks_it_needs_and_equals_a_fresh_run(
     fresh = token_ids(
         LLM(gemma3, **args, enable_prefix_caching=False).generate(prompts, greedy(20))
     )
-    hits = []
-    cached_prefix = KVCacheManager.cached_prefix
-
-    def counted(self, request):
-        blocks = cached_prefix(self, request)
-        hits.append(len(blocks))
-        return blocks
-
-    monkeypatch.setattr(KVCacheManager, "cached_prefix", counted)
+    hits = count_prefix_hits(monkeypatch)
     llm = LLM(gemma3, **args)
     served = [token_ids(run_checked(llm, [p], [greedy(20)]))[0] for p in prompts]
     assert served == fresh
