@@ -27,6 +27,11 @@ MUTUAL_REFS = {
 }
 # (spec, extra sampling fields): each allows no output at all.
 SOLO_STEPS = 150
+# llguidance keeps the GIL through some of its calls (a lexer step of a slow grammar):
+# up to about 40 ms measured beside a Python thread. A step outside its forward may be
+# held that long by the mask thread however the engine waits; waiting for a late mask
+# would hold it for the mask's whole time (the stalling one's: 100 ms and more).
+GIL_HOLD_SECONDS = 0.04
 IMPOSSIBLE = {
     "regex-and-allowed-ids": (
         StructuredOutputsParams(regex="[0-9]{3}"),
@@ -85,8 +90,9 @@ def test_slow_grammars_never_hold_a_running_stream(demo):
     Measured in one run against the same stream's steps before the attack. What a step
     spends outside its forward (where a wait for a mask would be) stays under twice the
     stream's median step, or under twice the largest such time of as many steps before
-    the attack (a loaded machine stalls any step now and then); on such a machine one
-    of three attacks must show it. The forward itself is not held to it: with no spare
+    the attack (a loaded machine stalls any step now and then), or under the longest
+    time llguidance keeps the GIL (``GIL_HOLD_SECONDS``); on a loaded machine one of
+    three attacks must show it. The forward itself is not held to it: with no spare
     core the mask thread's work slows it down, as any other process would."""
     engine = demo.engine
     late_before = engine.stats().structured.late_masks
@@ -99,7 +105,7 @@ def test_slow_grammars_never_hold_a_running_stream(demo):
         engine.abort(stream)
         while engine.has_unfinished:
             engine.step()
-    assert all(h < 2 * max(median, noise) for h, median, noise in held[-1:]), held
+    assert all(h < bound(median, noise) for h, median, noise in held[-1:]), held
     assert engine.stats().structured.late_masks > late_before  # they did miss steps
     assert engine.stats().kv_blocks_used == 0
 
@@ -119,9 +125,14 @@ def attacks(engine, stream: str) -> list[tuple[float, float, float]]:
         median = statistics.median(gap for gap, _ in solo)
         noise = max(gap - forward for gap, forward in solo[: len(attacked)])
         held.append((max(gap - forward for gap, forward in attacked), median, noise))
-        if held[-1][0] < 2 * max(median, noise):
+        if held[-1][0] < bound(median, noise):
             break
     return held
+
+
+def bound(median: float, noise: float) -> float:
+    """The most a step may spend outside its forward while masks are late."""
+    return max(2 * max(median, noise), GIL_HOLD_SECONDS)
 
 
 def test_impossible_constraints_end_with_an_error_not_a_stop(demo):
