@@ -67,6 +67,20 @@ static inline __attribute__((always_inline)) __m512 add_scaled(__m512 acc, __m51
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, _mm512_set1_ps(xd)), acc);
 }
 
+/* a 32-value block pair's codes (codes[8], unsigned) times each row's x block i, the sums
+   started at ``offset`` (x's code sums times the codes' offset: minus8 or minus128),
+   scaled by d and x's scale */
+static inline __attribute__((always_inline)) void add_block32(const __m512i codes[8], __m512 d,
+                                                              const int32_t *offset,
+                                                              const rounded_x *x, int64_t i,
+                                                              int rows, __m512 *acc) {
+    for (int m = 0; m < rows; m++) {
+        const int64_t xb = m * (x->k / 32) + i;
+        const __m512i sum = dot_pair(codes, x->codes + 32 * xb, 8, _mm512_set1_epi32(offset[xb]));
+        acc[m] = add_scaled(acc[m], sum, d, x->scales[xb]);
+    }
+}
+
 static inline __attribute__((always_inline)) void pair_q4_0(const uint8_t *a, const uint8_t *b,
                                                             int64_t blocks, const rounded_x *x,
                                                             int rows, __m512 *acc) {
@@ -80,12 +94,7 @@ static inline __attribute__((always_inline)) void pair_q4_0(const uint8_t *a, co
             codes[t] = _mm512_and_si512(raw, nibble);
             codes[4 + t] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
         }
-        const __m512 d = halves_pair(pa, pb);
-        for (int m = 0; m < rows; m++) {
-            const int64_t xb = m * (x->k / 32) + i;
-            const __m512i sum = dot_pair(codes, x->codes + 32 * xb, 8, _mm512_set1_epi32(x->minus8[xb]));
-            acc[m] = add_scaled(acc[m], sum, d, x->scales[xb]);
-        }
+        add_block32(codes, halves_pair(pa, pb), x->minus8, x, i, rows, acc);
     }
 }
 
@@ -100,12 +109,7 @@ static inline __attribute__((always_inline)) void pair_q8_0(const uint8_t *a, co
         __m512i codes[8];
         for (int t = 0; t < 8; t++)
             codes[t] = _mm512_xor_si512(load_pair(pa + 16 + 32 * t, pb + 16 + 32 * t), flip);
-        const __m512 d = halves_pair(pa, pb);
-        for (int m = 0; m < rows; m++) {
-            const int64_t xb = m * (x->k / 32) + i;
-            const __m512i sum = dot_pair(codes, x->codes + 32 * xb, 8, _mm512_set1_epi32(x->minus128[xb]));
-            acc[m] = add_scaled(acc[m], sum, d, x->scales[xb]);
-        }
+        add_block32(codes, halves_pair(pa, pb), x->minus128, x, i, rows, acc);
     }
 }
 
