@@ -19,16 +19,18 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
+
+from updraft.resident import reset_peak, status_bytes
 
 MIB = 2**20
 
 
-def _status_kib(name: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{name}:"):
-            return int(line.split()[1])
-    raise LookupError(name)
+def _status(name: str) -> int:
+    """A /proc/self/status field in bytes; a bound that read zeros would hold nothing."""
+    value = status_bytes(name)
+    if not value:
+        raise LookupError(f"/proc/self/status has no {name}")
+    return value
 
 
 @dataclass
@@ -46,10 +48,11 @@ def bounded(seconds: float, mib: int) -> Iterator[Spent]:
     """Yields a ``Spent`` filled in on exit; raises ``TimeoutError`` past ``seconds``
     and ``MemoryError`` (from whatever allocates) far past ``mib``."""
     spent = Spent()
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    before = _status_kib("VmRSS")
+    if not reset_peak():  # VmHWM := VmRSS
+        raise OSError("/proc/self/clear_refs cannot be written: no peak to bound")
+    before = _status("VmRSS")
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    cap = _status_kib("VmSize") * 1024 + 8 * mib * MIB  # room for arenas and stacks
+    cap = _status("VmSize") + 8 * mib * MIB  # room for arenas and stacks
     resource.setrlimit(resource.RLIMIT_AS, (cap if hard < 0 else min(cap, hard), hard))
     previous = signal.signal(signal.SIGALRM, _on_alarm)
     signal.setitimer(signal.ITIMER_REAL, seconds)
@@ -61,4 +64,4 @@ def bounded(seconds: float, mib: int) -> Iterator[Spent]:
         signal.signal(signal.SIGALRM, previous)
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
         spent.seconds = time.perf_counter() - start
-        spent.peak_mib = (_status_kib("VmHWM") - before) / 1024
+        spent.peak_mib = (_status("VmHWM") - before) / MIB
