@@ -1,10 +1,12 @@
 """One block of memory for a recorded graph's intermediates, reused as they die.
 
-At capture every tensor an op produces is kept (the replay writes into it again), so a
-recorded graph holds all of its intermediates at once: a 512-token prefill step of a
-100M model would keep about 330 MB, a dozen layers' activations side by side, and a
-replay would walk through all of it, cold. A device graph's memory pool reuses what a
-tensor freed for the tensors made after it; this does the same after the fact. Each
+A recorded graph keeps every tensor an op produced (the replay writes into it again),
+so as captured it would hold all of its intermediates at once: a 512-token prefill step
+of a 100M model would keep about 330 MB, a dozen layers' activations side by side, and
+a replay would walk through all of it, cold (the capture itself frees their bytes as
+the forward drops them, ``intermediates.py``, but keeps their places to fill). A device
+graph's memory pool reuses what a tensor freed for the tensors made after it; this does
+the same after the fact. Each
 produced storage lives from the first to the last replay call that touches it; storages
 whose lives do not overlap share bytes of one arena, and the captured tensors are
 remade as views of their places in it, with the same sizes, strides and offsets.
@@ -15,8 +17,9 @@ largest graph needs, rather than a block per graph.
 
 Lives are counted in replay calls, not ops: a compiled run reads its inputs and writes
 its results in one fused call, so a result may not take the bytes of anything the same
-run reads. What the graph returns, and whatever it did not produce (weights, the KV
-cache, static inputs, folded constants), stays where it is.
+run reads; what one call makes and uses up goes into a block of its own, laid out op by
+op, for replays op by op. What the graph returns, and whatever it did not produce
+(weights, the KV cache, static inputs, folded constants), stays where it is.
 """
 
 from __future__ import annotations
@@ -52,38 +55,61 @@ def place_in_arena(
     calls: Sequence[int],
     movable: set[int],
     shared: SharedArena | None = None,
+    key: Callable[[torch.Tensor], int] = storage_of,
+    nbytes: Callable[[torch.Tensor], int] = lambda tensor: tensor.untyped_storage().nbytes(),
 ) -> torch.Tensor | None:
     """Moves the storages in ``movable`` (produced by the graph, not returned) into one
     arena (the head of ``shared``'s block, if given), rewriting every node's tensors in
-    place; ``calls[i]`` is the replay call node i runs in. -> the arena, which the graph
-    must keep (None when nothing moved)."""
-    lives: dict[int, tuple[int, int]] = {}
+    place; ``calls[i]`` is the replay call node i runs in. ``key`` and ``nbytes``: a
+    tensor's storage and its size (a capture's own, for storages it freed). -> the
+    arena, which the graph must keep (None when nothing moved into it)."""
+    lives: dict[int, tuple[int, int]] = {}  # in replay calls
+    steps: dict[int, tuple[int, int]] = {}  # in nodes
     sizes: dict[int, int] = {}
-    for node, call in zip(nodes, calls, strict=True):
+    for index, (node, call) in enumerate(zip(nodes, calls, strict=True)):
         for tensor in tensors_in(_contents(node)):
             if tensor.is_mkldnn:
                 continue
-            storage = storage_of(tensor)
+            storage = key(tensor)
             if storage in movable:
                 lives[storage] = (lives.get(storage, (call, call))[0], call)
-                sizes[storage] = tensor.untyped_storage().nbytes()
+                steps[storage] = (steps.get(storage, (index, index))[0], index)
+                sizes[storage] = nbytes(tensor)
     # What one fused call both makes and uses up never leaves it: a compiled run keeps
-    # it in registers or scratch of its own, so it needs no place here (an uncompiled
-    # run holds it where it was made).
+    # it in registers or scratch of its own, so it takes no place in the arena. Only a
+    # replay op by op reads it (before the runs are compiled, or a run inductor could
+    # not compile): it goes into a block of its own, laid out op by op, which the nodes
+    # alone hold, and which goes with them once the runs are compiled.
     nodes_per_call = Counter(calls)
-    for storage, (born, dies) in list(lives.items()):
-        if born == dies and nodes_per_call[born] > 1:
-            del lives[storage], sizes[storage]
-    if not sizes:
-        return None
-    offsets, total = arena_offsets(lives, sizes)
-    # Zeroed once: rows a replay skips (``TokenRows``) keep what was last written there
-    # (by this graph or, shared, another), which no live row reads.
-    arena = torch.zeros(total, dtype=torch.uint8) if shared is None else shared.take(total)
-    whole = arena.untyped_storage()
-    places = {
-        storage: whole[offset : offset + sizes[storage]] for storage, offset in offsets.items()
+    inside = {
+        storage: steps[storage]
+        for storage, (born, dies) in lives.items()
+        if born == dies and nodes_per_call[born] > 1
     }
+    lives = {storage: life for storage, life in lives.items() if storage not in inside}
+    places: dict[int, torch.UntypedStorage] = {}
+    arena = None
+    if lives:
+        offsets, total = arena_offsets(lives, sizes)
+        # Zeroed once: rows a replay skips (``TokenRows``) keep what was last written
+        # there (by this graph or, shared, another), which no live row reads.
+        arena = torch.zeros(total, dtype=torch.uint8) if shared is None else shared.take(total)
+        places |= _places(arena, offsets, sizes)
+    if inside:
+        offsets, total = arena_offsets(inside, sizes)
+        places |= _places(torch.zeros(total, dtype=torch.uint8), offsets, sizes)
+    if not places:
+        return None
+    _rewrite(nodes, places, key)
+    return arena
+
+
+def _rewrite(
+    nodes: Sequence[OpNode | TaskNode],
+    places: dict[int, torch.UntypedStorage],
+    key: Callable[[torch.Tensor], int],
+) -> None:
+    """Every node's tensors over a storage in ``places`` remade as views of its place."""
     # Each tensor's new self (itself where it stays), by id: one tensor stays one tensor
     # (runs key values by id), and a tensor many nodes read is looked at once. The nodes
     # hold every tensor alive through the walk, so no id is reused.
@@ -92,7 +118,7 @@ def place_in_arena(
     def moved(leaf: torch.Tensor) -> torch.Tensor:
         new = remade.get(id(leaf))
         if new is None:
-            place = None if leaf.is_mkldnn else places.get(storage_of(leaf))
+            place = None if leaf.is_mkldnn else places.get(key(leaf))
             new = (
                 leaf
                 if place is None
@@ -108,7 +134,14 @@ def place_in_arena(
         rewritten = _rebuilt(contents, moved)
         if rewritten is not contents:
             _assign(node, rewritten)
-    return arena
+
+
+def _places(
+    block: torch.Tensor, offsets: dict[int, int], sizes: dict[int, int]
+) -> dict[int, torch.UntypedStorage]:
+    """Each storage's bytes of ``block``, at its offset."""
+    whole = block.untyped_storage()
+    return {storage: whole[offset : offset + sizes[storage]] for storage, offset in offsets.items()}
 
 
 def _contents(node: OpNode | TaskNode) -> tuple[Any, ...]:

@@ -151,14 +151,30 @@ def _finish(run: PendingRun) -> Callable[[], Any]:
 
 
 def _last_reads(nodes: Sequence[OpNode | TaskNode], output_storages: set[int]) -> dict[int, float]:
-    """Each storage the graph reads, with the index of the last node that reads it
-    (infinity for what the graph returns)."""
+    """Each storage the graph reads (``_storage_object``), with the index of the last
+    node that reads it (infinity for what the graph returns)."""
     last: dict[int, float] = {}
+    returned = set()
     for index, node in enumerate(nodes):
         read = node.kwargs if isinstance(node, TaskNode) else (node.args, node.kwargs)
-        last.update((storage_of(tensor), index) for tensor in tensors_in(read))
-    last.update((storage, math.inf) for storage in output_storages)
+        for tensor in tensors_in(read):
+            last[_storage_object(tensor)] = index
+        made = node.output if isinstance(node, TaskNode) else node.outputs
+        returned.update(
+            _storage_object(tensor)
+            for tensor in tensors_in(made)
+            if storage_of(tensor) in output_storages
+        )
+    last.update((storage, math.inf) for storage in returned)
     return last
+
+
+def _storage_object(tensor: torch.Tensor) -> int:
+    """Which storage ``tensor`` is a view of, told apart by the storage object rather
+    than its address: the arena places storages whose lives never meet at the same
+    bytes, and each as a storage object of its own, shared by every view of it. By
+    address, a result would be kept for the readers of whatever is placed over it later."""
+    return id(tensor) if tensor.is_mkldnn else tensor.untyped_storage()._cdata
 
 
 def _compiled_run(run: list[OpNode], last_read: dict[int, float], end: int) -> Any:
@@ -195,7 +211,7 @@ def _compiled_run(run: list[OpNode], last_read: dict[int, float], end: int) -> A
     # Views alias a result's storage, so refreshing the result refreshes them too.
     kept: dict[int, tuple[torch.Tensor, torch.fx.Node]] = {}
     for tensor, value in results:
-        storage = storage_of(tensor)
+        storage = _storage_object(tensor)
         if last_read.get(storage, -1) >= end and storage not in kept:
             kept[storage] = (tensor, value)
     # The graph writes them into the captured tensors itself: inductor then stores each

@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from updraft.graph.arena import SharedArena, place_in_arena
 from updraft.graph.compile_cache import compiling, open_cache
 from updraft.graph.compiled_runs import compiled_segments, finished, replay_calls
+from updraft.graph.intermediates import Intermediates
 from updraft.graph.recorded_nodes import (
     OpNode,
     TaskNode,
@@ -51,6 +52,14 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, graph: RecordedGraph) -> None:
         super().__init__()
         self.graph = graph
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Else torch wraps ``__torch_dispatch__`` in ``torch._disable_dynamo``, whose
+        # first call imports dynamo, and with it sympy and much of inductor (about 65
+        # MiB resident), into a process that may never compile. Nothing traces the
+        # recorder with dynamo: compiled runs are built from its nodes afterwards.
+        return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -111,6 +120,8 @@ class RecordedGraph:
         self.output_storages: set[int] = set()
         self.arena: torch.Tensor | None = None  # the produced tensors' memory (arena.py)
         self.arenas = arenas  # whose block the arena is the head of, if shared
+        # While capturing: the produced storages, freed as the forward drops them.
+        self.intermediates: Intermediates | None = None
         self._segments: list[list[Callable[[], Any]]] | None = None
 
     @property
@@ -128,6 +139,7 @@ class RecordedGraph:
             torch.nn.modules.module.register_module_forward_pre_hook(self._enter),
             torch.nn.modules.module.register_module_forward_hook(self._leave),
         )
+        self.intermediates = Intermediates(self.constant_storages | self.persistent_storages)
         try:
             with recording_tasks(self), _Recorder(self):
                 out = fn()
@@ -143,7 +155,15 @@ class RecordedGraph:
         self.output_storages = {storage_of(tensor) for tensor in tensors_in(out)}
         # Placed for compiled runs even before they are compiled: a run's results then
         # never share bytes with what it reads, and op by op every life is a subset of that.
-        self.arena = place_in_arena(self.nodes, self._calls(), self._movable(), self.arenas)
+        intermediates, self.intermediates = self.intermediates, None
+        self.arena = place_in_arena(
+            self.nodes,
+            self._calls(),
+            self._movable() | intermediates.freed_keys(),
+            self.arenas,
+            key=intermediates.key,
+            nbytes=intermediates.nbytes,
+        )
         if self.compile_runs and not self.defer_compile:  # the first replay should not wait
             with compiling(open_cache()):
                 self.swap(self.compile())
@@ -152,7 +172,8 @@ class RecordedGraph:
     def _movable(self) -> set[int]:
         """The storages the graph produced for itself: not returned, not a view of a
         weight, the KV cache or an input; each is rewritten at every replay before it is
-        read, so it may share memory with any whose replay calls it does not meet."""
+        read, so it may share memory with any whose replay calls it does not meet. (Those
+        freed while capturing are known by their own keys: ``Intermediates``.)"""
         kept = self.output_storages | self.constant_storages | self.persistent_storages
         return {storage for storage in self.produced - kept if storage != 0}
 
@@ -212,9 +233,16 @@ class RecordedGraph:
         is_view = func.is_view and all(storage_of(t) in read for t in outputs)
         rerun = mutates or not is_view
         out_variant = find_out_variant(func) if rerun and len(outputs) == 1 else None
-        self.nodes.append(
-            OpNode(func, args, kwargs, [] if mutates else outputs, rerun, out_variant)
-        )
+        held = self.intermediates
+        held.track(outputs)
+        args, kwargs, kept = held.held((args, kwargs, [] if mutates else outputs))
+        self.nodes.append(OpNode(func, args, kwargs, kept, rerun, out_variant))
+        self._free_dead()
+
+    def _free_dead(self) -> None:
+        """Frees what the forward let go of; its address may now go to a new tensor,
+        which must not pass for this one."""
+        self.produced.difference_update(self.intermediates.free_dead())
 
     def check_writes(self, func: Any, args: Any, kwargs: Any) -> None:
         """Refuses a write into a tensor made from constants alone (``torch.zeros``):
@@ -242,9 +270,13 @@ class RecordedGraph:
         if not isinstance(out, torch.Tensor):
             raise CaptureError(f"task {op.__name__} must return one tensor")
         self.produced.add(storage_of(out))
-        task = TaskNode(op, kwargs, key, out)
+        with _disable_current_modes():  # the aliases are no ops of the graph
+            self.intermediates.track([out])
+            held_kwargs, held_out = self.intermediates.held((kwargs, out))
+        task = TaskNode(op, held_kwargs, key, held_out)
         self.nodes.append(task)
         self.tasks.append(task)
+        self._free_dead()
         return out
 
     # -- replay ------------------------------------------------------------------------
