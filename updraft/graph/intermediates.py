@@ -50,6 +50,7 @@ class Intermediates:
         self.alias_of: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
         self.freed: dict[int, tuple[int, int]] = {}  # storage's _cdata -> (key, bytes)
         self.untrimmed = 0  # bytes freed since the last trim
+        self.unchecked = 0  # ops recorded since the tracked storages were last looked at
 
     def track(self, tensors: list[torch.Tensor]) -> None:
         """Outputs of an op: their storages may be freed once dead."""
@@ -92,8 +93,14 @@ class Intermediates:
         return alias
 
     def free_dead(self) -> list[int]:
-        """Frees each tracked storage nothing but its aliases and wrapper holds. ->
-        the addresses it had."""
+        """After each op: frees each tracked storage nothing but its aliases and wrapper
+        holds. -> the addresses it had. A forward that keeps many tensors alive is looked
+        over once every ``len(tracked) // 32`` ops, not at every op: capture stays
+        linear in the ops, and what died waits a few ops at most."""
+        self.unchecked += 1
+        if self.unchecked < len(self.tracked) // 32:
+            return []
+        self.unchecked = 0
         dead = [
             address
             for address, tracked in self.tracked.items()
