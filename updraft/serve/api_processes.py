@@ -190,7 +190,10 @@ class EngineLimitsPost:
     def ready(self, info: EngineInfo) -> None:
         self.info = info
         for pipe in self._waiting:
-            pipe.send(info)
+            try:
+                pipe.send(info)
+            except BrokenPipeError:  # that process died while it loaded: it is put back
+                pass
         self.close()
 
     def close(self) -> None:
