@@ -15,6 +15,7 @@ tries; the others serve on.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -190,10 +191,9 @@ class EngineLimitsPost:
     def ready(self, info: EngineInfo) -> None:
         self.info = info
         for pipe in self._waiting:
-            try:
+            # One that died while it loaded has closed its end: it is put back.
+            with contextlib.suppress(BrokenPipeError):
                 pipe.send(info)
-            except BrokenPipeError:  # that process died while it loaded: it is put back
-                pass
         self.close()
 
     def close(self) -> None:
