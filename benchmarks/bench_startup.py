@@ -16,8 +16,13 @@ Then decode speed, in a warm process: after every bucket's compiled runs are swa
 (the default start), against an engine that compiles every bucket before its first step
 (``--no-graphs-in-background``, the start before graphs were made in the background).
 
-    .venv/bin/python -m benchmarks.bench_startup            # the whole table
-    .venv/bin/python -m benchmarks.bench_startup --smoke    # warm only, the user's caches
+``--timeline`` shows where a warm ``serve`` start goes instead: each line serve writes
+while it starts (the engine process spawned, the API process loaded, the engine ready,
+uvicorn listening), then /health and the first completion, in seconds from its launch.
+
+    .venv/bin/python -m benchmarks.bench_startup              # the whole table
+    .venv/bin/python -m benchmarks.bench_startup --smoke      # warm only, the user's caches
+    .venv/bin/python -m benchmarks.bench_startup --timeline   # serve's start, line by line
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import IO
 
 import httpx
 
@@ -108,14 +115,25 @@ def time_llm(env: dict[str, str]) -> float:
     return float(seen["FIRST"].split()[0])
 
 
-def time_serve(env: dict[str, str]) -> tuple[float, float]:
-    """Seconds until /health answers, and until the first completion has returned."""
+def time_serve(
+    env: dict[str, str], timeline: list[tuple[float, str]] | None = None
+) -> tuple[float, float]:
+    """Seconds until /health answers, and until the first completion has returned; with
+    ``timeline``, each line serve writes to stderr meanwhile, with its second."""
     port = free_port()
     command = [sys.executable, "-m", "updraft", "serve", "--port", str(port)]
     start = time.perf_counter()
     process = subprocess.Popen(
-        command, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        command,
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL if timeline is None else subprocess.PIPE,
+        text=True,
     )
+    if timeline is not None:
+        reader = threading.Thread(target=_read_lines, args=(process.stderr, start, timeline))
+        reader.start()
     base = f"http://127.0.0.1:{port}"
     try:
         while True:
@@ -130,10 +148,34 @@ def time_serve(env: dict[str, str]) -> tuple[float, float]:
         health = time.perf_counter() - start
         body = {"model": "updraft-demo", "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
         httpx.post(f"{base}/v1/completions", json=body, timeout=600).raise_for_status()
-        return health, time.perf_counter() - start
+        completion = time.perf_counter() - start
     finally:
         process.terminate()
         process.wait(30)
+    if timeline is not None:
+        reader.join()
+        timeline += [(health, "/health answers 200"), (completion, "the first completion is back")]
+        timeline.sort()
+    return health, completion
+
+
+def _read_lines(stream: IO[str], start: float, lines: list[tuple[float, str]]) -> None:
+    for line in stream:
+        lines.append((time.perf_counter() - start, line.rstrip()))
+
+
+def serve_timeline(env: dict[str, str]) -> str:
+    """A warm ``serve`` start, line by line (a first start fills the caches)."""
+    time_serve(env)
+    timeline: list[tuple[float, str]] = []
+    time_serve(env, timeline)
+    shown = [(seconds, line) for seconds, line in timeline if "draining" not in line]
+    end = next(i for i, (_, line) in enumerate(shown) if line.startswith("the first completion"))
+    return markdown_table(
+        "A warm `updraft serve` start, seconds from launch",
+        ["seconds", "what"],
+        [[f"{seconds:.2f}", line[:110].replace("|", "/")] for seconds, line in shown[: end + 1]],
+    )
 
 
 def decode_speed(env: dict[str, str], tokens: int, background: bool) -> str:
@@ -160,14 +202,22 @@ def main() -> None:
         help="warm only, over the user's own compile cache, 16 tokens of decode",
     )
     parser.add_argument("--tokens", type=int, default=128, help="tokens per decode-speed run")
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="instead, a warm serve start line by line, over the user's own caches",
+    )
     args = parser.parse_args()
     tokens = 16 if args.smoke else args.tokens
-    work = Path(tempfile.mkdtemp(prefix="updraft-startup-"))
     env = dict(os.environ)
-    if not args.smoke:
-        env.update(XDG_CACHE_HOME=str(work / "cache"), TMPDIR=str(work / "tmp"))
     for name in ("TORCHINDUCTOR_CACHE_DIR", "UPDRAFT_GRAPHS_IN_BACKGROUND"):
         env.pop(name, None)
+    if args.timeline:
+        print(serve_timeline(env))
+        return
+    work = Path(tempfile.mkdtemp(prefix="updraft-startup-"))
+    if not args.smoke:
+        env.update(XDG_CACHE_HOME=str(work / "cache"), TMPDIR=str(work / "tmp"))
     (work / "tmp").mkdir()
     rows, notes = [], []
     try:

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 
@@ -45,6 +46,11 @@ def running_server(
         server.should_exit = True
         thread.join(60)
         listener.close()
+
+
+def loads_torch(pid: int) -> bool:
+    """Whether process ``pid`` has torch's libraries mapped: it imported torch."""
+    return "/torch/lib/" in Path(f"/proc/{pid}/maps").read_text()
 
 
 def metric(base_url: str, name: str, label: str = "") -> float:

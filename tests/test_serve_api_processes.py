@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serving import MODEL, metric, start_server_process
+from tests.serving import MODEL, loads_torch, metric, start_server_process
 
 ENV = {name: value for name, value in os.environ.items() if name != "UPDRAFT_API_KEY"}
 
@@ -74,6 +74,9 @@ def server() -> Iterator[tuple[int, str]]:
         children = descendants(process.pid)
         # The engine, two API processes, and multiprocessing's resource tracker.
         assert len(children) == 4, children
+        # Only the engine loads torch: neither the API processes nor their supervisor.
+        loading = {pid for pid in {process.pid, *children} if loads_torch(pid)}
+        assert len(loading) == 1 and not loading & {process.pid, *api_processes(process.pid)}
         (directory,) = {metrics_directory(pid).parent for pid in api_processes(process.pid)}
         yield process.pid, base_url
         children |= descendants(process.pid)  # with an API process put back

@@ -18,14 +18,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serving import MODEL, start_server_process
+from tests.serving import MODEL, loads_torch, start_server_process
 from updraft.config import EngineConfig
 from updraft.demo import DEMO_MODEL_DIR
 from updraft.engine.engine import Engine
 from updraft.outputs import RequestOutput, merge_outputs
 from updraft.sampling_params import SamplingParams
 from updraft.serve.engine_client import CoreLink, EngineClient
-from updraft.serve.engine_core import CoreProcess, CoreThread
+from updraft.serve.engine_core import CoreThread
+from updraft.serve.engine_process import CoreProcess
 
 PROMPTS = ["def add(a, b):", "import os\nimport sys\n", "class Stack:\n    def push"]
 
@@ -216,21 +217,27 @@ def _socket_dirs(own_tmp: Path) -> set[Path]:
     return set(own_tmp.glob("updraft-core-*"))
 
 
-def _complete(base_url: str, max_tokens: int = 8) -> httpx.Response:
+def _complete(base_url: str, max_tokens: int = 8, **fields) -> httpx.Response:
     body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": max_tokens, "temperature": 0}
-    return httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
+    return httpx.post(f"{base_url}/v1/completions", json={**body, **fields}, timeout=60)
 
 
 def test_a_dead_engine_process_is_a_503_and_a_dead_server_takes_it_along(own_tmp):
     process, base_url = start_server_process("--enforce-eager", env=_env(own_tmp))
     try:
         assert _complete(base_url).status_code == 200
+        # Its grammar compiles in the API process too (a 400 names a spec that cannot).
+        choice = _complete(base_url, structured_outputs={"choice": ["yes", "no"]})
+        assert choice.json()["choices"][0]["text"] in ("yes", "no"), choice.text
         engines = [
             pid
             for pid in _children(process.pid)
             if "multiprocessing.spawn" in Path(f"/proc/{pid}/cmdline").read_text()
         ]
         assert len(engines) == 1
+        # The API process (the server's own) serves without torch: it starts beside the
+        # engine process instead of loading torch before it.
+        assert loads_torch(engines[0]) and not loads_torch(process.pid)
         os.kill(engines[0], signal.SIGKILL)
         deadline = time.monotonic() + 10
         while httpx.get(f"{base_url}/health").status_code == 200:

@@ -132,7 +132,7 @@ def test_metrics_name_the_served_model_not_its_directory(tmp_path):
     import shutil
 
     from updraft.demo import DEMO_MODEL_DIR
-    from updraft.serve.server import default_model_name
+    from updraft.serve.launch import default_model_name
 
     model_dir = tmp_path / "private" / "my-model"
     shutil.copytree(DEMO_MODEL_DIR, model_dir)

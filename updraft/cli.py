@@ -358,8 +358,9 @@ def _num_prompt_tokens(llm, prompt: str) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from updraft.serve.server import default_model_name, serve
-    from updraft.serve.serving import ServeSettings
+    # Nothing heavy before the engine process is spawned (serve/launch.py).
+    from updraft.serve.launch import default_model_name, serve
+    from updraft.serve.settings import ServeSettings
 
     api_key, source = args.api_key, "--api-key"
     if api_key is None:

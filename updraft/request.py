@@ -9,8 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from updraft.outputs import (
     CompletionOutput,
@@ -21,6 +20,9 @@ from updraft.outputs import (
 )
 from updraft.sampling_params import SamplingParams
 from updraft.tokenizer import Detokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RequestStatus(enum.Enum):
@@ -81,6 +83,10 @@ class Request:
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         if self.sampling_params.seed is not None:
+            # Only a seeded request needs torch here: an API process's records carry no
+            # seed (serve/served_request.py), and that process never loads torch.
+            import torch
+
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
 
     @property

@@ -16,6 +16,9 @@ from typing import Any
 # what one request may ask the compiler to read.
 MAX_SPEC_CHARS = 1 << 18
 MAX_CHOICES = 4096
+# What the error of a request whose grammar broke while it ran begins with (the server
+# names the request field its spec came from instead).
+STRUCTURED_ERROR = "structured_outputs: "
 
 
 @dataclass(frozen=True)

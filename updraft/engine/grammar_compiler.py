@@ -10,6 +10,7 @@ message, it does not hang the compiler).
 
 from __future__ import annotations
 
+import array
 import threading
 import time
 from collections import OrderedDict
@@ -17,9 +18,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import llguidance
-import torch
 
-from updraft.runner.threads import count_as_other
+from updraft.runner.side_threads import count_as_other
 from updraft.structured_outputs import StructuredOutputsParams
 from updraft.tokenizer import Tokenizer
 
@@ -141,13 +141,14 @@ class GrammarCompiler:
         then starts from it, and a spec no output can match is refused now, not
         answered with an end of sequence its grammar never allowed."""
         start = time.perf_counter()
-        bits = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
+        # Read as 32-bit words in plain Python: an API process compiles specs too, and
+        # never loads torch.
+        bits = array.array("I", matcher.compute_bitmask())
         seconds = time.perf_counter() - start
         for eos in self._eos_token_ids:
-            if eos // 32 < len(bits):  # bit 31 is int32's sign bit
-                bit = -(1 << 31) if eos % 32 == 31 else 1 << (eos % 32)
-                bits[eos // 32] &= ~bit
-        if matcher.is_error() or (not bool(bits.any()) and not matcher.is_accepting()):
+            if eos // 32 < len(bits):
+                bits[eos // 32] &= ~(1 << (eos % 32))
+        if matcher.is_error() or (not any(bits) and not matcher.is_accepting()):
             raise GrammarError(kind, _why_nothing_matches(matcher, self._eos_token_ids))
         if seconds > MASK_SECONDS_LIMIT:
             raise GrammarError(

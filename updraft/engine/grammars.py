@@ -35,7 +35,7 @@ import torch
 
 from updraft.engine.grammar_compiler import MASK_SECONDS_LIMIT, GrammarCompiler, plain_error
 from updraft.engine.step_masks import MaskJob, StepMasks
-from updraft.runner.threads import count_as_other
+from updraft.runner.side_threads import count_as_other
 from updraft.step.allowed_tokens import AllowedTokens
 from updraft.step.inputs import StepInputs
 

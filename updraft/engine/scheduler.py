@@ -38,9 +38,7 @@ from updraft.outputs import RequestOutput, SpeculativeMetrics
 from updraft.request import FinishReason, Request, RequestStatus
 from updraft.step.output import StepOutput
 from updraft.step.plan import Draft, ScheduledRequest, StateCopy, StepPlan
-
-# What the error of a request whose grammar broke while it ran begins with.
-STRUCTURED_ERROR = "structured_outputs: "
+from updraft.structured_outputs import STRUCTURED_ERROR
 
 
 class Scheduler:

@@ -8,17 +8,19 @@ the free core loses only the second core's share. So the engine watches the CPU 
 other processes take (``/proc/stat`` minus its own ``/proc/self/stat``) and leaves them
 the cores they use, taking every core back once they go quiet. The engine's own
 threads that work beside the steps (grammar compiles and masks) register with
-``count_as_other``: their CPU time counts as another process's.
+``count_as_other`` (``runner/side_threads.py``): their CPU time counts as another
+process's.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 import time
 from pathlib import Path
 
 import torch
+
+from updraft.runner.side_threads import SIDE_THREADS
 
 CHECK_EVERY_SECONDS = 0.5
 BUSY_CORE = 0.5  # others' use, in cores, from which a core counts as taken
@@ -32,16 +34,6 @@ def _machine_busy_ticks() -> int | None:
     # user nice system idle iowait irq softirq steal: all but idle and iowait are busy
     values = [int(v) for v in fields[1:9]]
     return sum(values) - values[3] - values[4]
-
-
-# Native ids of this process's threads whose CPU time counts as another process's.
-_OTHER_THREADS: set[int] = set()
-
-
-def count_as_other() -> None:
-    """Called in a thread that works beside the steps (a thread pool's initializer):
-    the cores it keeps busy are left to it, as to another process."""
-    _OTHER_THREADS.add(threading.get_native_id())
 
 
 def _ticks(stat_path: str) -> int | None:
@@ -58,10 +50,10 @@ def _own_ticks() -> int | None:
     own = _ticks("/proc/self/stat")
     if own is None:
         return None
-    for thread in list(_OTHER_THREADS):
+    for thread in list(SIDE_THREADS):
         ticks = _ticks(f"/proc/self/task/{thread}/stat")
         if ticks is None:  # the thread has ended
-            _OTHER_THREADS.discard(thread)
+            SIDE_THREADS.discard(thread)
         else:
             own -= ticks
     return own

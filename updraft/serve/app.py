@@ -11,6 +11,7 @@ import contextlib
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
@@ -28,25 +29,43 @@ from updraft.serve.errors import error_body, install_error_handlers
 from updraft.serve.metrics import CONTENT_TYPE, ServerMetrics
 from updraft.serve.models.protocol import ModelCard, ModelList
 from updraft.serve.models.serving import ModelsServing
-from updraft.serve.serving import ServeSettings, ServingBase
+from updraft.serve.serving import ServingBase
+from updraft.serve.settings import ServeSettings
 from updraft.tokenizer import Tokenizer
 
 T = TypeVar("T")
 
 
-def build_app(link: CoreLink, info: EngineInfo, settings: ServeSettings) -> FastAPI:
-    """The app in front of the engine core ``link`` reaches. Routes are module-level
-    functions that find the client through ``request.app.state``, and the lifespan drops
-    it there at shutdown: FastAPI keeps route callables in module-wide caches, and a
-    closure over the client would outlive the server."""
+@dataclass(frozen=True)
+class ServedFiles:
+    """What the app reads from the checkpoint directory, once: an API process reads it
+    while the engine process is still loading the model."""
+
+    tokenizer: Tokenizer | None
+    chat_template: ChatTemplate
+
+    @classmethod
+    def read(cls, model: str) -> ServedFiles:
+        return cls(Tokenizer.from_dir(model), ChatTemplate.from_dir(model))
+
+
+def build_app(
+    link: CoreLink, info: EngineInfo, settings: ServeSettings, files: ServedFiles | None = None
+) -> FastAPI:
+    """The app in front of the engine core ``link`` reaches, over ``files`` (read from
+    ``info.model`` when not given). Routes are module-level functions that find the
+    client through ``request.app.state``, and the lifespan drops it there at shutdown:
+    FastAPI keeps route callables in module-wide caches, and a closure over the client
+    would outlive the server."""
+    files = files or ServedFiles.read(info.model)
     metrics = ServerMetrics(settings.model_name)
-    engine = EngineClient(link, Tokenizer.from_dir(info.model), metrics, info.eos_token_ids)
+    engine = EngineClient(link, files.tokenizer, metrics, info.eos_token_ids)
     app = FastAPI(title="updraft", version="0.1.0", lifespan=_lifespan)
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.engine = engine
     # One handler per endpoint, over the pieces they share (intake, threads, compiler).
-    base = ServingBase(engine, info, settings, ChatTemplate.from_dir(info.model))
+    base = ServingBase(engine, info, settings, files.chat_template)
     app.state.serving = base
     app.state.completions = CompletionServing(base)
     app.state.chat = ChatServing(base)

@@ -25,7 +25,7 @@ from updraft.engine.input_processor import EngineRequest
 from updraft.outputs import RequestOutput
 from updraft.sampling_params import SamplingParams
 from updraft.serve import wire
-from updraft.serve.engine_core import CoreAddresses
+from updraft.serve.core_addresses import CoreAddresses
 from updraft.serve.metrics import ServerMetrics
 from updraft.serve.served_request import ServedRequest
 from updraft.tokenizer import Tokenizer

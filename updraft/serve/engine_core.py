@@ -24,7 +24,6 @@ place says "hello".
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import multiprocessing.connection
 import os
 import shutil
@@ -32,21 +31,24 @@ import signal
 import tempfile
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import zmq
 
 from updraft.config import EngineConfig
-from updraft.engine.engine import Engine
 from updraft.engine.families import child_id
 from updraft.engine.input_processor import ModelLimits
 from updraft.serve import wire
+from updraft.serve.core_addresses import CoreAddresses
+
+if TYPE_CHECKING:  # the API side imports this module, and never loads torch
+    from updraft.engine.engine import Engine
 
 logger = logging.getLogger("updraft.serve")
 
 # While idle, how often the loop looks whether the process that started it is gone.
 IDLE_POLL_MS = 500
-# How long an engine told to stop may take (it finishes its step and closes its ranks).
+# How long a core thread told to stop may take (it finishes its step).
 JOIN_SECONDS = 30
 
 
@@ -57,24 +59,6 @@ EngineInfo = ModelLimits
 
 def engine_info(engine: Engine) -> EngineInfo:
     return engine.input_processor.limits
-
-
-@dataclass(frozen=True)
-class CoreAddresses:
-    """ZeroMQ endpoints: the core's input, and one output per API process, as sockets
-    in ``directory``."""
-
-    directory: str
-    input: str
-    outputs: tuple[str, ...]
-
-    @classmethod
-    def in_directory(cls, directory: str, num_clients: int) -> CoreAddresses:
-        return cls(
-            directory,
-            f"ipc://{directory}/engine-input",
-            tuple(f"ipc://{directory}/engine-output-{i}" for i in range(num_clients)),
-        )
 
 
 class EngineCore:
@@ -267,70 +251,6 @@ class CoreThread:
         shutil.rmtree(self.addresses.directory, ignore_errors=True)
 
 
-class CoreProcess:
-    """The core in a process of its own that builds the engine from ``config``; its
-    sockets live in a directory only this user can open, removed when it ends."""
-
-    def __init__(self, config: EngineConfig, num_clients: int = 1) -> None:
-        self.addresses = CoreAddresses.in_directory(
-            tempfile.mkdtemp(prefix="updraft-core-"), num_clients
-        )
-        context = multiprocessing.get_context("spawn")  # a fork would copy this process's threads
-        self._ready, ready = context.Pipe(duplex=False)
-        self.process = context.Process(
-            target=run_core_process,
-            args=(config, self.addresses, ready, os.getpid()),
-            name="updraft-engine",
-        )
-        self._ready_end = ready
-
-    def start(self) -> EngineInfo:
-        """Start the process and wait until its engine is built; raises RuntimeError with
-        the engine's own message if it could not be."""
-        self.process.start()
-        self._ready_end.close()
-        try:
-            kind, value = self._ready.recv()
-        except EOFError:
-            self.join()
-            raise RuntimeError(
-                f"the engine process exited with code {self.process.exitcode} before it was ready"
-            ) from None
-        if kind == "error":
-            self.join()
-            raise RuntimeError(value)
-        return value
-
-    def is_alive(self) -> bool:
-        return self.process.is_alive()
-
-    def shutdown(self) -> None:
-        """Tell the core to stop (from a process that is not one of its clients), then
-        wait for it."""
-        self._tell(["shutdown"])
-        self.join()
-
-    def client_gone(self, client: int) -> None:
-        """Tell the core that API process ``client`` died: its requests are aborted."""
-        self._tell(["client_gone", client])
-
-    def _tell(self, message: list) -> None:
-        context = zmq.Context()
-        socket = wire.push_socket(context, self.addresses.input)
-        socket.send(wire.pack(message))
-        socket.close(linger=1000)  # until the core has it
-        context.term()
-
-    def join(self) -> None:
-        """Wait for the process to end (it was told to), then make sure it has."""
-        self.process.join(JOIN_SECONDS)
-        if self.process.is_alive():
-            logger.warning("the engine process did not stop; killing it")
-            self.process.kill()
-            self.process.join()
-        shutil.rmtree(self.addresses.directory, ignore_errors=True)
-
-
 def run_core_process(
     config: EngineConfig,
     addresses: CoreAddresses,
@@ -346,6 +266,10 @@ def run_core_process(
     # Its progress (graphs captured and compiled after the start) shows as the server's.
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("updraft").setLevel(logging.INFO)
+    # torch loads here, in the engine process only: the server's own process started
+    # this one before it loaded anything heavy, and never loads torch.
+    from updraft.engine.engine import Engine
+
     try:
         engine = Engine(config)
     except Exception as error:

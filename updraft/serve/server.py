@@ -1,30 +1,27 @@
-"""Running the app under uvicorn: ``updraft serve``."""
+"""The API server: the app under uvicorn, draining on a signal, and the life of one
+API process (``run_api``): the model's files read while the engine process loads the
+model, then a server on the shared listening socket once the engine is ready. How
+``updraft serve`` starts its processes is ``serve/launch.py``'s.
+
+No module here loads torch: an API process needs the tokenizer, not tensors.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
-import multiprocessing.synchronize
-import os
 import signal
 import socket
 import sys
-import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from multiprocessing.process import BaseProcess
-from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from updraft.config import EngineConfig
-from updraft.demo import DEMO_MODEL_DIR, DEMO_MODEL_NAME
-from updraft.engine.engine import Engine
-from updraft.serve.api_processes import ApiProcesses
-from updraft.serve.app import build_app
+from updraft.serve.app import ServedFiles, build_app
 from updraft.serve.connections import (
     ACCEPT_BURST,
     guarded_protocol,
@@ -32,29 +29,17 @@ from updraft.serve.connections import (
     raise_descriptor_limit,
 )
 from updraft.serve.engine_client import CoreLink, EngineClient, ShuttingDownError
-from updraft.serve.engine_core import (
-    CoreAddresses,
-    CoreProcess,
-    CoreThread,
-    EngineInfo,
-    engine_info,
-)
-from updraft.serve.metrics import MULTIPROCESS_ENV, shared_directory
-from updraft.serve.serving import ServeSettings
+from updraft.serve.engine_core import CoreThread, EngineInfo, engine_info
+from updraft.serve.settings import ServeSettings
+
+if TYPE_CHECKING:
+    from updraft.engine.engine import Engine
 
 logger = logging.getLogger("updraft.serve")
 
 
-def default_model_name(model: str | None) -> str:
-    """The checkpoint directory's own name: clients need no more, and the server's
-    metrics (open without a key) then reveal no path on the host."""
-    return DEMO_MODEL_NAME if model is None else Path(model).expanduser().resolve().name
-
-
 # After the drain, what uvicorn waits for responses still being written.
 CLOSE_TIMEOUT = 5.0
-# How often an API process of several looks whether its supervising process is gone.
-PARENT_POLL_SECONDS = 0.5
 
 
 class DrainingServer(uvicorn.Server):
@@ -132,10 +117,11 @@ def server_over(
     settings: ServeSettings,
     host: str = "127.0.0.1",
     port: int = 8000,
+    files: ServedFiles | None = None,
     **uvicorn_args: Any,
 ) -> DrainingServer:
     """A server in front of the engine core that ``link`` reaches."""
-    app = build_app(link, info, settings)
+    app = build_app(link, info, settings, files)
     config = uvicorn.Config(
         app,
         host=host,
@@ -149,167 +135,36 @@ def server_over(
     return DrainingServer(config, app.state.engine, settings.drain_timeout)
 
 
-def serve(
-    model: str | None,
-    engine_args: dict[str, Any],
-    settings: ServeSettings,
-    host: str,
-    port: int,
-    api_server_count: int = 1,
-) -> int:
-    """The engine in a process of its own, and ``api_server_count`` API processes in
-    front of it on one port (the first is this process when there is one)."""
-    if api_server_count < 1:
-        raise ValueError(f"--api-server-count must be at least 1, got {api_server_count}")
-    _configure_logging()
-    model_dir = str(model or DEMO_MODEL_DIR)
-    settings = replace(settings, max_connections=raise_descriptor_limit(settings.max_connections))
-    # The address first: a port in use is found before a minute of loading, not after.
-    listener = listening_socket(host, port)
-    config = EngineConfig(model=model_dir, **engine_args)
-    print(f"[updraft] {config.start_up_steps()} ...", file=sys.stderr, flush=True)
-    start = time.perf_counter()
-    core = CoreProcess(config, api_server_count)
-    try:
-        info = core.start()
-    except RuntimeError as error:
-        listener.close()
-        raise ValueError(str(error)) from None
-    ready = f"[updraft] ready in {time.perf_counter() - start:.1f} s"
-    if config.captures_in_background:
-        ready += ", with eager steps until each graph is made (the engine's log says when)"
-    print(ready, file=sys.stderr, flush=True)
-    port = listener.getsockname()[1]
-    access = (
-        "clients must send its API key"
-        if settings.api_key
-        else "it needs no API key: anyone who can reach this address can use it"
-    )
-    logger.info(
-        "serving %r (from %s) on http://%s:%d with %d API process%s; %s",
-        settings.model_name,
-        model_dir,
-        host,
-        port,
-        api_server_count,
-        "" if api_server_count == 1 else "es",
-        access,
-    )
-    try:
-        if api_server_count == 1:
-            link = CoreLink(core.addresses, 0, None, core.is_alive, core.join)
-            return 0 if _run_server(link, info, settings, host, listener) else 1
-        return supervise_api_processes(core, info, settings, listener, host, api_server_count)
-    finally:
-        listener.close()
-        if core.is_alive():  # the API process stopped without stopping it
-            core.shutdown()
-
-
-def supervise_api_processes(
-    core: CoreProcess,
-    info: EngineInfo,
-    settings: ServeSettings,
-    listener: socket.socket,
-    host: str,
-    count: int,
-) -> int:
-    """Run ``count`` API processes on ``listener`` and wait for them. Signals are passed
-    on (each process drains on the first, quits on the second; they sit in their own
-    process group, so a terminal's Ctrl-C reaches them once, through here); once all
-    have exited, the engine is stopped. If the engine dies, they are told: /health
-    then answers 503 and requests fail at once. One that dies is put back
-    (serve/api_processes.py). Their /metrics show all of their counts (files in the
-    engine's socket directory, which goes with it)."""
-    context = multiprocessing.get_context("spawn")
-    engine_dead = context.Event()
-    shared_directory(os.path.join(core.addresses.directory, "metrics"))
-
-    def spawn(index: int) -> BaseProcess:
-        process = context.Process(
-            target=run_api_process,
-            args=(index, core.addresses, info, settings, listener, host, engine_dead, os.getpid()),
-            name=f"updraft-api-{index}",
-        )
-        process.start()
-        return process
-
-    try:
-        processes = ApiProcesses(count, spawn, core)
-        signal.signal(signal.SIGTERM, processes.forward)
-        signal.signal(signal.SIGINT, processes.forward)
-        return processes.watch(engine_dead)
-    finally:
-        os.environ.pop(MULTIPROCESS_ENV, None)
-
-
-def run_api_process(
-    index: int,
-    addresses: CoreAddresses,
-    info: EngineInfo,
-    settings: ServeSettings,
-    listener: socket.socket,
-    host: str,
-    engine_dead: multiprocessing.synchronize.Event,
-    supervisor: int,
-) -> None:
-    """One of several API processes: a server on the shared listening socket, client
-    ``index`` of the engine core."""
-    os.setpgrp()  # signals come from the supervising process, not the terminal
-    _exit_with_parent(supervisor)
-    _configure_logging()
-    link = CoreLink(addresses, index, None, lambda: not engine_dead.is_set(), None)
-    sys.exit(0 if _run_server(link, info, settings, host, listener) else 1)
-
-
-def _configure_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    quiet_overload_logs()
-
-
-def _run_server(
+def run_api(
     link: CoreLink,
-    info: EngineInfo,
+    engine_ready: Callable[[], EngineInfo],
     settings: ServeSettings,
+    model: str,
     host: str,
     listener: socket.socket,
 ) -> bool:
-    """Serve on ``listener`` until a drain ends; whether the server had started."""
-    server = server_over(link, info, settings, host, listener.getsockname()[1])
+    """One API process: read ``model``'s files while the engine builds, wait for
+    ``engine_ready`` (the engine's limits; it raises if the engine could not start),
+    then serve on ``listener`` until a drain ends; whether the server had started.
+    Nothing listens until the engine is ready: a client is refused until then, so
+    /health answers only when a request can be served."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    quiet_overload_logs()
+    settings = replace(settings, max_connections=raise_descriptor_limit(settings.max_connections))
+    try:
+        files = ServedFiles.read(model)
+    except Exception:
+        engine_ready()  # the engine reads the same files: its message comes first
+        raise
+    print(
+        f"[updraft] API process {link.client} loaded; it listens once the engine is ready",
+        file=sys.stderr,
+        flush=True,
+    )
+    info = engine_ready()
+    server = server_over(link, info, settings, host, listener.getsockname()[1], files)
     # uvicorn drains on SIGTERM and then raises the signal again; with this handler in
     # place that second delivery is a no-op, so a drained server exits 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     server.run(sockets=[listener])
     return server.started
-
-
-def _exit_with_parent(parent: int) -> None:
-    """End this process at once if ``parent``, the process that started it, is gone
-    (killed outright: it had no chance to stop this one, and the engine process has gone
-    with it). The pid is passed in: read here, it could already be init's."""
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(PARENT_POLL_SECONDS)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="updraft-parent-watch", daemon=True).start()
-
-
-def listening_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host:port`` (uvicorn listens on it), or an OSError that names
-    the address."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-        listener = socket.socket(family, kind, proto)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    except OSError as error:
-        raise OSError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
-    try:
-        listener.bind(address)
-    except OSError as error:
-        listener.close()
-        raise OSError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
-    return listener

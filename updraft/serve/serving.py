@@ -13,62 +13,28 @@ import asyncio
 import os
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TypeVar
 
 from updraft.chat_template import ChatTemplate
 from updraft.engine.grammar_compiler import GrammarCompiler, GrammarError
 from updraft.engine.input_processor import EngineRequest, InputProcessor
 from updraft.engine.intake_checks import params_error
-from updraft.engine.scheduler import STRUCTURED_ERROR
 from updraft.outputs import RequestOutput
 from updraft.sampling_params import SamplingParams
 from updraft.serve.engine_client import EngineClient, EngineDeadError, ShuttingDownError
 from updraft.serve.engine_core import EngineInfo
 from updraft.serve.errors import APIError
-from updraft.serve.parsers.reasoning import REASONING_PARSERS
-from updraft.serve.parsers.tools import PARSERS
 from updraft.serve.protocol import PromptLogprob, PromptLogprobs
+from updraft.serve.settings import ServeSettings
 from updraft.serve.streams import Started
+from updraft.structured_outputs import STRUCTURED_ERROR
 from updraft.tokenizer import Tokenizer
 
 # Threads that tokenize prompts and render chat templates: half the cores, so that the
 # engine keeps the rest however many clients send huge prompts.
 PREPARE_THREADS = max(1, (os.cpu_count() or 2) // 2)
 T = TypeVar("T")
-
-
-@dataclass
-class ServeSettings:
-    """What the server enforces on top of the engine; see ``updraft serve --help``."""
-
-    model_name: str
-    api_key: str | None = None
-    max_request_bytes: int = 1 << 20
-    max_tokens_limit: int | None = None  # None: the engine's max_model_len
-    max_waiting: int = 256
-    drain_timeout: float = 60.0
-    max_connections: int = 1024  # open at once; past it the idlest is closed
-    request_timeout: float = 30.0  # seconds for a whole request to arrive
-    tool_call_parser: str | None = None  # None: the one the chat template's syntax calls for
-    # None: on (named as the template's family) where the chat template shows thinking;
-    # "none": off.
-    reasoning_parser: str | None = None
-    # A grammar constrains the reasoning too, as vLLM's enable_in_reasoning does.
-    structured_outputs_in_reasoning: bool = False
-
-    def __post_init__(self) -> None:
-        if self.api_key is not None and not self.api_key.strip():
-            raise ValueError("the API key is empty: it would let anyone in; use None for no key")
-        if self.tool_call_parser not in (None, *PARSERS):
-            raise ValueError(
-                f"tool_call_parser: {self.tool_call_parser!r} is not one of {', '.join(PARSERS)}"
-            )
-        reasoning = (*REASONING_PARSERS, "none")
-        if self.reasoning_parser not in (None, *reasoning):
-            raise ValueError(
-                f"reasoning_parser: {self.reasoning_parser!r} is not one of {', '.join(reasoning)}"
-            )
 
 
 class ServingBase:
