@@ -8,7 +8,11 @@ tools whose parameters use ``$defs``, schemas holding huge integers, malformed J
 while a greedy stream of the same prompt runs again and again. Its speed is compared
 with its speed alone: it should keep at least 0.8x of it, with no 5xx answer at all.
 
-    .venv/bin/python -m benchmarks.bench_hostile [--requests 1000] [--clients 4]
+``--plain`` sends the same number of plain completions (8 tokens, no constraint) from
+the same clients instead: the stream's speed under ordinary load of that rate, which
+tells what the hostile kinds cost beyond the load itself.
+
+    .venv/bin/python -m benchmarks.bench_hostile [--requests 1000] [--clients 4] [--plain]
 """
 
 from __future__ import annotations
@@ -92,6 +96,13 @@ def hostile_requests(serial: int) -> dict[str, tuple[str, dict | str]]:
 
 
 KINDS = list(hostile_requests(0))
+PLAIN = "plain"
+
+
+def request_of(kind: str, serial: int) -> tuple[str, dict | str]:
+    if kind == PLAIN:
+        return completion(prompt=f"x = {serial}")
+    return hostile_requests(serial)[kind]
 
 
 def stream_once(base_url: str, tokens: int = STREAM_TOKENS) -> tuple[int, float, float]:
@@ -118,7 +129,7 @@ def attacker(
                 if not jobs:
                     return
                 kind, serial = jobs.pop()
-            path, body = hostile_requests(serial)[kind]
+            path, body = request_of(kind, serial)
             try:
                 if isinstance(body, str):  # raw text, for what a dict cannot express
                     headers = {"content-type": "application/json"}
@@ -148,9 +159,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1000, help="hostile requests in all")
     parser.add_argument("--clients", type=int, default=4, help="threads sending them")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plain", action="store_true", help="plain completions instead")
     args = parser.parse_args()
     rng = random.Random(args.seed)
-    jobs = [(rng.choice(KINDS), serial) for serial in range(args.requests)]
+    kinds = [PLAIN] if args.plain else KINDS
+    jobs = [(rng.choice(kinds), serial) for serial in range(args.requests)]
     server, base_url = start_server(64)
     try:
         stream_once(base_url, 32)  # warm-up
@@ -176,7 +189,8 @@ def main() -> None:
     server_errors = sum(
         n for (_, status), n in statuses.items() if not isinstance(status, int) or status >= 500
     )
-    print(f"# Hostile traffic: {args.requests} requests from {args.clients} clients\n")
+    what = "Plain" if args.plain else "Hostile"
+    print(f"# {what} traffic: {args.requests} requests from {args.clients} clients\n")
     print(f"The demo model; the attack lasted {attack_seconds:.1f} s.\n")
     rows = [
         ["alone", f"{solo_rate:.1f}", f"{max(g for _, _, g in solo) * 1e3:.0f}", "1.00"],
@@ -205,7 +219,7 @@ def main() -> None:
             kind,
             ", ".join(f"{s} x{n}" for (k, s), n in sorted(statuses.items(), key=str) if k == kind),
         ]
-        for kind in KINDS
+        for kind in kinds
     ]
     print(markdown_table("Answers per kind", ["kind", "statuses"], per_kind))
     print()
