@@ -11,9 +11,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.test_gguf import random_blocks
 from tests.test_paged_decode_kernel import reference as attention_reference
-from updraft.kernels.attention_ops import paged_decode_attention_launch
 from updraft.graph.recorded import RecordedGraph
 from updraft.kernels import panels
+from updraft.kernels.attention_ops import paged_decode_attention_launch
 from updraft.kernels.bound_calls import bound_call
 from updraft.kernels.build import kernel_builds
 from updraft.kernels.gguf_ops import (
