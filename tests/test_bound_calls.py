@@ -13,6 +13,7 @@ from tests.test_gguf import random_blocks
 from tests.test_paged_decode_kernel import reference as attention_reference
 from updraft.graph.recorded import RecordedGraph
 from updraft.kernels import panels
+from updraft.kernels.attention_ops import paged_decode_attention_launch
 from updraft.kernels.bound_calls import bound_call
 from updraft.kernels.build import kernel_builds
 from updraft.kernels.gguf_ops import (
@@ -178,17 +179,23 @@ def test_a_replayed_kv_write_takes_the_refreshed_rows_and_slots():
 
 
 @pytest.mark.usefixtures("all_cores")
-def test_bound_linears_take_torch_s_thread_count_when_they_run():
-    """A linear bound once in a captured graph leaves its thread count to the call (0:
-    the caller's OpenMP count then, which torch.set_num_threads sets), so that a replay
-    follows the count the engine lowers while other processes keep cores busy. Bound
-    under one thread and run under two, and the other way round, each launch gives the
-    op's own result."""
+def test_bound_linears_and_attention_take_torch_s_thread_count_when_they_run():
+    """A linear or decode attention bound once in a captured graph leaves its thread
+    count to the call (0: the caller's OpenMP count then, which torch.set_num_threads
+    sets), so that a replay follows the count the engine lowers while other processes
+    keep cores busy (attention fixed at two threads while the engine ran one took most
+    of a decode step beside a busy neighbour). Bound under one thread and run under two, and the
+    other way round, each launch gives the op's own result."""
     k, n = 256, 40
     blocks = torch.from_numpy(random_blocks("Q4_K", n, k, np.random.default_rng(5)))
     groups = gguf_group(blocks, BLOCK_TYPES["Q4_K"], k)
     p = panels.pack(torch.randn(n, k), WeightFormat("int4", 32))
     x = torch.randn(20, k, generator=torch.Generator().manual_seed(6))
+    generator = torch.Generator().manual_seed(7)
+    query = torch.randn(3, HEADS, HEAD_DIM, generator=generator)
+    cache = torch.randn(2, 16 * BLOCK, KV_HEADS, HEAD_DIM, generator=generator)
+    block_table = torch.randperm(16, generator=generator).view(4, 4)[:3]
+    seq_lens = torch.tensor([5, 16, 1])
     launches = {
         "panel_linear": lambda: panel_linear_launch(
             x[:4], p.codes, p.scales, p.zeros, None, p.code, p.group, p.out_features
@@ -198,6 +205,9 @@ def test_bound_linears_take_torch_s_thread_count_when_they_run():
             x[:4], groups, None, BLOCK_TYPES["Q4_K"], k, n
         ),
         "gguf_gemm_int8": lambda: gguf_gemm_int8_launch(x, groups, None, BLOCK_TYPES["Q4_K"], k, n),
+        "paged_decode_attention": lambda: paged_decode_attention_launch(
+            query, cache, block_table, seq_lens, BLOCK, HEAD_DIM**-0.5
+        ),
     }
     for name, make in launches.items():
         want = make()()[0].clone()

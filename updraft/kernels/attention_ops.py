@@ -308,7 +308,7 @@ def _decode_attention(
             block_size,
             num_slots,
             scale,
-            torch.get_num_threads(),
+            0,  # OpenMP's count when it runs (the engine lowers it under contention)
         ),
         (result, lse),
         (query, *caches, block_table, seq_lens, starts),

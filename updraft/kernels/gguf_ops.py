@@ -17,6 +17,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from updraft.checkpoints import gguf as gguf_file
 from updraft.kernels.build import load
+from updraft.kernels.huge_pages import huge_page_empty
 from updraft.kernels.int8_groups import UPDRAFT_BLOCKS
 from updraft.kernels.launch import INT, POINTER, Launch, define_op, reads_copies, writable_output
 
@@ -414,7 +415,7 @@ def gguf_group(blocks: torch.Tensor, block_type: int, k: int) -> torch.Tensor:
     regrouped eight rows at a time [ceil(N / 8), group_bytes] (``gguf_int8.c``)."""
     _check(blocks, block_type, k, GROUPED_BLOCKS)
     n = blocks.shape[0]
-    groups = torch.empty(-(-n // GROUP_ROWS), _group_bytes(block_type, k), dtype=torch.uint8)
+    groups = huge_page_empty(-(-n // GROUP_ROWS), _group_bytes(block_type, k))
     _int8_library().gguf_group(block_type, blocks.data_ptr(), n, k, groups.data_ptr())
     return groups
 

@@ -23,6 +23,7 @@
    memory stays safe even if a caller passes an inconsistent step. */
 
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

@@ -58,6 +58,9 @@ void KV_NAME(paged_decode_attention)(const float *query, const KV *key_cache,
                                      int64_t head_stride, int64_t slot_stride,
                                      int64_t max_blocks, int64_t block_size, int64_t num_slots,
                                      float scale, int threads) {
+    /* 0: OpenMP's count at the call, which the engine lowers while other processes keep
+       cores busy; a launch bound in a captured graph passes it, as the linears do */
+    if (threads <= 0) threads = omp_get_max_threads();
     const int64_t group = heads / kv_heads;
     /* A work item is a request's KV heads [first, last): all of them when there are
        requests enough to share out, so each K/V row is read whole and in order; one
