@@ -20,6 +20,7 @@ advice is refused and the pages stay small, with nothing else changed.
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import threading
 import weakref
@@ -73,10 +74,7 @@ def huge_page_empty(*shape: int, dtype: torch.dtype = torch.uint8) -> torch.Tens
     """An uninitialised contiguous tensor of ``shape`` in memory advised into huge pages,
     for a weight every decode step reads."""
     global _carving
-    count = 1
-    for size in shape:
-        count *= size
-    nbytes = count * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.empty(*shape, dtype=dtype)
     with _lock:
