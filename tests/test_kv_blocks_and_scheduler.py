@@ -99,6 +99,30 @@ def test_a_cached_prefix_is_found_only_by_the_same_tokens(cut, tail):
     assert found == owner.block_ids[:same]
 
 
+class LateMasks:
+    """Stands in for ``Grammars`` where the scheduler asks whether a request's mask
+    missed the step: ``late`` names those whose mask did (the step keeps none of their
+    tokens). No request here is constrained otherwise."""
+
+    def __init__(self) -> None:
+        self.late: set[str] = set()
+
+    def is_late(self, request_id: str) -> bool:
+        return request_id in self.late
+
+    def waiting(self, request_id: str) -> bool:
+        return False  # the late mask is ready by the next step
+
+    def takes_drafts(self, request_id: str) -> bool:
+        return True
+
+    def __contains__(self, request_id: str) -> bool:
+        return False
+
+    def remove(self, request_id: str) -> None:
+        self.late.discard(request_id)
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     """A scheduler driven by a fake model: each step 'samples' pseudo-random tokens and,
     with speculation, accepts a pseudo-random number of the drafts it proposed."""
@@ -111,12 +135,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         lookahead=st.integers(0, 3),
         window=st.sampled_from([None, None, 3, 9]),
         spare=st.integers(0, 8),
+        late_masks=st.booleans(),
     )
     def setup(
-        self, num_blocks, max_num_seqs, token_budget, prefix_caching, lookahead, window, spare
+        self,
+        num_blocks,
+        max_num_seqs,
+        token_budget,
+        prefix_caching,
+        lookahead,
+        window,
+        spare,
+        late_masks,
     ):
         """With a ``window``, a model whose windowed layers have a pool of their own:
-        at least what one request can hold in it, or as many blocks as the full pool."""
+        at least what one request can hold in it, or as many blocks as the full pool.
+        With ``late_masks``, some sampled requests' masks miss their step, drafts and
+        all."""
         self.pool = BlockPool(num_blocks, BLOCK_SIZE, prefix_caching)
         self.window_pool, windowed = None, None
         if window is not None:
@@ -131,6 +166,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             token_budget,
             self.capacity,
             lookahead,
+            grammars=LateMasks() if late_masks else None,
         )
         self.drafts: dict[str, Draft] = {}
         self.all_requests: list[Request] = []
@@ -182,9 +218,14 @@ class SchedulerMachine(RuleBasedStateMachine):
                     else [self.rng.randrange(4)]
                 )
         output = StepOutput(sampled, tokens, accepted, None, None, 0.0, "fake")
+        late_masks = scheduler.grammars
+        if late_masks is not None:
+            late_masks.late = {r for r in sampled if self.rng.random() < 0.3}
         for result in scheduler.update(plan, output):
             request_id = result.request_id
             assert result.finished == (request_id not in scheduler.requests)
+        if late_masks is not None:
+            late_masks.late = set()
         # A proposer writes KV for each draft position from the last token on: those
         # slots must already be reserved.
         self.drafts = {}

@@ -231,11 +231,12 @@ class Scheduler:
         for item in plan.scheduled:
             request = item.request
             row = rows.get(request.request_id)
-            accepted = 0 if row is None else output.num_accepted[row]
             computed_before = request.num_computed_tokens
             late = row is not None and self._mask_was_late(request)
-            # A request whose mask was late keeps none of this step's tokens, and its
-            # last known token is computed again when it rejoins.
+            # A request whose mask was late keeps none of this step's tokens, its drafts
+            # included, however many the step accepted, and its last known token is
+            # computed again when it rejoins.
+            accepted = 0 if row is None or late else output.num_accepted[row]
             computed = item.num_new_tokens - item.num_drafts + accepted - int(late)
             request.num_computed_tokens += computed
             self.kv.register_computed(request)
