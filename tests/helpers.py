@@ -84,3 +84,28 @@ def recorded_proposals(patch: Any, proposer: type) -> list[tuple[list[int], list
 
     patch.setattr(proposer, "propose", spy)
     return proposals
+
+
+# Three sequences as a verify step makes them: queries of 4, 2 and 3 tokens (the last a
+# whole short prompt) over contexts of 9, 14 and 3 positions.
+SHORT_QUERY_LENS, SHORT_SEQ_LENS = (4, 2, 3), (9, 14, 3)
+
+
+def short_query_metadata(block_table: torch.Tensor, block_size: int) -> Any:
+    """The attention metadata of those three sequences, in one group, over ``block_table``
+    ([3, blocks]); the slot mapping is unused by reads."""
+    from updraft.attention.metadata import AttentionMetadata, GroupShape
+
+    tokens = sum(SHORT_QUERY_LENS)
+    starts = [0, *torch.tensor(SHORT_QUERY_LENS).cumsum(0).tolist()]
+    shape = GroupShape(
+        0, 3, 0, tokens, max_query=max(SHORT_QUERY_LENS), max_context=max(SHORT_SEQ_LENS)
+    )
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(tokens, dtype=torch.long),
+        block_table=block_table,
+        seq_lens=torch.tensor(SHORT_SEQ_LENS),
+        query_start_loc=torch.tensor(starts),
+        shapes=(shape,),
+        positions_per_block=block_size,
+    )

@@ -8,14 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import greedy, token_ids, token_prompts
+from tests.helpers import greedy, short_query_metadata, token_ids, token_prompts
 from tests.probes import logits_of, probed, records
 from updraft import LLM
 from updraft.attention import gqa
 from updraft.attention.gqa import PagedKV
 from updraft.attention.kv_int8 import dequantize_rows, quantize_rows
 from updraft.attention.loop import attend
-from updraft.attention.metadata import AttentionMetadata, GroupShape
 from updraft.kernels.attention_ops import paged_decode_attention_launch, write_kv_launch
 from updraft.kernels.build import kernel_builds
 
@@ -129,15 +128,7 @@ def test_the_gathered_path_and_the_torch_write_read_the_same_rounded_values(monk
     gqa.write_kv(by_torch, keys, values, slots)
     assert torch.equal(by_torch, cache)
 
-    query_lens, seq_lens = [4, 2, 3], [9, 14, 3]
-    metadata = AttentionMetadata(
-        slot_mapping=torch.zeros(9, dtype=torch.long),
-        block_table=torch.randperm(40)[:18].view(3, 6),
-        seq_lens=torch.tensor(seq_lens),
-        query_start_loc=torch.tensor([0, 4, 6, 9]),
-        shapes=(GroupShape(0, 3, 0, 9, max_query=max(query_lens), max_context=max(seq_lens)),),
-        positions_per_block=block_size,
-    )
+    metadata = short_query_metadata(torch.randperm(40)[:18].view(3, 6), block_size)
     query = torch.randn(9, heads, head_dim)
     group = metadata.group(0)
     gathered, _ = PagedKV(query, cache, 0.25).gathered(slice(0, 9), group, group.mask, False)

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers import SHORT_SEQ_LENS, short_query_metadata
 from updraft import LLM, SamplingParams
 from updraft.attention.gqa import PagedKV
 from updraft.attention.in_place import IN_PLACE_MAX_QUERY
@@ -183,27 +184,17 @@ def test_loading_the_kernels_keeps_subnormal_floats():
 def test_short_queries_read_the_cache_in_place_and_equal_the_gathered_path(monkeypatch):
     """A verify-sized group (queries of 2-4 tokens, one of them a whole short prompt) runs
     the kernel, one causal context per query token, and equals padded attention."""
-    from updraft.attention.metadata import AttentionMetadata, GroupShape
-
     torch.manual_seed(5)
     block_size, heads, kv_heads, head_dim = 4, 8, 2, 16
     kv_cache = torch.randn(2, 40 * block_size + 1, kv_heads, head_dim)
-    query_lens, seq_lens = [4, 2, 3], [9, 14, 3]
     block_table = torch.zeros(3, 6, dtype=torch.long)  # padded as StepInputs pads it
     order = torch.randperm(40)
     used = 0
-    for b, length in enumerate(seq_lens):
+    for b, length in enumerate(SHORT_SEQ_LENS):
         count = -(-length // block_size)
         block_table[b, :count] = order[used : used + count]
         used += count
-    metadata = AttentionMetadata(
-        slot_mapping=torch.zeros(9, dtype=torch.long),
-        block_table=block_table,
-        seq_lens=torch.tensor(seq_lens),
-        query_start_loc=torch.tensor([0, 4, 6, 9]),
-        shapes=(GroupShape(0, 3, 0, 9, max_query=max(query_lens), max_context=max(seq_lens)),),
-        positions_per_block=block_size,
-    )
+    metadata = short_query_metadata(block_table, block_size)
     query = torch.randn(9, heads, head_dim)
     group = metadata.group(0)
     reader = PagedKV(query, kv_cache, 0.25)
