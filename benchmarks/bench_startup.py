@@ -23,6 +23,7 @@ uvicorn listening), then /health and the first completion, in seconds from its l
     .venv/bin/python -m benchmarks.bench_startup              # the whole table
     .venv/bin/python -m benchmarks.bench_startup --smoke      # warm only, the user's caches
     .venv/bin/python -m benchmarks.bench_startup --timeline   # serve's start, line by line
+    .venv/bin/python -m benchmarks.bench_startup --decode-model FILE.gguf [--rounds 3]
 """
 
 from __future__ import annotations
@@ -51,17 +52,21 @@ LLM_SCRIPT = f"""
 import sys, time
 from updraft import LLM, SamplingParams
 tokens, background = int(sys.argv[1]), sys.argv[2] == "1"
-llm = LLM(graphs_in_background=background)
-llm.generate([{PROMPT!r}], SamplingParams(max_tokens=1, temperature=0))
+llm = LLM(*sys.argv[3:4], graphs_in_background=background)
+# a model of the caller's may have no tokenizer: token ids, then
+prompt = list(range(1, 33)) if sys.argv[3:] else {PROMPT!r}
+llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
 print("FIRST", flush=True)
 if tokens:
     llm.engine.graphs_ready(wait=True)
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    llm.generate([{PROMPT!r}], params)  # warm-up
+    llm.generate([prompt], params)  # warm-up
     best = 0.0
     for _ in range(3):
         start = time.perf_counter()
-        llm.generate([{PROMPT!r}], params)
+        (out,) = llm.generate([prompt], params)
+        if len(out.outputs[0].token_ids) != tokens:
+            raise SystemExit(f"decode made {{len(out.outputs[0].token_ids)}} tokens: {{out.error}}")
         best = max(best, tokens / (time.perf_counter() - start))
     print("SPEED", best, llm.engine.stats().describe_steps(), flush=True)
 """
@@ -178,10 +183,25 @@ def serve_timeline(env: dict[str, str]) -> str:
     )
 
 
-def decode_speed(env: dict[str, str], tokens: int, background: bool) -> str:
+def decode_speed(env: dict[str, str], tokens: int, background: bool, model: str = "") -> str:
     command = [sys.executable, "-c", LLM_SCRIPT, str(tokens), "1" if background else "0"]
+    command += [model] if model else []
     speed, *steps = timed_lines(command, env, ["SPEED"])["SPEED"].split()[1:]
     return f"{float(speed):.1f} tok/s ({' '.join(steps)})"
+
+
+def swap_against_compiled_first(env: dict[str, str], tokens: int, model: str, rounds: int) -> str:
+    """Decode on ``model`` after the background swap against compiled-first, one process
+    each, the two alternated round by round (the demo model's steps are too short to
+    tell them apart)."""
+    rows = []
+    for round_ in range(rounds):
+        order = (True, False) if round_ % 2 == 0 else (False, True)
+        speeds = {background: decode_speed(env, tokens, background, model) for background in order}
+        rows.append([str(round_ + 1), speeds[True], speeds[False]])
+    title = f"Decode on {Path(model).name}, {tokens} tokens at batch 1, best of 3 per process"
+    header = ["round", "made in the background, all swapped in", "all compiled first"]
+    return markdown_table(title, header, rows)
 
 
 def first_tokens(env: dict[str, str]) -> list[str]:
@@ -207,6 +227,11 @@ def main() -> None:
         action="store_true",
         help="instead, a warm serve start line by line, over the user's own caches",
     )
+    parser.add_argument(
+        "--decode-model",
+        help="instead, decode after the swap against compiled-first on this model, alternated",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of --decode-model")
     args = parser.parse_args()
     tokens = 16 if args.smoke else args.tokens
     env = dict(os.environ)
@@ -214,6 +239,10 @@ def main() -> None:
         env.pop(name, None)
     if args.timeline:
         print(serve_timeline(env))
+        return
+    if args.decode_model:
+        decode_speed(env, 1, True, args.decode_model)  # fills the user's compile cache
+        print(swap_against_compiled_first(env, tokens, args.decode_model, args.rounds))
         return
     work = Path(tempfile.mkdtemp(prefix="updraft-startup-"))
     if not args.smoke:
