@@ -426,10 +426,10 @@ static int has_pairs(int type) {
 /* Rows of x a pair kernel is inlined for at most, and rows in a tile over pairs: a
    group-block pair's codes are unpacked once per tile, so the more rows the less that
    costs each. Against 4, 8 rows ran Q5_K and Q6_K 10-25% faster, the others alike;
-   against 8, 16 ran 2-15% faster (Q5_K and Q6_K most), the accumulators of the rows past
-   AVX-512's 32 registers kept in L1 (a load and a store a row and x block, beside eight
-   vpdpbusd). */
-#define PAIR_ROWS 16
+   against 8, 32 ran 2-11% faster (Q5_K and Q6_K most; one core, alternated), the
+   accumulators of the rows past AVX-512's 32 registers kept in L1 (a load and a store a
+   row and x block, beside eight vpdpbusd). */
+#define PAIR_ROWS 32
 
 /* Two groups' sixteen outputs (lanes 0-7: ``a``'s rows, 8-15: the next group's) for
    each of ``rows`` rows of x, as group_rows does for one */
@@ -438,7 +438,9 @@ static void pair_rows(int type, const uint8_t *a, const uint8_t *b, int64_t bloc
     __m512 acc[PAIR_ROWS];
 #define PAIR_FOR_ROWS(code, name)                                                           \
     case code:                                                                              \
-        if (part == 16)                                                                     \
+        if (part == 32)                                                                     \
+            pair_##name(a, b, blocks, &from, 32, acc + done);                               \
+        else if (part == 16)                                                                \
             pair_##name(a, b, blocks, &from, 16, acc + done);                               \
         else if (part == 8)                                                                 \
             pair_##name(a, b, blocks, &from, 8, acc + done);                                \
@@ -451,7 +453,7 @@ static void pair_rows(int type, const uint8_t *a, const uint8_t *b, int64_t bloc
         break;
     for (int done = 0; done < rows;) {
         const int left = rows - done;
-        const int part = left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        const int part = left >= 32 ? 32 : left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
         const rounded_x from = rows_from(x, done);
         switch (type) { PAIR_TYPE_LIST(PAIR_FOR_ROWS) default: return; }
         done += part;
