@@ -13,6 +13,12 @@ by call, so that a machine others share slows both alike; each time is the best 
 
     .venv/bin/python -m benchmarks.bench_int8_gemm [--against main] [--threads 1] \\
         [--types Q4_K,Q6_K] [--quick]
+
+``--prefill FILE`` (with ``--against``): instead, a whole cold prefill of a 256-token
+prompt of a GGUF file (eager steps, a fresh prompt each time), the engine's
+``gguf_gemm_int8`` switched between the two kernels prompt by prompt, as prompt
+tokens/s (best of ``--repeats``); everything but the quantized linears is the same
+code in both.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ import torch
 
 from benchmarks.common import markdown_table
 from tests.test_gguf import random_blocks
-from updraft.kernels import build
+from updraft import LLM, SamplingParams
+from updraft.kernels import build, gguf_ops
 from updraft.kernels.gguf_ops import BLOCK_TYPES, gguf_group
 
 # (n, k) of the 500M model's linears: q and o, k and v (4 KV heads of 128), gate/up, down
@@ -106,6 +113,31 @@ def time_kernels(kernels: dict, kind: str, shapes, rows: int, threads: int, repe
     }
 
 
+def time_prefill(path: Path, kernels: dict, threads: int, repeats: int) -> dict:
+    """Per kernel: prompt tokens/s of a cold 256-token prefill of the GGUF file at
+    ``path``, the engine's gguf_gemm_int8 swapped to each kernel in turn."""
+    torch.set_num_threads(threads)
+    llm = LLM(str(path), enforce_eager=True)  # eager: each call looks the kernel up
+    engine_kernels = gguf_ops._int8_library()  # noqa: SLF001 - the kernel a step calls
+    original = engine_kernels.gguf_gemm_int8
+    vocab = llm.engine.model_config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    rng = np.random.default_rng(256)
+    best = dict.fromkeys(kernels, float("inf"))
+    for _ in range(repeats + 1):  # the first round warms up
+        for name, lib in kernels.items():
+            kernel = lib.gguf_gemm_int8
+            kernel.argtypes, kernel.restype = original.argtypes, original.restype
+            engine_kernels.gguf_gemm_int8 = kernel
+            prompt = rng.integers(0, vocab, 256).tolist()
+            start = time.perf_counter()
+            llm.generate([prompt], [params])
+            best[name] = min(best[name], time.perf_counter() - start)
+    engine_kernels.gguf_gemm_int8 = original
+    llm.engine.close()
+    return {name: 256 / seconds for name, seconds in best.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", default=",".join(TYPES))
@@ -114,6 +146,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--against", help="a git revision whose kernel to time beside")
     parser.add_argument("--quick", action="store_true", help="one small shape, 1 repeat")
+    parser.add_argument("--prefill", type=Path, help="a GGUF file to prefill 256 tokens of")
     args = parser.parse_args()
     shapes = ((256, 512),) if args.quick else SHAPES
     repeats = 1 if args.quick else args.repeats
@@ -121,6 +154,12 @@ def main() -> None:
         kernels = {"this checkout": _typed(build.load("gguf_int8"))}
         if args.against:
             kernels[args.against] = kernel_at(args.against, Path(folder))
+        if args.prefill:
+            speeds = time_prefill(args.prefill, kernels, args.threads, args.repeats)
+            rows = [[args.prefill.name, name, f"{speed:.1f}"] for name, speed in speeds.items()]
+            title = f"cold prefill of 256 tokens, {args.threads} threads"
+            print(markdown_table(title, ["file", "kernel", "prompt tokens/s"], rows))
+            return
         table = []
         for kind in args.types.split(","):
             timed = time_kernels(kernels, kind, shapes, args.rows, args.threads, repeats)

@@ -79,17 +79,22 @@ def test_tiles_give_the_decode_passes_sums_and_the_rounded_x_times_the_weight(ki
 def test_two_groups_at_once_give_the_decode_passes_sums(kind):
     """Where the CPU has AVX-512 VNNI, these types' tiles take two groups at once (lanes
     0-7 and 8-15 of one register): a last pair whose second group is short of eight rows
-    (32 groups, the last of three rows, in chunks of four), and tiles of 8 + 2 + 1 rows,
-    give what the decode passes give."""
+    (32 groups, the last of three rows, in chunks of four), tiles of 32 + 16 + 8 + 4 + 2
+    + 1 rows (a whole tile and every kernel a tail is made of), and 8 + 2 + 1, give what
+    the decode passes give."""
     code = BLOCK_TYPES[kind]
     k, n = 512, 8 * 31 + 3
     blocks = random_blocks(kind, n, k, np.random.default_rng(n))
     groups = gguf_group(torch.from_numpy(blocks), code, k)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(0))
-    x = torch.randn(11, k, generator=torch.Generator().manual_seed(11)) * 3
-    passes = torch.cat([gguf_linear_int8(part, groups, bias, code, k, n) for part in x.split(8)])
-    got = gguf_gemm_int8(x, groups, bias, code, k, n)
-    torch.testing.assert_close(got, passes, rtol=1e-6, atol=1e-6 * passes.abs().max().item())
+    for rows in (63, 11):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
+        passes = torch.cat(
+            [gguf_linear_int8(part, groups, bias, code, k, n) for part in x.split(8)]
+        )
+        got = gguf_gemm_int8(x, groups, bias, code, k, n)
+        scale = passes.abs().max().item()
+        torch.testing.assert_close(got, passes, rtol=1e-6, atol=1e-6 * scale)
 
 
 @pytest.mark.parametrize("kind", ["Q4_K"])

@@ -400,8 +400,8 @@ void gguf_linear_int8(int type, const float *x, int64_t m, int64_t k, const uint
    on (see gguf_gemm_int8). A tile of 8 runs as two kernels of 4 (group_rows): on a Zen 4
    core a kernel inlined for 8 rows was no faster than 4 + 4 on Q4_0 and 15% slower on
    Q8_0 (1024 x 4096, one thread); chunks of 2 to 8 groups ran alike, 5-10% faster than
-   of 1. The pair kernels (int8_prefill.h) take a tile of 8 in one kernel, and chunks of
-   8 groups (4 pairs) ran 0-10% faster than of 4. */
+   of 1. The pair kernels (int8_prefill.h) take a tile of PAIR_ROWS in one kernel, and
+   chunks of 8 groups (4 pairs) ran 0-10% faster than of 4. */
 #define TILE_ROWS 8
 #define CHUNK_GROUPS 8
 
@@ -423,19 +423,26 @@ static int has_pairs(int type) {
 #undef HAS_PAIRS
 }
 
-/* Rows of x a pair kernel is inlined for at most: its accumulators, a group-block
-   pair's unpacked codes and its scales stay in AVX-512's 32 registers. Against 4,
-   Q5_K and Q6_K ran 10-25% faster (their codes cost more to unpack), the others alike. */
-#define PAIR_ROWS 8
+/* Rows of x a pair kernel is inlined for at most, and rows in a tile over pairs: a
+   group-block pair's codes are unpacked once per tile, so the more rows the less that
+   costs each. Against 4, 8 rows ran Q5_K and Q6_K 10-25% faster, the others alike;
+   against 8, 32 ran 2-11% faster (Q5_K and Q6_K most; one core, alternated), the
+   accumulators of the rows past AVX-512's 32 registers kept in L1 (a load and a store a
+   row and x block, beside eight vpdpbusd). */
+#define PAIR_ROWS 32
 
 /* Two groups' sixteen outputs (lanes 0-7: ``a``'s rows, 8-15: the next group's) for
    each of ``rows`` rows of x, as group_rows does for one */
 static void pair_rows(int type, const uint8_t *a, const uint8_t *b, int64_t blocks,
                       const rounded_x *x, int rows, float out[][2 * GROUP]) {
-    __m512 acc[MAX_X_ROWS];
+    __m512 acc[PAIR_ROWS];
 #define PAIR_FOR_ROWS(code, name)                                                           \
     case code:                                                                              \
-        if (part == 8)                                                                      \
+        if (part == 32)                                                                     \
+            pair_##name(a, b, blocks, &from, 32, acc + done);                               \
+        else if (part == 16)                                                                \
+            pair_##name(a, b, blocks, &from, 16, acc + done);                               \
+        else if (part == 8)                                                                 \
             pair_##name(a, b, blocks, &from, 8, acc + done);                                \
         else if (part == 4)                                                                 \
             pair_##name(a, b, blocks, &from, 4, acc + done);                                \
@@ -446,7 +453,7 @@ static void pair_rows(int type, const uint8_t *a, const uint8_t *b, int64_t bloc
         break;
     for (int done = 0; done < rows;) {
         const int left = rows - done;
-        const int part = left >= PAIR_ROWS ? PAIR_ROWS : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        const int part = left >= 32 ? 32 : left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
         const rounded_x from = rows_from(x, done);
         switch (type) { PAIR_TYPE_LIST(PAIR_FOR_ROWS) default: return; }
         done += part;
@@ -460,7 +467,7 @@ static void pair_rows(int type, const uint8_t *a, const uint8_t *b, int64_t bloc
 static void pair_into(int type, const uint8_t *group, int64_t group_bytes, int64_t blocks,
                       const rounded_x *x, int rows, const float *bias, float *y, int64_t n,
                       int64_t valid) {
-    float out[MAX_X_ROWS][2 * GROUP];
+    float out[PAIR_ROWS][2 * GROUP];
     pair_rows(type, group, group + group_bytes, blocks, x, rows, out);
     for (int r = 0; r < rows; r++)
         for (int64_t i = 0; i < valid; i++) y[r * n + i] = out[r][i] + (bias ? bias[i] : 0.0f);
@@ -470,7 +477,8 @@ static void pair_into(int type, const uint8_t *group, int64_t group_bytes, int64
 /* y [m, n] = round(x) [m, k] @ W^T (+ bias) for any number of rows m, with the
    arguments of gguf_linear_int8 and the same result row for row: x is rounded once (a
    row per thread), then each thread takes its share of the groups, CHUNK_GROUPS at a
-   time, and passes every tile of TILE_ROWS rows of x over them, so that the chunk's
+   time, and passes every tile of rows of x (PAIR_ROWS where two groups go at once, else
+   TILE_ROWS) over them, so that the chunk's
    groups are read from memory once and stay in the core's caches while x's tiles
    stream past. ``threads`` 0: as many as the caller's OpenMP setting holds when it
    runs (torch's thread count, which the engine lowers while other processes keep
@@ -488,26 +496,34 @@ void gguf_gemm_int8(int type, const float *x, int64_t m, int64_t k, const uint8_
     const int64_t chunks = (count + chunk - 1) / chunk;
 #if INT8_PAIRS
     const int pairs = has_pairs(type);
+    const int64_t tile_rows = pairs ? PAIR_ROWS : TILE_ROWS;
+#else
+    const int64_t tile_rows = TILE_ROWS;
 #endif
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t last = count < (c + 1) * chunk ? count : (c + 1) * chunk;
-        for (int64_t first = 0; first < m; first += TILE_ROWS) {
-            const int tile = (int)(m - first < TILE_ROWS ? m - first : TILE_ROWS);
-            const rounded_x part = rows_from(&rounded, first);
+        for (int64_t first = 0; first < m; first += tile_rows) {
+            const int tile = (int)(m - first < tile_rows ? m - first : tile_rows);
             int64_t g = c * chunk;
 #if INT8_PAIRS
+            const rounded_x part = rows_from(&rounded, first);
             for (; pairs && g + 1 < last; g += 2) {
                 const int64_t valid = n - GROUP * g < 2 * GROUP ? n - GROUP * g : 2 * GROUP;
                 pair_into(type, groups + g * group_bytes, group_bytes, blocks, &part, tile,
                           bias ? bias + GROUP * g : NULL, y + first * n + GROUP * g, n, valid);
             }
 #endif
-            for (; g < last; g++) {
-                const int64_t valid = n - GROUP * g < GROUP ? n - GROUP * g : GROUP;
-                group_into(type, groups + g * group_bytes, blocks, &part, tile,
-                           bias ? bias + GROUP * g : NULL, y + first * n + GROUP * g, n, valid);
-            }
+            /* a group left over (or every group of a type without pairs), TILE_ROWS rows
+               of the tile at a time */
+            for (; g < last; g++)
+                for (int64_t r = first; r < first + tile; r += TILE_ROWS) {
+                    const int rows = (int)(first + tile - r < TILE_ROWS ? first + tile - r : TILE_ROWS);
+                    const rounded_x these = rows_from(&rounded, r);
+                    const int64_t valid = n - GROUP * g < GROUP ? n - GROUP * g : GROUP;
+                    group_into(type, groups + g * group_bytes, blocks, &these, rows,
+                               bias ? bias + GROUP * g : NULL, y + r * n + GROUP * g, n, valid);
+                }
         }
     }
     free(rows.buffer);

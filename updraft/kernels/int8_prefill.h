@@ -185,8 +185,11 @@ static inline __attribute__((always_inline)) void pair_q5_k(const uint8_t *a, co
     }
 }
 
-/* Q6_K: per x block of 32, two sub-blocks of 16 with int8 scales; each sub-block's sum
-   (codes 0..63, x's -32 sums16 to start) times its scale in int32, exact */
+/* Q6_K: per x block of 32, two sub-blocks of 16 with int8 scales; each sub-block's
+   integer sum (codes 0..63, x's -32 sums16 to start) times d scale_s as a float, taken
+   once per group-block pair for every row of x: per row that is two conversions and
+   three multiplies, where scaling the sums in int32 (vpmulld, twice) and then d and x's
+   scale took one more, on the units the products need too. */
 static inline __attribute__((always_inline)) void pair_q6_k(const uint8_t *a, const uint8_t *b,
                                                             int64_t blocks, const rounded_x *x,
                                                             int rows, __m512 *acc) {
@@ -211,8 +214,10 @@ static inline __attribute__((always_inline)) void pair_q6_k(const uint8_t *a, co
                     /* (nibbles & 0x0F) | (bits & 0x30) */
                     codes[w] = _mm512_ternarylogic_epi32(_mm512_and_si512(nibbles, nibble), bits, pair, 0xF8);
                 }
-                const __m512i first = bytes_pair(pa + 16 + 8 * s, pb + 16 + 8 * s, 1);
-                const __m512i second = bytes_pair(pa + 16 + 8 * (s + 1), pb + 16 + 8 * (s + 1), 1);
+                const __m512 first = _mm512_mul_ps(d, _mm512_cvtepi32_ps(bytes_pair(pa + 16 + 8 * s, pb + 16 + 8 * s, 1)));
+                const __m512 second =
+                    _mm512_mul_ps(d, _mm512_cvtepi32_ps(bytes_pair(pa + 16 + 8 * (s + 1), pb + 16 + 8 * (s + 1), 1)));
+#pragma GCC unroll 8
                 for (int m = 0; m < rows; m++) {
                     const int64_t xb = m * (x->k / 32) + 8 * i + 4 * half + q;
                     const int8_t *v = x->codes + 32 * xb;
@@ -222,9 +227,9 @@ static inline __attribute__((always_inline)) void pair_q6_k(const uint8_t *a, co
                         lo = dot_at(lo, codes[w], v + 4 * w);
                         hi = dot_at(hi, codes[4 + w], v + 16 + 4 * w);
                     }
-                    const __m512i sum = _mm512_add_epi32(_mm512_mullo_epi32(lo, first),
-                                                         _mm512_mullo_epi32(hi, second));
-                    acc[m] = add_scaled(acc[m], sum, d, x->scales[xb]);
+                    const __m512 both = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), second,
+                                                        _mm512_mul_ps(_mm512_cvtepi32_ps(lo), first));
+                    acc[m] = _mm512_fmadd_ps(both, _mm512_set1_ps(x->scales[xb]), acc[m]);
                 }
             }
     }
