@@ -72,6 +72,7 @@ typedef struct {
 
 #include "int8_types.h"
 #include "int8_prefill.h"
+#include "int8_decode.h"
 
 #define IS_TYPE(code, name, values, bytes, group) case code: return 1;
 int gguf_int8_type(int type) {
@@ -371,6 +372,46 @@ static void group_rows(int type, const uint8_t *group, int64_t blocks, const rou
 }
 #endif
 
+#if INT8_DECODE
+/* Whether ``type`` has a one-row kernel over two groups (int8_decode.h) */
+static int has_decode(int type) {
+#define HAS_DECODE(code, name) case code: return 1;
+    switch (type) { DECODE_TYPE_LIST(HAS_DECODE) default: return 0; }
+#undef HAS_DECODE
+}
+
+/* gguf_linear_int8 for one row of x, over two groups at a time (int8_decode.h). Each
+   thread takes a contiguous share of the pairs; an odd last group runs alone. */
+static void decode_row(int type, const float *x, int64_t k, const uint8_t *groups, int64_t n,
+                       int64_t group_bytes, const float *bias, float *y, int threads) {
+    rounded_rows rows = round_rows(x, 1, k, threads, 1);
+    const rounded_x rounded = rows.x;
+    const int64_t blocks = k / block_values(type), count = (n + GROUP - 1) / GROUP;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t p = 0; p < (count + 1) / 2; p++) {
+        const int64_t g = 2 * p;
+        const uint8_t *a = groups + g * group_bytes;
+        if (g + 1 == count) {
+            float out[MAX_X_ROWS][GROUP];
+            group_rows(type, a, blocks, &rounded, 1, out);
+            for (int64_t i = 0; i < n - GROUP * g; i++)
+                y[GROUP * g + i] = out[0][i] + (bias ? bias[GROUP * g + i] : 0.0f);
+            continue;
+        }
+        __m512 out;
+#define DECODE(code, name)                                                                  \
+    case code: out = decode_##name(a, a + group_bytes, blocks, &rounded); break;
+        switch (type) { DECODE_TYPE_LIST(DECODE) default: out = _mm512_setzero_ps(); }
+#undef DECODE
+        const int64_t valid = n - GROUP * g < 2 * GROUP ? n - GROUP * g : 2 * GROUP;
+        const __mmask16 lanes = (__mmask16)((1u << valid) - 1);
+        if (bias) out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(lanes, bias + GROUP * g));
+        _mm512_mask_storeu_ps(y + GROUP * g, lanes, out);
+    }
+    free(rows.buffer);
+}
+#endif
+
 /* y [m, n] = round(x) [m, k] @ W^T (+ bias), W's n rows in ``groups`` of type ``type``
    (one of gguf_int8_type's), ``group_bytes`` apart; m <= 8 (the arguments are
    gguf_linear's; ``threads`` 0: the caller's OpenMP count when it runs). */
@@ -378,6 +419,12 @@ void gguf_linear_int8(int type, const float *x, int64_t m, int64_t k, const uint
                       int64_t n, int64_t group_bytes, const float *bias, float *y,
                       int threads) {
     if (threads <= 0) threads = omp_get_max_threads();
+#if INT8_DECODE
+    if (m == 1 && has_decode(type)) {
+        decode_row(type, x, k, groups, n, group_bytes, bias, y, threads);
+        return;
+    }
+#endif
     rounded_rows rows = round_rows(x, m, k, threads, 0);
     const rounded_x rounded = rows.x;
     const int64_t blocks = k / block_values(type);
