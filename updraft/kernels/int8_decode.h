@@ -37,7 +37,8 @@
 #ifndef UPDRAFT_INT8_DECODE_H
 #define UPDRAFT_INT8_DECODE_H
 
-#if INT8_PAIRS
+/* also VL and DQ: 256-bit masked loads and stores, and a register's upper half */
+#if INT8_PAIRS && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define INT8_DECODE 1
 
 /* One row of x as the decode kernels take it, per pair p of x blocks (u, u + S) */
