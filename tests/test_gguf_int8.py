@@ -139,6 +139,34 @@ def test_every_build_multiplies_the_rounded_x_by_the_dequantized_weight(kind, ma
     assert not torch.allclose(got.double(), x.double() @ weight.T + bias.double(), atol=0)
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_one_row_of_x_takes_weights_of_any_shape(kind):
+    """A decode step's one row of x runs two parts of a group per register where the
+    build has AVX-512 VNNI (int8_decode.h): weights of 1 to 100 rows (a last group short
+    of eight, counts not a multiple of 16), an odd number of blocks (Q4_0's and Q8_0's
+    last block alone) and a single 256-value block, with a bias and without, against
+    the reference and bound above."""
+    code = BLOCK_TYPES[kind]
+    widths = (256, 512) if BLOCKS[code][0] == 256 else (96, 480, 512)
+    generator = torch.Generator().manual_seed(5)
+    for k in widths:
+        for n in (1, 3, 8, 13, 16, 17, 24, 64, 100):
+            blocks = random_blocks(kind, n, k, np.random.default_rng(n + k))
+            groups = gguf_group(torch.from_numpy(blocks), code, k)
+            weight = quants.dequantize(blocks, GGMLQuantizationType[kind])
+            weight = torch.from_numpy(weight).double()
+            x = torch.randn(1, k, generator=generator) * 2
+            rounded = gguf_round_rows(x).double()
+            for bias in (None, torch.randn(n, generator=generator)):
+                got = gguf_linear_int8(x, groups, bias, code, k, n).double()
+                expected = rounded @ weight.T + (0.0 if bias is None else bias.double())
+                magnitude = rounded.abs() @ weight.abs().T
+                if bias is not None:
+                    magnitude = magnitude + bias.double().abs()
+                bound = 2 * (k // 16 + 3) * 2.0**-24 * magnitude
+                assert ((got - expected).abs() <= bound).all(), (k, n, bias is None)
+
+
 def test_x_is_rounded_as_q8_0_rounds_it():
     x = torch.randn(512, generator=torch.Generator().manual_seed(0)) * 3
     x[64:96] = 0.0  # a block of zeros stays zeros

@@ -30,6 +30,11 @@
    register, over the same groups and the same rounded x, so a prefill's row is a
    decode step's product up to float32 rounding.
 
+   Decode. Where the CPU has AVX-512 with VNNI, one row of x (a batch-1 decode step)
+   over Q4_0, Q8_0, Q4_K, Q5_K and Q6_K groups runs int8_decode.h's kernels: two nearby
+   parts of one group in one 512-bit register, the group read front to back as one
+   stream, over the same groups and the same rounded x.
+
    Each block type is a header of its own (int8_types.h lists them): its group-block
    layout, the move between a file block and a group-block, its kernel, and its unpack_,
    row r of a group-block as integer codes and a float32 scale and minimum per 16 values.
@@ -72,6 +77,7 @@ typedef struct {
 
 #include "int8_types.h"
 #include "int8_prefill.h"
+#include "int8_decode.h"
 
 #define IS_TYPE(code, name, values, bytes, group) case code: return 1;
 int gguf_int8_type(int type) {
@@ -371,6 +377,41 @@ static void group_rows(int type, const uint8_t *group, int64_t blocks, const rou
 }
 #endif
 
+#if INT8_DECODE
+/* the x_pairs stride of ``type``'s one-row kernel (int8_decode.h); 0: it has none */
+static int decode_stride(int type) {
+#define STRIDE(code, name, stride) case code: return stride;
+    switch (type) { DECODE_TYPE_LIST(STRIDE) default: return 0; }
+#undef STRIDE
+}
+
+/* gguf_linear_int8 for one row of x (int8_decode.h): x's pairs built once, then each
+   thread takes a contiguous share of the groups. */
+static void decode_row(int type, const float *x, int64_t k, const uint8_t *groups, int64_t n,
+                       int64_t group_bytes, const float *bias, float *y, int threads) {
+    rounded_rows rows = round_rows(x, 1, k, 1, 1);
+    const int64_t blocks = k / block_values(type), count = (n + GROUP - 1) / GROUP;
+    const int stride = decode_stride(type);
+    void *buffer = aligned_alloc(64, x_pairs_bytes(k / X_BLOCK, stride));
+    const x_pairs pairs = build_x_pairs(&rows.x, k / X_BLOCK, stride, buffer);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t g = 0; g < count; g++) {
+        const uint8_t *group = groups + g * group_bytes;
+        __m256 out;
+#define DECODE(code, name, stride)                                                       \
+    case code: out = decode_##name(group, blocks, &pairs); break;
+        switch (type) { DECODE_TYPE_LIST(DECODE) default: out = _mm256_setzero_ps(); }
+#undef DECODE
+        const int64_t valid = n - GROUP * g < GROUP ? n - GROUP * g : GROUP;
+        const __mmask8 lanes = (__mmask8)((1u << valid) - 1);
+        if (bias) out = _mm256_add_ps(out, _mm256_maskz_loadu_ps(lanes, bias + GROUP * g));
+        _mm256_mask_storeu_ps(y + GROUP * g, lanes, out);
+    }
+    free(buffer);
+    free(rows.buffer);
+}
+#endif
+
 /* y [m, n] = round(x) [m, k] @ W^T (+ bias), W's n rows in ``groups`` of type ``type``
    (one of gguf_int8_type's), ``group_bytes`` apart; m <= 8 (the arguments are
    gguf_linear's; ``threads`` 0: the caller's OpenMP count when it runs). */
@@ -378,6 +419,12 @@ void gguf_linear_int8(int type, const float *x, int64_t m, int64_t k, const uint
                       int64_t n, int64_t group_bytes, const float *bias, float *y,
                       int threads) {
     if (threads <= 0) threads = omp_get_max_threads();
+#if INT8_DECODE
+    if (m == 1 && decode_stride(type)) {
+        decode_row(type, x, k, groups, n, group_bytes, bias, y, threads);
+        return;
+    }
+#endif
     rounded_rows rows = round_rows(x, m, k, threads, 0);
     const rounded_x rounded = rows.x;
     const int64_t blocks = k / block_values(type);
