@@ -145,3 +145,31 @@ def test_a_direct_call_that_misses_a_target_keeps_the_wrapper():
 
     wrapped.current_callable = writes_both
     assert compiled_runs._direct_call(wrapped, inputs, targets) is writes_both
+
+
+@torch.inference_mode()
+def test_a_replay_allocates_no_buffers_and_calls_no_wrapper(monkeypatch):
+    import sys
+
+    monkeypatch.setattr(compiled_runs, "_compiled", {})
+    torch.manual_seed(3)
+    model = Layer(width=4)
+    graph, out = capture(model)
+    seen: list[str] = []
+
+    def watch(frame, event, arg):
+        # inductor's buffer allocations and views of them, builtins known by name
+        if event == "c_call" and arg.__name__ in ("_empty_strided_cpu", "_reinterpret_tensor"):
+            seen.append(arg.__name__)
+        elif event == "call" and frame.f_code.co_name == "call":  # an inductor wrapper
+            seen.append(frame.f_code.co_filename)
+
+    model.inputs.copy_(torch.randn(3, 4))
+    sys.setprofile(watch)
+    try:
+        graph.replay({"factor": 2.5})
+    finally:
+        sys.setprofile(None)
+    # The runs' kernels were bound at capture to buffers kept from then.
+    assert not seen, seen
+    torch.testing.assert_close(out, model.reference(2.5)[0])
