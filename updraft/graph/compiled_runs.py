@@ -271,15 +271,24 @@ def _direct_call(
 
 def rewrites(call: Callable[[], Any], targets: list[torch.Tensor]) -> bool:
     """Whether ``call`` writes back, bit for bit, what ``targets`` hold now (what the run
-    wrote): each is poisoned first, every element made to differ from what it should be."""
-    expected = [target.clone() for target in targets]
-    for target in targets:
-        if target.is_floating_point() or target.is_complex():
-            target.fill_(float("nan"))
-        else:
-            torch.bitwise_not(target, out=target)
+    wrote): each is poisoned first, every bit of it flipped. Compared as bits, since at
+    capture a run may compute NaNs from memory nothing has written yet."""
+    bits = [_bits(target) for target in targets]
+    expected = [target.clone() for target in bits]
+    for target in bits:
+        torch.bitwise_not(target, out=target)
     call()
-    return all(torch.equal(target, want) for target, want in zip(targets, expected, strict=True))
+    return all(torch.equal(target, want) for target, want in zip(bits, expected, strict=True))
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s memory as integers of its element's width (itself if not float)."""
+    if tensor.is_complex():
+        tensor = torch.view_as_real(tensor)
+    if not tensor.is_floating_point():
+        return tensor
+    widths = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return tensor.view(widths[tensor.element_size()])
 
 
 def _compile(module: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> tuple[Any, ...]:
