@@ -117,3 +117,24 @@ def test_a_task_not_taking_a_fresh_kwarg_is_refused_at_capture():
     )
     with torch.inference_mode(), pytest.raises(GraphReplayError, match="takes no lengths"):
         graph.capture(lambda: register_task(torch.mul, {"input": x, "other": 2.0}, "mul"), None)
+
+
+@torch.no_grad()
+def test_a_graph_without_tasks_makes_no_fresh_kwargs_at_replay():
+    tokens = StaticInput("tokens", torch.zeros(4, 3), fill=lambda s: s["tokens"], pad=0)
+    calls = []
+
+    def task_kwargs(step: dict) -> dict:
+        calls.append(step)
+        return {"lengths": step["lengths"]}
+
+    graph = UpdatableGraph(
+        RecordedGraph(constants=[], persistent=[tokens.buffer]), [tokens], task_kwargs
+    )
+    out = graph.capture(lambda: tokens.buffer.sum(-1) * 2, step(4, [3, 3, 3, 3]))
+    # Made once at capture, to fix the names; a replay (a decode step's FULL graph) has
+    # no task to give them to.
+    assert len(calls) == 1
+    graph.replay(step(2, [1, 2]))
+    assert len(calls) == 1
+    assert out.tolist() == [2 * (0 + 1 + 2), 2 * (3 + 4 + 5), 0.0, 0.0]

@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._pytree import tree_map
 
+from updraft.graph.frozen_calls import frozen_call
 from updraft.graph.recorded_nodes import (
     OpNode,
     TaskNode,
@@ -142,6 +143,12 @@ def _finish(run: PendingRun) -> Callable[[], Any]:
         entry = _compiled[run.key] = entry._replace(direct=direct)
     if entry.direct is None:
         return partial(entry.wrapped, *run.inputs)
+    frozen = frozen_call(entry.direct, run.inputs)
+    if frozen is not None and rewrites(frozen, run.targets):
+        return frozen
+    if frozen is not None:
+        logger.warning("a compiled run's bound kernels missed a target; it keeps the wrapper")
+        entry.direct(list(run.inputs))
     direct, inputs = entry.direct, run.inputs
 
     def run_direct() -> None:
@@ -255,18 +262,33 @@ def _direct_call(
     if direct is None or not targets:
         return None
     wrapped(*inputs)
-    expected = [target.clone() for target in targets]
-    for target in targets:  # every element made to differ from what it should be
-        if target.is_floating_point() or target.is_complex():
-            target.fill_(float("nan"))
-        else:
-            torch.bitwise_not(target, out=target)
-    direct(list(inputs))
-    if all(torch.equal(target, want) for target, want in zip(targets, expected, strict=True)):
+    if rewrites(partial(direct, list(inputs)), targets):
         return direct
     logger.warning("a compiled run's direct call missed a target; it keeps the wrapper")
     wrapped(*inputs)
     return None
+
+
+def rewrites(call: Callable[[], Any], targets: list[torch.Tensor]) -> bool:
+    """Whether ``call`` writes back, bit for bit, what ``targets`` hold now (what the run
+    wrote): each is poisoned first, every bit of it flipped. Compared as bits, since at
+    capture a run may compute NaNs from memory nothing has written yet."""
+    bits = [_bits(target) for target in targets]
+    expected = [target.clone() for target in bits]
+    for target in bits:
+        torch.bitwise_not(target, out=target)
+    call()
+    return all(torch.equal(target, want) for target, want in zip(bits, expected, strict=True))
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s memory as integers of its element's width (itself if not float)."""
+    if tensor.is_complex():
+        tensor = torch.view_as_real(tensor)
+    if not tensor.is_floating_point():
+        return tensor
+    widths = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return tensor.view(widths[tensor.element_size()])
 
 
 def _compile(module: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> tuple[Any, ...]:
