@@ -75,6 +75,7 @@ from updraft.models.gguf_tables import GGUFTables
 from updraft.models.gguf_tensors import FLOAT_DTYPES, block_rows, float_tensor
 from updraft.models.packed_linear import PackedLinear
 from updraft.models.packing import pack_model
+from updraft.models.read_pages import MappedSpans
 from updraft.models.registry import model_class
 from updraft.models.tensor_parallel import VocabParallelHead, shard_model
 from updraft.models.weight_targets import (
@@ -285,8 +286,9 @@ def load_gguf_model(
     tables = GGUFTables(model, parts[0].name)  # mapped, not loaded: read by row
     latent = LatentKV()
     linear = _linear_attention(config, parts[0], share)
+    spans = MappedSpans()  # what each linear has read is dropped once it is built
     for path in parts:
-        stream = latent.tensors(read_gguf(path).tensors, path.name)
+        stream = latent.tensors(spans.tensors(read_gguf(path)), path.name)
         if linear is not None:  # the converter's changes to Gated DeltaNet layers undone
             stream = linear.tensors(stream, path.name)
         for tensor in stream:
@@ -309,7 +311,7 @@ def load_gguf_model(
     latent.finish(parts[0].name)
     tables.finish()
     floats, blocks = share.renamed(gathered.floats), share.renamed(gathered.blocks)
-    _place_blocks(model, blocks, floats, config, int8_activations)
+    _place_blocks(model, blocks, floats, config, int8_activations, spans)
     if linear is not None:
         linear.order_inputs(model)
     experts.place()
@@ -415,8 +417,11 @@ class Gathered:
         return WeightFormat(str(FLOAT_DTYPES[kind]).removeprefix("torch."))
 
 
-def _place_blocks(model, blocks, floats, config: ModelConfig, int8: bool) -> None:
-    """Put a ``GGUFLinear`` (and a ``GGUFEmbedding``) where tensors came in blocks."""
+def _place_blocks(
+    model, blocks, floats, config: ModelConfig, int8: bool, spans: MappedSpans
+) -> None:
+    """Put a ``GGUFLinear`` (and a ``GGUFEmbedding``) where tensors came in blocks; the
+    file's pages a module read into another layout are dropped as it is built."""
     modules = dict(model.named_modules())
     embedding = blocks.pop("model.embed_tokens.weight", None)
     if embedding is not None:
@@ -433,6 +438,7 @@ def _place_blocks(model, blocks, floats, config: ModelConfig, int8: bool) -> Non
         else:
             table = GGUFEmbedding(part.weight, part.code, dim)
         model.model.embed_tokens = embedding_over(model.model.embed_tokens, table)
+        spans.drop_unheld([part.weight], model)
     for param, slices in blocks.items():
         module_name = param.removesuffix(".weight")
         module = modules[module_name]
@@ -453,7 +459,9 @@ def _place_blocks(model, blocks, floats, config: ModelConfig, int8: bool) -> Non
             bias_parts = floats.pop(bias_name, {})
             bias = torch.cat([bias_parts[i] for i in sorted(bias_parts)]).float()
         parent, _, child = module_name.rpartition(".")
-        setattr(modules[parent], child, _linear(module.in_features, parts, bias, int8))
+        built = _linear(module.in_features, parts, bias, int8)
+        setattr(modules[parent], child, built)
+        spans.drop_unheld([part.weight for part in parts], built)
 
 
 def _linear(
