@@ -15,7 +15,7 @@ from tests.checkpoints import build_checkpoint
 from tests.test_gguf import MIXES, convert_to
 from updraft.checkpoints.gguf import checkpoint_dir, linked_files
 from updraft.checkpoints.gguf_header import walk
-from updraft.kernels.gguf_ops import int8_kernel_builds
+from updraft.kernels.gguf_ops import BLOCK_TYPES, gguf_group, int8_kernel_builds
 from updraft.model_config import ModelConfig
 from updraft.models import read_pages
 from updraft.models.gguf_loader import load_gguf_model
@@ -120,3 +120,18 @@ def test_a_small_mapped_weight_is_copied_out_and_a_large_one_stays_in_the_map(tm
     assert not any(a <= module.norm.data_ptr() < b for a, b in in_file)
     assert any(a <= module.table.data_ptr() < b for a, b in in_file)
     assert torch.equal(module.norm, values)
+
+
+@pytest.mark.skipif(not int8_kernel_builds(), reason="no int8 kernels build here")
+@pytest.mark.parametrize("rows", [(16, 8, 24), (16, 12, 8)])
+def test_a_fused_weight_s_parts_regroup_as_their_joined_rows_do(rows):
+    """A fused q/k/v or gate/up is regrouped part by part into one weight's groups, with
+    no joined copy (parts of whole groups), or joined first where a group would span
+    two parts (12 rows): the groups are the joined rows' either way."""
+    k, row_bytes = 64, 2 * 34  # Q8_0: 34 bytes per 32 values
+    generator = torch.Generator().manual_seed(0)
+    parts = [
+        torch.randint(0, 256, (n, row_bytes), dtype=torch.uint8, generator=generator) for n in rows
+    ]
+    q8_0 = BLOCK_TYPES["Q8_0"]
+    assert torch.equal(gguf_group(parts, q8_0, k), gguf_group(torch.cat(parts), q8_0, k))

@@ -168,14 +168,16 @@ class GGUFLinear(nn.Module):
         super().__init__()
         self.in_features = in_features
         self.int8 = int8 and int8_kernel_builds()
-        parts = _merged(parts)
-        self.codes = [part.code for part in parts]
-        self.rows = [part.weight.shape[0] for part in parts]
-        self.grouped = [self.int8 and part.code in INT8_TYPES for part in parts]
-        for index, part in enumerate(parts):
-            weight = part.weight
-            if self.grouped[index]:
-                weight = gguf_group(weight, part.code, in_features)
+        runs = _runs(parts)
+        self.codes = [run[0].code for run in runs]
+        self.rows = [sum(part.weight.shape[0] for part in run) for run in runs]
+        self.grouped = [self.int8 and code in INT8_TYPES for code in self.codes]
+        for index, run in enumerate(runs):
+            weights = [part.weight for part in run]
+            if self.grouped[index]:  # each part regrouped in place, never joined first
+                weight = gguf_group(weights, self.codes[index], in_features)
+            else:  # rows of blocks are read as they lie: joined once, at load
+                weight = weights[0] if len(weights) == 1 else torch.cat(weights)
             self.register_buffer(f"part{index}", weight, persistent=False)
         self.out_features = sum(self.rows)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
@@ -222,18 +224,17 @@ def _in_passes(
     return torch.cat([linear(group) for group in flat.split(rows)])
 
 
-def _merged(parts: list[Part]) -> list[Part]:
-    """Neighbouring parts in one block type as one (a fused q/k/v or gate/up whose
-    slices share a type): a kernel call per type, not per slice. Their rows are copied
-    out of the file's map once, at load."""
-    merged: list[Part] = []
+def _runs(parts: list[Part]) -> list[list[Part]]:
+    """Neighbouring parts in one block type, as runs that become one weight each (a
+    fused q/k/v or gate/up whose slices share a type): a kernel call per type, not per
+    slice."""
+    runs: list[list[Part]] = []
     for part in parts:
-        if merged and part.code is not None and merged[-1].code == part.code:
-            rows = torch.cat([merged[-1].weight, part.weight])
-            merged[-1] = Part(rows, part.code)
+        if runs and part.code is not None and runs[-1][-1].code == part.code:
+            runs[-1].append(part)
         else:
-            merged.append(part)
-    return merged
+            runs.append([part])
+    return runs
 
 
 class GGUFEmbedding(nn.Module):
