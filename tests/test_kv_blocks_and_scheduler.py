@@ -66,6 +66,17 @@ def test_a_free_block_without_content_goes_first_and_cached_content_last():
     assert pool.num_free == 0 and not any(pool.is_free(block) for block in range(6))
 
 
+def test_evicting_first_hands_out_cached_blocks_before_blocks_never_used():
+    """--prefix-cache-evicts-first: the pool touches a block never used only when no
+    freed one is left, cached or not."""
+    pool = BlockPool(num_blocks=6, block_size=BLOCK_SIZE, evicts_first=True)
+    a, b = pool.allocate(2)
+    pool.register(a, 111)
+    pool.register(b, 222)
+    pool.free([b, a])
+    assert pool.allocate(3) == [b, a, 2] and pool.lookup([111]) == []
+
+
 def test_prefix_cache_hit_skips_computed_tokens():
     pool = BlockPool(num_blocks=8, block_size=BLOCK_SIZE)
     kv = KVCacheManager(pool)
