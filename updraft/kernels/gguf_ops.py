@@ -420,13 +420,12 @@ def gguf_group(
     parts = [blocks] if isinstance(blocks, torch.Tensor) else list(blocks)
     if any(part.shape[0] % GROUP_ROWS for part in parts[:-1]):
         parts = [torch.cat(parts)]  # a group would hold rows of two parts
-    for part in parts:
-        _check(part, block_type, k, GROUPED_BLOCKS)
     n = sum(part.shape[0] for part in parts)
     groups = huge_page_empty(-(-n // GROUP_ROWS), _group_bytes(block_type, k))
     first = 0
-    for part in (part for part in parts if part.shape[0]):
-        out = groups[first // GROUP_ROWS].data_ptr()
+    for part in parts:
+        _check(part, block_type, k, GROUPED_BLOCKS)
+        out = groups[first // GROUP_ROWS].data_ptr() if part.shape[0] else groups.data_ptr()
         _int8_library().gguf_group(block_type, part.data_ptr(), part.shape[0], k, out)
         first += part.shape[0]
     return groups
