@@ -12,10 +12,11 @@ aims: peak <= torch's import + the file's bytes + the KV in use + 150 MiB, and p
 1.5 x llama.cpp's + torch's import.
 
     .venv/bin/python -m benchmarks.bench_memory                        # 100M files + demo
+    .venv/bin/python -m benchmarks.bench_memory --model 500m --gguf-dir /tmp/g2-peers500
     .venv/bin/python -m benchmarks.bench_memory --models /tmp/peers/qwen3-100m-q4_0.gguf --quick
 
-The 100M files are the peer benchmark's (``bench_peers --model 100m --format gguf``
-writes them into its work folder, ``--gguf-dir``); the demo model runs from its
+The 100M and 500M files are the peer benchmark's (``bench_peers --model 100m --format
+gguf`` writes them into its work folder, ``--gguf-dir``); the demo model runs from its
 checkpoint directory, and llama.cpp from an F32 GGUF of it (``peers/make_gguf.py``).
 RSS does not depend on timing: this may run on a busy machine.
 """
@@ -129,6 +130,9 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--models", help="comma-separated GGUF files or checkpoint dirs")
     parser.add_argument("--gguf-dir", type=Path, default=GGUF_DIR)
+    parser.add_argument(
+        "--model", default="100m", choices=("100m", "500m"), help="whose files in --gguf-dir"
+    )
     parser.add_argument("--llamacpp-python", type=Path, default=LLAMACPP_PYTHON)
     parser.add_argument("--option", action="append", default=[], help="engine option k=v")
     parser.add_argument("--quick", action="store_true", help="16 new tokens, not 128")
@@ -146,7 +150,7 @@ def main() -> None:
     if args.models:
         models = [(Path(m).name, Path(m), Path(m)) for m in args.models.split(",")]
     else:
-        files = [args.gguf_dir / f"qwen3-100m-{kind}.gguf" for kind in GGUF_TYPES]
+        files = [args.gguf_dir / f"qwen3-{args.model}-{kind}.gguf" for kind in GGUF_TYPES]
         models = [(f.name, f, f) for f in files if f.is_file()]
         demo = demo_gguf(args.llamacpp_python, args.gguf_dir)
         models.append(("demo", DEMO_MODEL_DIR, demo))

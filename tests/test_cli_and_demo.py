@@ -134,6 +134,7 @@ def test_every_engine_setting_is_a_flag_that_reaches_the_config():
     switches = [
         "--no-enable-prefix-caching",
         "--no-kv-pools-per-kind",
+        "--prefix-cache-evicts-first",
         "--enforce-eager",
         "--sanitize",
         "--no-speculative-enforce-eager",
@@ -178,6 +179,7 @@ def test_every_engine_setting_is_a_flag_that_reaches_the_config():
         "num_speculative_tokens": 5,
         "enable_prefix_caching": False,
         "kv_pools_per_kind": False,
+        "prefix_cache_evicts_first": True,
         "enforce_eager": True,
         "compile_graphs": False,
         "graphs_in_background": False,

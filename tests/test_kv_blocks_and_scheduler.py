@@ -42,12 +42,39 @@ def test_cached_block_is_reused_until_evicted_least_recently_freed_first():
     a, b, c = pool.allocate(3)
     pool.register(a, 111)
     pool.register(b, 222)
+    pool.register(c, 333)
     pool.free([b, a, c])  # freed order b, a, c: b is evicted first
     assert pool.lookup([111, 222]) == [a, b]
     pool.share([a])
     assert pool.num_free == 2
     assert pool.allocate(1) == [b]  # b was the least recently freed
     assert pool.lookup([111, 222]) == [a]  # b's content is gone from the cache
+
+
+def test_a_free_block_without_content_goes_first_and_cached_content_last():
+    """On the CPU a cache's pages are resident once written: a freed block that caches
+    nothing is handed out before one never touched, and a cached one only after both."""
+    pool = BlockPool(num_blocks=6, block_size=BLOCK_SIZE)
+    a, b, c = pool.allocate(3)
+    pool.register(a, 111)
+    pool.free([c, b, a])
+    assert pool.num_free == 6 and [pool.is_free(block) for block in (a, b, c)] == [True] * 3
+    assert pool.allocate(1) == [b]  # holds no key, the last freed of those
+    assert pool.allocate(3) == [c, 3, 4]
+    assert pool.lookup([111]) == [a]  # the cached block stays while others are left
+    assert pool.allocate(2) == [5, a] and pool.lookup([111]) == []
+    assert pool.num_free == 0 and not any(pool.is_free(block) for block in range(6))
+
+
+def test_evicting_first_hands_out_cached_blocks_before_blocks_never_used():
+    """--prefix-cache-evicts-first: the pool touches a block never used only when no
+    freed one is left, cached or not."""
+    pool = BlockPool(num_blocks=6, block_size=BLOCK_SIZE, evicts_first=True)
+    a, b = pool.allocate(2)
+    pool.register(a, 111)
+    pool.register(b, 222)
+    pool.free([b, a])
+    assert pool.allocate(3) == [b, a, 2] and pool.lookup([111]) == []
 
 
 def test_prefix_cache_hit_skips_computed_tokens():
@@ -272,7 +299,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 holders.update(blocks.values())
             for block in range(pool.num_blocks):
                 assert pool.ref_counts[block] == holders[block]
-                assert (block in pool.free_blocks) == (holders[block] == 0)
+                assert pool.is_free(block) == (holders[block] == 0)
 
     @invariant()
     def only_identical_content_is_shared(self):

@@ -52,7 +52,7 @@ def assert_windows_held(llm: LLM) -> int:
 
 
 def _assert_held(pool: BlockPool, blocks: list[int], where: str) -> None:
-    free = [block for block in blocks if pool.ref_counts[block] < 1 or block in pool.free_blocks]
+    free = [block for block in blocks if pool.ref_counts[block] < 1 or pool.is_free(block)]
     assert not free, f"{where}: blocks a window still reads are back in the pool: {free}"
 
 

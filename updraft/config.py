@@ -179,6 +179,13 @@ class EngineConfig:
         None, "context length (default: the model's max_position_embeddings)"
     )
     enable_prefix_caching: bool = setting(True, "reuse the KV of prompt blocks seen before")
+    prefix_cache_evicts_first: bool = setting(
+        False,
+        "hand out free KV blocks that hold cached prefixes (evicting them) before blocks "
+        "never used: on the CPU the cache's resident memory then stays at the most blocks "
+        "requests held at once, rather than growing to the whole budget with cached "
+        "prefixes, which fewer prefixes stay cached to pay for",
+    )
     kv_pools_per_kind: bool = setting(
         True,
         "in a model that mixes sliding-window and full-attention layers (Gemma 3, gpt-oss), "

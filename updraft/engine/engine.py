@@ -118,6 +118,7 @@ class Engine:
             self._runner.num_blocks,
             config.positions_per_block,
             config.enable_prefix_caching and (prefix_states is not None or not hybrid),
+            config.prefix_cache_evicts_first,
         )
         self._rotary = self._runner.rotary_switch
         # A sequence never holds more tokens than the cache can, so one request alone
@@ -196,7 +197,8 @@ class Engine:
         if not count:
             return None
         window = max(w for w in self.model_config.layer_windows if w is not None)
-        return WindowBlocks(BlockPool(count, pool.block_size, pool.enable_prefix_caching), window)
+        windowed = BlockPool(count, pool.block_size, pool.enable_prefix_caching, pool.evicts_first)
+        return WindowBlocks(windowed, window)
 
     def _make_grammars(self, config: EngineConfig) -> Grammars | None:
         """Structured outputs need the tokenizer: llguidance reads its vocabulary."""

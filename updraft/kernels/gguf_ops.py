@@ -9,7 +9,7 @@ A weight is a uint8 tensor [N, row_bytes], each row K / B blocks as the file hol
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import cache
 
 import torch
@@ -410,13 +410,24 @@ def _check_groups(groups: torch.Tensor, block_type: int, k: int, n: int) -> int:
     return group_bytes
 
 
-def gguf_group(blocks: torch.Tensor, block_type: int, k: int) -> torch.Tensor:
-    """A weight's rows [N, row_bytes] in the file's blocks -> the same codes and scales
-    regrouped eight rows at a time [ceil(N / 8), group_bytes] (``gguf_int8.c``)."""
-    _check(blocks, block_type, k, GROUPED_BLOCKS)
-    n = blocks.shape[0]
+def gguf_group(
+    blocks: torch.Tensor | Sequence[torch.Tensor], block_type: int, k: int
+) -> torch.Tensor:
+    """A weight's rows [N, row_bytes] in the file's blocks (or the rows of each of its
+    parts in turn, a fused weight's) -> the same codes and scales regrouped eight rows
+    at a time [ceil(N / 8), group_bytes] (``gguf_int8.c``). Parts of whole groups are
+    each regrouped into their own groups, with no joined copy of their rows."""
+    parts = [blocks] if isinstance(blocks, torch.Tensor) else list(blocks)
+    if any(part.shape[0] % GROUP_ROWS for part in parts[:-1]):
+        parts = [torch.cat(parts)]  # a group would hold rows of two parts
+    n = sum(part.shape[0] for part in parts)
     groups = huge_page_empty(-(-n // GROUP_ROWS), _group_bytes(block_type, k))
-    _int8_library().gguf_group(block_type, blocks.data_ptr(), n, k, groups.data_ptr())
+    first = 0
+    for part in parts:
+        _check(part, block_type, k, GROUPED_BLOCKS)
+        out = groups[first // GROUP_ROWS].data_ptr() if part.shape[0] else groups.data_ptr()
+        _int8_library().gguf_group(block_type, part.data_ptr(), part.shape[0], k, out)
+        first += part.shape[0]
     return groups
 
 

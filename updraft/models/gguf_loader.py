@@ -75,6 +75,7 @@ from updraft.models.gguf_tables import GGUFTables
 from updraft.models.gguf_tensors import FLOAT_DTYPES, block_rows, float_tensor
 from updraft.models.packed_linear import PackedLinear
 from updraft.models.packing import pack_model
+from updraft.models.read_pages import MappedSpans
 from updraft.models.registry import model_class
 from updraft.models.tensor_parallel import VocabParallelHead, shard_model
 from updraft.models.weight_targets import (
@@ -167,14 +168,16 @@ class GGUFLinear(nn.Module):
         super().__init__()
         self.in_features = in_features
         self.int8 = int8 and int8_kernel_builds()
-        parts = _merged(parts)
-        self.codes = [part.code for part in parts]
-        self.rows = [part.weight.shape[0] for part in parts]
-        self.grouped = [self.int8 and part.code in INT8_TYPES for part in parts]
-        for index, part in enumerate(parts):
-            weight = part.weight
-            if self.grouped[index]:
-                weight = gguf_group(weight, part.code, in_features)
+        runs = _runs(parts)
+        self.codes = [run[0].code for run in runs]
+        self.rows = [sum(part.weight.shape[0] for part in run) for run in runs]
+        self.grouped = [self.int8 and code in INT8_TYPES for code in self.codes]
+        for index, run in enumerate(runs):
+            weights = [part.weight for part in run]
+            if self.grouped[index]:  # each part regrouped in place, never joined first
+                weight = gguf_group(weights, self.codes[index], in_features)
+            else:  # rows of blocks are read as they lie: joined once, at load
+                weight = weights[0] if len(weights) == 1 else torch.cat(weights)
             self.register_buffer(f"part{index}", weight, persistent=False)
         self.out_features = sum(self.rows)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
@@ -221,18 +224,17 @@ def _in_passes(
     return torch.cat([linear(group) for group in flat.split(rows)])
 
 
-def _merged(parts: list[Part]) -> list[Part]:
-    """Neighbouring parts in one block type as one (a fused q/k/v or gate/up whose
-    slices share a type): a kernel call per type, not per slice. Their rows are copied
-    out of the file's map once, at load."""
-    merged: list[Part] = []
+def _runs(parts: list[Part]) -> list[list[Part]]:
+    """Neighbouring parts in one block type, as runs that become one weight each (a
+    fused q/k/v or gate/up whose slices share a type): a kernel call per type, not per
+    slice."""
+    runs: list[list[Part]] = []
     for part in parts:
-        if merged and part.code is not None and merged[-1].code == part.code:
-            rows = torch.cat([merged[-1].weight, part.weight])
-            merged[-1] = Part(rows, part.code)
+        if runs and part.code is not None and runs[-1][-1].code == part.code:
+            runs[-1].append(part)
         else:
-            merged.append(part)
-    return merged
+            runs.append([part])
+    return runs
 
 
 class GGUFEmbedding(nn.Module):
@@ -285,8 +287,9 @@ def load_gguf_model(
     tables = GGUFTables(model, parts[0].name)  # mapped, not loaded: read by row
     latent = LatentKV()
     linear = _linear_attention(config, parts[0], share)
+    spans = MappedSpans()  # what each linear has read is dropped once it is built
     for path in parts:
-        stream = latent.tensors(read_gguf(path).tensors, path.name)
+        stream = latent.tensors(spans.tensors(read_gguf(path)), path.name)
         if linear is not None:  # the converter's changes to Gated DeltaNet layers undone
             stream = linear.tensors(stream, path.name)
         for tensor in stream:
@@ -309,7 +312,7 @@ def load_gguf_model(
     latent.finish(parts[0].name)
     tables.finish()
     floats, blocks = share.renamed(gathered.floats), share.renamed(gathered.blocks)
-    _place_blocks(model, blocks, floats, config, int8_activations)
+    _place_blocks(model, blocks, floats, config, int8_activations, spans)
     if linear is not None:
         linear.order_inputs(model)
     experts.place()
@@ -415,8 +418,11 @@ class Gathered:
         return WeightFormat(str(FLOAT_DTYPES[kind]).removeprefix("torch."))
 
 
-def _place_blocks(model, blocks, floats, config: ModelConfig, int8: bool) -> None:
-    """Put a ``GGUFLinear`` (and a ``GGUFEmbedding``) where tensors came in blocks."""
+def _place_blocks(
+    model, blocks, floats, config: ModelConfig, int8: bool, spans: MappedSpans
+) -> None:
+    """Put a ``GGUFLinear`` (and a ``GGUFEmbedding``) where tensors came in blocks; the
+    file's pages a module read into another layout are dropped as it is built."""
     modules = dict(model.named_modules())
     embedding = blocks.pop("model.embed_tokens.weight", None)
     if embedding is not None:
@@ -433,6 +439,7 @@ def _place_blocks(model, blocks, floats, config: ModelConfig, int8: bool) -> Non
         else:
             table = GGUFEmbedding(part.weight, part.code, dim)
         model.model.embed_tokens = embedding_over(model.model.embed_tokens, table)
+        spans.drop_unheld([part.weight], model)
     for param, slices in blocks.items():
         module_name = param.removesuffix(".weight")
         module = modules[module_name]
@@ -453,7 +460,9 @@ def _place_blocks(model, blocks, floats, config: ModelConfig, int8: bool) -> Non
             bias_parts = floats.pop(bias_name, {})
             bias = torch.cat([bias_parts[i] for i in sorted(bias_parts)]).float()
         parent, _, child = module_name.rpartition(".")
-        setattr(modules[parent], child, _linear(module.in_features, parts, bias, int8))
+        built = _linear(module.in_features, parts, bias, int8)
+        setattr(modules[parent], child, built)
+        spans.drop_unheld([part.weight for part in parts], built)
 
 
 def _linear(

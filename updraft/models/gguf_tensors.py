@@ -1,7 +1,8 @@
 """A GGUF tensor's data (a numpy view of the file's copy-on-write map) as a torch
 tensor, left where it lies: a float weight that the model keeps as the file stores it
-(an embedding table, a norm) stays in the map rather than in a copy, and one packed
-into another layout is read from there once."""
+(an embedding table) stays in the map rather than in a copy (one under 2 MiB, a norm, is
+copied out once loaded: ``weight_memory.SMALL_MAPPED_BYTES``), and one packed into
+another layout is read from there once."""
 
 from __future__ import annotations
 

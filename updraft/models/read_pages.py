@@ -1,0 +1,85 @@
+"""A checkpoint file's mapped pages, given back as loading finishes with each tensor.
+
+Loading reads a quantized tensor's bytes from the file's memory map once, to regroup
+them (``gguf_group``) or pack them into panels, and every page read stays in this
+process's resident set while the map lives. Kept until the whole model was loaded
+(``weight_memory.release_unkept_pages``), they put the file and its new layout in memory
+at once: a 500M model's Q4_0 file (363 MiB) peaked at the file twice over. So as soon
+as the module built from a tensor no longer views it, the whole pages that lie inside
+the tensor are dropped (``MADV_DONTNEED``: the page cache keeps them, and a later read
+maps them again). A page the tensor shares with a neighbour is left alone, so a weight
+kept in the map never loses a page.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from updraft.checkpoints.gguf_header import GGUFFile, Tensor
+from updraft.resident import PAGE
+
+MADV_DONTNEED = 4  # madvise(2): drop the pages; a file's come back from the page cache
+
+
+class MappedSpans:
+    """The address ranges of the files' maps a loader reads from: only pages inside one
+    are ever dropped (an anonymous copy's pages are its data)."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[int, int]] = []
+        self.dropped = 0  # bytes given back so far
+
+    def tensors(self, file: GGUFFile) -> list[Tensor]:
+        """A GGUF file's tensors, its map noted as the range they lie in."""
+        arrays = [tensor.data for tensor in file.tensors if tensor.data.nbytes]
+        if arrays:
+            starts = [a.ctypes.data for a in arrays]
+            ends = [a.ctypes.data + a.nbytes for a in arrays]
+            self.spans.append((min(starts), max(ends)))
+        return file.tensors
+
+    def drop_unheld(self, tensors: Iterable[torch.Tensor], module: nn.Module) -> int:
+        """Drop the whole pages of each of ``tensors`` that lies in a map and that none
+        of ``module``'s weights overlaps (it was read into another layout) -> bytes."""
+        held = [_extent(t) for t in [*module.parameters(), *module.buffers()] if _plain(t)]
+        dropped = 0
+        for tensor in tensors:
+            start, end = _extent(tensor)
+            inside = any(low <= start and end <= high for low, high in self.spans)
+            if inside and not any(a < end and start < b for a, b in held):
+                dropped += _drop(start, end)
+        self.dropped += dropped
+        return dropped
+
+
+def _plain(tensor: torch.Tensor) -> bool:
+    return (
+        tensor.layout == torch.strided
+        and not tensor.is_mkldnn
+        and not tensor.is_meta
+        and tensor.device.type == "cpu"
+        and tensor.numel() > 0
+    )
+
+
+def _extent(tensor: torch.Tensor) -> tuple[int, int]:
+    """The addresses [first, last) a tensor's elements lie between."""
+    if not _plain(tensor):
+        return 0, 0
+    span = sum((n - 1) * step for n, step in zip(tensor.shape, tensor.stride(), strict=True))
+    return tensor.data_ptr(), tensor.data_ptr() + (span + 1) * tensor.element_size()
+
+
+def _drop(start: int, end: int) -> int:
+    """``MADV_DONTNEED`` the whole pages in [start, end) -> bytes dropped (0 if refused)."""
+    first, last = -(-start // PAGE) * PAGE, end // PAGE * PAGE
+    if last <= first:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED):
+        return 0
+    return last - first
