@@ -81,8 +81,8 @@ def test_each_linear_s_file_pages_go_once_it_is_grouped_and_only_then(
     if int8 and not int8_kernel_builds():
         pytest.skip("no int8 kernels build here")
     dropped: list[tuple[int, int]] = []
-    drop = read_pages._drop  # noqa: SLF001
-    monkeypatch.setattr(read_pages, "_drop", lambda a, b: dropped.append((a, b)) or drop(a, b))
+    drop = read_pages.drop_pages
+    monkeypatch.setattr(read_pages, "drop_pages", lambda a, b: dropped.append((a, b)) or drop(a, b))
     directory = checkpoint_dir(str(q4_k_m_file))
     config = ModelConfig.from_dir(directory)
     parts = linked_files(Path(directory))

@@ -13,16 +13,13 @@ kept in the map never loses a page.
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from updraft.checkpoints.gguf_header import GGUFFile, Tensor
-from updraft.resident import PAGE
-
-MADV_DONTNEED = 4  # madvise(2): drop the pages; a file's come back from the page cache
+from updraft.models.weight_memory import drop_pages, extent
 
 
 class MappedSpans:
@@ -45,13 +42,13 @@ class MappedSpans:
     def drop_unheld(self, tensors: Iterable[torch.Tensor], module: nn.Module) -> int:
         """Drop the whole pages of each of ``tensors`` that lies in a map and that none
         of ``module``'s weights overlaps (it was read into another layout) -> bytes."""
-        held = [_extent(t) for t in [*module.parameters(), *module.buffers()] if _plain(t)]
+        held = [extent(t) for t in [*module.parameters(), *module.buffers()] if _plain(t)]
         dropped = 0
-        for tensor in tensors:
-            start, end = _extent(tensor)
+        for tensor in filter(_plain, tensors):
+            start, end = extent(tensor)
             inside = any(low <= start and end <= high for low, high in self.spans)
             if inside and not any(a < end and start < b for a, b in held):
-                dropped += _drop(start, end)
+                dropped += drop_pages(start, end)
         self.dropped += dropped
         return dropped
 
@@ -64,22 +61,3 @@ def _plain(tensor: torch.Tensor) -> bool:
         and tensor.device.type == "cpu"
         and tensor.numel() > 0
     )
-
-
-def _extent(tensor: torch.Tensor) -> tuple[int, int]:
-    """The addresses [first, last) a tensor's elements lie between."""
-    if not _plain(tensor):
-        return 0, 0
-    span = sum((n - 1) * step for n, step in zip(tensor.shape, tensor.stride(), strict=True))
-    return tensor.data_ptr(), tensor.data_ptr() + (span + 1) * tensor.element_size()
-
-
-def _drop(start: int, end: int) -> int:
-    """``MADV_DONTNEED`` the whole pages in [start, end) -> bytes dropped (0 if refused)."""
-    first, last = -(-start // PAGE) * PAGE, end // PAGE * PAGE
-    if last <= first:
-        return 0
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED):
-        return 0
-    return last - first

@@ -87,7 +87,7 @@ def release_unkept_pages(model: nn.Module) -> int:
     stays resident while the map lives, which one weight kept in place makes it do.
     They come back from the page cache if read again. -> bytes dropped."""
     libc = ctypes.CDLL(None, use_errno=True)
-    kept = [_extent(t) for tensors in _storages(model).values() for t in tensors]
+    kept = [extent(t) for tensors in _storages(model).values() for t in tensors]
     dropped = 0
     for mapping in mappings():
         inside = sorted((a, b) for a, b in kept if mapping.start <= a < mapping.end)
@@ -95,17 +95,24 @@ def release_unkept_pages(model: nn.Module) -> int:
             continue
         low = mapping.start
         for start, end in [*inside, (mapping.end, mapping.end)]:
-            first, last = -(-low // PAGE) * PAGE, start // PAGE * PAGE
-            if (
-                last > first
-                and libc.madvise(ctypes.c_void_p(first), last - first, MADV_DONTNEED) == 0
-            ):
-                dropped += last - first
+            dropped += drop_pages(low, start, libc)
             low = max(low, end)
     return dropped
 
 
-def _extent(tensor: torch.Tensor) -> tuple[int, int]:
+def drop_pages(start: int, end: int, libc: ctypes.CDLL | None = None) -> int:
+    """``MADV_DONTNEED`` the whole pages in [start, end) -> bytes dropped (0 if none lie
+    there, or the OS refused)."""
+    first, last = -(-start // PAGE) * PAGE, end // PAGE * PAGE
+    if last <= first:
+        return 0
+    libc = libc or ctypes.CDLL(None, use_errno=True)
+    if libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED):
+        return 0
+    return last - first
+
+
+def extent(tensor: torch.Tensor) -> tuple[int, int]:
     """The addresses [first, last) a tensor's elements lie between."""
     span = sum((n - 1) * step for n, step in zip(tensor.shape, tensor.stride(), strict=True))
     return tensor.data_ptr(), tensor.data_ptr() + (span + 1) * tensor.element_size()
