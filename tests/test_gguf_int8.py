@@ -167,6 +167,27 @@ def test_one_row_of_x_takes_weights_of_any_shape(kind):
                 assert ((got - expected).abs() <= bound).all(), (k, n, bias is None)
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_the_avx2_one_row_kernels_give_the_eight_row_kernels_bits(kind):
+    """An AVX2 build without VNNI runs one row of x through its own kernels
+    (int8_decode_avx2.h), and two or more rows through the eight-row ones: the same
+    integer sums scaled in the same order, so row 0 of a two-row call is the one-row
+    result bit for bit (a bound would let a wrong scale order through), with and
+    without a bias, over a last group short of eight."""
+    _skip_unless_runs("haswell")
+    code = BLOCK_TYPES[kind]
+    k = 512
+    blocks = random_blocks(kind, 21, k, np.random.default_rng(11))
+    groups = gguf_group(torch.from_numpy(blocks), code, k)
+    generator = torch.Generator().manual_seed(12)
+    for scale in (1.0, 1e-3, 40.0):
+        x = torch.randn(2, k, generator=generator) * scale
+        for bias in (None, torch.randn(21, generator=generator)):
+            one = gguf_linear_int8(x[:1], groups, bias, code, k, 21, march="haswell")
+            two = gguf_linear_int8(x, groups, bias, code, k, 21, march="haswell")
+            assert torch.equal(one.view(torch.int32), two[:1].view(torch.int32)), (scale, bias)
+
+
 def test_x_is_rounded_as_q8_0_rounds_it():
     x = torch.randn(512, generator=torch.Generator().manual_seed(0)) * 3
     x[64:96] = 0.0  # a block of zeros stays zeros

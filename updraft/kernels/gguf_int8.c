@@ -33,7 +33,9 @@
    Decode. Where the CPU has AVX-512 with VNNI, one row of x (a batch-1 decode step)
    over Q4_0, Q8_0, Q4_K, Q5_K and Q6_K groups runs int8_decode.h's kernels: two nearby
    parts of one group in one 512-bit register, the group read front to back as one
-   stream, over the same groups and the same rounded x.
+   stream, over the same groups and the same rounded x. With AVX2 alone, Q4_0, Q4_K,
+   Q5_K and Q6_K run int8_decode_avx2.h's, the eight-row kernels' sums for one row
+   without the work of the rows that are not there.
 
    Each block type is a header of its own (int8_types.h lists them): its group-block
    layout, the move between a file block and a group-block, its kernel, and its unpack_,
@@ -78,6 +80,7 @@ typedef struct {
 #include "int8_types.h"
 #include "int8_prefill.h"
 #include "int8_decode.h"
+#include "int8_decode_avx2.h"
 
 #define IS_TYPE(code, name, values, bytes, group) case code: return 1;
 int gguf_int8_type(int type) {
@@ -377,6 +380,21 @@ static void group_rows(int type, const uint8_t *group, int64_t blocks, const rou
 }
 #endif
 
+#if INT8_SIMD
+/* a group's eight outputs (+ bias) into y's columns 8g.. of n */
+static inline void store_group(__m256 out, const float *bias, float *y, int64_t g, int64_t n) {
+    const int64_t valid = n - GROUP * g < GROUP ? n - GROUP * g : GROUP;
+    if (valid == GROUP) {
+        if (bias) out = _mm256_add_ps(out, _mm256_loadu_ps(bias + GROUP * g));
+        _mm256_storeu_ps(y + GROUP * g, out);
+        return;
+    }
+    float lanes[GROUP];
+    _mm256_storeu_ps(lanes, out);
+    for (int64_t i = 0; i < valid; i++) y[GROUP * g + i] = lanes[i] + (bias ? bias[GROUP * g + i] : 0.0f);
+}
+#endif
+
 #if INT8_DECODE
 /* the x_pairs stride of ``type``'s one-row kernel (int8_decode.h); 0: it has none */
 static int decode_stride(int type) {
@@ -402,14 +420,39 @@ static void decode_row(int type, const float *x, int64_t k, const uint8_t *group
     case code: out = decode_##name(group, blocks, &pairs); break;
         switch (type) { DECODE_TYPE_LIST(DECODE) default: out = _mm256_setzero_ps(); }
 #undef DECODE
-        const int64_t valid = n - GROUP * g < GROUP ? n - GROUP * g : GROUP;
-        const __mmask8 lanes = (__mmask8)((1u << valid) - 1);
-        if (bias) out = _mm256_add_ps(out, _mm256_maskz_loadu_ps(lanes, bias + GROUP * g));
-        _mm256_mask_storeu_ps(y + GROUP * g, lanes, out);
+        store_group(out, bias, y, g, n);
     }
     free(buffer);
     free(rows.buffer);
 }
+#define HAS_DECODE_ROW(type) decode_stride(type)
+#elif INT8_ROW_AVX2
+/* whether ``type`` has an AVX2 one-row kernel (int8_decode_avx2.h) */
+static int has_row_kernel(int type) {
+#define HAS(code, name) case code: return 1;
+    switch (type) { ROW_TYPE_LIST(HAS) default: return 0; }
+#undef HAS
+}
+
+/* gguf_linear_int8 for one row of x (int8_decode_avx2.h): x rounded once, with the
+   terms the kernels read, then each thread takes a contiguous share of the groups. */
+static void decode_row(int type, const float *x, int64_t k, const uint8_t *groups, int64_t n,
+                       int64_t group_bytes, const float *bias, float *y, int threads) {
+    rounded_rows rows = round_rows(x, 1, k, 1, 1);
+    const int64_t blocks = k / block_values(type), count = (n + GROUP - 1) / GROUP;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t g = 0; g < count; g++) {
+        const uint8_t *group = groups + g * group_bytes;
+        __m256 out;
+#define ROW(code, name)                                                                  \
+    case code: out = row_##name(group, blocks, &rows.x); break;
+        switch (type) { ROW_TYPE_LIST(ROW) default: out = _mm256_setzero_ps(); }
+#undef ROW
+        store_group(out, bias, y, g, n);
+    }
+    free(rows.buffer);
+}
+#define HAS_DECODE_ROW(type) has_row_kernel(type)
 #endif
 
 /* y [m, n] = round(x) [m, k] @ W^T (+ bias), W's n rows in ``groups`` of type ``type``
@@ -419,8 +462,8 @@ void gguf_linear_int8(int type, const float *x, int64_t m, int64_t k, const uint
                       int64_t n, int64_t group_bytes, const float *bias, float *y,
                       int threads) {
     if (threads <= 0) threads = omp_get_max_threads();
-#if INT8_DECODE
-    if (m == 1 && decode_stride(type)) {
+#ifdef HAS_DECODE_ROW
+    if (m == 1 && HAS_DECODE_ROW(type)) {
         decode_row(type, x, k, groups, n, group_bytes, bias, y, threads);
         return;
     }
