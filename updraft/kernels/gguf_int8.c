@@ -314,19 +314,22 @@ static rounded_x rows_from(const rounded_x *x, int64_t first) {
 
 /* A group's eight outputs for each of ``rows`` rows of x, into out[m] (lane r: row r).
    Each kernel is inlined with a constant row count (4, 2 or 1; other counts are summed
-   of them; 8 for Q5_K and Q6_K without VNNI, eight_rows): its loops over x's rows then
+   of them; 8 for Q4_K, Q5_K and Q6_K without VNNI, eight_rows): its loops over x's rows then
    unroll and their accumulators stay in registers. With a variable count they were kept
    in memory, and 8 rows cost 15 times one; a constant 8 spilled. A group is read once
    per part, from L1 after the first. */
 #if !INT8_VNNI
-/* Q5_K and Q6_K build each word's codes from two or three loads (fifth bits, qh pairs):
-   without VNNI, a whole tile of 8 rows of x in one kernel, spilling, shares that work by
-   8 and ran 6-13% faster than 4 + 4 on a Zen 3. A function of its own: in group_rows'
-   body its eight accumulators slowed Q4_K's tiles by a tenth. */
+/* The K-quants build each word's codes (nibbles; Q5_K's fifth bits, Q6_K's qh pairs from
+   a second and third load): without VNNI, a whole tile of 8 rows of x in one kernel,
+   spilling, shares that work by 8 and ran 6-13% faster than 4 + 4 on a Zen 3 (Q4_K,
+   Q5_K, Q6_K). A function of its own: inside group_rows' body its eight accumulators
+   slowed the other types' tiles by a tenth. */
 static __attribute__((noinline)) int eight_rows(int type, const uint8_t *group, int64_t blocks,
                                                 const rounded_x *x, float out[][GROUP]) {
     __m256 acc[8];
-    if (type == 13)
+    if (type == 12)
+        group_q4_k(group, blocks, x, 8, acc);
+    else if (type == 13)
         group_q5_k(group, blocks, x, 8, acc);
     else if (type == 14)
         group_q6_k(group, blocks, x, 8, acc);
