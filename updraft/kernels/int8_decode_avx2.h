@@ -76,7 +76,7 @@ static inline __attribute__((always_inline)) __m256 add_row_k_block(__m256 acc, 
 static inline __attribute__((always_inline)) __m256 row_k(const uint8_t *group, int64_t blocks,
                                                           const rounded_x *x, int block_bytes,
                                                           int codes_at, int five) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *gb = group + block_bytes * b;
@@ -95,11 +95,8 @@ static inline __attribute__((always_inline)) __m256 row_k(const uint8_t *group, 
                 __m256i high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
                 if (five) {
                     const __m256i qh = load32(gb + 160 + 32 * t);
-                    /* bit 2c to bit 4, bit 2c + 1 to bit 4 */
-                    const __m256i low_bit = 2 * c <= 4 ? _mm256_slli_epi16(qh, 4 - 2 * c) : _mm256_srli_epi16(qh, 2 * c - 4);
-                    const __m256i high_bit = 2 * c + 1 <= 4 ? _mm256_slli_epi16(qh, 3 - 2 * c) : _mm256_srli_epi16(qh, 2 * c - 3);
-                    low = _mm256_or_si256(low, _mm256_and_si256(low_bit, bit4));
-                    high = _mm256_or_si256(high, _mm256_and_si256(high_bit, bit4));
+                    low = _mm256_or_si256(low, q5_k_fifth(qh, 2 * c));
+                    high = _mm256_or_si256(high, q5_k_fifth(qh, 2 * c + 1));
                 }
                 const int half = five ? t / 4 : 0;
                 pairs[0][half] = _mm256_add_epi16(pairs[0][half], _mm256_maddubs_epi16(low, broadcast4(v + 4 * t)));
@@ -127,7 +124,6 @@ static inline __m256 row_q5_k(const uint8_t *group, int64_t blocks, const rounde
    and 5. Pair sums per sixteen (four words), less 32 x's (int8_q6_k.h's wrapping
    bound), times the sixteen's scales. */
 static inline __m256 row_q6_k(const uint8_t *group, int64_t blocks, const rounded_x *x) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F), pair = _mm256_set1_epi8(0x30);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *gb = group + 1680 * b;
@@ -145,14 +141,7 @@ static inline __m256 row_q6_k(const uint8_t *group, int64_t blocks, const rounde
                     const __m256i second = load32(gb + 144 + 32 * (16 * half + 8 + w));
                     const __m256i qh = load32(gb + 1168 + 32 * (8 * half + w));
                     __m256i codes[4];
-                    codes[0] = _mm256_or_si256(_mm256_and_si256(first, nibble),
-                                               _mm256_and_si256(_mm256_slli_epi16(qh, 4), pair));
-                    codes[1] = _mm256_or_si256(_mm256_and_si256(second, nibble),
-                                               _mm256_and_si256(_mm256_slli_epi16(qh, 2), pair));
-                    codes[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(first, 4), nibble),
-                                               _mm256_and_si256(qh, pair));
-                    codes[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(second, 4), nibble),
-                                               _mm256_and_si256(_mm256_srli_epi16(qh, 2), pair));
+                    for (int q = 0; q < 4; q++) codes[q] = q6_k_quarter(q % 2 ? second : first, qh, q);
                     for (int q = 0; q < 4; q++)
                         pairs[q] = _mm256_add_epi16(pairs[q], _mm256_maddubs_epi16(codes[q], broadcast4(v + 32 * q + 4 * w)));
                 }

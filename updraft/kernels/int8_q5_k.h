@@ -27,13 +27,20 @@ static void unpack_q5_k(const uint8_t *group, int r, int8_t *codes, float *scale
 }
 
 #if INT8_SIMD
+/* sub-block j's fifth bits (bit j of qh's bytes) as bit 4 of each byte, what its low
+   nibbles are or-ed with (a shift by a constant where j is one) */
+static inline __attribute__((always_inline)) __m256i q5_k_fifth(__m256i qh, int j) {
+    const __m256i moved = j <= 4 ? _mm256_slli_epi16(qh, 4 - j) : _mm256_srli_epi16(qh, j - 4);
+    return _mm256_and_si256(moved, _mm256_set1_epi8(0x10));
+}
+
 /* Per sub-block of 32, one x block: its exact integer sum times its scale, widened and
    scaled by x's; the minimums multiply the rounded x's sum over the sub-block. */
 static inline __attribute__((always_inline)) void group_q5_k(const uint8_t *group,
                                                              int64_t blocks,
                                                              const rounded_x *x, int rows,
                                                              __m256 *acc) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10);
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
     for (int m = 0; m < rows; m++) acc[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *gb = group + 1440 * b;
@@ -49,9 +56,7 @@ static inline __attribute__((always_inline)) void group_q5_k(const uint8_t *grou
             for (int t = 0; t < 8; t++) {
                 const __m256i raw = load32(gb + 416 + 32 * (8 * (j / 2) + t));
                 const __m256i low = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(raw, 4) : raw, nibble);
-                const __m256i high =
-                    j <= 4 ? _mm256_slli_epi16(qh[t], 4 - j) : _mm256_srli_epi16(qh[t], j - 4);
-                codes[t] = _mm256_or_si256(low, _mm256_and_si256(high, fifth));
+                codes[t] = _mm256_or_si256(low, q5_k_fifth(qh[t], j));
             }
             /* int32 scales for vpmulld, else int16 pairs of them for vpmaddwd */
             const __m128i eight = _mm_loadl_epi64((const __m128i *)(gb + 32 + 8 * j));

@@ -33,6 +33,19 @@ static void unpack_q6_k(const uint8_t *group, int r, int8_t *codes, float *scale
 }
 
 #if INT8_SIMD
+/* quarter q's six-bit codes from a word of ql (the first 32 bytes of a half for q 0 and
+   2, the second for 1 and 3) and its word of qh: ql's low nibbles for q < 2, high
+   nibbles else, with qh's bits 2q, 2q + 1 as bits 4 and 5 */
+static inline __attribute__((always_inline)) __m256i q6_k_quarter(__m256i ql, __m256i qh, int q) {
+    const __m256i low = q < 2 ? ql : _mm256_srli_epi16(ql, 4);
+    const __m256i high = q == 0   ? _mm256_slli_epi16(qh, 4)
+                         : q == 1 ? _mm256_slli_epi16(qh, 2)
+                         : q == 2 ? qh
+                                  : _mm256_srli_epi16(qh, 2);
+    return _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi8(0x0F)),
+                           _mm256_and_si256(high, _mm256_set1_epi8(0x30)));
+}
+
 /* y = d * scale_s * (code - 32) over sub-blocks s of 16, two to an x block. In each
    half of 128 values, value 32 q + l (quarter q, l < 32) takes a nibble of ql byte l
    (q 0, 2) or l + 32 (q 1, 3), low for q < 2, and bits 2q, 2q + 1 of qh byte l.
@@ -43,7 +56,6 @@ static inline __attribute__((always_inline)) void group_q6_k(const uint8_t *grou
                                                              int64_t blocks,
                                                              const rounded_x *x, int rows,
                                                              __m256 *acc) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F), pair = _mm256_set1_epi8(0x30);
     for (int m = 0; m < rows; m++) acc[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *gb = group + 1680 * b;
@@ -62,13 +74,7 @@ static inline __attribute__((always_inline)) void group_q6_k(const uint8_t *grou
                         const __m256i ql =
                             load32(gb + 144 + 32 * (16 * half + word + 8 * (q % 2)));
                         const __m256i qh = load32(gb + 1168 + 32 * (8 * half + word));
-                        const __m256i low = q < 2 ? ql : _mm256_srli_epi16(ql, 4);
-                        const __m256i high = q == 0   ? _mm256_slli_epi16(qh, 4)
-                                             : q == 1 ? _mm256_slli_epi16(qh, 2)
-                                             : q == 2 ? qh
-                                                      : _mm256_srli_epi16(qh, 2);
-                        codes[u] = _mm256_or_si256(_mm256_and_si256(low, nibble),
-                                                   _mm256_and_si256(high, pair));
+                        codes[u] = q6_k_quarter(ql, qh, q);
                     }
                     const __m256i scale = scale_pairs(gb + 16 + 8 * (s + part), 1);
                     for (int m = 0; m < rows; m++) {
