@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(not int8_kernel_builds(), reason="the int8 kerne
 KINDS = sorted(name for name, code in BLOCK_TYPES.items() if code in INT8_TYPES)
 # the machine's own instructions, and AVX2 alone (no AVX-512, no VNNI)
 BUILDS = ["native", "haswell"]
-ROWS = (9, 17, 64, 300)  # a tile and one row, two tiles and one, eight tiles, many
+ROWS = (11, 17, 64, 300)  # a tile and three rows, two tiles and one, eight tiles, many
 
 
 @cache

@@ -28,7 +28,9 @@
    Prefill. Where the CPU has AVX-512 with VNNI, a prefill's tiles over Q4_0, Q8_0,
    Q4_K, Q5_K and Q6_K groups run int8_prefill.h's kernels: two groups in one 512-bit
    register, over the same groups and the same rounded x, so a prefill's row is a
-   decode step's product up to float32 rounding.
+   decode step's product up to float32 rounding. With AVX2 alone, a prefill over Q4_K,
+   Q5_K and Q6_K runs int8_unpacked.h's kernels: each group's codes built once, then
+   every row of x over them.
 
    Decode. Where the CPU has AVX-512 with VNNI, one row of x (a batch-1 decode step)
    over Q4_0, Q8_0, Q4_K, Q5_K and Q6_K groups runs int8_decode.h's kernels: two nearby
@@ -81,6 +83,7 @@ typedef struct {
 #include "int8_prefill.h"
 #include "int8_decode.h"
 #include "int8_decode_avx2.h"
+#include "int8_unpacked.h"
 
 #define IS_TYPE(code, name, values, bytes, group) case code: return 1;
 int gguf_int8_type(int type) {
@@ -590,6 +593,68 @@ static void pair_into(int type, const uint8_t *group, int64_t group_bytes, int64
 }
 #endif
 
+#if INT8_SIMD && !INT8_VNNI
+/* Rows of x a pass over an unpacked group takes at once: against 2, 3, 5 and 8, 4 ran
+   Q6_K fastest on a Zen 3 (one thread, 256 rows) */
+#define UNPACKED_ROWS 4
+
+/* __m256i slots of a block unpacked (int8_unpacked.h); 0: the type is not unpacked */
+static int64_t unpacked_slots(int type) {
+    return type == 14 ? Q6_K_SLOTS : type == 12 || type == 13 ? K32_SLOTS : 0;
+}
+
+/* ``rows`` (constant where inlined) rows of x over an unpacked group of ``type`` */
+static inline __attribute__((always_inline)) void over_unpacked(int type, const __m256i *scratch,
+                                                                int64_t blocks,
+                                                                const rounded_x *x, int rows,
+                                                                __m256 *acc) {
+    if (type == 14)
+        over_unpacked_q6_k(scratch, blocks, x, rows, acc);
+    else if (type == 13)
+        over_unpacked_k32(scratch, blocks, 1, x, rows, acc);
+    else
+        over_unpacked_k32(scratch, blocks, 0, x, rows, acc);
+}
+
+/* gguf_gemm_int8 over Q4_K, Q5_K or Q6_K without VNNI: each thread unpacks one group at
+   a time (int8_unpacked.h) and passes every row of x over it. 0 where its scratch could
+   not be had (the caller's tiles then do the work). */
+static int gemm_unpacked(int type, const rounded_x *x, int64_t m, const uint8_t *groups,
+                         int64_t n, int64_t group_bytes, int64_t blocks, const float *bias,
+                         float *y, int threads) {
+    const int64_t count = (n + GROUP - 1) / GROUP, slots = blocks * unpacked_slots(type);
+    __m256i *scratch = aligned_alloc(32, (size_t)(threads * slots) * sizeof(__m256i));
+    if (!scratch) return 0;
+#pragma omp parallel num_threads(threads)
+    {
+        __m256i *own = scratch + omp_get_thread_num() * slots;
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < count; g++) {
+            const uint8_t *group = groups + g * group_bytes;
+            if (type == 14)
+                unpacked_q6_k(group, blocks, own);
+            else
+                unpacked_k32(group, blocks, type == 13, own);
+            for (int64_t r = 0; r < m; r += UNPACKED_ROWS) {
+                const int64_t rows = m - r < UNPACKED_ROWS ? m - r : UNPACKED_ROWS;
+                __m256 acc[UNPACKED_ROWS];
+                if (rows == UNPACKED_ROWS) {
+                    const rounded_x from = rows_from(x, r);
+                    over_unpacked(type, own, blocks, &from, UNPACKED_ROWS, acc);
+                } else /* the last few rows, one at a time */
+                    for (int64_t i = 0; i < rows; i++) {
+                        const rounded_x one = rows_from(x, r + i);
+                        over_unpacked(type, own, blocks, &one, 1, acc + i);
+                    }
+                for (int64_t i = 0; i < rows; i++) store_group(acc[i], bias, y + (r + i) * n, g, n);
+            }
+        }
+    }
+    free(scratch);
+    return 1;
+}
+#endif
+
 /* y [m, n] = round(x) [m, k] @ W^T (+ bias) for any number of rows m, with the
    arguments of gguf_linear_int8 and the same result row for row: x is rounded once (a
    row per thread), then each thread takes its share of the groups, CHUNK_GROUPS at a
@@ -605,6 +670,13 @@ void gguf_gemm_int8(int type, const float *x, int64_t m, int64_t k, const uint8_
     rounded_rows rows = round_rows(x, m, k, threads, INT8_PAIRS);
     const rounded_x rounded = rows.x;
     const int64_t blocks = k / block_values(type);
+#if INT8_SIMD && !INT8_VNNI
+    if (unpacked_slots(type) &&
+        gemm_unpacked(type, &rounded, m, groups, n, group_bytes, blocks, bias, y, threads)) {
+        free(rows.buffer);
+        return;
+    }
+#endif
     const int64_t count = (n + GROUP - 1) / GROUP;
     /* smaller chunks where the groups are few, so that every thread has several */
     int64_t chunk = CHUNK_GROUPS;
