@@ -28,8 +28,8 @@
    Prefill. Where the CPU has AVX-512 with VNNI, a prefill's tiles over Q4_0, Q8_0,
    Q4_K, Q5_K and Q6_K groups run int8_prefill.h's kernels: two groups in one 512-bit
    register, over the same groups and the same rounded x, so a prefill's row is a
-   decode step's product up to float32 rounding. With AVX2 alone, a prefill over Q4_K,
-   Q5_K and Q6_K runs int8_unpacked.h's kernels: each group's codes built once, then
+   decode step's product up to float32 rounding. With AVX2 alone, a prefill over Q4_0,
+   Q4_K, Q5_K and Q6_K runs int8_unpacked.h's kernels: each group's codes built once, then
    every row of x over them.
 
    Decode. Where the CPU has AVX-512 with VNNI, one row of x (a batch-1 decode step)
@@ -600,7 +600,7 @@ static void pair_into(int type, const uint8_t *group, int64_t group_bytes, int64
 
 /* __m256i slots of a block unpacked (int8_unpacked.h); 0: the type is not unpacked */
 static int64_t unpacked_slots(int type) {
-    return type == 14 ? Q6_K_SLOTS : type == 12 || type == 13 ? K32_SLOTS : 0;
+    return type == 14 ? Q6_K_SLOTS : type == 12 || type == 13 ? K32_SLOTS : type == 2 ? Q4_0_SLOTS : 0;
 }
 
 /* ``rows`` (constant where inlined) rows of x over an unpacked group of ``type`` */
@@ -610,13 +610,15 @@ static inline __attribute__((always_inline)) void over_unpacked(int type, const 
                                                                 __m256 *acc) {
     if (type == 14)
         over_unpacked_q6_k(scratch, blocks, x, rows, acc);
+    else if (type == 2)
+        over_unpacked_q4_0(scratch, blocks, x, rows, acc);
     else if (type == 13)
         over_unpacked_k32(scratch, blocks, 1, x, rows, acc);
     else
         over_unpacked_k32(scratch, blocks, 0, x, rows, acc);
 }
 
-/* gguf_gemm_int8 over Q4_K, Q5_K or Q6_K without VNNI: each thread unpacks one group at
+/* gguf_gemm_int8 over Q4_0, Q4_K, Q5_K or Q6_K without VNNI: each thread unpacks one group at
    a time (int8_unpacked.h) and passes every row of x over it. 0 where its scratch could
    not be had (the caller's tiles then do the work). */
 static int gemm_unpacked(int type, const rounded_x *x, int64_t m, const uint8_t *groups,
@@ -633,6 +635,8 @@ static int gemm_unpacked(int type, const rounded_x *x, int64_t m, const uint8_t 
             const uint8_t *group = groups + g * group_bytes;
             if (type == 14)
                 unpacked_q6_k(group, blocks, own);
+            else if (type == 2)
+                unpacked_q4_0(group, blocks, own);
             else
                 unpacked_k32(group, blocks, type == 13, own);
             for (int64_t r = 0; r < m; r += UNPACKED_ROWS) {

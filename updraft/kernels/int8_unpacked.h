@@ -1,10 +1,10 @@
-/* AVX2 prefill (no VNNI) over a group unpacked once: a thread builds a group's codes,
-   scales and d once into a scratch of its own (unpacked_*), then passes every row of x
-   over that scratch (over_unpacked_*), where the tile kernels (group_*) built the same
-   codes again for every tile of 8 rows. Built from loads alone, the codes leave the
-   registers to the rows of x: the kernel's loops over x's rows keep their sums in
-   registers where the 8-row tiles spilled them. The integer sums and the float order
-   are group_*'s, so a row's result is the same bits. */
+/* AVX2 prefill (no VNNI) over a Q4_0, Q4_K, Q5_K or Q6_K group unpacked once: a thread
+   builds a group's codes, scales and d once into a scratch of its own (unpacked_*),
+   then passes every row of x over that scratch (over_unpacked_*), where the tile
+   kernels (group_*) built the same codes again for every tile of 8 rows. Built from
+   loads alone, the codes leave the registers to the rows of x: the kernel's loops over
+   x's rows keep their sums in registers where the 8-row tiles spilled them. The integer
+   sums and the float order are group_*'s, so a row's result is the same bits. */
 
 #if INT8_SIMD && !INT8_VNNI
 
@@ -135,6 +135,46 @@ static inline __attribute__((always_inline)) void over_unpacked_k32(const __m256
         const __m256 dmin = _mm256_load_ps((const float *)(unpacked + 81));
         for (int m = 0; m < rows; m++)
             acc[m] = _mm256_fnmadd_ps(mins[m], dmin, _mm256_fmadd_ps(sum[m], d, acc[m]));
+    }
+}
+
+/* __m256i slots of one Q4_0 block in the scratch: 8 words of codes (nibble_words'), d */
+#define Q4_0_SLOTS (8 + 1)
+
+static void unpacked_q4_0(const uint8_t *group, int64_t blocks, __m256i *out) {
+    for (int64_t b = 0; b < blocks; b++, out += Q4_0_SLOTS) {
+        const uint8_t *gb = group + 144 * b;
+        __m256i codes[8];
+        nibble_words(gb + 16, codes);
+        for (int t = 0; t < 8; t++) _mm256_store_si256(out + t, codes[t]);
+        _mm256_store_ps((float *)(out + 8), halves(gb));
+    }
+}
+
+/* group_q4_0's sums over an unpacked_q4_0 scratch, for ``rows`` rows of x */
+static inline __attribute__((always_inline)) void over_unpacked_q4_0(const __m256i *unpacked,
+                                                                     int64_t blocks,
+                                                                     const rounded_x *x,
+                                                                     int rows, __m256 *acc) {
+    const int8_t *codes[MAX_X_ROWS];
+    const int32_t *sums[MAX_X_ROWS];
+    const float *scales[MAX_X_ROWS];
+    for (int m = 0; m < rows; m++) {
+        acc[m] = _mm256_setzero_ps();
+        codes[m] = x->codes + m * x->k;
+        sums[m] = x->sums32 + m * (x->k / 32);
+        scales[m] = x->scales + m * (x->k / 32);
+    }
+    for (int64_t b = 0; b < blocks; b++, unpacked += Q4_0_SLOTS) {
+        const __m256 d = _mm256_load_ps((const float *)(unpacked + 8));
+        for (int m = 0; m < rows; m++) {
+            /* eight pair sums of at most 2 * 15 * 127 fit an int16; codes 0..15 stand
+               for -8..7 */
+            const __m256i sum = _mm256_sub_epi32(dot_words(unpacked, codes[m] + 32 * b, 8),
+                                                 _mm256_set1_epi32(8 * sums[m][b]));
+            const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(scales[m][b]));
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[m]);
+        }
     }
 }
 
