@@ -1,13 +1,20 @@
 """The CPU thread budget leaves other processes the cores they keep busy and takes
-them back when they go quiet."""
+them back when they go quiet; the threads beside the steps run below their priority."""
 
 from __future__ import annotations
+
+import os
+import sys
+import threading
 
 import pytest
 import torch
 
+from updraft.engine.grammar_compiler import GrammarCompiler
 from updraft.runner import threads
+from updraft.runner.side_threads import LOWER_BY
 from updraft.runner.threads import ThreadBudget
+from updraft.structured_outputs import StructuredOutputsParams
 
 
 class FakeMachine:
@@ -75,3 +82,22 @@ def test_engine_stats_report_the_thread_count(tiny_llama):
 
     llm = LLM(tiny_llama, num_kv_blocks=16)
     assert llm.engine.stats().threads == torch.get_num_threads()
+
+
+def _nice_of_this_thread() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice is Linux's")
+def test_grammar_threads_run_below_the_steps_priority(monkeypatch, tmp_path):
+    """A grammar compile runs 10 nice values below the thread that asked for it, so a
+    flood of costly grammars yields the cores to the steps; the caller keeps its own."""
+    monkeypatch.setattr(GrammarCompiler, "matcher", lambda self, spec: _nice_of_this_thread())
+    compiler = GrammarCompiler(tmp_path / "tokenizer.json", 32, (0,))
+    try:
+        before = _nice_of_this_thread()
+        nice = compiler.submit(StructuredOutputsParams(regex="[0-9]+")).result(timeout=10)
+    finally:
+        compiler.close()
+    assert nice == min(19, os.getpriority(os.PRIO_PROCESS, 0) + LOWER_BY)
+    assert _nice_of_this_thread() == before

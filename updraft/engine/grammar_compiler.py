@@ -19,7 +19,7 @@ from pathlib import Path
 
 import llguidance
 
-from updraft.runner.side_threads import count_as_other
+from updraft.runner.side_threads import lower_priority
 from updraft.structured_outputs import StructuredOutputsParams
 from updraft.tokenizer import Tokenizer
 
@@ -78,7 +78,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()  # the cache and the tokenizer, across threads
         self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
         self._pool = ThreadPoolExecutor(
-            COMPILE_THREADS, thread_name_prefix="updraft-grammar", initializer=count_as_other
+            COMPILE_THREADS, thread_name_prefix="updraft-grammar", initializer=lower_priority
         )
 
     @classmethod

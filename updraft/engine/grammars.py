@@ -35,7 +35,7 @@ import torch
 
 from updraft.engine.grammar_compiler import MASK_SECONDS_LIMIT, GrammarCompiler, plain_error
 from updraft.engine.step_masks import MaskJob, StepMasks
-from updraft.runner.side_threads import count_as_other
+from updraft.runner.side_threads import lower_priority
 from updraft.step.allowed_tokens import AllowedTokens
 from updraft.step.inputs import StepInputs
 
@@ -77,7 +77,7 @@ class Grammars:
         self._gates: dict[str, Gate] = {}  # requests whose grammar has not started yet
         self._executor = llguidance.LLExecutor(1)
         self._thread = ThreadPoolExecutor(
-            1, thread_name_prefix="updraft-masks", initializer=count_as_other
+            1, thread_name_prefix="updraft-masks", initializer=lower_priority
         )
         self._overlap = overlap
         # Without it (a hybrid model, whose recurrent state cannot take a token back) a
