@@ -12,7 +12,7 @@ import torch
 
 from updraft.engine.grammar_compiler import GrammarCompiler
 from updraft.runner import threads
-from updraft.runner.side_threads import LOWER_BY
+from updraft.runner.side_threads import LOWER_BY, SIDE_THREADS
 from updraft.runner.threads import ThreadBudget
 from updraft.structured_outputs import StructuredOutputsParams
 
@@ -91,13 +91,19 @@ def _nice_of_this_thread() -> int:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice is Linux's")
 def test_grammar_threads_run_below_the_steps_priority(monkeypatch, tmp_path):
     """A grammar compile runs 10 nice values below the thread that asked for it, so a
-    flood of costly grammars yields the cores to the steps; the caller keeps its own."""
-    monkeypatch.setattr(GrammarCompiler, "matcher", lambda self, spec: _nice_of_this_thread())
+    flood of costly grammars yields the cores to the steps, and its CPU time counts as
+    another process's; the caller keeps its own priority."""
+
+    def nice_and_counted(self, spec):
+        return _nice_of_this_thread(), threading.get_native_id() in SIDE_THREADS
+
+    monkeypatch.setattr(GrammarCompiler, "matcher", nice_and_counted)
     compiler = GrammarCompiler(tmp_path / "tokenizer.json", 32, (0,))
     try:
         before = _nice_of_this_thread()
-        nice = compiler.submit(StructuredOutputsParams(regex="[0-9]+")).result(timeout=10)
+        spec = StructuredOutputsParams(regex="[0-9]+")
+        nice, counted = compiler.submit(spec).result(timeout=10)
     finally:
         compiler.close()
-    assert nice == min(19, os.getpriority(os.PRIO_PROCESS, 0) + LOWER_BY)
+    assert nice == min(19, os.getpriority(os.PRIO_PROCESS, 0) + LOWER_BY) and counted
     assert _nice_of_this_thread() == before

@@ -1,13 +1,15 @@
 """Threads that work beside the steps (grammar compiles and masks) run at a lower
-priority than the steps' own: on a busy machine the OS gives the forward's threads the
-cores first, and grammar work takes what they leave. So a flood of costly grammars
-slows the requests that carry them, not every stream: under 1,000 hostile requests on
-2 cores an unrelated stream went from 0.39x of its solo speed, when these threads were
-instead left a core of their own, to 0.73-0.97x.
+priority than the steps' own, and their CPU time counts as another process's in the
+thread budget (``runner/threads.py``), so the forward leaves them a core while they are
+busy. The lower priority matters where other processes keep the machine busy too: the
+OS then serves the steps first, and a flood of costly grammars slows the requests that
+carry them, not every stream. Under 1,000 hostile requests on 2 cores an unrelated
+stream kept 0.35-0.39x of its solo speed with these threads at the steps' priority, and
+0.76-1.05x below it (``bench_hostile``). Counted as the engine's own instead, the
+forward's two threads shared their cores with them: 0.65-1.05x, with the stream's
+largest gap 211-326 ms against 70-196.
 
-Their CPU time is the engine's own in the thread budget (``runner/threads.py``): the
-forward keeps its cores rather than leave one to them. An API process compiles grammars
-in such threads too, and never loads torch.
+An API process compiles grammars in such threads too, and never loads torch.
 """
 
 from __future__ import annotations
@@ -20,15 +22,20 @@ import threading
 # thread 10 lower about a tenth of a contended core)
 LOWER_BY = 10
 
+# Native ids of this process's threads whose CPU time counts as another process's.
+SIDE_THREADS: set[int] = set()
+
 
 def lower_priority() -> None:
-    """Called in a thread that works beside the steps (a thread pool's initializer):
-    it runs at the lower priority from then on. Linux only, where a thread's nice value
-    is its own; elsewhere the thread keeps the process's."""
+    """Called in a thread that works beside the steps (a thread pool's initializer): it
+    runs at the lower priority from then on (Linux only, where a thread's nice value is
+    its own), and the cores it keeps busy are left to it, as to another process."""
+    native_id = threading.get_native_id()
+    SIDE_THREADS.add(native_id)
     if not sys.platform.startswith("linux"):
         return
     try:
         priority = os.getpriority(os.PRIO_PROCESS, 0) + LOWER_BY
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), priority)
+        os.setpriority(os.PRIO_PROCESS, native_id, priority)
     except OSError:  # a sandbox that forbids it: the thread keeps the process's priority
         pass

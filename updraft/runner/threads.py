@@ -7,9 +7,9 @@ cores one busy neighbour made decode 3-4x slower with two threads, where one thr
 the free core loses only the second core's share. So the engine watches the CPU time
 other processes take (``/proc/stat`` minus its own ``/proc/self/stat``) and leaves them
 the cores they use, taking every core back once they go quiet. The engine's own
-threads that work beside the steps (grammar compiles and masks) run at a lower priority
-(``runner/side_threads.py``) and count as the engine's: the OS gives them what the
-forward leaves.
+threads that work beside the steps (grammar compiles and masks) run at a lower
+priority and register in ``runner/side_threads.py``: their CPU time counts as another
+process's.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from updraft.runner.side_threads import SIDE_THREADS
 
 CHECK_EVERY_SECONDS = 0.5
 BUSY_CORE = 0.5  # others' use, in cores, from which a core counts as taken
@@ -44,8 +46,17 @@ def _ticks(stat_path: str) -> int | None:
 
 
 def _own_ticks() -> int | None:
-    """The CPU time of this process, its threads beside the steps included."""
-    return _ticks("/proc/self/stat")
+    """The CPU time of this process, less that of the threads counted as others'."""
+    own = _ticks("/proc/self/stat")
+    if own is None:
+        return None
+    for thread in list(SIDE_THREADS):
+        ticks = _ticks(f"/proc/self/task/{thread}/stat")
+        if ticks is None:  # the thread has ended
+            SIDE_THREADS.discard(thread)
+        else:
+            own -= ticks
+    return own
 
 
 class ThreadBudget:
