@@ -8,6 +8,25 @@
 
 #if INT8_SIMD && !INT8_VNNI
 
+/* Where each of a kernel's rows of x starts in x's arrays */
+typedef struct {
+    const int8_t *codes[MAX_X_ROWS];
+    const float *scales[MAX_X_ROWS];
+    const int32_t *sums32[MAX_X_ROWS];
+    const int32_t *offsets16[MAX_X_ROWS];
+} row_starts;
+
+static inline __attribute__((always_inline)) row_starts starts_of(const rounded_x *x, int rows) {
+    row_starts at;
+    for (int m = 0; m < rows; m++) {
+        at.codes[m] = x->codes + m * x->k;
+        at.scales[m] = x->scales + m * (x->k / 32);
+        at.sums32[m] = x->sums32 + m * (x->k / 32);
+        at.offsets16[m] = x->offsets16 + m * (x->k / 16);
+    }
+    return at;
+}
+
 /* __m256i slots of one Q6_K block in the scratch: 64 words of codes (x block j = 4 half
    + q, part, word u: slot 8 j + 4 part + u), 16 of scales (scale_pairs' form), d */
 #define Q6_K_SLOTS (64 + 16 + 1)
@@ -32,15 +51,8 @@ static inline __attribute__((always_inline)) void over_unpacked_q6_k(const __m25
                                                                      int64_t blocks,
                                                                      const rounded_x *x,
                                                                      int rows, __m256 *acc) {
-    const int8_t *codes[MAX_X_ROWS];
-    const int32_t *offsets[MAX_X_ROWS];
-    const float *scales[MAX_X_ROWS];
-    for (int m = 0; m < rows; m++) {
-        acc[m] = _mm256_setzero_ps();
-        codes[m] = x->codes + m * x->k;
-        offsets[m] = x->offsets16 + m * (x->k / 16);
-        scales[m] = x->scales + m * (x->k / 32);
-    }
+    const row_starts at = starts_of(x, rows);
+    for (int m = 0; m < rows; m++) acc[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++, unpacked += Q6_K_SLOTS) {
         __m256 sum[MAX_X_ROWS];
         for (int m = 0; m < rows; m++) sum[m] = _mm256_setzero_ps();
@@ -52,13 +64,13 @@ static inline __attribute__((always_inline)) void over_unpacked_q6_k(const __m25
                 const __m256i scale = _mm256_load_si256(unpacked + 64 + 2 * j + part);
                 for (int m = 0; m < rows; m++) {
                     const __m256i pairs =
-                        _mm256_sub_epi16(pair_sums(words, codes[m] + 256 * b + 32 * j + 16 * part, 4),
-                                         _mm256_set1_epi32(offsets[m][16 * b + 2 * j + part]));
+                        _mm256_sub_epi16(pair_sums(words, at.codes[m] + 256 * b + 32 * j + 16 * part, 4),
+                                         _mm256_set1_epi32(at.offsets16[m][16 * b + 2 * j + part]));
                     exact[m] = _mm256_add_epi32(exact[m], _mm256_madd_epi16(pairs, scale));
                 }
             }
             for (int m = 0; m < rows; m++) {
-                const __m256 xd = _mm256_set1_ps(scales[m][8 * b + j]);
+                const __m256 xd = _mm256_set1_ps(at.scales[m][8 * b + j]);
                 sum[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact[m]), xd, sum[m]);
             }
         }
@@ -103,15 +115,8 @@ static inline __attribute__((always_inline)) void over_unpacked_k32(const __m256
                                                                     int64_t blocks, int fifth,
                                                                     const rounded_x *x,
                                                                     int rows, __m256 *acc) {
-    const int8_t *codes[MAX_X_ROWS];
-    const int32_t *sums[MAX_X_ROWS];
-    const float *scales[MAX_X_ROWS];
-    for (int m = 0; m < rows; m++) {
-        acc[m] = _mm256_setzero_ps();
-        codes[m] = x->codes + m * x->k;
-        sums[m] = x->sums32 + m * (x->k / 32);
-        scales[m] = x->scales + m * (x->k / 32);
-    }
+    const row_starts at = starts_of(x, rows);
+    for (int m = 0; m < rows; m++) acc[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++, unpacked += K32_SLOTS) {
         __m256 sum[MAX_X_ROWS], mins[MAX_X_ROWS];
         for (int m = 0; m < rows; m++) sum[m] = mins[m] = _mm256_setzero_ps();
@@ -120,15 +125,15 @@ static inline __attribute__((always_inline)) void over_unpacked_k32(const __m256
             const __m256i scale = _mm256_load_si256(unpacked + 64 + j);
             const __m256 min = _mm256_load_ps((const float *)(unpacked + 72 + j));
             for (int m = 0; m < rows; m++) {
-                const int8_t *v = codes[m] + 256 * b + 32 * j;
+                const int8_t *v = at.codes[m] + 256 * b + 32 * j;
                 /* pair sums of at most 8 * 2 * 15 * 127 (Q4_K), or 4 * 2 * 31 * 127 a half */
                 const __m256i exact =
                     fifth ? _mm256_add_epi32(_mm256_madd_epi16(pair_sums(words, v, 4), scale),
                                              _mm256_madd_epi16(pair_sums(words + 4, v + 16, 4), scale))
                           : _mm256_madd_epi16(pair_sums(words, v, 8), scale);
-                const float xd = scales[m][8 * b + j];
+                const float xd = at.scales[m][8 * b + j];
                 sum[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_set1_ps(xd), sum[m]);
-                mins[m] = _mm256_fmadd_ps(min, _mm256_set1_ps(xd * (float)sums[m][8 * b + j]), mins[m]);
+                mins[m] = _mm256_fmadd_ps(min, _mm256_set1_ps(xd * (float)at.sums32[m][8 * b + j]), mins[m]);
             }
         }
         const __m256 d = _mm256_load_ps((const float *)(unpacked + 80));
@@ -156,23 +161,16 @@ static inline __attribute__((always_inline)) void over_unpacked_q4_0(const __m25
                                                                      int64_t blocks,
                                                                      const rounded_x *x,
                                                                      int rows, __m256 *acc) {
-    const int8_t *codes[MAX_X_ROWS];
-    const int32_t *sums[MAX_X_ROWS];
-    const float *scales[MAX_X_ROWS];
-    for (int m = 0; m < rows; m++) {
-        acc[m] = _mm256_setzero_ps();
-        codes[m] = x->codes + m * x->k;
-        sums[m] = x->sums32 + m * (x->k / 32);
-        scales[m] = x->scales + m * (x->k / 32);
-    }
+    const row_starts at = starts_of(x, rows);
+    for (int m = 0; m < rows; m++) acc[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++, unpacked += Q4_0_SLOTS) {
         const __m256 d = _mm256_load_ps((const float *)(unpacked + 8));
         for (int m = 0; m < rows; m++) {
             /* eight pair sums of at most 2 * 15 * 127 fit an int16; codes 0..15 stand
                for -8..7 */
-            const __m256i sum = _mm256_sub_epi32(dot_words(unpacked, codes[m] + 32 * b, 8),
-                                                 _mm256_set1_epi32(8 * sums[m][b]));
-            const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(scales[m][b]));
+            const __m256i sum = _mm256_sub_epi32(dot_words(unpacked, at.codes[m] + 32 * b, 8),
+                                                 _mm256_set1_epi32(8 * at.sums32[m][b]));
+            const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(at.scales[m][b]));
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[m]);
         }
     }
