@@ -12,6 +12,9 @@ import pytest
 
 from tests.helpers import greedy
 from updraft import LLM, SamplingParams
+from updraft.demo import DEMO_MODEL_DIR
+from updraft.engine import grammar_compiler
+from updraft.engine.grammar_compiler import GrammarCompiler, GrammarError
 from updraft.structured_outputs import StructuredOutputsParams
 
 from .serving import MODEL, running_server
@@ -186,3 +189,18 @@ def test_an_impossible_constraint_is_a_400_on_completions(base_url, name, stream
     error = response.json()["error"]
     assert error["param"] == guided, error
     assert "no token is allowed" in error["message"] or "no output can match" in error["message"]
+
+
+def test_the_mask_limit_counts_the_threads_cpu_time(monkeypatch):
+    """A grammar's first mask is refused for what it costs in its thread's CPU time, not
+    for the wall time its lower-priority thread may spend waiting for a core on a busy
+    machine: a thread clock that says 5 s passed refuses it, naming the CPU time."""
+    compiler = GrammarCompiler(DEMO_MODEL_DIR / "tokenizer.json", 4096, (0,))
+    real = time.thread_time
+    costs = iter([0.0, 5.0])  # the first mask's start and end
+    monkeypatch.setattr(grammar_compiler.time, "thread_time", lambda: next(costs, real()))
+    try:
+        with pytest.raises(GrammarError, match=r"5\.00 s of CPU, over the limit"):
+            compiler.submit(StructuredOutputsParams(regex="[0-9]{4}")).result(timeout=60)
+    finally:
+        compiler.close()

@@ -205,7 +205,7 @@ class Grammars:
             del self._late[request_id]
             if job.error is None and job.seconds > MASK_SECONDS_LIMIT:
                 job.error = (
-                    f"one of its masks took {job.seconds:.2f} s, over the limit of "
+                    f"one of its masks took {job.seconds:.2f} s of CPU, over the limit of "
                     f"{MASK_SECONDS_LIMIT:g} s per mask"
                 )
             if job.error is not None:
