@@ -603,6 +603,16 @@ static int64_t unpacked_slots(int type) {
     return type == 14 ? Q6_K_SLOTS : type == 12 || type == 13 ? K32_SLOTS : type == 2 ? Q4_0_SLOTS : 0;
 }
 
+/* one group of ``type`` unpacked into ``out`` (unpacked_slots(type) slots a block) */
+static void unpack_group(int type, const uint8_t *group, int64_t blocks, __m256i *out) {
+    if (type == 14)
+        unpacked_q6_k(group, blocks, out);
+    else if (type == 2)
+        unpacked_q4_0(group, blocks, out);
+    else
+        unpacked_k32(group, blocks, type == 13, out);
+}
+
 /* ``rows`` (constant where inlined) rows of x over an unpacked group of ``type`` */
 static inline __attribute__((always_inline)) void over_unpacked(int type, const __m256i *scratch,
                                                                 int64_t blocks,
@@ -632,13 +642,7 @@ static int gemm_unpacked(int type, const rounded_x *x, int64_t m, const uint8_t 
         __m256i *own = scratch + omp_get_thread_num() * slots;
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < count; g++) {
-            const uint8_t *group = groups + g * group_bytes;
-            if (type == 14)
-                unpacked_q6_k(group, blocks, own);
-            else if (type == 2)
-                unpacked_q4_0(group, blocks, own);
-            else
-                unpacked_k32(group, blocks, type == 13, own);
+            unpack_group(type, groups + g * group_bytes, blocks, own);
             for (int64_t r = 0; r < m; r += UNPACKED_ROWS) {
                 const int64_t rows = m - r < UNPACKED_ROWS ? m - r : UNPACKED_ROWS;
                 __m256 acc[UNPACKED_ROWS];

@@ -2,9 +2,11 @@
    builds a group's codes, scales and d once into a scratch of its own (unpacked_*),
    then passes every row of x over that scratch (over_unpacked_*), where the tile
    kernels (group_*) built the same codes again for every tile of 8 rows. Built from
-   loads alone, the codes leave the registers to the rows of x: the kernel's loops over
-   x's rows keep their sums in registers where the 8-row tiles spilled them. The integer
-   sums and the float order are group_*'s, so a row's result is the same bits. */
+   loads alone, the codes leave the registers to the rows of x, 4 at a time: their sums
+   spill less than the 8-row tiles' did (gcc still keeps some of the float sums on the
+   stack). The integer sums and the float order are group_*'s, so a row's result is the
+   same bits; each kernel here is its group_* twin with the codes read, not built, and
+   a change to one is a change to the other. */
 
 #if INT8_SIMD && !INT8_VNNI
 
