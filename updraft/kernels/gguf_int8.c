@@ -29,8 +29,8 @@
    Q4_K, Q5_K and Q6_K groups run int8_prefill.h's kernels: two groups in one 512-bit
    register, over the same groups and the same rounded x, so a prefill's row is a
    decode step's product up to float32 rounding. With AVX2 alone, a prefill over Q4_0,
-   Q4_K, Q5_K and Q6_K runs int8_unpacked.h's kernels: each group's codes built once, then
-   every row of x over them.
+   Q8_0, Q4_K, Q5_K and Q6_K runs int8_unpacked.h's kernels: each group's codes built
+   once, then every row of x over them.
 
    Decode. Where the CPU has AVX-512 with VNNI, one row of x (a batch-1 decode step)
    over Q4_0, Q8_0, Q4_K, Q5_K and Q6_K groups runs int8_decode.h's kernels: two nearby
@@ -594,13 +594,13 @@ static void pair_into(int type, const uint8_t *group, int64_t group_bytes, int64
 #endif
 
 #if INT8_SIMD && !INT8_VNNI
-/* Rows of x a pass over an unpacked group takes at once: against 2, 3, 5 and 8, 4 ran
-   Q6_K fastest on a Zen 3 (one thread, 256 rows) */
+/* Rows of x a pass over an unpacked group takes at once: against 6 and 8, 4 ran Q4_0,
+   Q8_0 and Q4_K fastest on a Zen 3 (one thread, 240 rows), and Q6_K within 4% */
 #define UNPACKED_ROWS 4
 
 /* __m256i slots of a block unpacked (int8_unpacked.h); 0: the type is not unpacked */
 static int64_t unpacked_slots(int type) {
-    return type == 14 ? Q6_K_SLOTS : type == 12 || type == 13 ? K32_SLOTS : type == 2 ? Q4_0_SLOTS : 0;
+    return type == 14 ? Q6_K_SLOTS : type == 12 || type == 13 ? K32_SLOTS : type == 2 ? Q4_0_SLOTS : type == 8 ? Q8_0_SLOTS : 0;
 }
 
 /* one group of ``type`` unpacked into ``out`` (unpacked_slots(type) slots a block) */
@@ -609,6 +609,8 @@ static void unpack_group(int type, const uint8_t *group, int64_t blocks, __m256i
         unpacked_q6_k(group, blocks, out);
     else if (type == 2)
         unpacked_q4_0(group, blocks, out);
+    else if (type == 8)
+        unpacked_q8_0(group, blocks, out);
     else
         unpacked_k32(group, blocks, type == 13, out);
 }
@@ -622,13 +624,15 @@ static inline __attribute__((always_inline)) void over_unpacked(int type, const 
         over_unpacked_q6_k(scratch, blocks, x, rows, acc);
     else if (type == 2)
         over_unpacked_q4_0(scratch, blocks, x, rows, acc);
+    else if (type == 8)
+        over_unpacked_q8_0(scratch, blocks, x, rows, acc);
     else if (type == 13)
         over_unpacked_k32(scratch, blocks, 1, x, rows, acc);
     else
         over_unpacked_k32(scratch, blocks, 0, x, rows, acc);
 }
 
-/* gguf_gemm_int8 over Q4_0, Q4_K, Q5_K or Q6_K without VNNI: each thread unpacks one group at
+/* gguf_gemm_int8 over Q4_0, Q8_0, Q4_K, Q5_K or Q6_K without VNNI: each thread unpacks one group at
    a time (int8_unpacked.h) and passes every row of x over it. 0 where its scratch could
    not be had (the caller's tiles then do the work). */
 static int gemm_unpacked(int type, const rounded_x *x, int64_t m, const uint8_t *groups,
@@ -675,11 +679,18 @@ static int gemm_unpacked(int type, const rounded_x *x, int64_t m, const uint8_t 
 void gguf_gemm_int8(int type, const float *x, int64_t m, int64_t k, const uint8_t *groups,
                     int64_t n, int64_t group_bytes, const float *bias, float *y, int threads) {
     if (threads <= 0) threads = omp_get_max_threads();
-    rounded_rows rows = round_rows(x, m, k, threads, INT8_PAIRS);
+#if INT8_SIMD && !INT8_VNNI
+    const int unpacked = unpacked_slots(type) != 0;
+#else
+    const int unpacked = 0;
+#endif
+    /* the terms: the pairs' kernels and the unpacked groups' (Q4_K's and Q5_K's
+       scaled sums) read them */
+    rounded_rows rows = round_rows(x, m, k, threads, INT8_PAIRS || unpacked);
     const rounded_x rounded = rows.x;
     const int64_t blocks = k / block_values(type);
 #if INT8_SIMD && !INT8_VNNI
-    if (unpacked_slots(type) &&
+    if (unpacked &&
         gemm_unpacked(type, &rounded, m, groups, n, group_bytes, blocks, bias, y, threads)) {
         free(rows.buffer);
         return;
