@@ -144,15 +144,17 @@ def ms(value: float) -> str:
     return "-" if value != value else f"{value * 1000:.0f}"
 
 
-def start_server(max_num_seqs: int, *extra: str) -> tuple[subprocess.Popen, str]:
+def start_server(
+    max_num_seqs: int, *extra: str, wait_s: float = 120
+) -> tuple[subprocess.Popen, str]:
     """``updraft serve`` on the demo model on a free port (``extra``: more flags), once
-    /health answers."""
+    /health answers (within ``wait_s``)."""
     port = free_port()
     command = [sys.executable, "-m", "updraft", "serve", "--port", str(port)]
     command += ["--max-num-seqs", str(max_num_seqs), "--max-waiting", "100000", *extra]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError("updraft serve exited at start-up")
