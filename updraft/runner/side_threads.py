@@ -4,10 +4,10 @@ thread budget (``runner/threads.py``), so the forward leaves them a core while t
 busy. The lower priority matters where other processes keep the machine busy too: the
 OS then serves the steps first, and a flood of costly grammars slows the requests that
 carry them, not every stream. Under 1,000 hostile requests on 2 cores an unrelated
-stream kept 0.35-0.39x of its solo speed with these threads at the steps' priority, and
-0.76-1.05x below it (``bench_hostile``). Counted as the engine's own instead, the
-forward's two threads shared their cores with them: 0.65-1.05x, with the stream's
-largest gap 211-326 ms against 70-196.
+stream kept 0.35-0.39x of its solo speed with these threads at the steps' priority,
+0.71-0.94x at 10 nice values below it and 0.83-1.04x at 19 (``bench_hostile``, three and
+four runs). Counted as the engine's own instead, the forward's two threads shared their
+cores with them: 0.65-1.05x, with the stream's largest gap 211-326 ms against 70-196.
 
 An API process compiles grammars in such threads too, and never loads torch.
 """
@@ -18,9 +18,10 @@ import os
 import sys
 import threading
 
-# How much lower than the steps' threads these run (a nice value: the OS gives a
-# thread 10 lower about a tenth of a contended core)
-LOWER_BY = 10
+# How much lower than the steps' threads these run, in nice values: 19 is the lowest,
+# about 1.5% of a contended core against a step's thread (10 lower got about a tenth).
+# They still run whenever a core is free, between steps and while the engine waits.
+LOWER_BY = 19
 
 # Native ids of this process's threads whose CPU time counts as another process's.
 SIDE_THREADS: set[int] = set()
