@@ -17,6 +17,7 @@ typedef struct {
     const int32_t *sums32[MAX_X_ROWS];
     const int32_t *offsets16[MAX_X_ROWS];
     const float *scaled_sums[MAX_X_ROWS];
+    const int32_t *minus8[MAX_X_ROWS];
 } row_starts;
 
 static inline __attribute__((always_inline)) row_starts starts_of(const rounded_x *x, int rows) {
@@ -27,6 +28,7 @@ static inline __attribute__((always_inline)) row_starts starts_of(const rounded_
         at.sums32[m] = x->sums32 + m * (x->k / 32);
         at.offsets16[m] = x->offsets16 + m * (x->k / 16);
         at.scaled_sums[m] = x->scaled_sums + m * (x->k / 32);
+        at.minus8[m] = x->minus8 + m * (x->k / 32);
     }
     return at;
 }
@@ -197,8 +199,8 @@ static inline __attribute__((always_inline)) void over_unpacked_q4_0(const __m25
         __m256i pairs[MAX_X_ROWS];
         pair_sums_rows(unpacked, at.codes, 32 * b, rows, 8, pairs);
         for (int m = 0; m < rows; m++) {
-            const __m256i sum = _mm256_sub_epi32(pairs_to_int32(pairs[m]),
-                                                 _mm256_set1_epi32(8 * at.sums32[m][b]));
+            const __m256i sum = _mm256_add_epi32(pairs_to_int32(pairs[m]),
+                                                 _mm256_set1_epi32(at.minus8[m][b]));
             const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(at.scales[m][b]));
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[m]);
         }
