@@ -600,7 +600,13 @@ static void pair_into(int type, const uint8_t *group, int64_t group_bytes, int64
 
 /* __m256i slots of a block unpacked (int8_unpacked.h); 0: the type is not unpacked */
 static int64_t unpacked_slots(int type) {
-    return type == 14 ? Q6_K_SLOTS : type == 12 || type == 13 ? K32_SLOTS : type == 2 ? Q4_0_SLOTS : type == 8 ? Q8_0_SLOTS : 0;
+    switch (type) {
+    case 2: return Q4_0_SLOTS;
+    case 8: return Q8_0_SLOTS;
+    case 12: case 13: return K32_SLOTS;
+    case 14: return Q6_K_SLOTS;
+    default: return 0;
+    }
 }
 
 /* one group of ``type`` unpacked into ``out`` (unpacked_slots(type) slots a block) */
@@ -684,8 +690,8 @@ void gguf_gemm_int8(int type, const float *x, int64_t m, int64_t k, const uint8_
 #else
     const int unpacked = 0;
 #endif
-    /* the terms: the pairs' kernels and the unpacked groups' (Q4_K's and Q5_K's
-       scaled sums) read them */
+    /* the terms: the pairs' kernels and the unpacked groups' (Q4_0's -8 sums, Q4_K's
+       and Q5_K's scaled sums) read them */
     rounded_rows rows = round_rows(x, m, k, threads, INT8_PAIRS || unpacked);
     const rounded_x rounded = rows.x;
     const int64_t blocks = k / block_values(type);
