@@ -101,9 +101,7 @@ static inline __attribute__((always_inline)) __m256 row_k(const uint8_t *group, 
                 const int half = five ? t / 4 : 0;
                 pairs[0][half] = _mm256_add_epi16(pairs[0][half], _mm256_maddubs_epi16(low, broadcast4(v + 4 * t)));
                 pairs[1][half] = _mm256_add_epi16(pairs[1][half], _mm256_maddubs_epi16(high, broadcast4(v + 32 + 4 * t)));
-                /* kept in their registers: otherwise gcc reassociates the sums and holds
-                   the products on the stack */
-                __asm__("" : "+x"(pairs[0][half]), "+x"(pairs[1][half]));
+                KEEP_BOTH_IN_REGISTERS(pairs[0][half], pairs[1][half]);
             }
             add_row_sub_block(pairs[0], 1 + five, gb, 2 * c, 8 * b + 2 * c, x, &sums, &mins);
             add_row_sub_block(pairs[1], 1 + five, gb, 2 * c + 1, 8 * b + 2 * c + 1, x, &sums, &mins);

@@ -93,28 +93,39 @@ static inline __m256 halves(const uint8_t *p) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
 
+/* An empty asm that says it changes ``value``: the compiler must hold it in a register
+   at that point. In the kernels' chains of int16 adds, gcc otherwise reassociates the
+   sums, keeps every product of a block live at once and spills them to the stack (the
+   AVX2 unpacked prefill ran at half its rate for that, int8_unpacked.h). */
+#define KEEP_IN_REGISTER(value) __asm__("" : "+x"(value))
+/* two at one point: row_k's pair of sums, whose adds gcc ordered differently (and a
+   one-row Q5_K decode ran about 2% slower) as two statements */
+#define KEEP_BOTH_IN_REGISTERS(a, b) __asm__("" : "+x"(a), "+x"(b))
+
 /* vpmaddubsw's pair sums of ``count`` words (u[t]: four unsigned codes of each of the
    eight rows; v + 4 t: x's four matching codes, broadcast to every lane), added as int16
    with no int32 stage: the caller keeps their total in range (or, as Q6_K does, lets it
-   wrap and come back) */
-static inline __m256i pair_sums(const __m256i *u, const int8_t *v, int count) {
-    __m256i pairs = _mm256_maddubs_epi16(u[0], broadcast4(v));
-    for (int t = 1; t < count; t++)
-        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u[t], broadcast4(v + 4 * t)));
-    return pairs;
-}
-
-/* pair_sums with the sum kept in its register after each add: where a kernel inlines
-   it for eight rows of x, gcc otherwise reassociates each row's sums and holds every
-   product on the stack (dot_words' and dot_words_scaled's tiles, Q4_0's and Q4_K's,
-   ran 5-10% faster pinned; Q6_K's and Q5_K's, which call pair_sums, ran slower) */
-static inline __m256i pinned_pair_sums(const __m256i *u, const int8_t *v, int count) {
+   wrap and come back); ``pinned``: the sum kept in its register after each add */
+static inline __attribute__((always_inline)) __m256i sum_pairs(const __m256i *u,
+                                                                const int8_t *v, int count,
+                                                                int pinned) {
     __m256i pairs = _mm256_maddubs_epi16(u[0], broadcast4(v));
     for (int t = 1; t < count; t++) {
         pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u[t], broadcast4(v + 4 * t)));
-        __asm__("" : "+x"(pairs));
+        if (pinned) KEEP_IN_REGISTER(pairs);
     }
     return pairs;
+}
+
+static inline __m256i pair_sums(const __m256i *u, const int8_t *v, int count) {
+    return sum_pairs(u, v, count, 0);
+}
+
+/* pair_sums with the sum kept in its register after each add: dot_words' and
+   dot_words_scaled's tiles (Q4_0's and Q4_K's among them) ran 5-10% faster pinned; Q6_K's
+   and Q5_K's, which call pair_sums, ran slower */
+static inline __m256i pinned_pair_sums(const __m256i *u, const int8_t *v, int count) {
+    return sum_pairs(u, v, count, 1);
 }
 
 /* eight bytes (one per row), each as both int16 halves of its row's lane: multiplied

@@ -47,9 +47,7 @@ static inline __attribute__((always_inline)) void pair_sums_rows(const __m256i *
         for (int m = 0; m < rows; m++) {
             const __m256i products = _mm256_maddubs_epi16(word, broadcast4(v[m] + offset + 4 * t));
             pairs[m] = t ? _mm256_add_epi16(pairs[m], products) : products;
-            /* kept in its register here: otherwise gcc reassociates the sums and holds
-               every product at once, on the stack */
-            __asm__("" : "+x"(pairs[m]));
+            KEEP_IN_REGISTER(pairs[m]);
         }
     }
 }
@@ -240,7 +238,7 @@ static inline __attribute__((always_inline)) void over_unpacked_q8_0(const __m25
                 /* a pair sum of at most 2 * 128 * 127 */
                 const __m256i v = _mm256_sign_epi8(broadcast4(at.codes[m] + 32 * b + 4 * t), w);
                 sum[m] = dot_u8s8(sum[m], magnitude, v);
-                __asm__("" : "+x"(sum[m])); /* as in pair_sums_rows */
+                KEEP_IN_REGISTER(sum[m]);
             }
         }
         const __m256 d = _mm256_load_ps((const float *)(unpacked + 16));
