@@ -143,10 +143,11 @@ def _stops_after(matcher: llguidance.LLMatcher, drafts: list[int]) -> int | None
 
 def lower_priority() -> None:
     """Run, from here on in every thread this one starts, ``LOWER_BY`` nice values below
-    the steps (about 1.5% of a contended core against one of their threads). Linux's
-    idle policy measured the same beside the demo model's steps; a process at it gets
-    a fifth of that share when another process keeps the cores busy, and a step may be
-    waiting for its masks."""
+    the steps (about 1.5% of a contended core against one of their threads). Not Linux's
+    idle policy: beside the demo model's steps it measured the same, but a step that
+    waits for its masks while another process keeps the cores busy then waits for a
+    process that gets almost nothing (no drafts verified at all in a test run beside
+    the rest of the suite)."""
     with contextlib.suppress(AttributeError, OSError):  # not Linux, or forbidden
         os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) + LOWER_BY)
 
