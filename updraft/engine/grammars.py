@@ -93,7 +93,7 @@ class Grammars:
         self._defer = defer
         self._late: dict[str, tuple[MaskJob, Future]] = {}  # masks that missed their step
         self._cached: dict[str, torch.Tensor] = {}  # late masks done: [1, words] each
-        self._slow: set[str] = set()  # requests whose last mask was late
+        self._slow: set[str] = set()  # requests that have had a late mask
         self.num_masked_rows = 0  # mask rows computed, over the engine's life
         self.num_late_masks = 0  # masks that missed their step
 
@@ -223,8 +223,6 @@ class Grammars:
         that answered with a verdict) have their step's tokens dropped, and they wait
         out of the batch until ``settle`` finds their job done."""
         for job in done:
-            if job.cached is None:  # computed in time (a rejoining mask says nothing)
-                self._slow.discard(job.request_id)
             if job.reply.stops_after is not None:
                 self._ends_after[job.request_id] = job.drafts[: job.reply.stops_after]
         for job, future in late:
