@@ -27,7 +27,7 @@ from pathlib import Path
 
 import llguidance
 
-from updraft.engine.grammar_compiler import GrammarCompiler, plain_error
+from updraft.engine.grammar_compiler import GrammarCompiler, GrammarError, plain_error
 from updraft.engine.grammar_messages import BROKEN, COMPLETE, MaskReply, read_message, write_message
 from updraft.runner.side_threads import LOWER_BY
 
@@ -83,7 +83,7 @@ class GrammarWorker:
             try:
                 self._matchers[handle] = future.result()
                 error = None
-            except ValueError as failed:  # a GrammarError, or a tokenizer it cannot read
+            except GrammarError as failed:
                 error = str(failed)
             except Exception as failed:
                 error = repr(failed)
@@ -151,11 +151,11 @@ def _stops_after(matcher: llguidance.LLMatcher, drafts: list[int]) -> int | None
 
 
 def lowest_priority() -> None:
-    """Run, from here on in every thread this one starts, below the steps' threads:
-    Linux's idle policy, which a waking thread of any other policy preempts at once
-    (nice +19 still lets the grammar run out its slice). Beside the demo model's steps
-    the two measured alike (``tests/test_hostile_constraints.py``'s attacks, four each);
-    the policy is the one whose bound does not depend on the scheduler's slices."""
+    """Run, from here on in every thread this one starts, only where a core is free of
+    the steps' threads: Linux's idle policy, which a waking thread of any other policy
+    preempts at once. A lower nice value alone is not enough: the scheduler lets a
+    nice 19 thread finish its slice of a few milliseconds, and the step threads' every
+    barrier then waits for it (forwards of 50-130 ms beside 1.2 ms steps)."""
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):  # not Linux, or a sandbox that forbids it

@@ -209,13 +209,12 @@ class Grammars:
             cached = self._cached.pop(request_id, None)
             if handle is not None and skip is not None:
                 rows = list(range(first + skip, first + 1 + num_drafts))
-                slow = request_id in self._slow
-                job = MaskJob(request_id, index, handle, rows, tokens[skip:], words, cached, slow)
+                job = MaskJob(request_id, index, handle, rows, tokens[skip:], words, cached)
                 jobs.append(job)
             first += 1 + num_drafts
         # A grammar that was slow before goes last, so the quick masks are not late
         # behind it.
-        return sorted(jobs, key=lambda job: job.slow)
+        return sorted(jobs, key=lambda job: job.request_id in self._slow)
 
     def _on_ready(self, done: list[MaskJob], late: list[tuple[MaskJob, Future]]) -> None:
         """The runner has taken the step's masks: the done jobs' completions within

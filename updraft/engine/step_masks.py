@@ -39,7 +39,6 @@ class MaskJob:
     drafts: list[int]
     words: int  # int32 words per row
     cached: torch.Tensor | None = None  # its mask, computed while it waited out a step
-    slow: bool = False  # its grammar has had a late mask: the step does not wait for it
     reply: MaskReply | None = None  # once done
 
     def submit(self, process: GrammarProcess) -> Future[MaskReply]:
@@ -98,15 +97,8 @@ class StepMasks:
         """The masks done before ``quiet`` seconds pass without one finishing, and
         within ``limit`` in all (every one, however long it takes, when late requests
         cannot wait out of the batch): a batch of quick masks is waited for whole, a
-        stalled one is not. A grammar that has been late before is not waited for at
-        all (its mask is taken if it is done by then): its every mask would otherwise
-        cost every stream a wait."""
-        waited = [
-            future
-            for job, future in zip(self._jobs, self._start(), strict=True)
-            if not (self._defer and job.slow)
-        ]
-        pending = [future for future in waited if not future.done()]
+        stalled one is not."""
+        pending = [future for future in self._start() if not future.done()]
         deadline = time.perf_counter() + limit
         while pending:
             left = deadline - time.perf_counter()
