@@ -198,22 +198,6 @@ def test_an_impossible_constraint_is_a_400_on_completions(base_url, name, stream
     assert "no token is allowed" in error["message"] or "no output can match" in error["message"]
 
 
-def test_a_grammar_that_breaks_after_its_first_token_is_a_400_unstreamed(base_url):
-    """The stalling regex allows a first token, then llguidance's lexer gives up on the
-    next state: an unstreamed completion is a 400 naming the field and the lexer's
-    message, whether the engine learned of it before the first output or after."""
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8}
-    response = httpx.post(
-        f"{base_url}/v1/completions",
-        json={**body, "guided_regex": STALLING_REGEX + "unstreamed"},
-        timeout=120,
-    )
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert error["param"] == "guided_regex", error
-    assert "lexer" in error["message"] or "limit" in error["message"], error
-
-
 def test_the_mask_limit_counts_the_threads_cpu_time(monkeypatch):
     """A grammar's first mask is refused for what it costs in its thread's CPU time, not
     for the wall time its lower-priority thread may spend waiting for a core on a busy
