@@ -10,8 +10,6 @@ import random
 import re
 import signal
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -361,26 +359,19 @@ def test_the_mask_sets_forbidden_tokens_to_minus_infinity(apply):
             assert masked[row, token] == expected, (row, token)
 
 
-@contextmanager
-def one_grammar(regex: str) -> Iterator[tuple[Grammars, dict[str, int]]]:
-    """``Grammars`` over the demo's tokenizer, constraining request "a" by ``regex``, and
-    the demo's token ids of single characters."""
+def test_masks_follow_each_draft_and_stop_at_a_forbidden_one():
     from updraft.demo import DEMO_MODEL_DIR
     from updraft.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(DEMO_MODEL_DIR)
-    grammars = Grammars(GrammarProcess(DEMO_MODEL_DIR / "tokenizer.json", 4096, (0,)), False)
+    process = GrammarProcess(DEMO_MODEL_DIR / "tokenizer.json", 4096, (0,))
+    grammars = Grammars(process, overlap=False)
     try:
-        compiled = grammars.compile(StructuredOutputsParams(regex=regex))
+        compiled = grammars.compile(StructuredOutputsParams(regex="ab(c|d)e"))
         grammars.wait_compiled([compiled], 60)
         grammars.start("a", compiled.result())
-        yield grammars, {text: tokenizer.encode(text)[0] for text in "abcdez"}
-    finally:
-        grammars.close()
+        ids = {text: tokenizer.encode(text)[0] for text in "abcdez"}
 
-
-def test_masks_follow_each_draft_and_stop_at_a_forbidden_one():
-    with one_grammar("ab(c|d)e") as (grammars, ids):
         sampling = SimpleNamespace(  # the fields allowed_tokens reads
             rows=[0, 1],
             num_drafts=[0, 3],
@@ -388,6 +379,8 @@ def test_masks_follow_each_draft_and_stop_at_a_forbidden_one():
         )
         inputs = SimpleNamespace(request_ids=["free", "a"], sampling=sampling)
         allowed = grammars.allowed_tokens(inputs)
+    finally:
+        grammars.close()
     assert allowed.rows.tolist() == [1, 2, 3, 4]  # row 0 is the free request's
 
     def tokens(row):
@@ -403,13 +396,25 @@ def test_masks_follow_each_draft_and_stop_at_a_forbidden_one():
 def test_a_request_ends_where_its_grammar_completes_within_a_step():
     """Drafts that run past the end of the grammar: the step's masks say after which
     draft it is complete, and the request ends there, as it would token by token."""
-    with one_grammar("ab") as (grammars, ids):
+    from updraft.demo import DEMO_MODEL_DIR
+    from updraft.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(DEMO_MODEL_DIR)
+    process = GrammarProcess(DEMO_MODEL_DIR / "tokenizer.json", 4096, (0,))
+    grammars = Grammars(process, overlap=False)
+    try:
+        compiled = grammars.compile(StructuredOutputsParams(regex="ab"))
+        grammars.wait_compiled([compiled], 60)
+        grammars.start("a", compiled.result())
+        ids = {text: tokenizer.encode(text)[0] for text in "ab"}
         sampling = SimpleNamespace(
             rows=[0], num_drafts=[3], draft_token_ids=torch.tensor([[ids["a"], ids["b"], 0]])
         )
         grammars.allowed_tokens(SimpleNamespace(request_ids=["a"], sampling=sampling))
-        assert grammars.accept("a", [ids["a"]]).value == "going"
-        assert grammars.accept("a", [ids["b"]]).value == "complete"
+    finally:
+        grammars.close()
+    assert grammars.accept("a", [ids["a"]]).value == "going"
+    assert grammars.accept("a", [ids["b"]]).value == "complete"
 
 
 def test_thousands_of_distinct_schemas_compile_within_a_bounded_cache():

@@ -24,7 +24,6 @@ from collections.abc import Collection
 from concurrent.futures import Future
 from pathlib import Path
 
-from updraft.engine.grammar_compiler import model_vocabulary
 from updraft.engine.grammar_messages import MaskReply, MessageBuffer, frame
 from updraft.tokenizer import Tokenizer
 
@@ -58,8 +57,11 @@ class GrammarProcess:
     def for_model(
         cls, model: str, vocab_size: int, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...]
     ) -> GrammarProcess:
-        """The process for a checkpoint's tokenizer (``model_vocabulary``)."""
-        return cls(*model_vocabulary(model, vocab_size, tokenizer), eos_token_ids)
+        """The process for a checkpoint's tokenizer, over the larger of the model's and
+        the tokenizer's vocabularies (either may pad the other)."""
+        return cls(
+            Path(model) / "tokenizer.json", max(vocab_size, tokenizer.vocab_size), eos_token_ids
+        )
 
     @property
     def pid(self) -> int | None:

@@ -171,9 +171,6 @@ def main(argv: list[str]) -> None:
     compiler = GrammarCompiler(Path(tokenizer_json), int(vocab_size), eos_ids)
     connection = socket.socket(fileno=int(descriptor))
     GrammarWorker(connection, compiler).serve()
-    # Nothing here is wanted once the engine has gone: not a compile or a mask still
-    # running, which the interpreter's exit would wait for.
-    os._exit(0)
 
 
 if __name__ == "__main__":
