@@ -99,16 +99,9 @@ class GrammarCompiler:
         ``GrammarError`` if it cannot be)."""
         return self._pool.submit(self.matcher, spec)
 
-    def submit_key(self, key: tuple[str, str]) -> Future[llguidance.LLMatcher]:
-        """As ``submit``, for a spec's ``key``: what crosses to the grammar process."""
-        return self._pool.submit(self.compiled, key)
-
     def matcher(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
         """A fresh matcher for ``spec``, compiled in this thread unless cached."""
-        return self.compiled(spec.key)
-
-    def compiled(self, key: tuple[str, str]) -> llguidance.LLMatcher:
-        """A fresh matcher for the spec whose ``key`` it is, compiled unless cached."""
+        key = spec.key
         with self._lock:
             pristine = self._cache.get(key)
             if pristine is not None:
