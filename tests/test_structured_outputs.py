@@ -5,9 +5,14 @@ speculation equals greedy output without it."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
-import threading
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from types import SimpleNamespace
 
 import jsonschema
@@ -18,6 +23,7 @@ from tests.helpers import greedy
 from updraft import LLM, SamplingParams
 from updraft.demo import DEMO_DRAFT_DIR
 from updraft.engine.grammar_compiler import GrammarCompiler
+from updraft.engine.grammar_process import GrammarProcess
 from updraft.engine.grammars import Grammars
 from updraft.runner.token_mask import mask_logits, unpacked_mask_logits
 from updraft.speculative.registry import PROPOSERS, register_proposer
@@ -261,32 +267,79 @@ def test_a_model_without_a_tokenizer_refuses_structured_outputs(tiny_llama):
     assert output.outputs[0].finish_reason == "error" and "tokenizer" in output.error
 
 
-def test_a_blocked_compiler_does_not_stall_other_requests(demo, monkeypatch):
-    release = threading.Event()
-    compile_ = GrammarCompiler.matcher
+def grammar_processes() -> list[int]:
+    """The grammar processes this test process started (engine/grammar_process.py)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            command = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        if parent == os.getpid() and b"updraft.engine.grammar_worker" in command:
+            pids.append(int(entry.name))
+    return pids
 
-    def blocked(self, spec):
-        release.wait(60)
-        return compile_(self, spec)
 
-    monkeypatch.setattr(GrammarCompiler, "matcher", blocked)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_frozen_grammar_process_does_not_stall_other_requests(demo):
+    """The grammar process stopped (SIGSTOP) while a spec waits to compile: a plain
+    request runs to its end meanwhile, and once the process goes on the constrained
+    request completes."""
     engine = demo.engine
-    waiting = engine.add_request(PROMPT, json_params({"type": "object", "title": "blocked"}))
-    free = engine.add_request(PROMPT, greedy(12))
-    finished = {}
-    for _ in range(200):
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output
-        if free in finished:
-            break
-    assert free in finished and waiting not in finished
-    assert engine.stats().structured.num_compiling == 1
-    release.set()
+    demo.generate(PROMPT, json_params({"type": "object"}))  # the grammar process runs
+    frozen = grammar_processes()
+    assert frozen
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        waiting = engine.add_request(PROMPT, json_params({"type": "object", "title": "blocked"}))
+        free = engine.add_request(PROMPT, greedy(12))
+        finished = {}
+        for _ in range(200):
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+            if free in finished:
+                break
+        assert free in finished and waiting not in finished
+        assert engine.stats().structured.num_compiling == 1
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
     while engine.has_unfinished:
         for output in engine.step():
             finished[output.request_id] = output
     check_json([finished[waiting]], [{"type": "object", "title": "blocked"}])
+
+
+def test_a_killed_grammar_process_fails_its_requests_and_the_next_compile_starts_another():
+    """The grammar process killed while a constrained request runs: that request ends
+    with an error that says so and gives back its KV blocks, a plain one beside it goes
+    on, and the next constrained request is served by a new grammar process."""
+    before = set(grammar_processes())
+    llm = LLM(overlap_grammar_masks=True)
+    engine = llm.engine
+    llm.generate(PROMPT, json_params({"type": "object"}))
+    (first,) = set(grammar_processes()) - before
+    slow = engine.add_request(PROMPT, json_params({"type": "array"}, max_tokens=400))
+    free = engine.add_request(PROMPT, greedy(40))
+    engine.step()
+    os.kill(first, signal.SIGKILL)
+    finished = {}
+    while engine.has_unfinished:
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    assert finished[slow].outputs[0].finish_reason == "error"
+    assert "grammar process exited" in finished[slow].error, finished[slow].error
+    assert len(finished[free].outputs[0].token_ids) == 40
+    assert engine.stats().kv_blocks_used == 0
+    (again,) = llm.generate(PROMPT, json_params({"type": "object", "title": "again"}))
+    check_json([again], [{"type": "object", "title": "again"}])
+    assert set(grammar_processes()) - before - {first}
+    engine.close()
 
 
 @pytest.mark.parametrize("apply", [mask_logits, unpacked_mask_logits])
@@ -308,22 +361,33 @@ def test_the_mask_sets_forbidden_tokens_to_minus_infinity(apply):
             assert masked[row, token] == expected, (row, token)
 
 
-def test_masks_follow_each_draft_and_stop_at_a_forbidden_one():
+@contextmanager
+def one_grammar(regex: str) -> Iterator[tuple[Grammars, dict[str, int]]]:
+    """``Grammars`` over the demo's tokenizer, constraining request "a" by ``regex``, and
+    the demo's token ids of single characters."""
     from updraft.demo import DEMO_MODEL_DIR
     from updraft.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(DEMO_MODEL_DIR)
-    compiler = GrammarCompiler(DEMO_MODEL_DIR / "tokenizer.json", 4096, (0,))
-    grammars = Grammars(compiler, overlap=False)
-    grammars.start("a", compiler.matcher(StructuredOutputsParams(regex="ab(c|d)e")))
-    ids = {text: tokenizer.encode(text)[0] for text in "abcdez"}
+    grammars = Grammars(GrammarProcess(DEMO_MODEL_DIR / "tokenizer.json", 4096, (0,)), False)
+    try:
+        compiled = grammars.compile(StructuredOutputsParams(regex=regex))
+        grammars.wait_compiled([compiled], 60)
+        grammars.start("a", compiled.result())
+        yield grammars, {text: tokenizer.encode(text)[0] for text in "abcdez"}
+    finally:
+        grammars.close()
 
-    sampling = SimpleNamespace(  # the fields allowed_tokens reads
-        rows=[0, 1],
-        num_drafts=[0, 3],
-        draft_token_ids=torch.tensor([[0, 0, 0], [ids["a"], ids["b"], ids["z"]]]),
-    )
-    allowed = grammars.allowed_tokens(SimpleNamespace(request_ids=["free", "a"], sampling=sampling))
+
+def test_masks_follow_each_draft_and_stop_at_a_forbidden_one():
+    with one_grammar("ab(c|d)e") as (grammars, ids):
+        sampling = SimpleNamespace(  # the fields allowed_tokens reads
+            rows=[0, 1],
+            num_drafts=[0, 3],
+            draft_token_ids=torch.tensor([[0, 0, 0], [ids["a"], ids["b"], ids["z"]]]),
+        )
+        inputs = SimpleNamespace(request_ids=["free", "a"], sampling=sampling)
+        allowed = grammars.allowed_tokens(inputs)
     assert allowed.rows.tolist() == [1, 2, 3, 4]  # row 0 is the free request's
 
     def tokens(row):
@@ -333,7 +397,19 @@ def test_masks_follow_each_draft_and_stop_at_a_forbidden_one():
     assert ids["b"] in tokens(1)
     assert {ids["c"], ids["d"]} <= tokens(2) and ids["z"] not in tokens(2)
     assert len(tokens(3)) == 4096  # past the forbidden "z": nothing was computed
-    assert grammars.accept("a", [ids[c] for c in "abc"])[0].value == "going"
+    assert grammars.accept("a", [ids[c] for c in "abc"]).value == "going"
+
+
+def test_a_request_ends_where_its_grammar_completes_within_a_step():
+    """Drafts that run past the end of the grammar: the step's masks say after which
+    draft it is complete, and the request ends there, as it would token by token."""
+    with one_grammar("ab") as (grammars, ids):
+        sampling = SimpleNamespace(
+            rows=[0], num_drafts=[3], draft_token_ids=torch.tensor([[ids["a"], ids["b"], 0]])
+        )
+        grammars.allowed_tokens(SimpleNamespace(request_ids=["a"], sampling=sampling))
+        assert grammars.accept("a", [ids["a"]]).value == "going"
+        assert grammars.accept("a", [ids["b"]]).value == "complete"
 
 
 def test_thousands_of_distinct_schemas_compile_within_a_bounded_cache():

@@ -148,10 +148,10 @@ class EngineConfig:
     seed: int = setting(0, "seed of the sampling of requests that have no seed of their own")
     overlap_grammar_masks: bool | None = setting(
         None,
-        "compute the token masks of requests with structured outputs in a thread while "
-        "the step's forward runs, rather than after it (default: on a GPU, and on a CPU "
-        "with a core the forward's threads leave free: a mask thread on a core the "
-        "forward uses slows every step down more than the masks cost)",
+        "compute the token masks of requests with structured outputs while the step's "
+        "forward runs, rather than after it (default: on a GPU, and on a CPU with a core "
+        "the forward's threads leave free: the grammar process runs only on a free core, "
+        "so beside a forward on every core its masks are late more often)",
     )
     block_size: int = setting(16, "tokens per KV cache block")
     kv_cache_memory_gib: float = setting(1.0, "KV cache budget in GiB")

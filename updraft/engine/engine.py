@@ -30,7 +30,7 @@ import torch
 
 from updraft.config import EngineConfig
 from updraft.engine.families import Families, child_id
-from updraft.engine.grammar_compiler import GrammarCompiler
+from updraft.engine.grammar_process import GrammarProcess
 from updraft.engine.grammars import Grammars
 from updraft.engine.input_processor import EngineRequest, InputProcessor, ModelLimits
 from updraft.engine.kv_blocks import BlockPool, KVCacheManager
@@ -204,7 +204,7 @@ class Engine:
         """Structured outputs need the tokenizer: llguidance reads its vocabulary."""
         if self.tokenizer is None:
             return None
-        compiler = GrammarCompiler.for_model(
+        process = GrammarProcess.for_model(
             config.model,
             self.model_config.vocab_size,
             self.tokenizer,
@@ -215,7 +215,7 @@ class Engine:
             spare_core = (os.cpu_count() or 1) > torch.get_num_threads()
             overlap = self._runner.device.type != "cpu" or spare_core
         # A hybrid model's recurrent state cannot take back a token a late mask drops.
-        return Grammars(compiler, overlap=overlap, defer=not self.model_config.linear_layers)
+        return Grammars(process, overlap=overlap, defer=not self.model_config.linear_layers)
 
     def _context_len(self, config: EngineConfig) -> int:
         """The longest sequence: ``max_model_len``, or the positions the model was
@@ -349,7 +349,7 @@ class Engine:
             request.error = intake.error
             self._pending_outputs.append(self._scheduler.finish(request, FinishReason.ERROR))
         elif spec is not None:
-            self._compiling[request_id] = (request, self._grammars.compiler.submit(spec))
+            self._compiling[request_id] = (request, self._grammars.compile(spec))
         elif hold:
             return request
         else:
@@ -362,21 +362,26 @@ class Engine:
         run (compiled grammars, a family's held sequences once the first has prefilled)."""
         outputs, self._pending_outputs = self._pending_outputs, []
         if self._grammars is not None:
-            outputs += self._fail_late_masks()
+            outputs += self._end_by_grammar()
         if self._compiling:
             outputs += self._admit_compiled(wait=not self._scheduler.has_unfinished)
         for request in self._families.released(self._scheduler.requests):
             self._scheduler.add(request)
         return outputs
 
-    def _fail_late_masks(self) -> list[RequestOutput]:
-        """End the requests whose late mask failed or took too long (engine/grammars.py)."""
+    def _end_by_grammar(self) -> list[RequestOutput]:
+        """End the requests whose grammar is complete or broken, or whose late mask
+        failed or took too long (engine/grammars.py)."""
         outputs = []
-        for request_id, error in self._grammars.settle():
+        for request_id, reason, error in self._grammars.settle():
             request = self._scheduler.requests.get(request_id)
-            if request is not None:
+            if request is None:
+                continue
+            if error is not None:
                 request.error = f"{STRUCTURED_ERROR}{error}"
-                outputs.append(self._scheduler.finish(request, FinishReason.ERROR))
+            output = self._scheduler.finish(request, reason)
+            if output is not None:
+                outputs.append(output)
         return outputs
 
     def _admit_compiled(self, wait: bool) -> list[RequestOutput]:
@@ -385,20 +390,20 @@ class Engine:
         compile ends its request with the compiler's message."""
         if wait and self._compiling:
             pending = [future for _, future in self._compiling.values()]
-            futures.wait(pending, timeout=COMPILE_POLL_SECONDS, return_when=futures.FIRST_COMPLETED)
+            self._grammars.wait_compiled(pending, COMPILE_POLL_SECONDS)
         outputs = []
         for request_id, (request, future) in list(self._compiling.items()):
             if not future.done():
                 continue
             del self._compiling[request_id]
             try:
-                matcher = future.result()
+                handle = future.result()
             except Exception as error:  # a spec the compiler refused, or failed on
                 request.error = str(error) if isinstance(error, ValueError) else repr(error)
                 outputs.append(self._scheduler.finish(request, FinishReason.ERROR))
                 continue
             spec = request.sampling_params.structured_outputs
-            self._grammars.start(request_id, matcher, spec.starts_after)
+            self._grammars.start(request_id, handle, spec.starts_after)
             self._scheduler.add(request)
         return outputs
 

@@ -88,20 +88,24 @@ class GrammarCompiler:
     def for_model(
         cls, model: str, vocab_size: int, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...]
     ) -> GrammarCompiler:
-        """The compiler for a checkpoint's tokenizer, over the larger of the model's and
-        the tokenizer's vocabularies (either may pad the other)."""
-        return cls(
-            Path(model) / "tokenizer.json", max(vocab_size, tokenizer.vocab_size), eos_token_ids
-        )
+        """The compiler for a checkpoint's tokenizer (``model_vocabulary``)."""
+        return cls(*model_vocabulary(model, vocab_size, tokenizer), eos_token_ids)
 
     def submit(self, spec: StructuredOutputsParams) -> Future[llguidance.LLMatcher]:
         """A fresh matcher for ``spec``, compiled in a worker thread (the future raises
         ``GrammarError`` if it cannot be)."""
         return self._pool.submit(self.matcher, spec)
 
+    def submit_key(self, key: tuple[str, str]) -> Future[llguidance.LLMatcher]:
+        """As ``submit``, for a spec's ``key``: what crosses to the grammar process."""
+        return self._pool.submit(self.compiled, key)
+
     def matcher(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
         """A fresh matcher for ``spec``, compiled in this thread unless cached."""
-        key = spec.key
+        return self.compiled(spec.key)
+
+    def compiled(self, key: tuple[str, str]) -> llguidance.LLMatcher:
+        """A fresh matcher for the spec whose ``key`` it is, compiled unless cached."""
         with self._lock:
             pristine = self._cache.get(key)
             if pristine is not None:
@@ -170,6 +174,12 @@ class GrammarCompiler:
                     eos_token=self._eos_token_ids or None,
                 )
             return self._tokenizer
+
+
+def model_vocabulary(model: str, vocab_size: int, tokenizer: Tokenizer) -> tuple[Path, int]:
+    """A checkpoint's ``tokenizer.json``, and the larger of the model's and the
+    tokenizer's vocabularies (either may pad the other): what a grammar is compiled for."""
+    return Path(model) / "tokenizer.json", max(vocab_size, tokenizer.vocab_size)
 
 
 def _why_nothing_matches(matcher: llguidance.LLMatcher, eos_token_ids: list[int]) -> str:

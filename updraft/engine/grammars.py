@@ -1,18 +1,26 @@
 """The grammar state of every constrained request, and the masks of each step.
 
-``Grammars`` is the one owner of that state: a request's matcher enters when its spec has
-compiled, advances only through ``accept`` (the scheduler's update, with the tokens a
-step appended: accepted drafts and one more), and leaves when the request ends. A
-preempted request keeps its matcher, since its tokens stay; nothing of it lives on the
-``Request``.
+``Grammars`` is the engine's one owner of that state. Its matchers live in the grammar
+process (``engine/grammar_process.py``), each under the handle its compile gave: a
+request's enters when its spec has compiled, advances only through ``accept`` (the
+scheduler's update, with the tokens a step appended: accepted drafts and one more) and
+leaves when the request ends. A preempted request keeps its matcher, since its tokens
+stay; nothing of it lives on the ``Request``.
 
-Each step, ``masks`` computes which tokens every constrained sampling row may take: at a
-request's last known token, and after each of its drafts in turn (each mask from the
-state the drafts before it lead to; past a draft the grammar forbids nothing is computed,
-since verification stops there anyway). llguidance's executor drops the GIL, so with
-``overlap`` the masks are computed in a thread while the forward runs. A mask that is
-not ready in time never holds the step: its request waits out of the batch until it is
+Each step, ``masks`` sends the grammar process what to compute: which tokens every
+constrained sampling row may take, at a request's last known token and after each of
+its drafts in turn (each mask from the state the drafts before it lead to; past a draft
+the grammar forbids nothing is computed, since verification stops there anyway). With
+``overlap`` they are computed while the forward runs. A mask that is not ready in time
+never holds the step: its request waits out of the batch until it is
 (``engine/step_masks.py``), and one slower than ``MASK_SECONDS_LIMIT`` ends it.
+
+Appended tokens go to the grammar process without a wait for its answer. A request
+ends where its grammar completes: within a step's accepted drafts, by what that step's
+mask job found (``stops_after``); at the step's last token, before the next step once
+the grammar process has said so (``settle``), or else by that step's mask job, which
+answers with the verdict, and the request keeps none of that step's tokens. Either way
+the request's tokens are those of a grammar advanced token by token.
 
 A grammar may start only after its request has written some tokens (a reasoning model's
 end of reasoning: ``StructuredOutputsParams.starts_after``). Until then the request is
@@ -26,24 +34,24 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
-import llguidance
 import torch
 
-from updraft.engine.grammar_compiler import MASK_SECONDS_LIMIT, GrammarCompiler, plain_error
+from updraft.engine.grammar_compiler import MASK_SECONDS_LIMIT
+from updraft.engine.grammar_messages import BROKEN, COMPLETE
+from updraft.engine.grammar_process import GrammarProcess
 from updraft.engine.step_masks import MaskJob, StepMasks
-from updraft.runner.side_threads import lower_priority
+from updraft.request import FinishReason
 from updraft.step.allowed_tokens import AllowedTokens
 from updraft.step.inputs import StepInputs
+from updraft.structured_outputs import StructuredOutputsParams
 
 
 class Verdict(enum.Enum):
     GOING = "going"  # the output may go on
     COMPLETE = "complete"  # the grammar takes nothing more: the output is done
-    BROKEN = "broken"  # a token the grammar forbids was appended (never by a masked row)
 
 
 @dataclass
@@ -71,77 +79,113 @@ class Gate:
 
 
 class Grammars:
-    def __init__(self, compiler: GrammarCompiler, overlap: bool = True, defer: bool = True) -> None:
-        self.compiler = compiler
-        self._matchers: dict[str, llguidance.LLMatcher] = {}
+    def __init__(self, process: GrammarProcess, overlap: bool = True, defer: bool = True) -> None:
+        self.process = process
+        self._handles: dict[str, int] = {}  # request id -> its matcher's handle
         self._gates: dict[str, Gate] = {}  # requests whose grammar has not started yet
-        self._executor = llguidance.LLExecutor(1)
-        self._thread = ThreadPoolExecutor(
-            1, thread_name_prefix="updraft-masks", initializer=lower_priority
-        )
+        self._appended: dict[int, list[int]] = {}  # tokens not yet sent, by handle
+        # This step's drafts after which a request's grammar is complete (its mask job's
+        # ``stops_after``), left to be matched by the tokens it appends.
+        self._ends_after: dict[str, list[int]] = {}
         self._overlap = overlap
         # Without it (a hybrid model, whose recurrent state cannot take a token back) a
         # step waits for every mask.
         self._defer = defer
         self._late: dict[str, tuple[MaskJob, Future]] = {}  # masks that missed their step
         self._cached: dict[str, torch.Tensor] = {}  # late masks done: [1, words] each
-        self._slow: set[str] = set()  # requests that have had a late mask
+        self._slow: set[str] = set()  # requests whose last mask was late
         self.num_masked_rows = 0  # mask rows computed, over the engine's life
         self.num_late_masks = 0  # masks that missed their step
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._matchers
+        return request_id in self._handles
 
     def __len__(self) -> int:
-        return len(self._matchers)
+        return len(self._handles)
 
-    def start(
-        self, request_id: str, matcher: llguidance.LLMatcher, after: Sequence[int] = ()
-    ) -> None:
-        """Constrain ``request_id`` by ``matcher``, from the token after the output's
-        first ``after`` on (at once if ``after`` is empty)."""
-        self._matchers[request_id] = matcher
+    def compile(self, spec: StructuredOutputsParams) -> Future[int]:
+        """A matcher for ``spec`` in the grammar process: the future gives the handle to
+        ``start`` with, or raises ``ValueError`` with the compiler's message. Cancelling
+        it drops the matcher."""
+        try:
+            key = spec.key
+        except ValueError as error:  # a json spec that is not JSON
+            future: Future[int] = Future()
+            future.set_exception(error)
+            return future
+        return self.process.compile(key)
+
+    def wait_compiled(self, pending: list[Future], timeout: float) -> None:
+        """Wait up to ``timeout`` for one of ``pending`` compiles."""
+        self.process.wait(pending, timeout)
+
+    def start(self, request_id: str, handle: int, after: Sequence[int] = ()) -> None:
+        """Constrain ``request_id`` by the matcher of ``handle``, from the token after
+        the output's first ``after`` on (at once if ``after`` is empty)."""
+        self._handles[request_id] = handle
         if after:
             self._gates[request_id] = Gate(tuple(after))
 
     def remove(self, request_id: str) -> None:
-        self._matchers.pop(request_id, None)
+        handle = self._handles.pop(request_id, None)
+        if handle is not None:
+            self._appended.pop(handle, None)
+            self.process.remove(handle)
         self._gates.pop(request_id, None)
-        self._late.pop(request_id, None)  # a job still running reads only its matcher
+        self._ends_after.pop(request_id, None)
+        self._late.pop(request_id, None)
         self._cached.pop(request_id, None)
         self._slow.discard(request_id)
 
-    def accept(self, request_id: str, token_ids: list[int]) -> tuple[Verdict, str | None]:
-        """Advance ``request_id``'s grammar over tokens appended to its output; the
-        verdict, and the matcher's message when it broke."""
-        matcher = self._matchers.get(request_id)
-        if matcher is None:
-            return Verdict.GOING, None
+    def accept(self, request_id: str, token_ids: list[int]) -> Verdict:
+        """Advance ``request_id``'s grammar over tokens appended to its output: COMPLETE
+        where they complete it within this step's accepted drafts, else GOING (what the
+        step's last token leads to comes from the grammar process: ``settle``)."""
+        handle = self._handles.get(request_id)
+        if handle is None:
+            return Verdict.GOING
         gate = self._gates.get(request_id)
         if gate is not None:
             opened = gate.opened_by(token_ids)
             if opened is None:
                 gate.append(token_ids)
-                return Verdict.GOING, None
+                return Verdict.GOING
             del self._gates[request_id]
             token_ids = token_ids[opened:]
             if not token_ids:
-                return Verdict.GOING, None
-        if not matcher.consume_tokens(token_ids):
-            return Verdict.BROKEN, plain_error(matcher.get_error()) or "a token the grammar forbids"
-        return (Verdict.COMPLETE if matcher.is_stopped() else Verdict.GOING), None
+                return Verdict.GOING
+        self._appended.setdefault(handle, []).extend(token_ids)
+        ends_after = self._ends_after.get(request_id)
+        if ends_after is None:
+            return Verdict.GOING
+        if ends_after[: len(token_ids)] != token_ids:
+            del self._ends_after[request_id]  # the step's tokens left its drafts
+            return Verdict.GOING
+        del ends_after[: len(token_ids)]
+        if ends_after:
+            return Verdict.GOING
+        del self._ends_after[request_id]
+        return Verdict.COMPLETE
+
+    def _send_appended(self) -> None:
+        if self._appended:
+            self.process.accept(list(self._appended.items()))
+            self._appended = {}
 
     def masks(self, inputs: StepInputs, defer: bool | None = None) -> StepMasks | None:
         """The masks of this step's constrained logits rows (None when no sampling row
-        is constrained), computed in the mask thread: with ``overlap`` while the forward
-        runs, else once the runner asks for them after it. ``defer`` False: the runner
-        waits for every one (by default, unless the engine cannot defer a request)."""
+        is constrained), computed in the grammar process: with ``overlap`` while the
+        forward runs, else once the runner asks for them after it. ``defer`` False: the
+        runner waits for every one (by default, unless the engine cannot defer a
+        request)."""
+        self._ends_after.clear()
+        self._send_appended()
         jobs = self._jobs(inputs)
         if not jobs:
             return None
         self.num_masked_rows += sum(len(job.rows) for job in jobs)
         defer = self._defer if defer is None else defer
-        return StepMasks(jobs, self._thread, self._executor, self._hold_late, self._overlap, defer)
+        return StepMasks(jobs, self.process, self._on_ready, self._overlap, defer)
 
     def allowed_tokens(self, inputs: StepInputs) -> AllowedTokens | None:
         """The masks of this step's constrained rows, all of them, computed now."""
@@ -151,34 +195,43 @@ class Grammars:
     def _jobs(self, inputs: StepInputs) -> list[MaskJob]:
         sampling = inputs.sampling
         jobs, first = [], 0
-        words = -(-self.compiler.vocab_size // 32)
+        words = self.process.words
         drafts = sampling.draft_token_ids.tolist() if any(sampling.num_drafts) else None
         for index, (row, num_drafts) in enumerate(
             zip(sampling.rows, sampling.num_drafts, strict=True)
         ):
             request_id = inputs.request_ids[row]
-            matcher = self._matchers.get(request_id)
-            tokens = [] if drafts is None or matcher is None else drafts[index][:num_drafts]
+            handle = self._handles.get(request_id)
+            tokens = [] if drafts is None or handle is None else drafts[index][:num_drafts]
             gate = self._gates.get(request_id)
             # Rows before the grammar starts are free: it starts after this many drafts.
-            skip = 0 if gate is None or matcher is None else gate.opened_by(tokens)
+            skip = 0 if gate is None or handle is None else gate.opened_by(tokens)
             cached = self._cached.pop(request_id, None)
-            if matcher is not None and skip is not None:
+            if handle is not None and skip is not None:
                 rows = list(range(first + skip, first + 1 + num_drafts))
-                job = MaskJob(request_id, index, matcher, rows, tokens[skip:], words, cached)
+                slow = request_id in self._slow
+                job = MaskJob(request_id, index, handle, rows, tokens[skip:], words, cached, slow)
                 jobs.append(job)
             first += 1 + num_drafts
         # A grammar that was slow before goes last, so the quick masks are not late
         # behind it.
-        return sorted(jobs, key=lambda job: job.request_id in self._slow)
+        return sorted(jobs, key=lambda job: job.slow)
 
-    def _hold_late(self, late: list[tuple[MaskJob, Future]]) -> None:
-        """Requests whose masks were not ready: their step's tokens are dropped, and
-        they wait out of the batch until ``settle`` finds their job done."""
+    def _on_ready(self, done: list[MaskJob], late: list[tuple[MaskJob, Future]]) -> None:
+        """The runner has taken the step's masks: the done jobs' completions within
+        their drafts are noted for ``accept``; requests whose masks were not ready (or
+        that answered with a verdict) have their step's tokens dropped, and they wait
+        out of the batch until ``settle`` finds their job done."""
+        for job in done:
+            if job.cached is None:  # computed in time (a rejoining mask says nothing)
+                self._slow.discard(job.request_id)
+            if job.reply.stops_after is not None:
+                self._ends_after[job.request_id] = job.drafts[: job.reply.stops_after]
         for job, future in late:
             self._late[job.request_id] = (job, future)
-            self._slow.add(job.request_id)
-        self.num_late_masks += len(late)
+            if job.reply is None:
+                self._slow.add(job.request_id)
+                self.num_late_masks += 1
 
     def is_late(self, request_id: str) -> bool:
         """Whether the request's mask missed its step (its tokens are not to be kept)."""
@@ -194,32 +247,51 @@ class Grammars:
         (their masks would be new work of the same grammar)."""
         return request_id not in self._cached and request_id not in self._late
 
-    def settle(self) -> list[tuple[str, str]]:
-        """Before a step: the late masks that are done. Each request gets its mask to
-        rejoin with, or, when the mask failed or took longer than ``MASK_SECONDS_LIMIT``,
-        fails: returned as (request id, message)."""
-        failed = []
+    def settle(self) -> list[tuple[str, FinishReason, str | None]]:
+        """Before a step: what the grammar process has answered. A request whose
+        grammar its last tokens completed ends with a stop, one they broke with an
+        error; a late mask that is done lets its request rejoin, or, when it failed or
+        took longer than ``MASK_SECONDS_LIMIT``, ends it. Returned as (request id,
+        reason, message)."""
+        self._send_appended()
+        self.process.poll()
+        ended: dict[str, tuple[FinishReason, str | None]] = {}
         for request_id, (job, future) in list(self._late.items()):
             if not future.done():
                 continue
             del self._late[request_id]
-            if job.error is None and job.seconds > MASK_SECONDS_LIMIT:
-                job.error = (
-                    f"one of its masks took {job.seconds:.2f} s of CPU, over the limit of "
-                    f"{MASK_SECONDS_LIMIT:g} s per mask"
+            job.take(future.result())
+            reply = job.reply
+            if reply.verdict is not None:
+                ended[request_id] = _ending(reply.verdict, reply.error)
+            elif reply.error is not None:
+                ended[request_id] = (FinishReason.ERROR, reply.error)
+            elif reply.seconds > MASK_SECONDS_LIMIT:
+                ended[request_id] = (
+                    FinishReason.ERROR,
+                    f"one of its masks took {reply.seconds:.2f} s of CPU, over the limit "
+                    f"of {MASK_SECONDS_LIMIT:g} s per mask",
                 )
-            if job.error is not None:
-                failed.append((request_id, job.error))
             else:
                 self._cached[request_id] = job.bitmask[:1]
-        return failed
+        for request_id, handle in self._handles.items():
+            verdict = self.process.verdicts.get(handle)
+            if verdict is not None and request_id not in ended:
+                ended[request_id] = _ending(*verdict)
+        return [(request_id, *ending) for request_id, ending in ended.items()]
 
     def wait_late(self, timeout: float) -> None:
         """Wait up to ``timeout`` for a late mask (when nothing else could run)."""
         pending = [future for _, future in self._late.values()]
         if pending:
-            futures.wait(pending, timeout=timeout, return_when=futures.FIRST_COMPLETED)
+            self.process.wait(pending, timeout)
 
     def close(self) -> None:
-        self._thread.shutdown(wait=False, cancel_futures=True)
-        self.compiler.close()
+        self.process.close()
+
+
+def _ending(verdict: str, message: str | None) -> tuple[FinishReason, str | None]:
+    if verdict == COMPLETE:
+        return FinishReason.STOP, None
+    assert verdict == BROKEN, verdict
+    return FinishReason.ERROR, message or "a token the grammar forbids"

@@ -294,28 +294,21 @@ class Scheduler:
             if keep_top:  # the step's rows carry its largest ask: this request's k first
                 request.top_logprobs.append(dict(list(top[count - 1].items())[:k]))
             reason = stop_condition(request, token_id, self.max_model_len)
-            # The grammar sees every token, an end of sequence too: one it does not
-            # accept is an error, never a stop.
-            verdict = self._advance_grammar(request, token_id) if constrained else None
-            if verdict is FinishReason.ERROR or reason is None:
-                reason = verdict
+            # The grammar sees every token, an end of sequence too (one it does not
+            # accept ends the request with an error before the next step: ``settle``).
+            if constrained and self._completes_grammar(request, token_id) and reason is None:
+                reason = FinishReason.STOP
             if reason is not None:
                 self._end(request, reason)
                 token_ids = token_ids[:count]
                 break
         return token_ids, logprobs[: len(token_ids)] if keep_logprobs else None
 
-    def _advance_grammar(self, request: Request, token_id: int) -> FinishReason | None:
-        """Advance a constrained request's grammar by one appended token: token by
+    def _completes_grammar(self, request: Request, token_id: int) -> bool:
+        """Advance a constrained request's grammar by one appended token, token by
         token, so a request ends where its grammar completes however many tokens its
         step emitted."""
-        verdict, error = self.grammars.accept(request.request_id, [token_id])
-        if verdict is Verdict.COMPLETE:
-            return FinishReason.STOP
-        if verdict is Verdict.BROKEN:
-            request.error = f"{STRUCTURED_ERROR}{error}"
-            return FinishReason.ERROR
-        return None
+        return self.grammars.accept(request.request_id, [token_id]) is Verdict.COMPLETE
 
     def finish(self, request: Request, reason: FinishReason) -> RequestOutput | None:
         """End a request (aborted, or refused before it ran) and free its blocks; returns

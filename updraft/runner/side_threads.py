@@ -1,4 +1,5 @@
-"""Threads that work beside the steps (grammar compiles and masks) run at a lower
+"""Threads that work beside the steps (an API process's grammar compiles; the engine's
+grammars run in a process of their own, ``engine/grammar_worker.py``) run at a lower
 priority than the steps' own, and their CPU time counts as another process's in the
 thread budget (``runner/threads.py``), so the forward leaves them a core while they are
 busy. The lower priority matters where other processes keep the machine busy too: the

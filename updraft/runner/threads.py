@@ -6,10 +6,10 @@ or less, in scheduler time slices of milliseconds, and every op waits for it: on
 cores one busy neighbour made decode 3-4x slower with two threads, where one thread on
 the free core loses only the second core's share. So the engine watches the CPU time
 other processes take (``/proc/stat`` minus its own ``/proc/self/stat``) and leaves them
-the cores they use, taking every core back once they go quiet. The engine's own
-threads that work beside the steps (grammar compiles and masks) run at a lower
-priority and register in ``runner/side_threads.py``: their CPU time counts as another
-process's.
+the cores they use, taking every core back once they go quiet; the engine's grammar
+process is one of them. Threads of the engine's own process that work beside the
+steps run at a lower priority and register in ``runner/side_threads.py``: their CPU
+time counts as another process's.
 """
 
 from __future__ import annotations

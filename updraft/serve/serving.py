@@ -250,6 +250,20 @@ def _intake_refusal(
     return _refusal(error, param, None)
 
 
+def refuse_failed_grammar(
+    finals: list[RequestOutput], field: str, structured_field: str | None
+) -> None:
+    """A whole (unstreamed) response in which a choice's constraint failed partway (its
+    grammar broke on a token it had allowed, at one of llguidance's limits, or its mask
+    failed): the 400 naming the field that a failure at the first token gets, not a 200
+    whose choice ends in "error" without saying why. The engine learns of a broken
+    grammar from its grammar process a step after the token, so which of the two a
+    failure at the first token got would otherwise depend on timing."""
+    for final in finals:
+        if final.error is not None and final.error.startswith(STRUCTURED_ERROR):
+            raise _refusal(final.error, field, structured_field)
+
+
 def _refusal(error: str, field: str, structured_field: str | None) -> APIError:
     """The 400 for a request the engine or intake refused, naming the field at fault."""
     if structured_field is not None and error.startswith(STRUCTURED_ERROR):

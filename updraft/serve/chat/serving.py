@@ -50,7 +50,7 @@ from updraft.serve.parsers.reply import ReplyReader
 from updraft.serve.parsers.tool_parsers import ReplyStream, reply_stream
 from updraft.serve.parsers.tools import CallStream, default_parser
 from updraft.serve.protocol import PromptLogprobs, StreamOptions, new_id, now
-from updraft.serve.serving import ServingBase
+from updraft.serve.serving import ServingBase, refuse_failed_grammar
 from updraft.serve.streams import (
     ClosingStreamingResponse,
     Started,
@@ -190,6 +190,8 @@ class ChatServing:
     ) -> JSONResponse:
         """The whole response, once every choice has finished."""
         finals = await final_outputs(streams)
+        structured_field = "tools" if body.calls_required() else body.structured_outputs_field()
+        refuse_failed_grammar(finals, "messages", structured_field)
         choices = [self._choice(body, completion, start) for completion in finals[0].outputs]
         response = ChatCompletionResponse(
             id=request_id,

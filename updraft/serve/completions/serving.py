@@ -22,7 +22,7 @@ from updraft.serve.completions.protocol import (
     CompletionResponse,
 )
 from updraft.serve.protocol import PromptLogprobs, StreamOptions, new_id, now
-from updraft.serve.serving import ServingBase
+from updraft.serve.serving import ServingBase, refuse_failed_grammar
 from updraft.serve.streams import (
     ClosingStreamingResponse,
     Started,
@@ -79,6 +79,7 @@ class CompletionServing:
     ) -> JSONResponse:
         """The whole response, once every choice has finished."""
         finals = await final_outputs(streams)
+        refuse_failed_grammar(finals, "prompt", body.structured_outputs_field())
         choices = []
         for head, final in zip(heads, finals, strict=True):
             for completion in final.outputs:
