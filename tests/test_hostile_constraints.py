@@ -15,6 +15,8 @@ from updraft import LLM, SamplingParams
 from updraft.demo import DEMO_MODEL_DIR
 from updraft.engine import grammar_compiler
 from updraft.engine.grammar_compiler import GrammarCompiler, GrammarError
+from updraft.engine.grammar_process import GrammarProcess
+from updraft.engine.grammar_worker import QUICK_MASK_SECONDS
 from updraft.structured_outputs import StructuredOutputsParams
 
 from .serving import MODEL, running_server
@@ -107,11 +109,43 @@ def test_slow_grammars_never_hold_a_running_stream(demo):
     stalls any step now and then: on a loaded one, one of five attacks must show it
     (another test beside this one on two cores has held three in a row)."""
     engine = demo.engine
-    late_before = engine.stats().structured.late_masks
+    before = engine.stats().structured
     held = attacks(engine)
     assert all(gap < 2 * normal for gap, normal in held[-1]), held
-    assert engine.stats().structured.late_masks > late_before  # they did miss steps
+    after = engine.stats().structured
+    assert after.late_masks > before.late_masks  # they did miss steps
+    assert after.costly_masks > before.costly_masks  # and went below the steps' priority
     assert engine.stats().kv_blocks_used == 0
+
+
+def test_a_costly_mask_yields_to_quick_ones_sent_after_it():
+    """In the grammar process: a mask of the slow regex is reported costly while it is
+    computed, and a quick grammar's mask sent after it is answered before it (with one
+    thread for both, it would wait the costly mask out); the slow grammar's next mask
+    is queued below the steps' priority at once, and the quick grammar stays quick."""
+    process = GrammarProcess(DEMO_MODEL_DIR / "tokenizer.json", 4096, (0,))
+    try:
+        compiles = [process.compile(("regex", regex)) for regex in ("[0-9]{4}", SLOW_REGEX)]
+        while not all(future.done() for future in compiles):
+            process.wait([f for f in compiles if not f.done()], 60)
+        quick, slow = (future.result() for future in compiles)
+        costly = process.mask(slow, [])
+        cheap = process.mask(quick, [])
+        process.wait([cheap], 60)
+        assert cheap.done() and not costly.done()
+        assert costly in process.slow_masks and process.num_slow_masks == 1
+        process.wait([costly], 60)
+        assert costly.result().seconds > QUICK_MASK_SECONDS and costly.result().bitmask
+        costly_again = process.mask(slow, [])
+        process.wait([costly_again], 60, or_slow=True)
+        assert process.num_slow_masks == 2
+        cheap_again = process.mask(quick, [])
+        for future in (cheap_again, costly_again):
+            process.wait([future], 60)
+        assert cheap_again.result().bitmask and costly_again.result().bitmask
+        assert process.num_slow_masks == 2  # the quick grammar's was not slow
+    finally:
+        process.close()
 
 
 def attacks(engine) -> list[tuple[tuple[float, float], tuple[float, float]]]:

@@ -502,6 +502,7 @@ class Engine:
                 num_compiling=len(self._compiling),
                 masked_rows=self._grammars.num_masked_rows,
                 late_masks=self._grammars.num_late_masks,
+                costly_masks=self._grammars.process.num_slow_masks,
                 speculative=scheduler.constrained_speculative.copy(),
             ),
             state_slots_used=0 if slots is None else slots.num_slots - slots.num_free,

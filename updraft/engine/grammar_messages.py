@@ -9,7 +9,9 @@ Engine to grammar process, in order:
 * ``("remove", handle)``: the request has ended.
 
 Back: ``("compiled", handle, error or None)``, ``("verdict", handle, verdict, message)``
-for a matcher that an accept completed or broke, and ``("mask", job, MaskReply)``.
+for a matcher that an accept completed or broke, ``("slow", job)`` for a mask that goes on
+at a lower priority (its grammar's masks have cost ``QUICK_MASK_SECONDS`` of CPU: a step
+need not wait for it), and ``("mask", job, MaskReply)``.
 """
 
 from __future__ import annotations

@@ -51,6 +51,9 @@ class GrammarProcess:
         self._live: set[int] = set()  # handles of matchers the running process holds
         self._compiles: dict[int, Future[int]] = {}
         self._masks: dict[int, Future[MaskReply]] = {}
+        # Masks whose grammar the process has found costly: not worth a step's wait.
+        self.slow_masks: set[Future[MaskReply]] = set()
+        self.num_slow_masks = 0  # over the engine's life
         # Matchers an accept completed or broke: handle -> (verdict, message).
         self.verdicts: dict[int, tuple[str, str | None]] = {}
 
@@ -115,10 +118,17 @@ class GrammarProcess:
         if readable and self._socket is not None:
             self._read()
 
-    def wait(self, pending: Collection[Future], timeout: float | None) -> None:
-        """Until one of ``pending`` is done, or ``timeout`` has passed (None: no limit)."""
+    def wait(
+        self, pending: Collection[Future], timeout: float | None, or_slow: bool = False
+    ) -> None:
+        """Until one of ``pending`` is done (``or_slow``: or found slow), or ``timeout``
+        has passed (None: no limit)."""
         deadline = None if timeout is None else time.perf_counter() + timeout
-        while not any(future.done() for future in pending) and self._socket is not None:
+
+        def over(future: Future) -> bool:
+            return future.done() or (or_slow and future in self.slow_masks)
+
+        while not any(over(future) for future in pending) and self._socket is not None:
             left = None if deadline is None else deadline - time.perf_counter()
             if left is not None and left <= 0:
                 return
@@ -211,7 +221,13 @@ class GrammarProcess:
         elif kind == "mask":
             future = self._masks.pop(key, None)
             if future is not None:
+                self.slow_masks.discard(future)
                 future.set_result(rest[0])
+        elif kind == "slow":
+            future = self._masks.get(key)
+            if future is not None:
+                self.slow_masks.add(future)
+            self.num_slow_masks += 1
 
     def _died(self) -> None:
         """The process has exited (or is being closed): everything pending fails."""
@@ -222,6 +238,7 @@ class GrammarProcess:
         self.verdicts.clear()
         compiles, self._compiles = self._compiles, {}
         masks, self._masks = self._masks, {}
+        self.slow_masks.clear()
         for future in compiles.values():
             if not future.cancelled():
                 future.set_exception(ValueError(f"structured_outputs: {GONE}"))

@@ -50,6 +50,9 @@ class StructuredStats:
     masked_rows: int  # logits rows masked so far (one per sampled token or verified draft)
     speculative: SpeculativeMetrics  # the verify rounds of constrained requests
     late_masks: int = 0  # masks that missed their step: their request waited a step out
+    # Masks that cost the grammar process QUICK_MASK_SECONDS of CPU and went on below the
+    # steps' priority (no step waits for them).
+    costly_masks: int = 0
 
 
 @dataclass(frozen=True)

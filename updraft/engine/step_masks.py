@@ -6,7 +6,8 @@ longer for one state (a lexer that builds many regex derivatives: a first mask o
 to a second, or 15 ms at every token of a grammar at its per-step fuel limit). The step
 never waits for such a mask: after the forward the runner waits only while masks keep
 finishing, each within ``mask_wait`` (``runner/token_mask.py``) of the last and all
-within the forward's time, takes the masks that are done, and leaves the late
+within the forward's time (and never for one the grammar process has said is costly:
+``QUICK_MASK_SECONDS``), takes the masks that are done, and leaves the late
 requests' rows unmasked. Their tokens are dropped (``Grammars.is_late``), their last
 token is counted as not computed, and they wait out of the batch until their mask is
 done; they rejoin with it (``MaskJob.cached``), so a slow grammar still advances a token
@@ -108,14 +109,19 @@ class StepMasks:
             for job, future in zip(self._jobs, self._start(), strict=True)
             if not (skip_slow and job.slow)
         ]
-        pending = [future for future in waited if not future.done()]
+        slow = self._process.slow_masks if self._defer else ()
+
+        def waiting(future: Future) -> bool:
+            return not future.done() and future not in slow
+
+        pending = [future for future in waited if waiting(future)]
         deadline = time.perf_counter() + limit
         while pending:
             left = deadline - time.perf_counter()
             if self._defer and left <= 0:
                 break
-            self._process.wait(pending, min(quiet, left) if self._defer else None)
-            still = [future for future in pending if not future.done()]
+            self._process.wait(pending, min(quiet, left) if self._defer else None, self._defer)
+            still = [future for future in pending if waiting(future)]
             if len(still) == len(pending):
                 break  # none finished within ``quiet``, or the process is gone
             pending = still
