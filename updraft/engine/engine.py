@@ -48,6 +48,7 @@ from updraft.engine.workers import (
     torchrun_group,
     torchrun_rendezvous,
 )
+from updraft.kernels.build import kernels_for, prebuild
 from updraft.model_config import ModelConfig
 from updraft.models.gguf_loader import check_gguf_split
 from updraft.models.tensor_parallel import check_parallel
@@ -73,6 +74,7 @@ class Engine:
         """``worker_pool``: where the other ranks of a split model run, instead of
         worker processes of this engine's own (engine/workers.py)."""
         check_method(config.speculative_method)  # before anything slow is loaded
+        prebuild(kernels_for(config.model))
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         self.tokenizer = Tokenizer.from_dir(config.model)

@@ -12,6 +12,7 @@ the OpenMP runtime torch already loaded (same soname): one thread pool for both.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -20,6 +21,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -52,38 +54,107 @@ def cpu_signature() -> str:
     return "".join(sorted({line for line in info.splitlines() if line.startswith(wanted)}))
 
 
+# One lock per library file: a caller waits for the build a ``prebuild`` thread began.
+_BUILDING: dict[Path, threading.Lock] = {}
+_BUILDING_LOCK = threading.Lock()
+
+
 @cache
 def load(name: str, march: str = "native") -> ctypes.CDLL:
     """The compiled ``<name>.c``, built on first use. ``march``: the instructions to
     build for (another than the machine's own lets a test run a kernel's narrower
     paths: ``haswell`` for AVX2, ``x86-64`` for none)."""
-    source = Path(__file__).with_name(f"{name}.c")
-    compiler = _compiler()
-    compile_flags = [f"-march={march}" if f == "-march=native" else f for f in COMPILE]
-    flags = " ".join([compiler, *compile_flags, *LINK, *LIBRARIES, cpu_signature()])
-    # the headers beside the sources are part of every kernel that includes them
-    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    key = hashlib.sha256(source.read_bytes() + headers + flags.encode())
-    folder = Path(tempfile.gettempdir()) / f"updraft-kernels-{os.getuid()}"
-    library = folder / f"{name}-{key.hexdigest()[:16]}.so"
-    if not library.is_file():
-        folder.mkdir(mode=0o700, exist_ok=True)
-        # Per process and thread: two threads' first calls may build at once.
-        partial = library.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp")
-        objects = partial.with_suffix(".o")
-        for command in (
-            [compiler, *compile_flags, str(source), "-o", str(objects)],
-            [compiler, *LINK, str(objects), "-o", str(partial), *LIBRARIES],
-        ):
-            done = subprocess.run(command, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"building the {name} kernel failed:\n{done.stderr[-2000:]}")
-        objects.unlink()
-        partial.replace(library)  # atomic: concurrent builders leave one whole file
+    library = _built(name, march)
     try:
         return ctypes.CDLL(str(library))
     except OSError as error:
         raise RuntimeError(f"loading the {name} kernel failed: {error}") from error
+
+
+def prebuild(names: tuple[str, ...], march: str = "native") -> None:
+    """Start building the kernels ``names`` that are not built yet, each in a thread of
+    its own, and return at once: on a first start the compiler then runs beside the
+    model's loading, and on as many cores as there are kernels (about a second each,
+    one after the other before). A load meanwhile waits for the build. A build that
+    fails here fails again, with its message, where the kernel is loaded."""
+    for name in names:
+        try:
+            target = _Target.of(name, march)
+        except RuntimeError:  # no compiler: said where the kernel is loaded
+            continue
+        lock = target.lock()
+        if not target.library.is_file() and lock.acquire(blocking=False):
+            threading.Thread(target=_build_then_release, args=(target, lock), daemon=True).start()
+
+
+def kernels_for(model: str | Path) -> tuple[str, ...]:
+    """The kernels a model at ``model`` loads in any case: the float linears' and the
+    paged attention's, and a GGUF file's block kernels."""
+    gguf = ("gguf_int8", "gguf_blocks") if str(model).endswith(".gguf") else ()
+    return ("linear", "paged_attention", *gguf)
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where and how one kernel builds for one ``-march``."""
+
+    name: str
+    source: Path
+    compiler: str
+    compile_flags: tuple[str, ...]
+    library: Path
+
+    @classmethod
+    def of(cls, name: str, march: str) -> _Target:
+        source = Path(__file__).with_name(f"{name}.c")
+        compiler = _compiler()
+        compile_flags = tuple(f"-march={march}" if f == "-march=native" else f for f in COMPILE)
+        flags = " ".join([compiler, *compile_flags, *LINK, *LIBRARIES, cpu_signature()])
+        # the headers beside the sources are part of every kernel that includes them
+        headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+        key = hashlib.sha256(source.read_bytes() + headers + flags.encode())
+        folder = Path(tempfile.gettempdir()) / f"updraft-kernels-{os.getuid()}"
+        library = folder / f"{name}-{key.hexdigest()[:16]}.so"
+        return cls(name, source, compiler, compile_flags, library)
+
+    def lock(self) -> threading.Lock:
+        """Held while this process builds the library."""
+        with _BUILDING_LOCK:
+            return _BUILDING.setdefault(self.library, threading.Lock())
+
+    def build(self) -> None:
+        self.library.parent.mkdir(mode=0o700, exist_ok=True)
+        # Per process and thread: two processes' first calls may build at once.
+        partial = self.library.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp")
+        objects = partial.with_suffix(".o")
+        for command in (
+            [self.compiler, *self.compile_flags, str(self.source), "-o", str(objects)],
+            [self.compiler, *LINK, str(objects), "-o", str(partial), *LIBRARIES],
+        ):
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(
+                    f"building the {self.name} kernel failed:\n{done.stderr[-2000:]}"
+                )
+        objects.unlink()
+        partial.replace(self.library)  # atomic: concurrent builders leave one whole file
+
+
+def _build_then_release(target: _Target, lock: threading.Lock) -> None:
+    try:
+        with contextlib.suppress(RuntimeError):  # said again where the kernel is loaded
+            target.build()
+    finally:
+        lock.release()
+
+
+def _built(name: str, march: str) -> Path:
+    """The library file of ``<name>.c`` for ``march``, built unless it is there."""
+    target = _Target.of(name, march)
+    with target.lock():
+        if not target.library.is_file():
+            target.build()
+    return target.library
 
 
 @cache
