@@ -47,8 +47,8 @@ ALL_ONES = 0xFF
 
 
 # A mask that has cost its thread this much CPU moves its grammar to the slow lane:
-# beyond llguidance's p99 of 0.5 ms on a 128k vocabulary, a few times the demo
-# model's steps' share of a core.
+# twice llguidance's p99 on a 128k vocabulary (0.5 ms), and no more than a 1-2 ms step
+# can lose to it and still keep its gaps under twice their length.
 QUICK_MASK_SECONDS = 0.001
 
 
@@ -109,7 +109,7 @@ class GrammarWorker:
             if kind == "compile":
                 self._compile(*args)
             elif kind == "accept":
-                quick = self._route("accept", args[0])
+                quick = self._route_accept(args[0])
                 if quick:
                     self._accept(quick)
             elif kind == "mask":
@@ -121,14 +121,14 @@ class GrammarWorker:
                 self._matchers.pop(args[0], None)
         self._closed.set()
 
-    def _route(self, kind: str, appended: list[tuple[int, list[int]]]) -> list:
+    def _route_accept(self, appended: list[tuple[int, list[int]]]) -> list:
         """The part of an accept for quick grammars; the rest goes to the slow lane."""
         lanes, quick = self._lanes, []
         with lanes.lock:
             for handle, tokens in appended:
                 if handle in lanes.slow:
                     lanes.queued[handle] = lanes.queued.get(handle, 0) + 1
-                    self._slow_queue.put((kind, [(handle, tokens)]))
+                    self._slow_queue.put(("accept", [(handle, tokens)]))
                 else:
                     quick.append((handle, tokens))
         return quick
