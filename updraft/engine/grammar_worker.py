@@ -86,7 +86,8 @@ class GrammarWorker:
         self._matchers: dict[int, llguidance.LLMatcher] = {}
         self._send_lock = threading.Lock()
         self._lanes = Lanes()
-        self._slow_queue: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        # (handle, message) for the slow lane, in the order the engine sent them.
+        self._slow_queue: queue.SimpleQueue[tuple[int, tuple]] = queue.SimpleQueue()
         self._watched = threading.Condition()
         self._running: RunningMask | None = None
         self._closed = threading.Event()
@@ -123,25 +124,28 @@ class GrammarWorker:
 
     def _route_accept(self, appended: list[tuple[int, list[int]]]) -> list:
         """The part of an accept for quick grammars; the rest goes to the slow lane."""
-        lanes, quick = self._lanes, []
-        with lanes.lock:
+        quick = []
+        with self._lanes.lock:
             for handle, tokens in appended:
-                if handle in lanes.slow:
-                    lanes.queued[handle] = lanes.queued.get(handle, 0) + 1
-                    self._slow_queue.put(("accept", [(handle, tokens)]))
+                if handle in self._lanes.slow:
+                    self._queue_slow(handle, ("accept", [(handle, tokens)]))
                 else:
                     quick.append((handle, tokens))
         return quick
 
     def _route_one(self, handle: int, message: tuple) -> bool:
         """Whether the message is the reader's to run (else it went to the slow lane)."""
-        lanes = self._lanes
-        with lanes.lock:
-            if handle not in lanes.slow:
+        with self._lanes.lock:
+            if handle not in self._lanes.slow:
                 return True
-            lanes.queued[handle] = lanes.queued.get(handle, 0) + 1
-            self._slow_queue.put(message)
+            self._queue_slow(handle, message)
         return False
+
+    def _queue_slow(self, handle: int, message: tuple) -> None:
+        """Queue a message for the slow lane and count it (the caller holds the lanes'
+        lock)."""
+        self._lanes.queued[handle] = self._lanes.queued.get(handle, 0) + 1
+        self._slow_queue.put((handle, message))
 
     def _mask_watched(
         self, executor: llguidance.LLExecutor, clock: int, job: int, handle: int, drafts: list
@@ -153,12 +157,10 @@ class GrammarWorker:
         with self._watched:
             self._running = running
             self._watched.notify()
-        reply = self._compute(executor, handle, drafts)
+        self._answer_mask(executor, job, handle, drafts)
         with self._watched:
             if self._running is running:  # (once lowered, a new reader's may be there)
                 self._running = None
-        reply.seconds = time.clock_gettime(clock) - running.start
-        self._reply(("mask", job, reply))
         if running.lowered:
             self._lanes.finishing.pop(handle).set()
         return running.lowered
@@ -193,8 +195,7 @@ class GrammarWorker:
         executor = llguidance.LLExecutor(1)
         lanes = self._lanes
         while True:
-            kind, *args = self._slow_queue.get()
-            handle = args[0][0][0] if kind == "accept" else args[-2] if kind == "mask" else args[0]
+            handle, (kind, *args) = self._slow_queue.get()
             finishing = lanes.finishing.get(handle)
             if finishing is not None:
                 finishing.wait()
@@ -203,11 +204,7 @@ class GrammarWorker:
                 self._accept(args[0])
             elif kind == "mask":
                 job, _, drafts = args
-                start = time.thread_time()
-                reply = self._compute(executor, handle, drafts)
-                reply.seconds = time.thread_time() - start
-                quick = reply.seconds < QUICK_MASK_SECONDS
-                self._reply(("mask", job, reply))
+                quick = self._answer_mask(executor, job, handle, drafts) < QUICK_MASK_SECONDS
             elif kind == "remove":
                 self._matchers.pop(handle, None)
             with lanes.lock:
@@ -249,6 +246,17 @@ class GrammarWorker:
                 self._reply(("verdict", handle, BROKEN, message))
             elif matcher.is_stopped():
                 self._reply(("verdict", handle, COMPLETE, None))
+
+    def _answer_mask(
+        self, executor: llguidance.LLExecutor, job: int, handle: int, drafts: list[int]
+    ) -> float:
+        """Compute a mask job and send its reply; returns its CPU seconds in this thread
+        (what ``MASK_SECONDS_LIMIT`` counts, and the watchdog reads from outside)."""
+        start = time.thread_time()
+        reply = self._compute(executor, handle, drafts)
+        reply.seconds = time.thread_time() - start
+        self._reply(("mask", job, reply))
+        return reply.seconds
 
     def _compute(
         self, executor: llguidance.LLExecutor, handle: int, drafts: list[int]
