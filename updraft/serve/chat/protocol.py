@@ -182,6 +182,11 @@ class ChatCompletionRequest(SamplingRequest):
         choice = self.effective_tool_choice()
         return choice == "required" or isinstance(choice, NamedToolChoice)
 
+    def constraint_field(self) -> str | None:
+        """The field a grammar on this request comes from, for a 400 to name: the tools
+        when a call is required, else the structured-outputs field (if any)."""
+        return "tools" if self.calls_required() else self.structured_outputs_field()
+
     def template_variables(self) -> dict[str, Any] | None:
         """chat_template_kwargs, with reasoning_effort where the request sets it."""
         if self.reasoning_effort is None:

@@ -81,7 +81,7 @@ class ChatServing:
         params = body.sampling_params(
             base.max_tokens_limit, base.max_tokens_limit, body.logprobs_asked()
         )
-        structured_field = "tools" if body.calls_required() else body.structured_outputs_field()
+        structured_field = body.constraint_field()
         if self.harmony:
             params = self._harmony(params, body)
         await base.compile(params, structured_field)
@@ -126,7 +126,7 @@ class ChatServing:
                     spec, lambda text: backend.encode(text, add_special_tokens=False).ids
                 )
         except ValueError as error:  # a grammar past the size a spec may have
-            field = "tools" if body.calls_required() else body.structured_outputs_field()
+            field = body.constraint_field()
             message = str(error).removeprefix("structured_outputs")
             raise APIError(400, f"{field}{message}", param=field) from error
         return replace(params, skip_special_tokens=False, structured_outputs=spec)
@@ -190,7 +190,7 @@ class ChatServing:
     ) -> JSONResponse:
         """The whole response, once every choice has finished."""
         finals = await final_outputs(streams)
-        structured_field = "tools" if body.calls_required() else body.structured_outputs_field()
+        structured_field = body.constraint_field()
         refuse_failed_grammar(finals, "messages", structured_field)
         choices = [self._choice(body, completion, start) for completion in finals[0].outputs]
         response = ChatCompletionResponse(
