@@ -106,16 +106,9 @@ class _Target:
 
     @classmethod
     def of(cls, name: str, march: str) -> _Target:
-        source = Path(__file__).with_name(f"{name}.c")
-        compiler = _compiler()
-        compile_flags = tuple(f"-march={march}" if f == "-march=native" else f for f in COMPILE)
-        flags = " ".join([compiler, *compile_flags, *LINK, *LIBRARIES, cpu_signature()])
-        # the headers beside the sources are part of every kernel that includes them
-        headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-        key = hashlib.sha256(source.read_bytes() + headers + flags.encode())
-        folder = Path(tempfile.gettempdir()) / f"updraft-kernels-{os.getuid()}"
-        library = folder / f"{name}-{key.hexdigest()[:16]}.so"
-        return cls(name, source, compiler, compile_flags, library)
+        """Read once per process (a prebuild and the load after it ask alike, and every
+        engine prebuilds), for each temporary folder it may build in."""
+        return _target(name, march, tempfile.gettempdir())
 
     def lock(self) -> threading.Lock:
         """Held while this process builds the library."""
@@ -138,6 +131,20 @@ class _Target:
                 )
         objects.unlink()
         partial.replace(self.library)  # atomic: concurrent builders leave one whole file
+
+
+@cache
+def _target(name: str, march: str, temporary: str) -> _Target:
+    source = Path(__file__).with_name(f"{name}.c")
+    compiler = _compiler()
+    compile_flags = tuple(f"-march={march}" if f == "-march=native" else f for f in COMPILE)
+    flags = " ".join([compiler, *compile_flags, *LINK, *LIBRARIES, cpu_signature()])
+    # the headers beside the sources are part of every kernel that includes them
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    key = hashlib.sha256(source.read_bytes() + headers + flags.encode())
+    folder = Path(temporary) / f"updraft-kernels-{os.getuid()}"
+    library = folder / f"{name}-{key.hexdigest()[:16]}.so"
+    return _Target(name, source, compiler, compile_flags, library)
 
 
 def _build_then_release(target: _Target, lock: threading.Lock) -> None:
