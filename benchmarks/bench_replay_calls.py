@@ -27,11 +27,11 @@ WAYS = ("wrapper", "bound")
 
 def build(path: str, way: str):
     from updraft import LLM
-    from updraft.graph import compiled_runs
+    from updraft.graph import frozen_calls, run_store
 
-    bind = compiled_runs.frozen_call
-    if way == "wrapper":
-        compiled_runs.frozen_call = lambda *args: None
+    record, load = frozen_calls.record, run_store.load
+    if way == "wrapper":  # no run recorded as its kernel calls, nor loaded as kept ones
+        frozen_calls.record = run_store.load = lambda *args: None
     try:
         return LLM(
             path,
@@ -41,7 +41,7 @@ def build(path: str, way: str):
             max_num_batched_tokens=workload.MAX_NUM_BATCHED_TOKENS,
         )
     finally:
-        compiled_runs.frozen_call = bind
+        frozen_calls.record, run_store.load = record, load
 
 
 def decode(llm, tokens: int, counted: bool = False) -> tuple[list[float], list[int], Counter]:

@@ -94,6 +94,7 @@ def test_a_run_inductor_cannot_compile_replays_op_by_op(monkeypatch, caplog):
 
     monkeypatch.setattr(compile_fx, "compile_fx", refuse)
     monkeypatch.setattr(compiled_runs, "_compiled", {})
+    monkeypatch.setattr(compiled_runs, "_kept", lambda key, inputs: None)
     torch.manual_seed(1)
     model = Layer(width=7)
     graph, out = capture(model)
@@ -117,6 +118,7 @@ def test_layers_of_the_same_shape_share_one_compiled_run(monkeypatch):
 @torch.inference_mode()
 def test_runs_call_inductor_directly_once_checked(monkeypatch):
     monkeypatch.setattr(compiled_runs, "_compiled", {})
+    monkeypatch.setattr(compiled_runs, "_kept", lambda key, inputs: None)  # compiled here
     torch.manual_seed(2)
     model = Layer(width=4)
     # At capture the inputs may hold anything, NaNs too: a run's results are then NaNs,

@@ -44,7 +44,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._pytree import tree_map
 
-from updraft.graph.frozen_calls import frozen_call
+from updraft.graph import frozen_calls, run_store
+from updraft.graph.compile_cache import open_cache
 from updraft.graph.recorded_nodes import (
     OpNode,
     TaskNode,
@@ -99,6 +100,7 @@ class PendingRun(NamedTuple):
     key: tuple[Any, ...]  # of its graph in ``_compiled``
     inputs: list[torch.Tensor]
     targets: list[torch.Tensor]
+    nodes: list[OpNode]  # replayed one by one where a kept run fails its check
 
 
 def compiled_segments(
@@ -141,20 +143,55 @@ def _finish(run: PendingRun) -> Callable[[], Any]:
     if entry.direct is UNCHECKED:
         direct = _direct_call(entry.wrapped, run.inputs, run.targets)
         entry = _compiled[run.key] = entry._replace(direct=direct)
+    if entry.calls is not None:
+        bound = _bound_calls(entry, run)
+        if bound is not None:
+            return bound
+        entry = _compiled[run.key]
+    if entry.wrapped is None:  # kept, and failed its check: nothing compiled to fall back on
+        plain = [bind(node) for node in run.nodes if node.rerun]
+        return partial(_call_each, plain)
     if entry.direct is None:
         return partial(entry.wrapped, *run.inputs)
-    frozen = frozen_call(entry.direct, run.inputs)
-    if frozen is not None and rewrites(frozen, run.targets):
-        return frozen
-    if frozen is not None:
-        logger.warning("a compiled run's bound kernels missed a target; it keeps the wrapper")
-        entry.direct(list(run.inputs))
     direct, inputs = entry.direct, run.inputs
 
     def run_direct() -> None:
         direct(inputs.copy())  # inductor's call empties the list it is given
 
     return run_direct
+
+
+def _bound_calls(entry: Compiled, run: PendingRun) -> Callable[[], None] | None:
+    """The run's kernel calls bound to its tensors, checked to write back what inductor's
+    own call writes (or, for a run kept from an earlier start, what they wrote
+    themselves), else None and the kept file removed."""
+    bound = frozen_calls.bind(entry.calls, run.inputs)
+    reference = entry.direct if callable(entry.direct) else None
+    try:
+        if reference is not None:
+            reference(list(run.inputs))
+        elif entry.wrapped is not None:
+            entry.wrapped(*run.inputs)
+        else:
+            bound()
+        if rewrites(bound, run.targets):
+            return bound
+        why = "missed a target"
+    except RuntimeError as error:  # a kept call of the wrong arity, say
+        why = str(error)
+    logger.warning("a compiled run's bound kernels failed their check (%s); not kept", why)
+    folder = open_cache()
+    if folder is not None:
+        run_store.forget(folder, run_store.run_name(*run.key))
+    _compiled[run.key] = entry._replace(calls=None)
+    if entry.wrapped is not None:
+        entry.wrapped(*run.inputs)  # the targets as inductor's call writes them
+    return None
+
+
+def _call_each(calls: list[Callable[[], Any]]) -> None:
+    for call in calls:
+        call()
 
 
 def _last_reads(nodes: Sequence[OpNode | TaskNode], output_storages: set[int]) -> dict[int, float]:
@@ -234,15 +271,18 @@ def _compiled_run(run: list[OpNode], last_read: dict[int, float], end: int) -> A
     if _compiled[key] is None:
         plain = [bind(node) for node in run if node.rerun]
         return lambda: [call() for call in plain]
-    return PendingRun(key, inputs, targets)
+    return PendingRun(key, inputs, targets, run)
 
 
 class Compiled(NamedTuple):
     """A compiled run as AOTAutograd wraps it (called with the inputs as arguments), and
-    inductor's own call inside (called with a list of them) where that does the same."""
+    inductor's own call inside (called with a list of them) where that does the same;
+    and the kernel calls that call makes, where it makes nothing else. A run kept from an
+    earlier start (``graph/run_store.py``) has only those."""
 
-    wrapped: Callable[..., Any]
+    wrapped: Callable[..., Any] | None
     direct: Callable[[list[torch.Tensor]], Any] | object | None  # or UNCHECKED
+    calls: frozen_calls.RunCalls | None
 
 
 def _direct_call(
@@ -301,11 +341,20 @@ def _compile(module: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> tuple[
     )
     with _compile_lock:
         if key not in _compiled:
-            _compiled[key] = _compile_fx(module, inputs)
+            _compiled[key] = _kept(key, len(inputs)) or _compile_fx(module, inputs, key)
     return key
 
 
-def _compile_fx(module: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Compiled | None:
+def _kept(key: tuple[Any, ...], inputs: int) -> Compiled | None:
+    """The run as an earlier start kept it, loaded without inductor, or None."""
+    folder = open_cache()
+    calls = None if folder is None else run_store.load(folder, run_store.run_name(*key), inputs)
+    return None if calls is None else Compiled(None, None, calls)
+
+
+def _compile_fx(
+    module: torch.fx.GraphModule, inputs: list[torch.Tensor], key: tuple[Any, ...]
+) -> Compiled | None:
     import torch._inductor.config
     from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx
@@ -318,10 +367,20 @@ def _compile_fx(module: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Com
     # A run is always called with the very tensors it was compiled for: checking
     # their sizes, strides and alignment at every call could never fail, and costs
     # a few microseconds per input.
-    checks_off = torch._inductor.config.patch(size_asserts=False, alignment_asserts=False)
+    settings: dict[str, Any] = dict(size_asserts=False, alignment_asserts=False)
+    if threading.current_thread() is not threading.main_thread():
+        # Inductor's C++ compiled in this thread, not in its pool: a process that ends (a
+        # one-shot generate) would otherwise wait at exit for every queued compile.
+        settings["compile_threads"] = 1
     try:
-        with tracing(context), checks_off:
-            return Compiled(compile_fx(module, inputs), UNCHECKED)
+        with tracing(context), torch._inductor.config.patch(**settings):
+            wrapped = compile_fx(module, inputs)
     except Exception as error:  # no compiler, an op inductor lacks: replay op by op
         logger.warning("graph run left uncompiled (%s: %s)", type(error).__name__, error)
         return None
+    direct = getattr(wrapped, "current_callable", None)
+    calls = None if direct is None else frozen_calls.record(direct, inputs)
+    folder = open_cache()
+    if calls is not None and folder is not None:
+        run_store.save(folder, run_store.run_name(*key), calls)
+    return Compiled(wrapped, UNCHECKED, calls)

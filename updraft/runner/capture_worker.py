@@ -131,12 +131,8 @@ class CaptureWorker:
         return captured
 
     def compile_all(self, captured: dict[Any, Any]) -> None:
-        from torch._inductor import config as inductor_config
-
         folder = open_cache()
-        # Inductor's C++ compiled in this thread, not in its pool: a process that ends
-        # (a one-shot generate) would otherwise wait at exit for every queued compile.
-        with inductor_config.patch(compile_threads=1), compiling(folder):
+        with compiling(folder):
             self._compile_each(captured, folder)
 
     def _compile_each(self, captured: dict[Any, Any], folder: Any) -> None:
