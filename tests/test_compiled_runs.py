@@ -10,6 +10,7 @@ from tests.test_recorded_graph import scaled
 from updraft.graph import compiled_runs
 from updraft.graph.recorded import RecordedGraph
 from updraft.graph.tasks import register_task
+from updraft.kernels.launch import define_op
 
 
 class Layer(torch.nn.Module):
@@ -179,3 +180,44 @@ def test_a_replay_allocates_no_buffers_and_calls_no_wrapper(monkeypatch):
     # The runs' kernels were bound at capture to buffers kept from then.
     assert not seen, seen
     torch.testing.assert_close(out, model.reference(2.5)[0])
+
+
+define_op("test_doubled(Tensor x) -> Tensor", lambda x: x * 2, lambda x: torch.empty_like(x))
+
+
+class AroundAnUpdraftOp(torch.nn.Module):
+    """Elementwise runs on each side of one of updraft's own ops."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(width))
+        self.inputs = torch.zeros(2, width)
+
+    def forward(self) -> torch.Tensor:
+        doubled = torch.ops.updraft.test_doubled(torch.tanh(self.inputs * self.weight) + 1)
+        return torch.relu(doubled - self.weight).sum(-1) * 3
+
+    def reference(self) -> torch.Tensor:
+        doubled = (torch.tanh(self.inputs * self.weight) + 1) * 2
+        return torch.relu(doubled - self.weight).sum(-1) * 3
+
+
+@torch.inference_mode()
+def test_updrafts_own_ops_stay_out_of_runs_so_every_run_is_its_kernel_calls(monkeypatch):
+    """Inductor would call the op from its wrapper, and a wrapper that does more than
+    call its kernels can be neither bound nor kept for a later start."""
+    monkeypatch.setattr(compiled_runs, "_compiled", {})
+    monkeypatch.setattr(compiled_runs, "_kept", lambda key, inputs: None)  # compiled here
+    torch.manual_seed(4)
+    model = AroundAnUpdraftOp(width=6)
+    graph = RecordedGraph(
+        constants=model.parameters(), persistent=[model.inputs], compile_runs=True
+    )
+    out = graph.capture(model)
+    assert len(compiled_runs._compiled) == 2
+    assert all(entry.calls is not None for entry in compiled_runs._compiled.values())
+    with DispatchedOps() as seen:
+        model.inputs.copy_(torch.randn(2, 6))
+        graph.replay({})
+    assert "test_doubled.default" in seen.ops and "tanh.default" not in seen.ops
+    torch.testing.assert_close(out, model.reference())

@@ -148,3 +148,23 @@ def test_files_another_process_is_compiling_are_not_removed_under_it(cache_home)
         assert compile_cache.open_cache() == folder and unsealed.exists()
     compile_cache.open_cache.cache_clear()
     assert compile_cache.open_cache() == folder and not unsealed.exists()
+
+
+def test_threads_of_one_process_seal_at_once(cache_home):
+    """A target's graph worker and its draft's seal the same folder."""
+    folder, _ = sealed_folder()
+    failed = []
+
+    def seal_often() -> None:
+        try:
+            for _ in range(20):
+                compile_cache.seal(folder)
+        except OSError as error:
+            failed.append(error)
+
+    threads = [threading.Thread(target=seal_often) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failed and not compile_cache.untrusted(folder, compile_cache.cache_key())

@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
@@ -44,6 +45,8 @@ MANIFEST = "updraft-manifest.json"
 # The folder's version: bumped when what it holds changes meaning. (A change to the
 # code of updraft's runs needs none: inductor keys each graph by its code.)
 FORMAT = 1
+
+_seal_lock = threading.Lock()
 
 
 def cache_key() -> dict[str, str | int]:
@@ -147,7 +150,14 @@ def untrusted(folder: Path, key: dict[str, str | int]) -> list[tuple[str, str]]:
 def seal(folder: Path) -> None:
     """Writes the manifest of every file now in ``folder``, for ``open_cache`` to check.
     A file the last seal listed with the same size and modification time keeps its
-    hash (each start hashes every file again), so sealing costs the new files only."""
+    hash (each start hashes every file again), so sealing costs the new files only.
+    One at a time in a process: each runner's graph worker seals (a target's and its
+    draft's at once)."""
+    with _seal_lock:
+        _seal(folder)
+
+
+def _seal(folder: Path) -> None:
     key = cache_key()
     try:
         manifest = json.loads((folder / MANIFEST).read_text())

@@ -12,8 +12,10 @@ A run is a maximal stretch of recorded ops between two things a run cannot hold:
 * an op that writes its inputs in place (the KV cache write): inductor would make it a
   functional copy of the whole cache;
 * an op on an opaque oneDNN weight (it has no storage a compiled graph can describe);
-* one of updraft's kernels, which replays as a bound C call (``kernels/bound_calls.py``):
-  inductor would call it through the dispatcher.
+* one of updraft's kernels, which replays as a bound C call (``kernels/bound_calls.py``)
+  or as recorded: inductor would call it through the dispatcher, from a wrapper that
+  then does more than call C++ kernels, so the run could be neither bound
+  (``frozen_calls.py``) nor kept for a later start (``run_store.py``).
 
 The graph's inputs are the very tensors the recorded ops read (weights, the KV cache,
 static input buffers, earlier results), so a replay reads whatever was refreshed into
@@ -61,6 +63,8 @@ logger = logging.getLogger(__name__)
 # Fewer ops than this run as they were recorded: a compiled call costs about as much as
 # one op, so fusing a single op gains nothing.
 MIN_OPS_PER_RUN = 2
+# The namespace of updraft's own ops (``torch.ops.updraft``): kept out of runs.
+UPDRAFT_OPS = "updraft"
 
 _compiled: dict[tuple[Any, ...], Compiled | None] = {}
 # Inductor is not made to compile in two threads at once (each runner's worker compiles).
@@ -70,9 +74,10 @@ UNCHECKED = object()
 
 
 def compilable(node: OpNode) -> bool:
-    return not (node.func._schema.is_mutable or has_bound_call(node.func)) and not any(
-        tensor.is_mkldnn for tensor in tensors_in((node.args, node.kwargs))
-    )
+    func = node.func
+    if func._schema.is_mutable or has_bound_call(func) or func.namespace == UPDRAFT_OPS:
+        return False
+    return not any(tensor.is_mkldnn for tensor in tensors_in((node.args, node.kwargs)))
 
 
 def replay_calls(nodes: Sequence[OpNode | TaskNode]) -> list[list[int]]:

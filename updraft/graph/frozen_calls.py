@@ -42,10 +42,12 @@ MAX_KEPT_BYTES = 64 * 1024
 KERNEL_PREFIX = "cpp_fused_"
 ALLOCATIONS = ("empty_strided_cpu", "reinterpret_tensor")
 # What else a wrapper of allocations and kernel calls names: its argument list, the
-# dtypes and sizes of its buffers.
+# dtypes and sizes of its buffers, its inputs' sizes and strides (a graph inductor made
+# for symbolic shapes reads them and passes them on as numbers: a run's inputs always
+# have the same ones).
 PLAIN_NAMES = frozenset(
-    {"clear", "torch", "size", "float32", "float64", "bfloat16", "float16", "int64", "int32"}
-    | {"int16", "int8", "uint8", "bool", *ALLOCATIONS}
+    {"clear", "torch", "size", "stride", "float32", "float64", "bfloat16", "float16"}
+    | {"int64", "int32", "int16", "int8", "uint8", "bool", *ALLOCATIONS}
 )
 BUFFER_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64)
 BUFFER_DTYPES += (torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
