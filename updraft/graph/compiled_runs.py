@@ -48,6 +48,7 @@ from torch.utils._pytree import tree_map
 
 from updraft.graph import frozen_calls, run_store
 from updraft.graph.compile_cache import open_cache
+from updraft.graph.intermediates import TRIM_EVERY_BYTES
 from updraft.graph.recorded_nodes import (
     OpNode,
     TaskNode,
@@ -57,6 +58,7 @@ from updraft.graph.recorded_nodes import (
     tensors_in,
 )
 from updraft.kernels.bound_calls import has_bound_call
+from updraft.resident import give_back_free_memory
 
 logger = logging.getLogger(__name__)
 
@@ -136,11 +138,30 @@ def compiled_segments(
 
 
 def finished(segments: list[list[Any]]) -> list[list[Callable[[], Any]]]:
-    """``segments`` with each pending run made callable."""
-    return [
-        [_finish(call) if isinstance(call, PendingRun) else call for call in segment]
-        for segment in segments
-    ]
+    """``segments`` with each pending run made callable. Checking a run makes and drops
+    its buffers and copies of its targets; glibc's heap seldom fits the next run's of
+    another size into what they left, so its free pages go back to the system every
+    ``TRIM_EVERY_BYTES`` (a 500M model's largest mixed bucket: +140 MiB without)."""
+    made = 0
+    calls = []
+    for segment in segments:
+        calls.append([])
+        for call in segment:
+            if isinstance(call, PendingRun):
+                made += _checked_bytes(call)
+                call = _finish(call)
+                if made >= TRIM_EVERY_BYTES:
+                    give_back_free_memory()
+                    made = 0
+            calls[-1].append(call)
+    return calls
+
+
+def _checked_bytes(run: PendingRun) -> int:
+    """About what checking ``run`` allocates: its buffers, twice, and its targets."""
+    entry = _compiled[run.key]
+    buffers = 0 if entry.calls is None else 2 * entry.calls.kept_bytes()
+    return buffers + sum(target.untyped_storage().nbytes() for target in run.targets)
 
 
 def _finish(run: PendingRun) -> Callable[[], Any]:

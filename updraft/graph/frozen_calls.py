@@ -178,18 +178,24 @@ def _arguments(
         torch.empty_strided(buffer.size, buffer.stride, dtype=DTYPES[buffer.dtype])
         for buffer in run.buffers
     ]
+    return [
+        (call, [_value(source, inputs, buffers) for source in call.arguments]) for call in run.calls
+    ]
 
-    def value(source: Source) -> torch.Tensor | int | float:
-        kind = source[0]
-        if kind == "input":
-            return inputs[source[1]]
-        if kind == "buffer":
-            return buffers[source[1]]
-        if kind == "view":
-            return _view(value(source[1]), source[2], source[3], source[4])
-        return source[1]
 
-    return [(call, [value(source) for source in call.arguments]) for call in run.calls]
+def _value(
+    source: Source, inputs: list[torch.Tensor], buffers: list[torch.Tensor]
+) -> torch.Tensor | int | float:
+    """What ``source`` names. (A function of its own, not a closure: one that called
+    itself would be a reference cycle holding the buffers until the cycle collector.)"""
+    kind = source[0]
+    if kind == "input":
+        return inputs[source[1]]
+    if kind == "buffer":
+        return buffers[source[1]]
+    if kind == "view":
+        return _view(_value(source[1], inputs, buffers), source[2], source[3], source[4])
+    return source[1]
 
 
 def _view(base: torch.Tensor, size: list[int], stride: list[int], offset: int) -> torch.Tensor:
