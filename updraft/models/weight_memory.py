@@ -30,6 +30,8 @@ MADV_DONTNEED = 4  # madvise(2): drop the pages; a file's come back from the pag
 # the file system keeps large folios (ext4, xfs), so a 500M model's 97 norms, 0.3 MiB
 # in all, held 64 MiB of the file resident.
 SMALL_MAPPED_BYTES = 2 << 20
+# The most of a file one read maps in (a large folio, on ext4 or xfs).
+FOLIO_BYTES = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -62,14 +64,27 @@ def _storages(model: nn.Module) -> dict[int, list[torch.Tensor]]:
 def read_into_memory(model: nn.Module, below: int | None = None) -> int:
     """Copy every weight that views a file's memory map (whose storage is smaller than
     ``below``, if given) into memory of its own, with the same sizes, strides and
-    offsets -> bytes copied."""
+    offsets -> bytes copied. With ``below``, the map's pages each copy read (a whole
+    folio around it) are dropped as it is made, where no weight left in the map lies:
+    a 500M model's few dozen small weights otherwise held 113 MiB of the file at once."""
     files = [(m.start, m.end) for m in mappings() if m.file_backed]
+    storages = _storages(model)
+
+    def mapped(address: int) -> bool:
+        return any(start <= address < end for start, end in files)
+
+    kept = [
+        extent(tensor)
+        for address, tensors in storages.items()
+        if mapped(address) and below is not None and tensors[0].untyped_storage().nbytes() >= below
+        for tensor in tensors
+    ]
     copied = 0
     with torch.no_grad():
-        for address, tensors in _storages(model).items():
+        for address, tensors in storages.items():
             old = tensors[0].untyped_storage()
             small = below is None or old.nbytes() < below
-            if not small or not any(start <= address < end for start, end in files):
+            if not small or not mapped(address):
                 continue
             new = torch.empty(old.nbytes(), dtype=torch.uint8).untyped_storage()
             new.copy_(old)
@@ -78,7 +93,24 @@ def read_into_memory(model: nn.Module, below: int | None = None) -> int:
                     new, tensor.storage_offset(), tensor.shape, tensor.stride()
                 )  # every holder of the tensor sees the copy
             copied += old.nbytes()
+            if below is not None:
+                _drop_around(address, address + old.nbytes(), kept, files)
     return copied
+
+
+def _drop_around(
+    start: int, end: int, kept: list[tuple[int, int]], files: list[tuple[int, int]]
+) -> None:
+    """Drop the map's pages in the 2 MiB around [start, end) (the largest folio a read
+    maps) but those of ``kept`` extents."""
+    low, high = start // FOLIO_BYTES * FOLIO_BYTES, -(-end // FOLIO_BYTES) * FOLIO_BYTES
+    for first, last in files:
+        if first < high and low < last:
+            keep = sorted((a, b) for a, b in kept if a < high and low < b)
+            cursor = max(low, first)
+            for a, b in [*keep, (min(high, last), min(high, last))]:
+                drop_pages(cursor, min(a, min(high, last)))
+                cursor = max(cursor, b)
 
 
 def release_unkept_pages(model: nn.Module) -> int:
