@@ -316,11 +316,15 @@ def load_gguf_model(
     if linear is not None:
         linear.order_inputs(model)
     experts.place()
-    _fill_floats(model, floats, parts[0].name)
+    _fill_floats(model, floats, parts[0].name, spans)
     left = [name for name, param in model.named_parameters() if param.is_meta]
     if left:
         raise ValueError(f"{parts[0].name}: no GGUF tensor for {left[:8]}")
-    pack_model(model, replace(gathered.float_format(), exact=exact), torch.float32)
+    # A float linear's file pages go as it is packed, not once the whole model is.
+    fmt = replace(gathered.float_format(), exact=exact)
+    pack_model(
+        model, fmt, torch.float32, packed=lambda old: spans.dropped_after_packing(old.weight, model)
+    )
     return model.to(device).eval().requires_grad_(False)
 
 
@@ -495,11 +499,15 @@ def _with_int8_kernels(parts: list[Part], int8: bool) -> list[Part]:
 
 
 def _fill_floats(
-    model: nn.Module, floats: dict[str, dict[int, torch.Tensor]], file_name: str
+    model: nn.Module,
+    floats: dict[str, dict[int, torch.Tensor]],
+    file_name: str,
+    spans: MappedSpans,
 ) -> None:
     """Each float parameter made real in its tensors' dtype: a whole one is the file's
-    tensor itself (over its map, no copy), a fused one's slices are copied in; a fused
-    parameter lacking a part is refused before anything is made."""
+    tensor itself (over its map, no copy), a fused one's slices are copied in (and the
+    file pages they were read from dropped); a fused parameter lacking a part is refused
+    before anything is made."""
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     for name, slices in floats.items():
@@ -525,6 +533,7 @@ def _fill_floats(
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(f"GGUF tensor of shape {tuple(tensor.shape)} for {name}")
             target.data.copy_(tensor)
+        spans.drop_unheld(slices.values(), model)
 
 
 def check_gguf_split(config: ModelConfig, model_dir: str | Path, sizes: ParallelSizes) -> None:

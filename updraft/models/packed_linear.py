@@ -28,6 +28,7 @@ it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -180,16 +181,31 @@ def few_rows_for(model: nn.Module) -> int:
 
 
 def pack_linears(
-    model: nn.Module, fmt: WeightFormat, few_rows: int | None = None, int8: bool = False
+    model: nn.Module,
+    fmt: WeightFormat,
+    few_rows: int | None = None,
+    int8: bool = False,
+    packed: Callable[[nn.Linear], object] | None = None,
 ) -> None:
     """Replace every loaded ``nn.Linear`` of ``model`` (one still on the meta device
     waits for its weights) by a ``PackedLinear`` in ``fmt``, or with ``int8``
     (activations) and a quantized ``fmt``, by a ``GroupedLinear`` where its shape fits
     one; a weight tied to an embedding stays for the embedding. ``few_rows``: default
-    ``few_rows_for(model)``."""
+    ``few_rows_for(model)``. ``packed``: handed each linear once it is replaced (a
+    loader drops the file pages its weight was read from)."""
     few_rows = few_rows_for(model) if few_rows is None else few_rows
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and not child.weight.is_meta:
-                grouped = quantized_grouped(child, fmt) if int8 and fmt.quantized else None
-                setattr(module, name, grouped or PackedLinear(child, fmt, few_rows))
+    # Where each linear sits, not the linears: a list of them would keep every replaced
+    # weight (a fused one is a copy) alive until the last is packed.
+    places = [
+        (module, name)
+        for module in model.modules()
+        for name, child in module.named_children()
+        if isinstance(child, nn.Linear) and not child.weight.is_meta
+    ]
+    for module, name in places:
+        child = getattr(module, name)
+        grouped = quantized_grouped(child, fmt) if int8 and fmt.quantized else None
+        setattr(module, name, grouped or PackedLinear(child, fmt, few_rows))
+        if packed is not None:
+            packed(child)
+        del child, grouped

@@ -14,6 +14,8 @@ than called as a layer) becomes float32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -63,12 +65,14 @@ def pack_model(
     compute: torch.dtype,
     few_rows: int | None = None,
     int8: bool = False,
+    packed: Callable[[nn.Linear], object] | None = None,
 ) -> None:
     """Pack, in place, the loaded linears and experts of ``model`` into ``fmt`` and give
     every other loaded parameter the compute dtype, an embedding table excepted. Parts
     still on the meta device are left for a later call, once their weights are in.
     ``int8``: activations rounded to int8 for the linears of a quantized ``fmt``
-    (``models/grouped_linear.py``; experts keep their panels and float32 x)."""
+    (``models/grouped_linear.py``; experts keep their panels and float32 x). ``packed``:
+    as ``pack_linears`` takes it."""
     for module in list(model.modules()):
         if isinstance(module, WidenedEmbedding):
             continue  # its table stays as it is
@@ -77,7 +81,7 @@ def pack_model(
                 setattr(module, name, PackedExperts.packed(child, fmt))
             elif isinstance(child, EMBEDDINGS) and _loaded(child) and child.weight.dtype != compute:
                 setattr(module, name, WidenedEmbedding(child, compute))
-    pack_linears(model, fmt, few_rows, int8)
+    pack_linears(model, fmt, few_rows, int8, packed)
     tables = {id(m.weight) for m in model.modules() if isinstance(m, EMBEDDINGS)}
     for param in model.parameters():
         if id(param) in tables or param.is_meta or not param.is_floating_point():

@@ -20,6 +20,10 @@ from torch import nn
 
 from updraft.checkpoints.gguf_header import GGUFFile, Tensor
 from updraft.models.weight_memory import drop_pages, extent
+from updraft.resident import give_back_free_memory
+
+# Bytes of float weights packed between two trims of the heap (``dropped_after_packing``).
+TRIM_EVERY_BYTES = 64 * 2**20
 
 
 class MappedSpans:
@@ -29,6 +33,7 @@ class MappedSpans:
     def __init__(self) -> None:
         self.spans: list[tuple[int, int]] = []
         self.dropped = 0  # bytes given back so far
+        self.packed = 0  # bytes of weights packed since the heap was last trimmed
 
     def tensors(self, file: GGUFFile) -> list[Tensor]:
         """A GGUF file's tensors, its map noted as the range they lie in."""
@@ -51,6 +56,16 @@ class MappedSpans:
                 dropped += drop_pages(start, end)
         self.dropped += dropped
         return dropped
+
+    def dropped_after_packing(self, weight: torch.Tensor, module: nn.Module) -> None:
+        """A float weight once packed into another layout: its file pages dropped, and
+        the heap's free pages given back every ``TRIM_EVERY_BYTES`` of weights (a fused
+        weight's joined copy is freed now, and glibc keeps what it freed)."""
+        self.drop_unheld([weight], module)
+        self.packed += weight.untyped_storage().nbytes()
+        if self.packed >= TRIM_EVERY_BYTES:
+            give_back_free_memory()
+            self.packed = 0
 
 
 def _plain(tensor: torch.Tensor) -> bool:

@@ -101,16 +101,16 @@ def read_into_memory(model: nn.Module, below: int | None = None) -> int:
 def _drop_around(
     start: int, end: int, kept: list[tuple[int, int]], files: list[tuple[int, int]]
 ) -> None:
-    """Drop the map's pages in the 2 MiB around [start, end) (the largest folio a read
-    maps) but those of ``kept`` extents."""
+    """Drop the pages of the map [start, end) lies in, within the 2 MiB around it (the
+    largest folio a read maps), but those of ``kept`` extents. Only that map's: a
+    neighbouring one may be a library's, whose written pages would be lost."""
     low, high = start // FOLIO_BYTES * FOLIO_BYTES, -(-end // FOLIO_BYTES) * FOLIO_BYTES
-    for first, last in files:
-        if first < high and low < last:
-            keep = sorted((a, b) for a, b in kept if a < high and low < b)
-            cursor = max(low, first)
-            for a, b in [*keep, (min(high, last), min(high, last))]:
-                drop_pages(cursor, min(a, min(high, last)))
-                cursor = max(cursor, b)
+    first, last = next((a, b) for a, b in files if a <= start < b)
+    low, high = max(low, first), min(high, last)
+    cursor = low
+    for a, b in [*sorted((a, b) for a, b in kept if a < high and low < b), (high, high)]:
+        drop_pages(cursor, min(a, high))
+        cursor = max(cursor, b)
 
 
 def release_unkept_pages(model: nn.Module) -> int:
