@@ -67,6 +67,7 @@ from updraft.model_config import ModelConfig
 from updraft.model_config.registry import ARCHITECTURES, for_gguf
 from updraft.models.gguf_experts import NAMES as EXPERT_NAMES
 from updraft.models.gguf_experts import ExpertTensors, down_target
+from updraft.models.gguf_floats import fill_floats, pack_floats
 from updraft.models.gguf_linear_attention import LinearAttentionTensors
 from updraft.models.gguf_mla import LatentKV
 from updraft.models.gguf_panels import PANEL_FORMATS, block_panels
@@ -74,13 +75,11 @@ from updraft.models.gguf_shards import RankShare, block_columns, embedding_over,
 from updraft.models.gguf_tables import GGUFTables
 from updraft.models.gguf_tensors import FLOAT_DTYPES, block_rows, float_tensor
 from updraft.models.packed_linear import PackedLinear
-from updraft.models.packing import pack_model
 from updraft.models.read_pages import MappedSpans
 from updraft.models.registry import model_class
 from updraft.models.tensor_parallel import VocabParallelHead, shard_model
 from updraft.models.weight_targets import (
     FUSED,
-    MadeParameters,
     Slice,
     building,
     is_split,
@@ -316,15 +315,8 @@ def load_gguf_model(
     if linear is not None:
         linear.order_inputs(model)
     experts.place()
-    _fill_floats(model, floats, parts[0].name, spans)
-    left = [name for name, param in model.named_parameters() if param.is_meta]
-    if left:
-        raise ValueError(f"{parts[0].name}: no GGUF tensor for {left[:8]}")
-    # A float linear's file pages go as it is packed, not once the whole model is.
-    fmt = replace(gathered.float_format(), exact=exact)
-    pack_model(
-        model, fmt, torch.float32, packed=lambda old: spans.dropped_after_packing(old.weight, model)
-    )
+    fill_floats(model, floats, parts[0].name, spans)
+    pack_floats(model, replace(gathered.float_format(), exact=exact), spans, parts[0].name)
     return model.to(device).eval().requires_grad_(False)
 
 
@@ -496,44 +488,6 @@ def _with_int8_kernels(parts: list[Part], int8: bool) -> list[Part]:
                 "float32 reads it exactly"
             )
     return parts
-
-
-def _fill_floats(
-    model: nn.Module,
-    floats: dict[str, dict[int, torch.Tensor]],
-    file_name: str,
-    spans: MappedSpans,
-) -> None:
-    """Each float parameter made real in its tensors' dtype: a whole one is the file's
-    tensor itself (over its map, no copy), a fused one's slices are copied in (and the
-    file pages they were read from dropped); a fused parameter lacking a part is refused
-    before anything is made."""
-    params = dict(model.named_parameters())
-    modules = dict(model.named_modules())
-    for name, slices in floats.items():
-        module = modules.get(name.rpartition(".")[0])
-        if name in params and FUSED not in slices and is_split(module):
-            missing = [i for i in range(len(module.split_sizes)) if i not in slices]
-            if missing:
-                raise ValueError(
-                    f"{file_name}: no tensor for part {missing[0]} (of "
-                    f"{len(module.split_sizes)}) of {name}"
-                )
-    made = MadeParameters(model, "cpu")
-    for name, slices in floats.items():
-        if name not in params:
-            continue  # a tied LM head's own copy of the embedding
-        whole = next(iter(slices.values()))  # the one slice, if it is the whole
-        if len(slices) == 1 and params[name].is_meta and whole.shape == params[name].shape:
-            made.adopt(params[name], whole)
-            continue
-        real, module = made(params[name], next(iter(slices.values())).dtype)
-        for index, tensor in slices.items():
-            target = real if index == FUSED else part_of(real, module, name, index)
-            if tuple(target.shape) != tuple(tensor.shape):
-                raise ValueError(f"GGUF tensor of shape {tuple(tensor.shape)} for {name}")
-            target.data.copy_(tensor)
-        spans.drop_unheld(slices.values(), model)
 
 
 def check_gguf_split(config: ModelConfig, model_dir: str | Path, sizes: ParallelSizes) -> None:
