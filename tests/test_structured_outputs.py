@@ -134,7 +134,12 @@ def test_twenty_schemas_validate_eagerly_and_under_speculation(engine, demo):
     sampled = llm.generate(
         [PROMPT] * 20, [json_params(s, temperature=1.0, seed=i) for i, s in enumerate(specs)]
     )
-    assert check_json(sampled, specs) <= 1
+    # About one sample in twenty runs out of tokens at temperature 1 (the test above:
+    # under 5% of 200). Under speculation which samples do depends on the steps' timing
+    # (a request whose mask is late rejoins without drafts), so the bound is the count
+    # 20 draws at 5% exceed 1.6% of the time, not the 26% of "at most one"; a grammar
+    # that never lets an output end is cut twenty times.
+    assert check_json(sampled, specs) <= 3
     greedy_params = [json_params(s, temperature=0) for s in specs]
     plain = demo.generate([PROMPT] * 20, greedy_params)
     assert [o.outputs[0].token_ids for o in llm.generate([PROMPT] * 20, greedy_params)] == [
