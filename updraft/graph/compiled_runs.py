@@ -175,8 +175,7 @@ def _finish(run: PendingRun) -> Callable[[], Any]:
             return bound
         entry = _compiled[run.key]
     if entry.wrapped is None:  # kept, and failed its check: nothing compiled to fall back on
-        plain = [bind(node) for node in run.nodes if node.rerun]
-        return partial(_call_each, plain)
+        return _op_by_op(run.nodes)
     if entry.direct is None:
         return partial(entry.wrapped, *run.inputs)
     direct, inputs = entry.direct, run.inputs
@@ -215,9 +214,9 @@ def _bound_calls(entry: Compiled, run: PendingRun) -> Callable[[], None] | None:
     return None
 
 
-def _call_each(calls: list[Callable[[], Any]]) -> None:
-    for call in calls:
-        call()
+def _op_by_op(nodes: list[OpNode]) -> Callable[[], None]:
+    """A run's ops replayed as they were recorded."""
+    return partial(frozen_calls.call_each, [bind(node) for node in nodes if node.rerun])
 
 
 def _last_reads(nodes: Sequence[OpNode | TaskNode], output_storages: set[int]) -> dict[int, float]:
@@ -295,8 +294,7 @@ def _compiled_run(run: list[OpNode], last_read: dict[int, float], end: int) -> A
     module = torch.fx.GraphModule({}, graph)
     key = _compile(module, inputs)
     if _compiled[key] is None:
-        plain = [bind(node) for node in run if node.rerun]
-        return lambda: [call() for call in plain]
+        return _op_by_op(run)
     return PendingRun(key, inputs, targets, run)
 
 

@@ -168,7 +168,7 @@ def bind(run: RunCalls, inputs: list[torch.Tensor]) -> Callable[[], None]:
     if run.kept_bytes() > MAX_KEPT_BYTES:
         return partial(_allocate_and_call, run, inputs)
     calls = [partial(call.kernel, *args) for call, args in _arguments(run, inputs)]
-    return calls[0] if len(calls) == 1 else partial(_call_each, calls)
+    return calls[0] if len(calls) == 1 else partial(call_each, calls)
 
 
 def _arguments(
@@ -220,6 +220,6 @@ def plain_wrapper(function: types.FunctionType) -> bool:
     return others <= PLAIN_NAMES
 
 
-def _call_each(calls: list[Callable[[], Any]]) -> None:
+def call_each(calls: list[Callable[[], Any]]) -> None:
     for call in calls:
         call()

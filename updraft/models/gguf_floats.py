@@ -48,7 +48,7 @@ def fill_floats(
         if len(slices) == 1 and params[name].is_meta and whole.shape == params[name].shape:
             made.adopt(params[name], whole)
             continue
-        real, module = made(params[name], next(iter(slices.values())).dtype)
+        real, module = made(params[name], whole.dtype)
         for index, tensor in slices.items():
             target = real if index == FUSED else part_of(real, module, name, index)
             if tuple(target.shape) != tuple(tensor.shape):

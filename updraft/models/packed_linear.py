@@ -194,18 +194,10 @@ def pack_linears(
     ``few_rows_for(model)``. ``packed``: handed each linear once it is replaced (a
     loader drops the file pages its weight was read from)."""
     few_rows = few_rows_for(model) if few_rows is None else few_rows
-    # Where each linear sits, not the linears: a list of them would keep every replaced
-    # weight (a fused one is a copy) alive until the last is packed.
-    places = [
-        (module, name)
-        for module in model.modules()
-        for name, child in module.named_children()
-        if isinstance(child, nn.Linear) and not child.weight.is_meta
-    ]
-    for module, name in places:
-        child = getattr(module, name)
-        grouped = quantized_grouped(child, fmt) if int8 and fmt.quantized else None
-        setattr(module, name, grouped or PackedLinear(child, fmt, few_rows))
-        if packed is not None:
-            packed(child)
-        del child, grouped
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and not child.weight.is_meta:
+                grouped = quantized_grouped(child, fmt) if int8 and fmt.quantized else None
+                setattr(module, name, grouped or PackedLinear(child, fmt, few_rows))
+                if packed is not None:
+                    packed(child)

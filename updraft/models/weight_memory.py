@@ -73,10 +73,10 @@ def read_into_memory(model: nn.Module, below: int | None = None) -> int:
     def mapped(address: int) -> bool:
         return any(start <= address < end for start, end in files)
 
-    kept = [
+    kept = [  # the weights left in a map, whose pages no drop may touch
         extent(tensor)
         for address, tensors in storages.items()
-        if mapped(address) and below is not None and tensors[0].untyped_storage().nbytes() >= below
+        if below is not None and mapped(address) and tensors[0].untyped_storage().nbytes() >= below
         for tensor in tensors
     ]
     copied = 0
