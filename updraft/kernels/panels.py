@@ -61,10 +61,15 @@ def group_size(fmt: WeightFormat, in_features: int) -> int:
 
 def _to_panels(rows: torch.Tensor) -> torch.Tensor:
     """[N, C, ...] -> [ceil(N / 16), C, 16, ...]: 16 rows at a time, transposed."""
-    n = rows.shape[0]
-    padded = rows.new_zeros(-(-n // PANEL) * PANEL, *rows.shape[1:])
-    padded[:n] = rows
-    return padded.view(-1, PANEL, *rows.shape[1:]).transpose(1, 2).contiguous()
+    # Written straight into the panels: a padded copy of the rows first would hold the
+    # weight three times at once (its source, the copy, the panels) while it is packed.
+    full, extra = divmod(rows.shape[0], PANEL)
+    panels = rows.new_empty(full + (extra > 0), rows.shape[1], PANEL, *rows.shape[2:])
+    panels[:full] = rows[: full * PANEL].unflatten(0, (full, PANEL)).transpose(1, 2)
+    if extra:
+        panels[full].zero_()
+        panels[full, :, :extra] = rows[full * PANEL :].transpose(0, 1)
+    return panels
 
 
 def _in_pairs(panels: torch.Tensor) -> torch.Tensor:

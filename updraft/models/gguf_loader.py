@@ -67,7 +67,7 @@ from updraft.model_config import ModelConfig
 from updraft.model_config.registry import ARCHITECTURES, for_gguf
 from updraft.models.gguf_experts import NAMES as EXPERT_NAMES
 from updraft.models.gguf_experts import ExpertTensors, down_target
-from updraft.models.gguf_floats import fill_floats, pack_floats
+from updraft.models.gguf_floats import fill_and_pack_floats
 from updraft.models.gguf_linear_attention import LinearAttentionTensors
 from updraft.models.gguf_mla import LatentKV
 from updraft.models.gguf_panels import PANEL_FORMATS, block_panels
@@ -315,8 +315,8 @@ def load_gguf_model(
     if linear is not None:
         linear.order_inputs(model)
     experts.place()
-    fill_floats(model, floats, parts[0].name, spans)
-    pack_floats(model, replace(gathered.float_format(), exact=exact), spans, parts[0].name)
+    fmt = replace(gathered.float_format(), exact=exact)
+    fill_and_pack_floats(model, floats, fmt, spans, parts[0].name)
     return model.to(device).eval().requires_grad_(False)
 
 

@@ -57,12 +57,17 @@ class MappedSpans:
         self.dropped += dropped
         return dropped
 
-    def dropped_after_packing(self, weight: torch.Tensor, module: nn.Module) -> None:
-        """A float weight once packed into another layout: its file pages dropped, and
-        the heap's free pages given back every ``TRIM_EVERY_BYTES`` of weights (a fused
-        weight's joined copy is freed now, and glibc keeps what it freed)."""
+    def dropped_after_packing(self, linear: nn.Module, module: nn.Module) -> None:
+        """A float linear once packed into another layout: the file pages of its weight
+        that none of ``module``'s weights views dropped, the weight let go (the replaced
+        module may outlive its packing in a loader's table of modules, and must not keep
+        a fused weight's joined copy alive), and the heap's free pages given back every
+        ``TRIM_EVERY_BYTES`` of weights (glibc keeps what is freed)."""
+        weight = linear.weight
+        linear.weight = nn.Parameter(weight.to("meta"), requires_grad=False)
         self.drop_unheld([weight], module)
         self.packed += weight.untyped_storage().nbytes()
+        del weight
         if self.packed >= TRIM_EVERY_BYTES:
             give_back_free_memory()
             self.packed = 0
