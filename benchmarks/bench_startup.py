@@ -19,13 +19,15 @@ Then decode speed, in a warm process: after every bucket's compiled runs are swa
 (the default start), against an engine that compiles every bucket before its first step
 (``--no-graphs-in-background``, the start before graphs were made in the background).
 
-``--timeline`` shows where a warm ``serve`` start goes instead: each line serve writes
-while it starts (the engine process spawned, the API process loaded, the engine ready,
-uvicorn listening), then /health and the first completion, in seconds from its launch.
+``--timeline`` shows where a warm ``serve`` start goes instead (``--cold``: a cold one):
+each line serve writes while it starts (the engine process spawned, the API process
+loaded, the engine ready, uvicorn listening), then /health and the first completion, in
+seconds from its launch.
 
     .venv/bin/python -m benchmarks.bench_startup              # the whole table
     .venv/bin/python -m benchmarks.bench_startup --smoke      # warm only, the user's caches
     .venv/bin/python -m benchmarks.bench_startup --timeline   # serve's start, line by line
+    .venv/bin/python -m benchmarks.bench_startup --timeline --cold
     .venv/bin/python -m benchmarks.bench_startup --decode-model FILE.gguf [--rounds 3]
 """
 
@@ -172,15 +174,17 @@ def _read_lines(stream: IO[str], start: float, lines: list[tuple[float, str]]) -
         lines.append((time.perf_counter() - start, line.rstrip()))
 
 
-def serve_timeline(env: dict[str, str]) -> str:
-    """A warm ``serve`` start, line by line (a first start fills the caches)."""
-    time_serve(env)
+def serve_timeline(env: dict[str, str], cold: bool = False) -> str:
+    """A warm ``serve`` start, line by line (a first start fills the caches); ``cold``:
+    the first start, over the caches ``env`` names."""
+    if not cold:
+        time_serve(env)
     timeline: list[tuple[float, str]] = []
     time_serve(env, timeline)
     shown = [(seconds, line) for seconds, line in timeline if "draining" not in line]
     end = next(i for i, (_, line) in enumerate(shown) if line.startswith("the first completion"))
     return markdown_table(
-        "A warm `updraft serve` start, seconds from launch",
+        f"A {'cold' if cold else 'warm'} `updraft serve` start, seconds from launch",
         ["seconds", "what"],
         [[f"{seconds:.2f}", line[:110].replace("|", "/")] for seconds, line in shown[: end + 1]],
     )
@@ -231,6 +235,11 @@ def main() -> None:
         help="instead, a warm serve start line by line, over the user's own caches",
     )
     parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="with --timeline: a cold start (empty caches, the page cache dropped)",
+    )
+    parser.add_argument(
         "--decode-model",
         help="instead, decode after the swap against compiled-first on this model, alternated",
     )
@@ -244,7 +253,12 @@ def main() -> None:
     for name in ("TORCHINDUCTOR_CACHE_DIR", "UPDRAFT_GRAPHS_IN_BACKGROUND"):
         env.pop(name, None)
     if args.timeline:
-        print(serve_timeline(env))
+        with tempfile.TemporaryDirectory(prefix="updraft-startup-") as work:
+            if args.cold:
+                env.update(XDG_CACHE_HOME=f"{work}/cache", TMPDIR=work)
+                if not drop_page_cache():
+                    print("the page cache could NOT be dropped (not root)")
+            print(serve_timeline(env, args.cold))
         return
     if args.decode_model:
         decode_speed(env, 1, True, args.decode_model)  # fills the user's compile cache

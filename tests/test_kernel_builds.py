@@ -3,8 +3,10 @@ kernel meanwhile waits for that build instead of compiling it a second time."""
 
 from __future__ import annotations
 
+import fcntl
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from updraft import c_builds
 from updraft.kernels import build
 
 # A target no other test builds for, so this process has not loaded it already.
@@ -30,8 +33,8 @@ def test_a_load_during_a_prebuild_waits_for_it_and_compiles_nothing(tmp_path, mo
         time.sleep(0.2)  # long enough for the load below to find the build under way
         return real_run(command, **kwargs)
 
-    monkeypatch.setattr(build.subprocess, "run", counted)
-    build.prebuild(("token_mask",), MARCH)
+    monkeypatch.setattr(c_builds.subprocess, "run", counted)
+    c_builds.prebuild(("token_mask",), MARCH)
     library = build.load("token_mask", MARCH)
     # One compile and one link, both in the prebuild's thread, for the target asked.
     assert [in_main for _, in_main in commands] == [False, False], commands
@@ -43,6 +46,38 @@ def test_a_load_during_a_prebuild_waits_for_it_and_compiles_nothing(tmp_path, mo
 
 
 def test_a_gguf_file_prebuilds_its_block_kernels_too():
-    assert build.kernels_for("model.gguf")[-2:] == ("gguf_int8", "gguf_blocks")
-    assert "gguf_int8" not in build.kernels_for("checkpoint-dir")
-    assert {"linear", "paged_attention"} <= set(build.kernels_for("checkpoint-dir"))
+    assert c_builds.kernels_for("model.gguf")[-2:] == ("gguf_int8", "gguf_blocks")
+    assert "gguf_int8" not in c_builds.kernels_for("checkpoint-dir")
+    assert {"linear", "paged_attention"} <= set(c_builds.kernels_for("checkpoint-dir"))
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs a C compiler for the kernels")
+def test_a_build_another_process_has_under_way_is_waited_for_not_repeated(tmp_path, monkeypatch):
+    """``serve`` starts the builds and its engine process waits for them: a builder
+    holding the library's lock file makes every other wait, then use its library."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    library = c_builds.built("token_mask", MARCH)
+    kept = library.read_bytes()
+    library.unlink()
+    compiles = []
+    monkeypatch.setattr(c_builds.subprocess, "run", lambda *a, **k: compiles.append(a))
+    found = []
+    with open(library.with_suffix(".lock"), "a") as lock:  # another builder's, meanwhile
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        waiting = threading.Thread(target=lambda: found.append(c_builds.built("token_mask", MARCH)))
+        waiting.start()
+        waiting.join(0.5)
+        assert waiting.is_alive() and not found  # it waits for the lock
+        library.write_bytes(kept)  # the other builder's library, whole
+    waiting.join(10)
+    assert found == [library] and not compiles
+
+
+def test_the_builder_imports_no_torch():
+    """A start sets the compiler going before it imports torch: the two take a core each."""
+    code = (
+        "import sys, updraft.c_builds, updraft.cli, updraft.serve.launch\n"
+        "print('torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"

@@ -38,4 +38,8 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'updraft' has no attribute {name!r}")
     import importlib
 
+    if name in ("LLM", "WorkerPool"):  # an engine: its kernels build beside torch's import
+        from updraft.c_builds import ENGINE_KERNELS, prebuild
+
+        prebuild(ENGINE_KERNELS)
     return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -282,6 +282,9 @@ def read_prompt(args: argparse.Namespace) -> str:
 def load(model: str | None, engine_args: dict):
     """An ``LLM``, saying on stderr what it is doing meanwhile: loading weights and
     capturing graphs take seconds."""
+    from updraft.c_builds import kernels_for, prebuild
+
+    prebuild(kernels_for(model or DEMO_MODEL_DIR))  # the compiler runs beside torch's import
     from updraft.config import EngineConfig
     from updraft.engine.llm import LLM
 

@@ -28,6 +28,7 @@ from dataclasses import replace
 
 import torch
 
+from updraft.c_builds import kernels_for, prebuild
 from updraft.config import EngineConfig
 from updraft.engine.families import Families, child_id
 from updraft.engine.grammar_process import GrammarProcess
@@ -48,7 +49,6 @@ from updraft.engine.workers import (
     torchrun_group,
     torchrun_rendezvous,
 )
-from updraft.kernels.build import kernels_for, prebuild
 from updraft.model_config import ModelConfig
 from updraft.models.gguf_loader import check_gguf_split
 from updraft.models.tensor_parallel import check_parallel

@@ -36,7 +36,7 @@ from functools import cache
 from pathlib import Path
 from typing import IO
 
-from updraft.kernels.build import cpu_signature
+from updraft.c_builds import cpu_signature
 
 logger = logging.getLogger(__name__)
 
