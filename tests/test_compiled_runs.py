@@ -221,3 +221,18 @@ def test_updrafts_own_ops_stay_out_of_runs_so_every_run_is_its_kernel_calls(monk
         graph.replay({})
     assert "test_doubled.default" in seen.ops and "tanh.default" not in seen.ops
     torch.testing.assert_close(out, model.reference())
+
+
+def test_finishing_makes_each_call_once_in_order():
+    """A run's check reads what the calls before it wrote: a run whose code was checked
+    at another layer, and ops replayed one by one, are called while finishing too, or a
+    later run's check reads their results as whatever memory held (a mixture's order of
+    expert rows, out of range, aborted the process inside inductor's kernel)."""
+    made: list[str] = []
+    segments = [
+        [lambda: made.append("first"), lambda: made.append("second")],
+        [lambda: made.append("after the task")],
+    ]
+    finished = compiled_runs.finished(segments)
+    assert made == ["first", "second", "after the task"]
+    assert [len(segment) for segment in finished] == [2, 1]

@@ -153,6 +153,13 @@ def finished(segments: list[list[Any]]) -> list[list[Callable[[], Any]]]:
                 if made >= TRIM_EVERY_BYTES:
                     give_back_free_memory()
                     made = 0
+            # Each call made once, in order: a run's check reads what the calls before
+            # it wrote, never what memory held (a run checked at another layer, or ops
+            # replayed one by one, are not called by a check). An index out of range in
+            # there aborts the process inside inductor's kernel: a mixture's order of
+            # expert rows did. Calls never write what they read, and finishing happens
+            # between replays, so one more call changes nothing else.
+            call()
             calls[-1].append(call)
     return calls
 

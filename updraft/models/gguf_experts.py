@@ -44,6 +44,7 @@ from updraft.models.gguf_shards import RankShare
 from updraft.models.gguf_tensors import FLOAT_DTYPES, block_rows, float_tensor
 from updraft.models.gpt_oss import GptOssExperts
 from updraft.models.moe import Experts, PackedExperts, RoutedExperts, expert_offsets
+from updraft.models.read_pages import MappedSpans
 from updraft.weights import WeightFormat
 
 # A layer's stacked routed experts: which projection each tensor holds (gpt-oss's have
@@ -134,10 +135,17 @@ class ExpertTensors:
     """Each layer's stacked expert tensors, collected while a file's tensors are read
     (``take``), then put in place of the model's experts (``place``)."""
 
-    def __init__(self, modules: dict[str, nn.Module], file_name: str, share: RankShare) -> None:
+    def __init__(
+        self,
+        modules: dict[str, nn.Module],
+        file_name: str,
+        share: RankShare,
+        spans: MappedSpans | None = None,
+    ) -> None:
         self.modules = modules
         self.file_name = file_name
         self.share = share  # what a tensor-parallel rank keeps of each tensor (or all)
+        self.spans = spans  # the maps whose pages a layer's experts read are dropped
         self.layers: dict[str, dict[str, Stacked]] = {}
 
     def take(self, name: str, kind: str, data: np.ndarray) -> bool:
@@ -170,8 +178,13 @@ class ExpertTensors:
                 return module
         return None
 
-    def place(self) -> None:
-        for module_name, parts in self.layers.items():
+    def place(self, under: str = "") -> None:
+        """Put the experts read so far in the model: those of the module ``under`` (a
+        decoder layer, as it is about to be packed), or all that are left. A float
+        file's gate and up are joined in a copy here, so one layer's at a time."""
+        chosen = [name for name in self.layers if not under or name.startswith(f"{under}.")]
+        for module_name in chosen:
+            parts = self.layers.pop(module_name)
             parent, _, child = module_name.rpartition(".")
             experts = self.modules[module_name]
             if isinstance(experts, GptOssExperts):
@@ -180,6 +193,9 @@ class ExpertTensors:
             else:
                 routed = self._routed(experts, parts, module_name)
             setattr(self.modules[parent], child, routed)
+            if self.spans is not None:  # read into panels or a joined copy: its pages go
+                read = [block_rows(part.data) for part in parts.values()]
+                self.spans.drop_unheld(read, self.modules[""])
 
     def _routed(self, experts: Experts, parts: dict[str, Stacked], where: str) -> nn.Module:
         """The routed experts of one layer, in the form its tensors' types allow."""

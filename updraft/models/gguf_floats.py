@@ -13,6 +13,7 @@ joined copies of every layer being made first.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -33,29 +34,35 @@ def fill_and_pack_floats(
     fmt: WeightFormat,
     spans: MappedSpans,
     file_name: str,
+    place_experts: Callable[[str], object] = lambda under: None,
 ) -> None:
-    """Each float parameter made real in its tensors' dtype and the float linears packed
-    into ``fmt``, one layer at a time (the parts outside the layers first, so a tied LM
-    head is packed from the embedding while nothing else is): a whole parameter is the
-    file's tensor itself (over its map, no copy), a fused one's slices are copied in;
-    each linear's file pages are dropped as it is packed. A fused parameter lacking a
-    part, or a parameter no tensor filled, is refused before anything is made."""
+    """Each float parameter made real in its tensors' dtype and the float linears and
+    experts packed into ``fmt``, one layer at a time (the parts outside the layers
+    first, so a tied LM head is packed from the embedding while nothing else is): a
+    whole parameter is the file's tensor itself (over its map, no copy), a fused one's
+    slices are copied in; each one's file pages are dropped as it is packed.
+    ``place_experts(layer)`` puts a layer's routed experts in before it is packed
+    (``place_experts("")``: all that are left). A fused parameter lacking a part, or a
+    parameter no tensor filled, is refused before anything is made."""
     _check_parts(model, floats, file_name)
     params = dict(model.named_parameters())  # the meta ones: no memory held
     few_rows = few_rows_for(model)  # decided from the whole model, before any is packed
     unheld = nn.Module()
 
-    def packed(linear: nn.Linear) -> None:
+    def packed(replaced: nn.Module) -> None:
         # An embedding's table is read by row: the rows a step looks up come back from
         # the page cache, so its pages go once the tied head that read them all is packed.
         tables = [m.weight for m in model.modules() if isinstance(m, EMBEDDINGS)]
-        table = any(linear.weight is weight for weight in tables)
-        spans.dropped_after_packing(linear, unheld if table else model)
+        table = any(getattr(replaced, "weight", None) is weight for weight in tables)
+        spans.dropped_after_packing(replaced, unheld if table else model)
 
     for layer, names in _by_layer(floats, params):
         _fill(model, {name: (params[name], floats[name]) for name in names}, spans)
+        if layer:
+            place_experts(layer)
         # Looked up now: a module held past its packing would hold its joined copy.
         pack_model(model.get_submodule(layer), fmt, torch.float32, few_rows, packed=packed)
+    place_experts("")
     left = [name for name, param in model.named_parameters() if param.is_meta]
     if left:
         raise ValueError(f"{file_name}: no GGUF tensor for {left[:8]}")

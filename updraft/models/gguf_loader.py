@@ -282,11 +282,11 @@ def load_gguf_model(
     params, modules = share.params, share.modules  # the unsplit model's
     row = ARCHITECTURES[config.architecture]
     gathered = Gathered(row.gguf_norm_shift)
-    experts = ExpertTensors(modules, parts[0].name, share)
+    spans = MappedSpans()  # what each linear has read is dropped once it is built
+    experts = ExpertTensors(modules, parts[0].name, share, spans)
     tables = GGUFTables(model, parts[0].name)  # mapped, not loaded: read by row
     latent = LatentKV()
     linear = _linear_attention(config, parts[0], share)
-    spans = MappedSpans()  # what each linear has read is dropped once it is built
     for path in parts:
         stream = latent.tensors(spans.tensors(read_gguf(path)), path.name)
         if linear is not None:  # the converter's changes to Gated DeltaNet layers undone
@@ -314,9 +314,8 @@ def load_gguf_model(
     _place_blocks(model, blocks, floats, config, int8_activations, spans)
     if linear is not None:
         linear.order_inputs(model)
-    experts.place()
     fmt = replace(gathered.float_format(), exact=exact)
-    fill_and_pack_floats(model, floats, fmt, spans, parts[0].name)
+    fill_and_pack_floats(model, floats, fmt, spans, parts[0].name, experts.place)
     return model.to(device).eval().requires_grad_(False)
 
 

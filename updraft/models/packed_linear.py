@@ -185,7 +185,7 @@ def pack_linears(
     fmt: WeightFormat,
     few_rows: int | None = None,
     int8: bool = False,
-    packed: Callable[[nn.Linear], object] | None = None,
+    packed: Callable[[nn.Module], object] | None = None,
 ) -> None:
     """Replace every loaded ``nn.Linear`` of ``model`` (one still on the meta device
     waits for its weights) by a ``PackedLinear`` in ``fmt``, or with ``int8``

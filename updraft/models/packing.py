@@ -65,20 +65,23 @@ def pack_model(
     compute: torch.dtype,
     few_rows: int | None = None,
     int8: bool = False,
-    packed: Callable[[nn.Linear], object] | None = None,
+    packed: Callable[[nn.Module], object] | None = None,
 ) -> None:
     """Pack, in place, the loaded linears and experts of ``model`` into ``fmt`` and give
     every other loaded parameter the compute dtype, an embedding table excepted. Parts
     still on the meta device are left for a later call, once their weights are in.
     ``int8``: activations rounded to int8 for the linears of a quantized ``fmt``
     (``models/grouped_linear.py``; experts keep their panels and float32 x). ``packed``:
-    as ``pack_linears`` takes it."""
+    handed each linear and each layer's experts once replaced (a loader drops the file
+    pages they were read from)."""
     for module in list(model.modules()):
         if isinstance(module, WidenedEmbedding):
             continue  # its table stays as it is
         for name, child in list(module.named_children()):
             if isinstance(child, Experts | GptOssExperts) and _loaded(child):
                 setattr(module, name, PackedExperts.packed(child, fmt))
+                if packed is not None:
+                    packed(child)
             elif isinstance(child, EMBEDDINGS) and _loaded(child) and child.weight.dtype != compute:
                 setattr(module, name, WidenedEmbedding(child, compute))
     pack_linears(model, fmt, few_rows, int8, packed)

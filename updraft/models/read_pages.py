@@ -57,17 +57,20 @@ class MappedSpans:
         self.dropped += dropped
         return dropped
 
-    def dropped_after_packing(self, linear: nn.Module, module: nn.Module) -> None:
-        """A float linear once packed into another layout: the file pages of its weight
-        that none of ``module``'s weights views dropped, the weight let go (the replaced
-        module may outlive its packing in a loader's table of modules, and must not keep
-        a fused weight's joined copy alive), and the heap's free pages given back every
-        ``TRIM_EVERY_BYTES`` of weights (glibc keeps what is freed)."""
-        weight = linear.weight
-        linear.weight = nn.Parameter(weight.to("meta"), requires_grad=False)
-        self.drop_unheld([weight], module)
-        self.packed += weight.untyped_storage().nbytes()
-        del weight
+    def dropped_after_packing(self, replaced: nn.Module, module: nn.Module) -> None:
+        """A float linear or a layer's experts once packed into another layout: the file
+        pages of its parameters that none of ``module``'s weights views dropped, the
+        parameters let go (the replaced module may outlive its packing in a loader's
+        table of modules, and must not keep a joined copy alive), and the heap's free
+        pages given back every ``TRIM_EVERY_BYTES`` of weights (glibc keeps what is
+        freed)."""
+        weights = []
+        for name, param in list(replaced.named_parameters(recurse=False)):
+            setattr(replaced, name, nn.Parameter(param.to("meta"), requires_grad=False))
+            weights.append(param)
+        self.drop_unheld(weights, module)
+        self.packed += sum(weight.untyped_storage().nbytes() for weight in weights)
+        del weights
         if self.packed >= TRIM_EVERY_BYTES:
             give_back_free_memory()
             self.packed = 0
