@@ -87,12 +87,21 @@ def run_llamacpp(gguf: Path, python: Path, quick: bool) -> float | None:
         return None
     command = [str(python), str(PEERS / "engine_llamacpp.py"), "--model", str(gguf)]
     command += ["--workload", "batch1", "--repeats", "1"] + ["--quick"] * quick
+    command += ["--vocab", str(vocab_size(gguf))]  # its prompt's ids, as updraft's, in range
     done = subprocess.run(command, capture_output=True, text=True)
     for line in done.stdout.splitlines():
         if line.startswith("REPORT "):
             return json.loads(line.removeprefix("REPORT "))["peak_rss_mib"]
     sys.stderr.write(done.stderr[-2000:])
     return None
+
+
+def vocab_size(gguf: Path) -> int:
+    """Rows of a GGUF file's token embedding (ggml lists a tensor's row width first)."""
+    from updraft.checkpoints.gguf_header import walk
+
+    embedding = next(t for t in walk(gguf).tensors if t.name == "token_embd.weight")
+    return embedding.dims[1]
 
 
 def demo_gguf(python: Path, work: Path) -> Path | None:

@@ -223,6 +223,46 @@ def test_updrafts_own_ops_stay_out_of_runs_so_every_run_is_its_kernel_calls(monk
     torch.testing.assert_close(out, model.reference())
 
 
+class ARouter(torch.nn.Module):
+    """A mixture's router: a matmul, a top-k, a sort and a scatter of counts (each an
+    extern call in inductor's wrapper on the CPU) between elementwise runs."""
+
+    def __init__(self, width: int, experts: int) -> None:
+        super().__init__()
+        self.gate = torch.nn.Parameter(torch.randn(experts, width))
+        self.inputs = torch.zeros(5, width)
+
+    def forward(self) -> torch.Tensor:
+        chosen = torch.tanh(self.inputs * 2) @ self.gate.t()
+        top = (chosen.softmax(-1) + 1).topk(2, dim=-1).indices.flatten()
+        order = torch.argsort(top, stable=True)
+        counts = torch.zeros(self.gate.shape[0], dtype=torch.int64).scatter_add(
+            0, top, torch.ones_like(top)
+        )
+        return (order // 2 + counts.cumsum(0).sum()) * 3 + 1
+
+
+@torch.inference_mode()
+def test_extern_ops_stay_out_of_runs_so_every_run_is_its_kernel_calls(monkeypatch):
+    """An op inductor calls from its wrapper (BLAS, sort, top-k, scan, scatter) would
+    leave a run that can be neither bound nor kept: a MoE model compiled its router's
+    runs again at every start, importing inductor."""
+    monkeypatch.setattr(compiled_runs, "_compiled", {})
+    monkeypatch.setattr(compiled_runs, "_kept", lambda key, inputs: None)  # compiled here
+    torch.manual_seed(5)
+    model = ARouter(width=8, experts=4)
+    graph = RecordedGraph(
+        constants=model.parameters(), persistent=[model.inputs], compile_runs=True
+    )
+    out = graph.capture(model)
+    assert compiled_runs._compiled
+    assert all(entry.calls is not None for entry in compiled_runs._compiled.values())
+    for _ in range(2):
+        model.inputs.copy_(torch.randn(5, 8))
+        graph.replay({})
+        torch.testing.assert_close(out, model())
+
+
 def test_finishing_makes_each_call_once_in_order():
     """A run's check reads what the calls before it wrote: a run whose code was checked
     at another layer, and ops replayed one by one, are called while finishing too, or a

@@ -68,6 +68,17 @@ MIN_OPS_PER_RUN = 2
 # The namespace of updraft's own ops (``torch.ops.updraft``): kept out of runs.
 UPDRAFT_OPS = "updraft"
 
+# Ops inductor calls through the dispatcher from its wrapper on the CPU (an extern
+# kernel: BLAS, a sort, a scan, a scatter) rather than compiling them into its kernels:
+# kept out of runs too, they replay as recorded, and every run is kernel calls alone,
+# which a later start loads without inductor (``frozen_calls``). A mixture's router made
+# every start of a MoE model import and run inductor (+116 MiB) for its sort, top-k,
+# matmul and scatter.
+EXTERN_OPS = frozenset(
+    {"mm", "addmm", "bmm", "baddbmm", "linear", "matmul", "sort", "argsort", "topk", "cumsum"}
+    | {"scatter_add", "scatter_reduce", "index_add"}
+)
+
 _compiled: dict[tuple[Any, ...], Compiled | None] = {}
 # Inductor is not made to compile in two threads at once (each runner's worker compiles).
 _compile_lock = threading.Lock()
@@ -78,6 +89,8 @@ UNCHECKED = object()
 def compilable(node: OpNode) -> bool:
     func = node.func
     if func._schema.is_mutable or has_bound_call(func) or func.namespace == UPDRAFT_OPS:
+        return False
+    if func.namespace == "aten" and func.overloadpacket.__name__ in EXTERN_OPS:
         return False
     return not any(tensor.is_mkldnn for tensor in tensors_in((node.args, node.kwargs)))
 
