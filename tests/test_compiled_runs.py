@@ -3,12 +3,13 @@ writes are fused by inductor replays exactly what re-running the function comput
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.test_recorded_graph import scaled
 from updraft.graph import compiled_runs
-from updraft.graph.recorded import RecordedGraph
+from updraft.graph.recorded import CaptureError, RecordedGraph
 from updraft.graph.tasks import register_task
 from updraft.kernels.launch import define_op
 
@@ -276,3 +277,16 @@ def test_finishing_makes_each_call_once_in_order():
     finished = compiled_runs.finished(segments)
     assert made == ["first", "second", "after the task"]
     assert [len(segment) for segment in finished] == [2, 1]
+
+
+@torch.inference_mode()
+def test_a_graph_placed_op_by_op_refuses_to_compile_its_runs():
+    """Its arena lets a result take the bytes of what the op before it read; fused into
+    one run, the result would overwrite what the run still has to read."""
+    model = Layer(width=4)
+    graph = RecordedGraph(
+        constants=model.parameters(), persistent=[model.inputs, model.slots, model.cache]
+    )
+    graph.capture(model)
+    with pytest.raises(CaptureError, match="without compile_runs"):
+        graph.compile()

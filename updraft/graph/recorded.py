@@ -296,7 +296,12 @@ class RecordedGraph:
 
     def compile(self) -> list[list[Any]]:
         """The segments with each run of ops compiled, not yet callable: ``swap`` finishes
-        them. Reads only the recorded nodes, so it may run beside replays, in a thread."""
+        them. Reads only the recorded nodes, so it may run beside replays, in a thread.
+        Only for a graph captured with ``compile_runs``: its arena counts lives in runs."""
+        if not self.compile_runs:
+            # Placed op by op, a run's result may share bytes with what the same run
+            # reads: fused, it would overwrite an index before reading it.
+            raise CaptureError("a graph captured without compile_runs cannot compile its runs")
         return compiled_segments(self.nodes, self.output_storages, self.token_rows, finish=False)
 
     def swap(self, segments: list[list[Any]]) -> None:
