@@ -264,19 +264,18 @@ def test_extern_ops_stay_out_of_runs_so_every_run_is_its_kernel_calls(monkeypatc
         torch.testing.assert_close(out, model())
 
 
-def test_finishing_makes_each_call_once_in_order():
-    """A run's check reads what the calls before it wrote: a run whose code was checked
-    at another layer, and ops replayed one by one, are called while finishing too, or a
-    later run's check reads their results as whatever memory held (a mixture's order of
-    expert rows, out of range, aborted the process inside inductor's kernel)."""
+def test_finishing_makes_each_index_call_once_in_order():
+    """A run's check reads what the calls before it wrote: ops outside the runs whose
+    results are integers are made while finishing, or a later run's check reads them as
+    whatever memory held (a mixture's order of expert rows, out of range, aborted the
+    process inside inductor's kernel). Float ops (a bucket's matrix products) are not."""
     made: list[str] = []
-    segments = [
-        [lambda: made.append("first"), lambda: made.append("second")],
-        [lambda: made.append("after the task")],
-    ]
-    finished = compiled_runs.finished(segments)
-    assert made == ["first", "second", "after the task"]
-    assert [len(segment) for segment in finished] == [2, 1]
+    first = compiled_runs.IndexCall(lambda: made.append("order"))
+    product = lambda: made.append("matrix product")  # noqa: E731
+    last = compiled_runs.IndexCall(lambda: made.append("offsets"))
+    finished = compiled_runs.finished([[first, product], [last]])
+    assert made == ["order", "offsets"]
+    assert finished == [[first.call, product], [last.call]]  # replayed without the wrapper
 
 
 @torch.inference_mode()

@@ -144,10 +144,16 @@ def compiled_segments(
             if sum(node.rerun for node in run) >= MIN_OPS_PER_RUN:
                 segments[-1].append(_compiled_run(run, last_read, call[-1] + 1))
             else:
-                segments[-1].extend(bind(node) for node in run if node.rerun)
+                segments[-1].extend(_bound(node) for node in run if node.rerun)
         elif first.rerun:
-            segments[-1].append(bind(first, token_rows))
+            segments[-1].append(_bound(first, token_rows))
     return finished(segments) if finish else segments
+
+
+def _bound(node: OpNode, token_rows: TokenRows | None = None) -> Callable[[], Any]:
+    call = bind(node, token_rows)
+    indices = any(not t.is_floating_point() for t in tensors_in(node.outputs))
+    return IndexCall(call) if indices else call
 
 
 def finished(segments: list[list[Any]]) -> list[list[Callable[[], Any]]]:
@@ -166,15 +172,30 @@ def finished(segments: list[list[Any]]) -> list[list[Callable[[], Any]]]:
                 if made >= TRIM_EVERY_BYTES:
                     give_back_free_memory()
                     made = 0
-            # Each call made once, in order: a run's check reads what the calls before
-            # it wrote, never what memory held (a run checked at another layer, or ops
-            # replayed one by one, are not called by a check). An index out of range in
-            # there aborts the process inside inductor's kernel: a mixture's order of
-            # expert rows did. Calls never write what they read, and finishing happens
-            # between replays, so one more call changes nothing else.
-            call()
+                call()  # see below
+            elif isinstance(call, IndexCall):
+                call = call.call
+                call()
             calls[-1].append(call)
     return calls
+
+
+class IndexCall(NamedTuple):
+    """An op outside the runs whose results are integers (an order, top-k ids, offsets).
+
+    Finishing makes each run and each of these once, in order, so that a run's check
+    reads the indices the calls before it computed, never what memory held: a run whose
+    code was checked at another layer is not run by a check, nor is an op replayed as
+    recorded, and an index out of range aborts the process inside inductor's kernel (a
+    mixture's order of expert rows did). The matrix products, whose results are floats,
+    are not made: a bucket of 2048 tokens would pay a whole forward at its swap. Calls
+    never write what they read, and finishing happens between replays, so one more call
+    changes nothing else."""
+
+    call: Callable[[], Any]
+
+    def __call__(self) -> None:
+        self.call()
 
 
 def _checked_bytes(run: PendingRun) -> int:
