@@ -108,11 +108,12 @@ def test_each_linear_s_file_pages_go_once_it_is_grouped_and_only_then(
     assert not any(param.is_meta for param in model.parameters())
 
 
-def test_a_float_file_s_linears_give_their_pages_back_as_each_is_packed(tmp_path, monkeypatch):
-    """A float linear is packed into panels (a fused one first joined in a copy): the
-    pages it was read from go then, not once the whole model is in (a 500M F32 file's
-    load peaked at 6970 MiB for 2.5 GB of weights). The embedding stays in the map."""
-    checkpoint = build_checkpoint("qwen3-plain", tmp_path / "hf", hidden_size=256)
+def load_float_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **changes: object
+) -> tuple[Path, torch.nn.Module, list[tuple[int, int]]]:
+    """A small Qwen3 as an F32 GGUF file, loaded -> (the file, the model, each range of
+    the file's pages dropped while it loaded)."""
+    checkpoint = build_checkpoint("qwen3-plain", tmp_path / "hf", hidden_size=256, **changes)
     path = tmp_path / "model.gguf"
     make_gguf.main(checkpoint, path)
     dropped: list[tuple[int, int]] = []
@@ -122,6 +123,14 @@ def test_a_float_file_s_linears_give_their_pages_back_as_each_is_packed(tmp_path
     model = load_gguf_model(
         ModelConfig.from_dir(directory), linked_files(Path(directory)), torch.float32
     )
+    return path, model, dropped
+
+
+def test_a_float_file_s_linears_give_their_pages_back_as_each_is_packed(tmp_path, monkeypatch):
+    """A float linear is packed into panels (a fused one first joined in a copy): the
+    pages it was read from go then, not once the whole model is in (a 500M F32 file's
+    load peaked at 6970 MiB for 2.5 GB of weights). The embedding stays in the map."""
+    path, model, dropped = load_float_file(tmp_path, monkeypatch)
     mapped = next(m for m in mappings() if m.start <= dropped[0][0] < m.end)
     assert Path(mapped.path).name == path.name
     base = mapped.start
@@ -174,18 +183,7 @@ def test_a_tied_head_s_embedding_gives_its_pages_back_once_the_head_is_packed(
 ):
     """A tied LM head reads the whole embedding into its panels; the embedding is read
     by row after that, so its pages go (a step's lookups map its rows back in)."""
-    checkpoint = build_checkpoint(
-        "qwen3-plain", tmp_path / "hf", hidden_size=256, tie_word_embeddings=True
-    )
-    path = tmp_path / "model.gguf"
-    make_gguf.main(checkpoint, path)
-    dropped: list[tuple[int, int]] = []
-    drop = read_pages.drop_pages
-    monkeypatch.setattr(read_pages, "drop_pages", lambda a, b: dropped.append((a, b)) or drop(a, b))
-    directory = checkpoint_dir(str(path))
-    model = load_gguf_model(
-        ModelConfig.from_dir(directory), linked_files(Path(directory)), torch.float32
-    )
+    path, model, dropped = load_float_file(tmp_path, monkeypatch, tie_word_embeddings=True)
     assert model.lm_head.__class__.__name__ == "PackedLinear"
     table = model.model.embed_tokens.weight
     first, last = extent(table)
