@@ -157,9 +157,10 @@ def _bound(node: OpNode, token_rows: TokenRows | None = None) -> Callable[[], An
 
 
 def finished(segments: list[list[Any]]) -> list[list[Callable[[], Any]]]:
-    """``segments`` with each pending run made callable. Checking a run makes and drops
-    its buffers and copies of its targets; glibc's heap seldom fits the next run's of
-    another size into what they left, so its free pages go back to the system every
+    """``segments`` with each pending run made callable, and each run and ``IndexCall``
+    made once, in order (why: ``IndexCall``). Checking a run makes and drops its buffers
+    and copies of its targets; glibc's heap seldom fits the next run's of another size
+    into what they left, so its free pages go back to the system every
     ``TRIM_EVERY_BYTES`` (a 500M model's largest mixed bucket: +140 MiB without)."""
     made = 0
     calls = []
@@ -172,7 +173,7 @@ def finished(segments: list[list[Any]]) -> list[list[Callable[[], Any]]]:
                 if made >= TRIM_EVERY_BYTES:
                     give_back_free_memory()
                     made = 0
-                call()  # see below
+                call()
             elif isinstance(call, IndexCall):
                 call = call.call
                 call()
